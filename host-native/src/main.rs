@@ -1,0 +1,5 @@
+//! The `highwater` command.
+
+fn main() -> anyhow::Result<()> {
+    Ok(())
+}
