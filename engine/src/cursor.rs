@@ -1,0 +1,1148 @@
+//! Scope-sync cursors: where a client stands in a scope's change feed.
+//!
+//! A cursor is `null` (never synced) or `{id, serverSequence, updatedAt}`, the position of one
+//! change-feed row. This module reads cursors from every form they are stored or sent in, writes
+//! the two request-param forms, and orders cursors so that client watermarks and server delivery
+//! marks only ever move forwards.
+//!
+//! Cursors deliberately implement neither `Ord` nor `PartialOrd`: the order mixes a numeric
+//! sequence with a timestamp fallback for legacy cursors, which is a total order within each kind
+//! but can cycle across the two (see [`compare_cursors`]).
+
+use std::cmp::Ordering;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::scope_sync::coercion::{
+    describe, integer_from_number, integer_from_text, js_string_cmp, json_number_text, IntegerText,
+};
+
+/// The position of one change-feed row. `Option<SyncCursor>` is the full cursor: `None` is the
+/// never-synced cursor, which every other cursor is after.
+///
+/// Serializes to the persisted `cursor_json` shape, always with all three keys:
+/// `{"id":"42","serverSequence":1234,"updatedAt":"2026-07-01T10:00:00.000Z"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SyncCursor {
+    /// Id of the change-feed row (not of the resource), always as a string.
+    pub id: Option<String>,
+    /// The row's server-allocated sequence: the primary ordering key. `None` marks a legacy
+    /// cursor ordered by `updated_at` then `id`. Signed because peers accept 0 and negatives
+    /// in persisted cursors (the feed itself rejects them as request bounds).
+    pub server_sequence: Option<i64>,
+    /// The row's `updated_at` exactly as given (ISO-8601 text); never empty.
+    pub updated_at: String,
+}
+
+/// Why a cursor payload or param was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CursorError {
+    #[error("expected serverSequence to be an integer or an integer string, got {found}")]
+    BadSequence { found: String },
+    #[error("expected serverSequence to fit in a signed 64-bit integer, got {found}")]
+    SequenceOutOfRange { found: String },
+    #[error("expected id to be a string, a number or null, got {found}")]
+    BadId { found: String },
+    #[error("expected a cursor object with a non-empty updatedAt string, got {found}")]
+    NotACursor { found: String },
+    #[error("expected a cursor param prefix `after` or `upTo`, got {found:?}")]
+    BadPrefix { found: String },
+    #[error("expected a cursor param form `client` or `server`, got {found:?}")]
+    BadForm { found: String },
+}
+
+impl SyncCursor {
+    /// A cursor of a feed row, as the server derives it (§1.2).
+    pub fn new(id: Option<String>, server_sequence: Option<i64>, updated_at: String) -> Self {
+        Self {
+            id,
+            server_sequence,
+            updated_at,
+        }
+    }
+
+    /// The legacy form a raw timestamp string parses to: no id and no sequence.
+    pub fn legacy(updated_at: String) -> Self {
+        Self::new(None, None, updated_at)
+    }
+
+    /// The persisted `cursor_json` text of this cursor.
+    pub fn to_json_text(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// `updated_at` as milliseconds since the epoch, when it is an ECMAScript date-time string.
+    pub fn updated_at_ms(&self) -> Option<i64> {
+        instant_ms(&self.updated_at)
+    }
+
+    /// Whether this cursor is strictly after `current` (§1.6). Equal cursors are not after.
+    pub fn is_after(&self, current: Option<&SyncCursor>) -> bool {
+        is_cursor_after(Some(self), current)
+    }
+
+    /// Reads a cursor object: the object half of [`parse_cursor_payload`].
+    fn from_object(object: &Map<String, Value>) -> Result<Option<Self>, CursorError> {
+        let updated_at = match object.get("updatedAt") {
+            Some(Value::String(text)) if !text.is_empty() => text.clone(),
+            // Without a timestamp the whole cursor is null, even beside a valid sequence.
+            _ => return Ok(None),
+        };
+        let id = match object.get("id") {
+            None | Some(Value::Null) => None,
+            Some(value) => Some(id_text(value)?),
+        };
+        let server_sequence = match object.get("serverSequence") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(text)) if text.is_empty() => None,
+            Some(value) => Some(sequence_from_value(value)?),
+        };
+        Ok(Some(Self::new(id, server_sequence, updated_at)))
+    }
+}
+
+impl<'de> Deserialize<'de> for SyncCursor {
+    /// Accepts the persisted object shape with the same leniency as payload parsing (numeric
+    /// ids, integer-string sequences), but an object without `updatedAt` is an error here.
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = Value::deserialize(deserializer)?;
+        let parsed = match &value {
+            Value::Object(object) => SyncCursor::from_object(object),
+            _ => Ok(None),
+        };
+        match parsed {
+            Ok(Some(cursor)) => Ok(cursor),
+            Ok(None) => Err(CursorError::NotACursor {
+                found: describe(&value),
+            }),
+            Err(error) => Err(error),
+        }
+        .map_err(serde::de::Error::custom)
+    }
+}
+
+/// `String(id)` for the id kinds a feed row can carry.
+fn id_text(value: &Value) -> Result<String, CursorError> {
+    match value {
+        Value::String(text) => Ok(text.clone()),
+        Value::Number(number) => Ok(json_number_text(number)),
+        Value::Bool(flag) => Ok(flag.to_string()),
+        other => Err(CursorError::BadId {
+            found: describe(other),
+        }),
+    }
+}
+
+/// typanic's `optionalInteger` for a present, non-null sequence: an integer number, or a
+/// non-blank string whose `Number()` value is an integer. Read exactly, never through `f64`.
+pub(crate) fn sequence_from_value(value: &Value) -> Result<i64, CursorError> {
+    let verdict = match value {
+        Value::Number(number) => integer_from_number(number),
+        Value::String(text) => integer_from_text(text),
+        _ => IntegerText::NotInteger,
+    };
+    match verdict {
+        IntegerText::Integer(sequence) => Ok(sequence),
+        IntegerText::NotInteger => Err(CursorError::BadSequence {
+            found: describe(value),
+        }),
+        IntegerText::OutOfRange => Err(CursorError::SequenceOutOfRange {
+            found: describe(value),
+        }),
+    }
+}
+
+/// Parses a persisted or response cursor payload (§1.3).
+///
+/// - Falsy input (`null`, `""`, `0`, `false`) is the null cursor.
+/// - A string is JSON-parsed and the result parsed again; if either step fails, the string
+///   itself is a legacy timestamp cursor. So a raw ISO timestamp is a legacy cursor, while a
+///   string holding a JSON number (`"1700000000"`) is null.
+/// - Any other non-object, and an array, is null.
+/// - An object needs a non-empty `updatedAt` string (else null). A `serverSequence` that is not
+///   an integer is an error here, whereas inside a string it made the whole text a legacy cursor.
+pub fn parse_cursor_payload(payload: &Value) -> Result<Option<SyncCursor>, CursorError> {
+    match payload {
+        Value::Null | Value::Bool(false) => Ok(None),
+        Value::String(text) => Ok(parse_cursor_text(text)),
+        Value::Object(object) => SyncCursor::from_object(object),
+        // Zero is falsy and other numbers are not objects: null either way.
+        Value::Number(_) | Value::Bool(true) | Value::Array(_) => Ok(None),
+    }
+}
+
+/// Parses the text of a persisted `cursor_json` column (§1.3). Never fails: text that is not a
+/// valid cursor payload is a legacy timestamp cursor holding the whole text.
+pub fn parse_cursor_text(text: &str) -> Option<SyncCursor> {
+    if text.is_empty() {
+        return None;
+    }
+    match serde_json::from_str::<Value>(text) {
+        Ok(value) => match parse_cursor_payload(&value) {
+            Ok(cursor) => cursor,
+            Err(_) => Some(SyncCursor::legacy(text.to_owned())),
+        },
+        Err(_) => Some(SyncCursor::legacy(text.to_owned())),
+    }
+}
+
+/// The cursor of a pushed or replayed sync entry (§1.5), or `None` when the entry has no
+/// `updatedAt` (legacy bare envelopes), so that such entries never move a cursor.
+///
+/// `id` is the entry's sync-row id, not its `resourceId`. A sequence that is neither an integer
+/// nor an integer string is dropped rather than rejected: the entry still orders as legacy.
+pub fn cursor_from_sync_entry(entry: &Value) -> Option<SyncCursor> {
+    let object = entry.as_object()?;
+    let updated_at = match object.get("updatedAt") {
+        Some(Value::String(text)) if !text.is_empty() => text.clone(),
+        _ => return None,
+    };
+    let id = object.get("id").and_then(|value| match value {
+        Value::Null => None,
+        other => id_text(other).ok(),
+    });
+    let server_sequence = object
+        .get("serverSequence")
+        .and_then(|value| sequence_from_value(value).ok());
+    Some(SyncCursor::new(id, server_sequence, updated_at))
+}
+
+/// Which cursor a set of request params describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CursorPrefix {
+    /// `afterId` / `afterServerSequence` / `afterUpdatedAt`: exclusive start.
+    #[serde(rename = "after")]
+    After,
+    /// `upToId` / `upToServerSequence` / `upToUpdatedAt`: inclusive, pinned end.
+    #[serde(rename = "upTo")]
+    UpTo,
+}
+
+impl CursorPrefix {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CursorPrefix::After => "after",
+            CursorPrefix::UpTo => "upTo",
+        }
+    }
+
+    /// The three param names of this prefix: id, sequence, timestamp.
+    pub fn param_names(self) -> [&'static str; 3] {
+        match self {
+            CursorPrefix::After => ["afterId", "afterServerSequence", "afterUpdatedAt"],
+            CursorPrefix::UpTo => ["upToId", "upToServerSequence", "upToUpdatedAt"],
+        }
+    }
+}
+
+impl fmt::Display for CursorPrefix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for CursorPrefix {
+    type Err = CursorError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "after" => Ok(CursorPrefix::After),
+            "upTo" => Ok(CursorPrefix::UpTo),
+            other => Err(CursorError::BadPrefix {
+                found: other.to_owned(),
+            }),
+        }
+    }
+}
+
+/// The two cursor serializers of §1.4, which differ only in when the sequence is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CursorParamsForm {
+    /// Pulls and realtime subscribe params: a zero or null sequence is omitted (the feed
+    /// rejects 0, and the client never sends it).
+    Client,
+    /// The server's replay page params: any non-null sequence is written, 0 included.
+    Server,
+}
+
+impl FromStr for CursorParamsForm {
+    type Err = CursorError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "client" => Ok(CursorParamsForm::Client),
+            "server" => Ok(CursorParamsForm::Server),
+            other => Err(CursorError::BadForm {
+                found: other.to_owned(),
+            }),
+        }
+    }
+}
+
+/// Serializes a cursor into request params (§1.4), in the order id, sequence, timestamp.
+///
+/// A null cursor yields no params at all. Otherwise `<prefix>Id` is always present (possibly
+/// `null`) and so is `<prefix>UpdatedAt`; `<prefix>ServerSequence` follows `form`.
+pub fn cursor_to_params(
+    prefix: CursorPrefix,
+    cursor: Option<&SyncCursor>,
+    form: CursorParamsForm,
+) -> Map<String, Value> {
+    let mut params = Map::new();
+    let Some(cursor) = cursor else {
+        return params;
+    };
+    let [id_name, sequence_name, updated_at_name] = prefix.param_names();
+    params.insert(
+        id_name.to_owned(),
+        cursor.id.clone().map_or(Value::Null, Value::String),
+    );
+    let sequence = match (form, cursor.server_sequence) {
+        (CursorParamsForm::Client, Some(0)) | (_, None) => None,
+        (_, Some(sequence)) => Some(sequence),
+    };
+    if let Some(sequence) = sequence {
+        params.insert(sequence_name.to_owned(), Value::from(sequence));
+    }
+    params.insert(
+        updated_at_name.to_owned(),
+        Value::String(cursor.updated_at.clone()),
+    );
+    params
+}
+
+/// Orders two cursors (§1.6): the null cursor is lowest; two sequenced cursors compare by
+/// sequence alone; otherwise `updatedAt` as an instant, then `id` as a string (null as `""`).
+///
+/// Within sequenced cursors and within legacy cursors this is a total order. A set mixing both
+/// can cycle (`seq 5 @T2 < seq 10 @T0 < legacy @T1 < seq 5 @T2`): §1.7 requires the instant
+/// fallback between the kinds, and no single order satisfies it. Such mixes occur only while a
+/// legacy cursor is being replaced by sequenced ones, where any forward step is acceptable.
+///
+/// Timestamps compare as instants, at millisecond precision, so `…:00Z` equals `…:00.000Z`. A
+/// timestamp that is not an ECMAScript date-time string sorts after every one that is, and by
+/// its text among its kind; comparing raw text with parsed instants would not be transitive.
+pub fn compare_cursors(a: Option<&SyncCursor>, b: Option<&SyncCursor>) -> Ordering {
+    match (a, b) {
+        (None, None) => Ordering::Equal,
+        (None, Some(_)) => Ordering::Less,
+        (Some(_), None) => Ordering::Greater,
+        (Some(a), Some(b)) => match (a.server_sequence, b.server_sequence) {
+            (Some(sa), Some(sb)) => sa.cmp(&sb),
+            _ => TimestampKey::of(&a.updated_at)
+                .cmp(&TimestampKey::of(&b.updated_at))
+                .then_with(|| {
+                    js_string_cmp(a.id.as_deref().unwrap_or(""), b.id.as_deref().unwrap_or(""))
+                }),
+        },
+    }
+}
+
+/// Whether `candidate` is strictly after `current` (§1.6). A null candidate never is; anything
+/// is after a null current; an equal cursor is not after, so duplicates never advance.
+pub fn is_cursor_after(candidate: Option<&SyncCursor>, current: Option<&SyncCursor>) -> bool {
+    compare_cursors(candidate, current) == Ordering::Greater
+}
+
+/// `updatedAt` as an ordering key: parsed instants first, unparseable text after them.
+#[derive(Debug, PartialEq, Eq)]
+enum TimestampKey<'a> {
+    Instant(i64),
+    Text(&'a str),
+}
+
+impl<'a> TimestampKey<'a> {
+    fn of(text: &'a str) -> Self {
+        instant_ms(text).map_or(TimestampKey::Text(text), TimestampKey::Instant)
+    }
+}
+
+impl Ord for TimestampKey<'_> {
+    fn cmp(&self, other: &Self) -> Ordering {
+        match (self, other) {
+            (TimestampKey::Instant(a), TimestampKey::Instant(b)) => a.cmp(b),
+            (TimestampKey::Instant(_), TimestampKey::Text(_)) => Ordering::Less,
+            (TimestampKey::Text(_), TimestampKey::Instant(_)) => Ordering::Greater,
+            (TimestampKey::Text(a), TimestampKey::Text(b)) => js_string_cmp(a, b),
+        }
+    }
+}
+
+impl PartialOrd for TimestampKey<'_> {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// Parses an ECMAScript date-time string (`YYYY[-MM[-DD]][THH:mm[:ss[.f…]]][Z|±HH:mm]`,
+/// extended years `±YYYYYY`) to epoch milliseconds, truncating sub-millisecond digits.
+///
+/// Written by hand because this is exactly the grammar JS peers' `Date.parse` guarantees, and
+/// general ISO-8601 parsers accept more (week dates, basic format) or less (date-only).
+/// Without an offset the time is read as UTC: a sans-IO core has no local zone, and servers
+/// only emit `Z`.
+fn instant_ms(text: &str) -> Option<i64> {
+    let mut rest = text.as_bytes();
+    let year = match rest.first()? {
+        sign @ (b'+' | b'-') => {
+            let digits = take_digits(&mut rest.get(1..)?, 6)?;
+            rest = &rest[7..];
+            // -000000 is not a valid year.
+            if *sign == b'-' && digits == 0 {
+                return None;
+            }
+            if *sign == b'-' {
+                -digits
+            } else {
+                digits
+            }
+        }
+        _ => take_digits(&mut rest, 4)?,
+    };
+    let mut month = 1;
+    let mut day = 1;
+    if let Some(after) = rest.strip_prefix(b"-") {
+        rest = after;
+        month = take_digits(&mut rest, 2)?;
+        if let Some(after) = rest.strip_prefix(b"-") {
+            rest = after;
+            day = take_digits(&mut rest, 2)?;
+        }
+    }
+    if !(1..=12).contains(&month) || day < 1 || day > days_in_month(year, month) {
+        return None;
+    }
+    let (mut hour, mut minute, mut second, mut millis, mut offset_minutes) = (0, 0, 0, 0, 0);
+    if let Some(after) = rest.strip_prefix(b"T") {
+        rest = after;
+        hour = take_digits(&mut rest, 2)?;
+        rest = rest.strip_prefix(b":")?;
+        minute = take_digits(&mut rest, 2)?;
+        if let Some(after) = rest.strip_prefix(b":") {
+            rest = after;
+            second = take_digits(&mut rest, 2)?;
+            if let Some(after) = rest.strip_prefix(b".") {
+                rest = after;
+                let count = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+                if count == 0 || count > 9 {
+                    return None;
+                }
+                millis = rest[..count.min(3)]
+                    .iter()
+                    .fold(0, |acc, b| acc * 10 + i64::from(b - b'0'))
+                    * 10_i64.pow(3 - count.min(3) as u32);
+                rest = &rest[count..];
+            }
+        }
+        let end_of_day = hour == 24 && minute == 0 && second == 0 && millis == 0;
+        if !(hour < 24 || end_of_day) || minute > 59 || second > 59 {
+            return None;
+        }
+        match rest.first() {
+            None => {}
+            Some(b'Z') => rest = &rest[1..],
+            Some(sign @ (b'+' | b'-')) => {
+                let negative = *sign == b'-';
+                rest = &rest[1..];
+                let offset_hours = take_digits(&mut rest, 2)?;
+                rest = rest.strip_prefix(b":")?;
+                let offset_mins = take_digits(&mut rest, 2)?;
+                if offset_hours > 23 || offset_mins > 59 {
+                    return None;
+                }
+                offset_minutes = offset_hours * 60 + offset_mins;
+                if negative {
+                    offset_minutes = -offset_minutes;
+                }
+            }
+            Some(_) => return None,
+        }
+    }
+    if !rest.is_empty() {
+        return None;
+    }
+    let days = days_from_civil(year, month, day);
+    let seconds = days * 86_400 + hour * 3_600 + (minute - offset_minutes) * 60 + second;
+    Some(seconds * 1_000 + millis)
+}
+
+/// Takes exactly `count` ASCII digits from the front of `rest`.
+fn take_digits(rest: &mut &[u8], count: usize) -> Option<i64> {
+    let digits = rest.get(..count)?;
+    if !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    *rest = &rest[count..];
+    Some(
+        digits
+            .iter()
+            .fold(0, |acc, b| acc * 10 + i64::from(b - b'0')),
+    )
+}
+
+fn days_in_month(year: i64, month: i64) -> i64 {
+    match month {
+        2 if year % 4 == 0 && (year % 100 != 0 || year % 400 == 0) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's `days_from_civil`).
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let year = if month <= 2 { year - 1 } else { year };
+    let era = year.div_euclid(400);
+    let year_of_era = year - era * 400;
+    let month_from_march = (month + 9) % 12;
+    let day_of_year = (153 * month_from_march + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    era * 146_097 + day_of_era - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    const T0: &str = "2026-07-01T10:00:00.000Z";
+    const T1: &str = "2026-07-01T10:00:01.000Z";
+    const T2: &str = "2026-07-01T10:00:02.000Z";
+
+    fn cursor(id: Option<&str>, seq: Option<i64>, updated_at: &str) -> SyncCursor {
+        SyncCursor::new(id.map(str::to_owned), seq, updated_at.to_owned())
+    }
+
+    fn after(candidate: &SyncCursor, current: &SyncCursor) -> bool {
+        is_cursor_after(Some(candidate), Some(current))
+    }
+
+    // §1.7 worked comparison examples, one test each.
+
+    #[test]
+    fn example_01_anything_is_after_a_null_current() {
+        assert!(is_cursor_after(Some(&cursor(Some("a"), Some(5), T0)), None));
+    }
+
+    #[test]
+    fn example_02_a_null_candidate_is_never_after() {
+        assert!(!is_cursor_after(
+            None,
+            Some(&cursor(Some("a"), Some(5), T0))
+        ));
+        assert!(!is_cursor_after(None, None));
+    }
+
+    #[test]
+    fn example_03_a_higher_sequence_is_after() {
+        assert!(after(
+            &cursor(Some("b"), Some(11), T1),
+            &cursor(Some("a"), Some(10), T0)
+        ));
+    }
+
+    #[test]
+    fn example_04_a_duplicate_is_not_after() {
+        let c = cursor(Some("a"), Some(10), T0);
+        assert!(!after(&c, &c.clone()));
+        assert_eq!(compare_cursors(Some(&c), Some(&c)), Ordering::Equal);
+    }
+
+    #[test]
+    fn example_05_a_lower_sequence_loses_despite_a_later_timestamp() {
+        assert!(!after(
+            &cursor(Some("x"), Some(9), T1),
+            &cursor(Some("y"), Some(10), T0)
+        ));
+    }
+
+    #[test]
+    fn example_06_a_higher_sequence_wins_despite_an_earlier_timestamp() {
+        assert!(after(
+            &cursor(Some("x"), Some(11), T0),
+            &cursor(Some("y"), Some(10), T1)
+        ));
+    }
+
+    #[test]
+    fn example_07_against_a_legacy_cursor_the_later_instant_is_after() {
+        assert!(after(
+            &cursor(Some("a"), Some(12), T1),
+            &cursor(None, None, T0)
+        ));
+    }
+
+    #[test]
+    fn example_08_against_a_legacy_cursor_the_earlier_instant_is_not_after() {
+        assert!(!after(
+            &cursor(Some("a"), Some(12), T0),
+            &cursor(None, None, T1)
+        ));
+    }
+
+    #[test]
+    fn example_09_equal_instants_fall_back_to_id_order() {
+        assert!(after(
+            &cursor(Some("b"), None, T0),
+            &cursor(Some("a"), None, T0)
+        ));
+        assert!(!after(
+            &cursor(Some("a"), None, T0),
+            &cursor(Some("b"), None, T0)
+        ));
+    }
+
+    #[test]
+    fn example_10_string_sequences_compare_as_integers() {
+        let candidate = parse_cursor_payload(&json!({"serverSequence": "12", "updatedAt": T0}))
+            .unwrap()
+            .unwrap();
+        let current = parse_cursor_payload(&json!({"serverSequence": "9", "updatedAt": T0}))
+            .unwrap()
+            .unwrap();
+        assert!(candidate.is_after(Some(&current)));
+        let entry = cursor_from_sync_entry(&json!({"serverSequence": "12", "updatedAt": T0}));
+        let older = cursor_from_sync_entry(&json!({"serverSequence": "9", "updatedAt": T0}));
+        assert!(is_cursor_after(entry.as_ref(), older.as_ref()));
+    }
+
+    #[test]
+    fn example_11_mixed_iso_precisions_of_one_instant_are_equal() {
+        let candidate = cursor(Some("a"), None, "2026-07-01T10:00:00Z");
+        let current = cursor(Some("a"), None, "2026-07-01T10:00:00.000Z");
+        assert!(!after(&candidate, &current));
+        assert!(!after(&current, &candidate));
+        assert_eq!(
+            compare_cursors(Some(&candidate), Some(&current)),
+            Ordering::Equal
+        );
+    }
+
+    #[test]
+    fn example_12_numeric_looking_ids_compare_as_strings() {
+        assert!(!after(
+            &cursor(Some("10"), None, T0),
+            &cursor(Some("9"), None, T0)
+        ));
+        assert!(after(
+            &cursor(Some("9"), None, T0),
+            &cursor(Some("10"), None, T0)
+        ));
+    }
+
+    #[test]
+    fn a_null_id_orders_as_the_empty_string() {
+        assert!(after(&cursor(Some("a"), None, T0), &cursor(None, None, T0)));
+        assert_eq!(
+            compare_cursors(
+                Some(&cursor(Some(""), None, T0)),
+                Some(&cursor(None, None, T0))
+            ),
+            Ordering::Equal
+        );
+    }
+
+    #[test]
+    fn mixed_legacy_and_sequenced_cursors_can_cycle_as_section_1_6_prescribes() {
+        // The instant fallback between kinds (examples 7 and 8) admits no total order.
+        let low_seq_late = cursor(Some("a"), Some(5), T2);
+        let high_seq_early = cursor(Some("b"), Some(10), T0);
+        let legacy_middle = cursor(None, None, T1);
+        assert!(after(&high_seq_early, &low_seq_late));
+        assert!(after(&legacy_middle, &high_seq_early));
+        assert!(after(&low_seq_late, &legacy_middle));
+    }
+
+    #[test]
+    fn unparseable_timestamps_sort_after_every_instant_and_by_text_among_themselves() {
+        let instant = cursor(None, None, "9999-12-31T23:59:59.999Z");
+        let garbage = cursor(None, None, "{\"id\":\"a\"}");
+        let other_garbage = cursor(None, None, "yesterday");
+        assert!(after(&garbage, &instant));
+        assert!(after(&other_garbage, &instant));
+        // `{` (0x7B) sorts above `y` (0x79), as plain text comparison would have it.
+        assert!(after(&garbage, &other_garbage));
+    }
+
+    // Scenario 1: cursor parse matrix (§1.3).
+
+    #[test]
+    fn scenario_01_falsy_payloads_are_the_null_cursor() {
+        for payload in [json!(null), json!(""), json!(0), json!(0.0), json!(false)] {
+            assert_eq!(parse_cursor_payload(&payload), Ok(None), "{payload}");
+        }
+        assert_eq!(parse_cursor_text(""), None);
+    }
+
+    #[test]
+    fn scenario_01_a_raw_iso_string_is_a_legacy_cursor() {
+        assert_eq!(
+            parse_cursor_text(T0),
+            Some(SyncCursor::legacy(T0.to_owned()))
+        );
+        assert_eq!(
+            parse_cursor_payload(&json!(T0)),
+            Ok(Some(SyncCursor::legacy(T0.to_owned())))
+        );
+    }
+
+    #[test]
+    fn scenario_01_objects_with_numeric_or_string_sequences_parse_to_integers() {
+        let expected = Some(cursor(Some("42"), Some(1234), T0));
+        let numeric = format!(r#"{{"id":42,"serverSequence":1234,"updatedAt":"{T0}"}}"#);
+        let string = format!(r#"{{"id":"42","serverSequence":"1234","updatedAt":"{T0}"}}"#);
+        assert_eq!(parse_cursor_text(&numeric), expected);
+        assert_eq!(parse_cursor_text(&string), expected);
+        let object = json!({"id": 42, "serverSequence": "1234", "updatedAt": T0});
+        assert_eq!(parse_cursor_payload(&object), Ok(expected));
+    }
+
+    #[test]
+    fn scenario_01_every_integer_spelling_of_a_sequence_is_accepted() {
+        for (sequence, expected) in [
+            (json!(" 7 "), 7),
+            (json!("1e3"), 1000),
+            (json!("0x10"), 16),
+            (json!(0), 0),
+            (json!(-3), -3),
+            (json!(12.0), 12),
+            (json!(9_007_199_254_740_993_i64), 9_007_199_254_740_993),
+        ] {
+            let payload = json!({"serverSequence": sequence, "updatedAt": T0});
+            assert_eq!(
+                parse_cursor_payload(&payload)
+                    .unwrap()
+                    .unwrap()
+                    .server_sequence,
+                Some(expected),
+                "{sequence}"
+            );
+        }
+        let empty = json!({"serverSequence": "", "updatedAt": T0});
+        assert_eq!(
+            parse_cursor_payload(&empty)
+                .unwrap()
+                .unwrap()
+                .server_sequence,
+            None
+        );
+    }
+
+    #[test]
+    fn scenario_01_a_big_sequence_in_cursor_text_is_read_exactly() {
+        let text = format!(r#"{{"serverSequence":9007199254740993,"updatedAt":"{T0}"}}"#);
+        assert_eq!(
+            parse_cursor_text(&text).unwrap().server_sequence,
+            Some(9_007_199_254_740_993)
+        );
+    }
+
+    #[test]
+    fn scenario_01_without_updated_at_the_cursor_is_null() {
+        assert_eq!(parse_cursor_text(r#"{"serverSequence":5}"#), None);
+        assert_eq!(
+            parse_cursor_payload(&json!({"serverSequence": 5})),
+            Ok(None)
+        );
+        assert_eq!(parse_cursor_payload(&json!({"updatedAt": ""})), Ok(None));
+        assert_eq!(parse_cursor_payload(&json!({"updatedAt": 17})), Ok(None));
+        // The timestamp check comes first: a bad sequence beside no timestamp is no error.
+        assert_eq!(
+            parse_cursor_payload(&json!({"serverSequence": "abc"})),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn scenario_01_a_string_holding_a_json_number_is_null() {
+        assert_eq!(parse_cursor_text("1700000000"), None);
+        assert_eq!(parse_cursor_text("true"), None);
+        assert_eq!(parse_cursor_text("[1,2]"), None);
+        assert_eq!(parse_cursor_payload(&json!([T0])), Ok(None));
+        assert_eq!(parse_cursor_payload(&json!(17)), Ok(None));
+    }
+
+    #[test]
+    fn scenario_01_a_json_string_literal_is_a_legacy_cursor_of_its_content() {
+        assert_eq!(
+            parse_cursor_text("\"2026-07-01\""),
+            Some(SyncCursor::legacy("2026-07-01".to_owned()))
+        );
+    }
+
+    #[test]
+    fn scenario_01_a_bad_sequence_inside_a_string_makes_the_whole_text_legacy() {
+        let text = format!(r#"{{"id":"a","serverSequence":"abc","updatedAt":"{T0}"}}"#);
+        assert_eq!(
+            parse_cursor_text(&text),
+            Some(SyncCursor::legacy(text.clone()))
+        );
+        assert_eq!(
+            parse_cursor_payload(&Value::String(text.clone())),
+            Ok(Some(SyncCursor::legacy(text)))
+        );
+    }
+
+    #[test]
+    fn scenario_01_a_bad_sequence_in_an_object_is_an_error() {
+        let error =
+            parse_cursor_payload(&json!({"id": "a", "serverSequence": "abc", "updatedAt": T0}))
+                .unwrap_err();
+        assert_eq!(
+            error,
+            CursorError::BadSequence {
+                found: "string \"abc\"".to_owned()
+            }
+        );
+        assert_eq!(
+            error.to_string(),
+            "expected serverSequence to be an integer or an integer string, got string \"abc\""
+        );
+        for bad in [json!(1.5), json!(true), json!("  "), json!({"n": 1})] {
+            let payload = json!({"serverSequence": bad, "updatedAt": T0});
+            assert!(matches!(
+                parse_cursor_payload(&payload),
+                Err(CursorError::BadSequence { .. })
+            ));
+        }
+        let huge = json!({"serverSequence": "99999999999999999999", "updatedAt": T0});
+        assert!(matches!(
+            parse_cursor_payload(&huge),
+            Err(CursorError::SequenceOutOfRange { .. })
+        ));
+    }
+
+    #[test]
+    fn scenario_01_a_zero_sequence_is_kept_when_parsed() {
+        let payload = json!({"serverSequence": 0, "updatedAt": T0});
+        assert_eq!(
+            parse_cursor_payload(&payload)
+                .unwrap()
+                .unwrap()
+                .server_sequence,
+            Some(0)
+        );
+    }
+
+    #[test]
+    fn ids_are_stringified_and_structured_ids_rejected() {
+        let numeric = json!({"id": 1.50, "updatedAt": T0});
+        assert_eq!(
+            parse_cursor_payload(&numeric)
+                .unwrap()
+                .unwrap()
+                .id
+                .as_deref(),
+            Some("1.5")
+        );
+        let boolean = json!({"id": true, "updatedAt": T0});
+        assert_eq!(
+            parse_cursor_payload(&boolean)
+                .unwrap()
+                .unwrap()
+                .id
+                .as_deref(),
+            Some("true")
+        );
+        let structured = json!({"id": [1], "updatedAt": T0});
+        assert!(matches!(
+            parse_cursor_payload(&structured),
+            Err(CursorError::BadId { .. })
+        ));
+    }
+
+    // Scenario 2: serializer asymmetry (§1.4).
+
+    #[test]
+    fn scenario_02_client_params_omit_a_zero_or_null_sequence_but_keep_a_null_id() {
+        for sequence in [Some(0), None] {
+            let c = cursor(None, sequence, T0);
+            let params = cursor_to_params(CursorPrefix::After, Some(&c), CursorParamsForm::Client);
+            assert_eq!(
+                Value::Object(params),
+                json!({"afterId": null, "afterUpdatedAt": T0})
+            );
+        }
+    }
+
+    #[test]
+    fn scenario_02_server_params_keep_a_zero_sequence() {
+        let c = cursor(None, Some(0), T0);
+        let params = cursor_to_params(CursorPrefix::UpTo, Some(&c), CursorParamsForm::Server);
+        assert_eq!(
+            Value::Object(params),
+            json!({"upToId": null, "upToServerSequence": 0, "upToUpdatedAt": T0})
+        );
+        let legacy = cursor(None, None, T0);
+        let params = cursor_to_params(CursorPrefix::UpTo, Some(&legacy), CursorParamsForm::Server);
+        assert!(!params.contains_key("upToServerSequence"));
+    }
+
+    #[test]
+    fn scenario_02_a_null_cursor_yields_no_params() {
+        for form in [CursorParamsForm::Client, CursorParamsForm::Server] {
+            assert!(cursor_to_params(CursorPrefix::After, None, form).is_empty());
+        }
+    }
+
+    #[test]
+    fn cursor_params_come_in_id_sequence_timestamp_order() {
+        let c = cursor(Some("42"), Some(1234), T0);
+        let params = cursor_to_params(CursorPrefix::After, Some(&c), CursorParamsForm::Client);
+        let keys: Vec<&str> = params.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["afterId", "afterServerSequence", "afterUpdatedAt"]);
+        assert_eq!(params["afterServerSequence"], json!(1234));
+    }
+
+    #[test]
+    fn prefixes_and_forms_parse_from_their_js_names() {
+        assert_eq!("upTo".parse(), Ok(CursorPrefix::UpTo));
+        assert_eq!("after".parse(), Ok(CursorPrefix::After));
+        assert!("before".parse::<CursorPrefix>().is_err());
+        assert_eq!("server".parse(), Ok(CursorParamsForm::Server));
+        assert_eq!(
+            serde_json::to_value(CursorPrefix::UpTo).unwrap(),
+            json!("upTo")
+        );
+        assert_eq!(
+            serde_json::to_value(CursorParamsForm::Client).unwrap(),
+            json!("client")
+        );
+    }
+
+    // §1.5: entry cursors.
+
+    #[test]
+    fn entry_cursors_use_the_sync_row_id_not_the_resource_id() {
+        let entry = json!({"id": 7, "resourceId": "r1", "serverSequence": "31", "updatedAt": T0});
+        assert_eq!(
+            cursor_from_sync_entry(&entry),
+            Some(cursor(Some("7"), Some(31), T0))
+        );
+    }
+
+    #[test]
+    fn entries_without_updated_at_have_no_cursor() {
+        let bare = json!({"syncType": "update", "resourceId": "r1", "data": {}});
+        assert_eq!(cursor_from_sync_entry(&bare), None);
+        assert_eq!(cursor_from_sync_entry(&json!({"updatedAt": ""})), None);
+        assert_eq!(cursor_from_sync_entry(&json!([T0])), None);
+    }
+
+    #[test]
+    fn an_entry_with_a_bad_sequence_still_has_a_legacy_cursor() {
+        let entry = json!({"id": "a", "serverSequence": "abc", "updatedAt": T0});
+        assert_eq!(
+            cursor_from_sync_entry(&entry),
+            Some(cursor(Some("a"), None, T0))
+        );
+    }
+
+    // §1.8 edge cases.
+
+    #[test]
+    fn rows_within_one_millisecond_are_ordered_by_sequence_alone() {
+        assert!(after(
+            &cursor(Some("a"), Some(2), T0),
+            &cursor(Some("b"), Some(1), T0)
+        ));
+    }
+
+    #[test]
+    fn equal_sequences_are_equal_whatever_their_timestamps_and_ids() {
+        let a = cursor(Some("a"), Some(10), T0);
+        let b = cursor(Some("b"), Some(10), T1);
+        assert_eq!(compare_cursors(Some(&a), Some(&b)), Ordering::Equal);
+        assert!(!after(&b, &a));
+    }
+
+    #[test]
+    fn second_precision_columns_and_millisecond_text_name_the_same_instant() {
+        assert_eq!(
+            instant_ms("2026-07-01T10:00:00.000Z"),
+            instant_ms("2026-07-01T10:00:00Z")
+        );
+        assert_eq!(
+            instant_ms("2026-07-01T10:00:00.1239Z"),
+            instant_ms("2026-07-01T10:00:00.123Z")
+        );
+    }
+
+    #[test]
+    fn instants_follow_the_ecmascript_date_time_format() {
+        assert_eq!(instant_ms("1970-01-01T00:00:00.000Z"), Some(0));
+        assert_eq!(
+            instant_ms("2026-07-01T10:00:00.000Z"),
+            Some(1_782_900_000_000)
+        );
+        assert_eq!(instant_ms("2026-07-01T12:00:00+02:00"), instant_ms(T0));
+        assert_eq!(instant_ms("2026-07-01"), instant_ms("2026-07-01T00:00Z"));
+        assert_eq!(instant_ms("2026-07"), instant_ms("2026-07-01"));
+        assert_eq!(instant_ms("2026"), instant_ms("2026-01-01"));
+        assert_eq!(instant_ms("2026-07-01T24:00"), instant_ms("2026-07-02"));
+        assert_eq!(instant_ms("1969-12-31T23:59:59.999Z"), Some(-1));
+        assert_eq!(instant_ms("+002026-07-01T10:00:00.000Z"), instant_ms(T0));
+        assert_eq!(instant_ms("2024-02-29"), Some(1_709_164_800_000));
+        for bad in [
+            "",
+            "226",
+            "2026-13-01",
+            "2026-02-29",
+            "2026-07-01T10:00:60Z",
+            "2026-07-01T24:00:01",
+            "2026-07-01 10:00:00Z",
+            "2026-07-01T10:00:00.Z",
+            "2026-07-01T10Z",
+            "-000000-01-01",
+            "2026-07-01T10:00:00+0200",
+            "2026-07-01T10:00:00.000Zx",
+            "1700000000",
+        ] {
+            assert_eq!(instant_ms(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn cursors_serialize_to_the_persisted_camel_case_shape() {
+        let c = cursor(Some("42"), None, T0);
+        assert_eq!(
+            c.to_json_text(),
+            format!(r#"{{"id":"42","serverSequence":null,"updatedAt":"{T0}"}}"#)
+        );
+        let back: SyncCursor = serde_json::from_str(&c.to_json_text()).unwrap();
+        assert_eq!(back, c);
+        let lenient: SyncCursor =
+            serde_json::from_value(json!({"id": 1, "serverSequence": "2", "updatedAt": T0}))
+                .unwrap();
+        assert_eq!(lenient, cursor(Some("1"), Some(2), T0));
+        let missing = serde_json::from_value::<SyncCursor>(json!({"serverSequence": 2}));
+        assert!(missing
+            .unwrap_err()
+            .to_string()
+            .contains("non-empty updatedAt"));
+    }
+
+    // Orderings.
+
+    fn timestamp() -> impl Strategy<Value = String> {
+        prop::sample::select(vec![
+            "2026-07-01T10:00:00Z",
+            "2026-07-01T10:00:00.000Z",
+            "2026-07-01T12:00:00+02:00",
+            "2026-07-01T10:00:00.5Z",
+            "2026-07-01T10:00:01.000Z",
+            "2026-07-01",
+            "2025-12-31T23:59:59.999Z",
+            "yesterday",
+            "{\"id\":\"a\"}",
+        ])
+        .prop_map(str::to_owned)
+    }
+
+    fn id() -> impl Strategy<Value = Option<String>> {
+        prop::option::of(
+            prop::sample::select(vec!["", "a", "b", "10", "9"]).prop_map(str::to_owned),
+        )
+    }
+
+    fn sequenced() -> impl Strategy<Value = SyncCursor> {
+        (id(), -3i64..6, timestamp()).prop_map(|(id, seq, at)| SyncCursor::new(id, Some(seq), at))
+    }
+
+    fn legacy() -> impl Strategy<Value = SyncCursor> {
+        (id(), timestamp()).prop_map(|(id, at)| SyncCursor::new(id, None, at))
+    }
+
+    fn any_cursor() -> impl Strategy<Value = Option<SyncCursor>> {
+        prop::option::of(prop_oneof![sequenced(), legacy()])
+    }
+
+    /// Checks the order is a total preorder on `cursors`.
+    fn assert_total_order(cursors: &[Option<SyncCursor>]) -> Result<(), TestCaseError> {
+        for a in cursors {
+            for b in cursors {
+                let ab = compare_cursors(a.as_ref(), b.as_ref());
+                prop_assert_eq!(ab, compare_cursors(b.as_ref(), a.as_ref()).reverse());
+                prop_assert_eq!(
+                    ab == Ordering::Greater,
+                    is_cursor_after(a.as_ref(), b.as_ref())
+                );
+                for c in cursors {
+                    let bc = compare_cursors(b.as_ref(), c.as_ref());
+                    let ac = compare_cursors(a.as_ref(), c.as_ref());
+                    if ab != Ordering::Greater && bc != Ordering::Greater {
+                        prop_assert_ne!(ac, Ordering::Greater, "{:?} {:?} {:?}", a, b, c);
+                    }
+                    if ab == Ordering::Equal && bc == Ordering::Equal {
+                        prop_assert_eq!(ac, Ordering::Equal);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #[test]
+        fn comparison_is_antisymmetric_and_reflexive(a in any_cursor(), b in any_cursor()) {
+            prop_assert_eq!(
+                compare_cursors(a.as_ref(), b.as_ref()),
+                compare_cursors(b.as_ref(), a.as_ref()).reverse()
+            );
+            prop_assert_eq!(compare_cursors(a.as_ref(), a.as_ref()), Ordering::Equal);
+            prop_assert!(!is_cursor_after(a.as_ref(), a.as_ref()));
+        }
+
+        #[test]
+        fn sequenced_cursors_with_null_form_a_total_order(
+            cursors in prop::collection::vec(prop::option::weighted(0.9, sequenced()), 3..6)
+        ) {
+            assert_total_order(&cursors)?;
+        }
+
+        #[test]
+        fn legacy_cursors_with_null_form_a_total_order(
+            cursors in prop::collection::vec(prop::option::weighted(0.9, legacy()), 3..6)
+        ) {
+            assert_total_order(&cursors)?;
+        }
+
+        #[test]
+        fn mixed_cursors_form_a_total_order_when_sequences_follow_time(
+            seqs in prop::collection::vec(0i64..20, 1..4),
+            legacy_slots in prop::collection::vec((0i64..40, id()), 1..4),
+        ) {
+            // Sequence n sits at second 2n; legacy cursors at any second between.
+            let at = |second: i64| format!("2026-07-01T10:{:02}:{:02}.000Z", second / 60, second % 60);
+            let mut cursors: Vec<Option<SyncCursor>> = seqs
+                .iter()
+                .map(|&seq| Some(SyncCursor::new(Some(format!("s{seq}")), Some(seq), at(2 * seq))))
+                .collect();
+            cursors.extend(
+                legacy_slots.into_iter().map(|(second, id)| Some(SyncCursor::new(id, None, at(second)))),
+            );
+            cursors.push(None);
+            assert_total_order(&cursors)?;
+        }
+
+        #[test]
+        fn order_agrees_with_sequence_order(a in sequenced(), b in sequenced()) {
+            let (sa, sb) = (a.server_sequence, b.server_sequence);
+            prop_assert_eq!(compare_cursors(Some(&a), Some(&b)), sa.cmp(&sb));
+        }
+
+        #[test]
+        fn persisted_text_parses_back_to_the_same_cursor(
+            id in id(), seq in prop::option::of(any::<i64>()), at in timestamp()
+        ) {
+            let c = SyncCursor::new(id, seq, at);
+            prop_assert_eq!(parse_cursor_text(&c.to_json_text()), Some(c));
+        }
+    }
+}

@@ -1,0 +1,602 @@
+//! Channel-message bodies (§5.5): `{echoOrigin, syncs:[entry…]}` envelopes and their entries.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::coercion::{describe, json_number_text};
+use crate::cursor::{sequence_from_value, CursorError, SyncCursor};
+
+/// The body of a scope-sync `channel-message`.
+///
+/// Velocious peers also accept a bare entry as the whole body (the legacy form); `bare` records
+/// that, so encoding writes the body back in the form it arrived in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "Value", into = "Value")]
+pub struct SyncEnvelope {
+    /// The device that caused these changes; a client drops envelopes carrying its own origin.
+    /// Replay envelopes carry `None`.
+    pub echo_origin: Option<String>,
+    /// The entries, applied together as one batch, in order.
+    pub syncs: Vec<SyncEntry>,
+    /// The body was a single bare entry rather than `{echoOrigin, syncs}`.
+    pub bare: bool,
+    /// Other envelope keys, kept so a relay does not lose them.
+    pub extra: Map<String, Value>,
+}
+
+/// One change: a resource created, updated or deleted, at a change-feed position.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "Value", into = "Value")]
+pub struct SyncEntry {
+    /// The change-feed row id (a number or string on the wire), not the resource id.
+    pub id: Option<String>,
+    pub resource_id: Option<String>,
+    /// `None`: the key was absent, and the channel's default type applies. `Some(None)`: an
+    /// explicit `null`, which overrides the default (and then fails to apply).
+    pub resource_type: Option<Option<String>>,
+    /// `"update"` or `"delete"`; empty when absent or null.
+    pub sync_type: String,
+    pub server_sequence: Option<i64>,
+    pub updated_at: Option<String>,
+    /// The row: an object, a JSON string holding one, or null. `None` when absent.
+    pub data: Option<Value>,
+    /// Scope attributes and any other keys, kept for relays and routing.
+    pub extra: Map<String, Value>,
+}
+
+/// Why a message body was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnvelopeError {
+    #[error("expected a sync message to be an envelope object, got {found}")]
+    NotObject { found: String },
+    #[error("expected echoOrigin to be a string, a number or null, got {found}")]
+    BadEchoOrigin { found: String },
+    #[error("expected sync entry {index} to be an object, got {found}")]
+    EntryNotObject { index: usize, found: String },
+    #[error("expected `{field}` of sync entry {index} to be {expected}, got {found}")]
+    BadField {
+        index: usize,
+        field: &'static str,
+        expected: &'static str,
+        found: String,
+    },
+    #[error("expected `data` of a sync entry to hold a JSON object, got {found}")]
+    BadData { found: String },
+}
+
+/// The entry keys with a meaning of their own; every other key goes to `extra`.
+const ENTRY_KEYS: [&str; 7] = [
+    "data",
+    "id",
+    "resourceId",
+    "resourceType",
+    "serverSequence",
+    "syncType",
+    "updatedAt",
+];
+
+impl SyncEnvelope {
+    /// An envelope of entries.
+    pub fn new(echo_origin: Option<String>, syncs: Vec<SyncEntry>) -> Self {
+        Self {
+            echo_origin,
+            syncs,
+            bare: false,
+            extra: Map::new(),
+        }
+    }
+
+    /// Decodes a body (§3.5): it must be an object; `syncs` is taken when it is an array,
+    /// otherwise the body itself is one bare entry.
+    pub fn from_value(body: &Value) -> Result<Self, EnvelopeError> {
+        let object = body.as_object().ok_or_else(|| EnvelopeError::NotObject {
+            found: describe(body),
+        })?;
+        let echo_origin = match object.get("echoOrigin") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(origin)) => Some(origin.clone()),
+            Some(Value::Number(origin)) => Some(json_number_text(origin)),
+            Some(other) => {
+                return Err(EnvelopeError::BadEchoOrigin {
+                    found: describe(other),
+                })
+            }
+        };
+        match object.get("syncs") {
+            Some(Value::Array(items)) => {
+                let syncs = items
+                    .iter()
+                    .enumerate()
+                    .map(|(index, item)| match item {
+                        Value::Object(entry) => SyncEntry::from_object(index, entry),
+                        other => Err(EnvelopeError::EntryNotObject {
+                            index,
+                            found: describe(other),
+                        }),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let extra = object
+                    .iter()
+                    .filter(|(key, _)| !matches!(key.as_str(), "echoOrigin" | "syncs"))
+                    .map(|(key, value)| (key.clone(), value.clone()))
+                    .collect();
+                Ok(Self {
+                    echo_origin,
+                    syncs,
+                    bare: false,
+                    extra,
+                })
+            }
+            _ => {
+                let mut entry = object.clone();
+                entry.remove("echoOrigin");
+                Ok(Self {
+                    echo_origin,
+                    syncs: vec![SyncEntry::from_object(0, &entry)?],
+                    bare: true,
+                    extra: Map::new(),
+                })
+            }
+        }
+    }
+
+    /// Decodes a body from its text.
+    pub fn from_json(text: &str) -> Result<Self, EnvelopeError> {
+        let value: Value =
+            serde_json::from_str(text).map_err(|error| EnvelopeError::NotObject {
+                found: format!("invalid JSON ({error})"),
+            })?;
+        Self::from_value(&value)
+    }
+
+    /// The body as JSON: `{echoOrigin, syncs, …}`, or the entry itself for a bare body.
+    pub fn to_value(&self) -> Value {
+        let mut object = Map::new();
+        let echo_origin = self.echo_origin.clone().map_or(Value::Null, Value::String);
+        match (self.bare, self.syncs.as_slice()) {
+            (true, [entry]) => {
+                if let Value::Object(entry) = entry.to_value() {
+                    object = entry;
+                }
+                if self.echo_origin.is_some() {
+                    object.insert("echoOrigin".to_owned(), echo_origin);
+                }
+            }
+            _ => {
+                object.insert("echoOrigin".to_owned(), echo_origin);
+                object.insert(
+                    "syncs".to_owned(),
+                    Value::Array(self.syncs.iter().map(SyncEntry::to_value).collect()),
+                );
+                object.extend(self.extra.clone());
+            }
+        }
+        Value::Object(object)
+    }
+
+    /// The body's text.
+    pub fn to_json(&self) -> String {
+        self.to_value().to_string()
+    }
+
+    /// The highest entry cursor strictly after `current`, if any entry is after it (§3.7):
+    /// where a scope watermark moves once this envelope is applied or delivered.
+    pub fn advanced_cursor(&self, current: Option<&SyncCursor>) -> Option<SyncCursor> {
+        let mut best: Option<SyncCursor> = None;
+        for cursor in self.syncs.iter().filter_map(SyncEntry::cursor) {
+            if cursor.is_after(best.as_ref().or(current)) {
+                best = Some(cursor);
+            }
+        }
+        best
+    }
+}
+
+impl TryFrom<Value> for SyncEnvelope {
+    type Error = EnvelopeError;
+
+    fn try_from(value: Value) -> Result<Self, Self::Error> {
+        Self::from_value(&value)
+    }
+}
+
+impl From<SyncEnvelope> for Value {
+    fn from(envelope: SyncEnvelope) -> Self {
+        envelope.to_value()
+    }
+}
+
+impl SyncEntry {
+    /// Decodes one entry object; `index` is its position, for error messages.
+    pub fn from_object(index: usize, entry: &Map<String, Value>) -> Result<Self, EnvelopeError> {
+        let bad =
+            |field: &'static str, expected: &'static str, found: &Value| EnvelopeError::BadField {
+                index,
+                field,
+                expected,
+                found: describe(found),
+            };
+        let id_field = |field: &'static str| match entry.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(text)) => Ok(Some(text.clone())),
+            Some(Value::Number(number)) => Ok(Some(json_number_text(number))),
+            Some(other) => Err(bad(field, "a string, a number or null", other)),
+        };
+        let id = id_field("id")?;
+        let resource_id = id_field("resourceId")?;
+        let resource_type = match entry.get("resourceType") {
+            None => None,
+            Some(Value::Null) => Some(None),
+            Some(Value::String(text)) => Some(Some(text.clone())),
+            Some(other) => return Err(bad("resourceType", "a string or null", other)),
+        };
+        let sync_type = match entry.get("syncType") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(text)) => text.clone(),
+            Some(other) => return Err(bad("syncType", "a string or null", other)),
+        };
+        let server_sequence = match entry.get("serverSequence") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(text)) if text.is_empty() => None,
+            Some(value) => Some(sequence_from_value(value).map_err(|error| match error {
+                CursorError::SequenceOutOfRange { .. } => {
+                    bad("serverSequence", "an integer within 64 bits", value)
+                }
+                _ => bad("serverSequence", "an integer or an integer string", value),
+            })?),
+        };
+        let updated_at = match entry.get("updatedAt") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(text)) => Some(text.clone()),
+            Some(other) => return Err(bad("updatedAt", "an ISO timestamp string or null", other)),
+        };
+        let data = match entry.get("data") {
+            None => None,
+            Some(value @ (Value::Null | Value::Object(_) | Value::String(_))) => {
+                Some(value.clone())
+            }
+            Some(other) => return Err(bad("data", "an object, a JSON string or null", other)),
+        };
+        let extra = entry
+            .iter()
+            .filter(|(key, _)| !ENTRY_KEYS.contains(&key.as_str()))
+            .map(|(key, value)| (key.clone(), value.clone()))
+            .collect();
+        Ok(Self {
+            id,
+            resource_id,
+            resource_type,
+            sync_type,
+            server_sequence,
+            updated_at,
+            data,
+            extra,
+        })
+    }
+
+    /// The entry's cursor (§1.5): `None` without an `updatedAt`, so it moves no cursor.
+    pub fn cursor(&self) -> Option<SyncCursor> {
+        let updated_at = self.updated_at.clone().filter(|text| !text.is_empty())?;
+        Some(SyncCursor::new(
+            self.id.clone(),
+            self.server_sequence,
+            updated_at,
+        ))
+    }
+
+    /// The entry's type once the channel default is applied (§3.5): the default fills in only
+    /// an absent key; an explicit null stays null.
+    pub fn resolved_resource_type(&self, channel_default: Option<&str>) -> Option<String> {
+        match &self.resource_type {
+            None => channel_default.map(str::to_owned),
+            Some(explicit) => explicit.clone(),
+        }
+    }
+
+    /// Whether this entry removes the resource.
+    pub fn is_delete(&self) -> bool {
+        self.sync_type == "delete"
+    }
+
+    /// The row as an object: `data` itself, or parsed from a JSON string; `None` for null or
+    /// absent data.
+    pub fn data_object(&self) -> Result<Option<Map<String, Value>>, EnvelopeError> {
+        match &self.data {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Object(object)) => Ok(Some(object.clone())),
+            Some(Value::String(text)) => match serde_json::from_str::<Value>(text) {
+                Ok(Value::Object(object)) => Ok(Some(object)),
+                Ok(other) => Err(EnvelopeError::BadData {
+                    found: describe(&other),
+                }),
+                Err(error) => Err(EnvelopeError::BadData {
+                    found: format!("invalid JSON ({error})"),
+                }),
+            },
+            Some(other) => Err(EnvelopeError::BadData {
+                found: describe(other),
+            }),
+        }
+    }
+
+    /// The entry as JSON, known keys in the feed's alphabetical order, then the others.
+    pub fn to_value(&self) -> Value {
+        let mut object = Map::new();
+        let text = |value: &Option<String>| value.clone().map_or(Value::Null, Value::String);
+        if let Some(data) = &self.data {
+            object.insert("data".to_owned(), data.clone());
+        }
+        object.insert("id".to_owned(), text(&self.id));
+        object.insert("resourceId".to_owned(), text(&self.resource_id));
+        if let Some(resource_type) = &self.resource_type {
+            object.insert("resourceType".to_owned(), text(resource_type));
+        }
+        object.insert(
+            "serverSequence".to_owned(),
+            self.server_sequence.map_or(Value::Null, Value::from),
+        );
+        if !self.sync_type.is_empty() {
+            object.insert("syncType".to_owned(), Value::String(self.sync_type.clone()));
+        }
+        object.insert("updatedAt".to_owned(), text(&self.updated_at));
+        object.extend(self.extra.clone());
+        Value::Object(object)
+    }
+}
+
+impl TryFrom<Value> for SyncEntry {
+    type Error = EnvelopeError;
+
+    fn try_from(value: Value) -> Result<Self, Self::Error> {
+        match &value {
+            Value::Object(entry) => SyncEntry::from_object(0, entry),
+            other => Err(EnvelopeError::EntryNotObject {
+                index: 0,
+                found: describe(other),
+            }),
+        }
+    }
+}
+
+impl From<SyncEntry> for Value {
+    fn from(entry: SyncEntry) -> Self {
+        entry.to_value()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    const T0: &str = "2026-07-01T10:00:00.000Z";
+
+    fn feed_entry(id: i64, sequence: i64) -> Value {
+        json!({
+            "data": {"id": "r1", "title": "x"},
+            "id": id,
+            "resourceId": "r1",
+            "resourceType": "Task",
+            "serverSequence": sequence,
+            "syncType": "update",
+            "updatedAt": T0,
+            "projectId": "p1"
+        })
+    }
+
+    #[test]
+    fn envelopes_decode_entries_with_their_scope_attributes() {
+        let body = json!({"echoOrigin": "device-1", "syncs": [feed_entry(7, 31)]});
+        let envelope = SyncEnvelope::from_value(&body).unwrap();
+        assert_eq!(envelope.echo_origin.as_deref(), Some("device-1"));
+        assert!(!envelope.bare);
+        let entry = &envelope.syncs[0];
+        assert_eq!(entry.id.as_deref(), Some("7"));
+        assert_eq!(entry.resource_id.as_deref(), Some("r1"));
+        assert_eq!(entry.server_sequence, Some(31));
+        assert_eq!(entry.extra.get("projectId"), Some(&json!("p1")));
+        assert_eq!(
+            entry.cursor(),
+            Some(SyncCursor::new(
+                Some("7".to_owned()),
+                Some(31),
+                T0.to_owned()
+            ))
+        );
+        assert_eq!(envelope.to_value()["syncs"][0]["projectId"], json!("p1"));
+    }
+
+    #[test]
+    fn scenario_18_array_null_and_primitive_bodies_are_rejected() {
+        for body in [
+            json!([feed_entry(1, 1)]),
+            json!(null),
+            json!("text"),
+            json!(5),
+            json!(true),
+        ] {
+            let error = SyncEnvelope::from_value(&body).unwrap_err();
+            assert!(matches!(error, EnvelopeError::NotObject { .. }), "{body}");
+        }
+        assert_eq!(
+            SyncEnvelope::from_value(&json!(null))
+                .unwrap_err()
+                .to_string(),
+            "expected a sync message to be an envelope object, got null"
+        );
+    }
+
+    #[test]
+    fn scenario_18_a_bare_entry_is_accepted_and_written_back_bare() {
+        let body =
+            json!({"syncType": "update", "resourceId": 5, "data": {"id": 5}, "echoOrigin": "d"});
+        let envelope = SyncEnvelope::from_value(&body).unwrap();
+        assert!(envelope.bare);
+        assert_eq!(envelope.echo_origin.as_deref(), Some("d"));
+        assert_eq!(envelope.syncs.len(), 1);
+        assert_eq!(envelope.syncs[0].resource_id.as_deref(), Some("5"));
+        assert!(!envelope.syncs[0].extra.contains_key("echoOrigin"));
+        assert_eq!(envelope.syncs[0].cursor(), None);
+        let again = SyncEnvelope::from_value(&envelope.to_value()).unwrap();
+        assert_eq!(again, envelope);
+    }
+
+    #[test]
+    fn a_non_array_syncs_key_makes_the_body_a_bare_entry() {
+        let envelope =
+            SyncEnvelope::from_value(&json!({"syncs": "nope", "resourceId": "r"})).unwrap();
+        assert!(envelope.bare);
+        assert_eq!(envelope.syncs[0].extra.get("syncs"), Some(&json!("nope")));
+    }
+
+    #[test]
+    fn scenario_18_the_channel_type_fills_in_only_an_absent_resource_type() {
+        let absent = SyncEntry::try_from(json!({"resourceId": "r"})).unwrap();
+        assert_eq!(
+            absent.resolved_resource_type(Some("Task")).as_deref(),
+            Some("Task")
+        );
+        let null = SyncEntry::try_from(json!({"resourceId": "r", "resourceType": null})).unwrap();
+        assert_eq!(null.resolved_resource_type(Some("Task")), None);
+        let named = SyncEntry::try_from(json!({"resourceType": "Note"})).unwrap();
+        assert_eq!(
+            named.resolved_resource_type(Some("Task")).as_deref(),
+            Some("Note")
+        );
+        // The distinction survives encoding.
+        assert_eq!(SyncEntry::try_from(null.to_value()).unwrap(), null);
+        assert!(!absent
+            .to_value()
+            .as_object()
+            .unwrap()
+            .contains_key("resourceType"));
+    }
+
+    #[test]
+    fn entries_accept_string_sequences_numeric_ids_and_json_string_data() {
+        let entry = SyncEntry::try_from(json!({
+            "id": "9", "serverSequence": "1234", "data": "{\"id\":1}", "syncType": null
+        }))
+        .unwrap();
+        assert_eq!(entry.server_sequence, Some(1234));
+        assert_eq!(entry.sync_type, "");
+        assert_eq!(
+            entry.data_object(),
+            Ok(Some(Map::from_iter([("id".to_owned(), json!(1))])))
+        );
+        let deleted = SyncEntry::try_from(json!({"syncType": "delete", "data": null})).unwrap();
+        assert!(deleted.is_delete());
+        assert_eq!(deleted.data_object(), Ok(None));
+        let broken = SyncEntry::try_from(json!({"data": "[1]"})).unwrap();
+        assert!(matches!(
+            broken.data_object(),
+            Err(EnvelopeError::BadData { .. })
+        ));
+    }
+
+    #[test]
+    fn malformed_entries_name_the_entry_field_and_value() {
+        let cases = [
+            (json!({"syncs": [1]}), "expected sync entry 0 to be an object, got number 1"),
+            (
+                json!({"syncs": [{}, {"serverSequence": "abc"}]}),
+                "expected `serverSequence` of sync entry 1 to be an integer or an integer string, got string \"abc\"",
+            ),
+            (
+                json!({"syncs": [{"serverSequence": "99999999999999999999"}]}),
+                "expected `serverSequence` of sync entry 0 to be an integer within 64 bits, got string \"99999999999999999999\"",
+            ),
+            (
+                json!({"syncs": [{"resourceType": 3}]}),
+                "expected `resourceType` of sync entry 0 to be a string or null, got number 3",
+            ),
+            (
+                json!({"syncs": [{"id": {"a": 1}}]}),
+                "expected `id` of sync entry 0 to be a string, a number or null, got an object",
+            ),
+            (
+                json!({"syncs": [{"data": 5}]}),
+                "expected `data` of sync entry 0 to be an object, a JSON string or null, got number 5",
+            ),
+            (
+                json!({"syncs": [{"updatedAt": 5}]}),
+                "expected `updatedAt` of sync entry 0 to be an ISO timestamp string or null, got number 5",
+            ),
+            (
+                json!({"echoOrigin": ["d"], "syncs": []}),
+                "expected echoOrigin to be a string, a number or null, got an array of 1 items",
+            ),
+        ];
+        for (body, message) in cases {
+            assert_eq!(
+                SyncEnvelope::from_value(&body).unwrap_err().to_string(),
+                message,
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn envelope_extra_keys_survive_a_relay() {
+        let body = json!({"echoOrigin": null, "syncs": [], "trace": "t1"});
+        let envelope: SyncEnvelope = serde_json::from_value(body.clone()).unwrap();
+        assert_eq!(serde_json::to_value(&envelope).unwrap(), body);
+    }
+
+    #[test]
+    fn the_advanced_cursor_is_the_highest_entry_above_the_watermark() {
+        let body = json!({"echoOrigin": null, "syncs": [feed_entry(1, 5), feed_entry(2, 3), feed_entry(3, 7), {"resourceId": "bare"}]});
+        let envelope = SyncEnvelope::from_value(&body).unwrap();
+        assert_eq!(
+            envelope
+                .advanced_cursor(None)
+                .and_then(|c| c.server_sequence),
+            Some(7)
+        );
+        let at_seven = SyncCursor::new(None, Some(7), T0.to_owned());
+        assert_eq!(envelope.advanced_cursor(Some(&at_seven)), None);
+    }
+
+    proptest! {
+        #[test]
+        fn advancing_never_regresses_and_reaches_the_maximum(
+            current in prop::option::of(0i64..50),
+            sequences in prop::collection::vec(0i64..50, 0..8),
+        ) {
+            let syncs: Vec<Value> = sequences.iter().enumerate().map(|(i, &s)| feed_entry(i as i64, s)).collect();
+            let envelope = SyncEnvelope::from_value(&json!({"syncs": syncs})).unwrap();
+            let current = current.map(|s| SyncCursor::new(None, Some(s), T0.to_owned()));
+            let advanced = envelope.advanced_cursor(current.as_ref());
+            let max = sequences.iter().copied().max();
+            let expected = match (max, current.as_ref().and_then(|c| c.server_sequence)) {
+                (Some(max), Some(now)) if max > now => Some(max),
+                (Some(max), None) => Some(max),
+                _ => None,
+            };
+            prop_assert_eq!(advanced.and_then(|c| c.server_sequence), expected);
+        }
+
+        #[test]
+        fn entries_round_trip_through_json(
+            id in prop::option::of("[0-9a-z]{1,5}"),
+            sequence in prop::option::of(any::<i64>()),
+            sync_type in prop::sample::select(vec!["", "update", "delete"]),
+            resource_type in prop::option::of(prop::option::of("[A-Z][a-z]{0,5}")),
+        ) {
+            let entry = SyncEntry {
+                id,
+                resource_id: Some("r".to_owned()),
+                resource_type,
+                sync_type: sync_type.to_owned(),
+                server_sequence: sequence,
+                updated_at: Some(T0.to_owned()),
+                data: Some(json!({"k": 1})),
+                extra: Map::from_iter([("projectId".to_owned(), json!("p"))]),
+            };
+            let text = SyncEnvelope::new(None, vec![entry.clone()]).to_json();
+            let back = SyncEnvelope::from_json(&text).unwrap();
+            prop_assert_eq!(back.syncs, vec![entry]);
+        }
+    }
+}

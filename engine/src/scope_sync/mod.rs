@@ -1,0 +1,18 @@
+//! The scope-sync channel: frames, envelopes and subscribe params of the velocious-compatible
+//! WebSocket protocol (`reference/velocious-sync.md` §5).
+//!
+//! Decoding is strict: a frame, body or param of the wrong shape is a typed error naming the
+//! field, what was expected and what arrived. Unknown keys are ignored in frames and kept in
+//! bodies and params, so relays lose nothing.
+
+pub(crate) mod coercion;
+mod envelope;
+mod frame;
+mod subscribe;
+
+pub use envelope::{EnvelopeError, SyncEntry, SyncEnvelope};
+pub use frame::{ClientFrame, FrameError, ServerFrame, SYNC_CHANNEL_TYPE};
+pub use subscribe::{
+    page_limit, request_sequence, SubscribeError, SubscribeParams, DEFAULT_PAGE_LIMIT,
+    MAX_PAGE_LIMIT,
+};
