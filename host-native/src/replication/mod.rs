@@ -1,0 +1,27 @@
+//! Logical replication from Postgres.
+//!
+//! - [`setup`]: checks and objects on an ordinary connection (`wal_level`, `wal_sender_timeout`,
+//!   the `<app>_pub` publication and `<app>_slot` slot).
+//! - [`ReplicationConnection`]: a `replication=database` session: `IDENTIFY_SYSTEM`,
+//!   `CREATE_REPLICATION_SLOT … (SNAPSHOT 'export')`, `START_REPLICATION`.
+//! - [`WalStream`]: the driver task that keeps a stream alive, bounded, acknowledged and resumed.
+//!
+//! The client is our own, on `postgres-protocol`'s message codec, rather than the
+//! `pgwire-replication` crate, because that crate starts replication as part of connecting: it
+//! has no `CREATE_REPLICATION_SLOT` with an exported snapshot (our initial copy needs one, on a
+//! connection that then stays idle) and no `IDENTIFY_SYSTEM`; it reports server errors as text,
+//! so slot-in-use (55006) and invalidated slots cannot be told apart by code; it sends status
+//! updates on its own timer, where we need them tied to `wal_sender_timeout` and to the
+//! consumer's durable acks; and it interprets pgoutput logical messages itself, while
+//! `engine::pgoutput` must see every payload. The protocol surface we need is small.
+
+mod connection;
+mod error;
+pub mod setup;
+mod stream;
+
+pub use connection::{
+    ConnectParams, CreatedSlot, ReplicationConnection, ReplicationStream, SystemIdentity, TextRows,
+};
+pub use error::{ReplicationError, ServerError};
+pub use stream::{Acker, StreamConfig, WalEvent, WalStream};
