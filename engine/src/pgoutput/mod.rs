@@ -1,0 +1,39 @@
+//! Postgres logical replication with the `pgoutput` plugin, protocol version 1.
+//!
+//! - [`ReplicationFrame`] decodes the CopyData framing (XLogData, primary keepalive);
+//!   [`StandbyStatusUpdate`] encodes acknowledgements.
+//! - [`PgoutputMessage`] decodes the pgoutput messages inside XLogData, borrowing from the input.
+//! - [`RelationCache`] remembers Relation messages by OID.
+//! - [`PgoutputMapper`] turns a session's frames into change-stream messages
+//!   ([`crate::change_stream::DownstreamMessage`]), keepalives and logical messages.
+//!
+//! Values arrive in Postgres TEXT format and are converted by type OID as Zero's replicator
+//! expects (see `value.rs`). Date/time values must be printed with `DateStyle` ISO, so the
+//! replication connection should set `-c datestyle=ISO`. Binary values (the `binary` option) are
+//! decoded but not mapped: they are a typed [`MappingError::BinaryValue`].
+//!
+//! Everything here is pure: bytes in, values out. Malformed input is a typed error, never a panic.
+
+mod array;
+mod datetime;
+mod frame;
+mod mapper;
+mod message;
+mod reader;
+mod relation;
+mod value;
+
+#[cfg(test)]
+mod test_encoder;
+
+pub use frame::{
+    PgTimestamp, PrimaryKeepalive, ReplicationFrame, StandbyStatusUpdate, XLogData,
+    PG_EPOCH_UNIX_MS,
+};
+pub use mapper::{EmittedMessage, Keepalive, MappingError, PgoutputEvent, PgoutputMapper};
+pub use message::{
+    Begin, Commit, DecodeError, Delete, Insert, LogicalMessage, OldTuple, Origin, PgType,
+    PgoutputMessage, Relation, RelationColumn, ReplicaIdentity, TagByte, Truncate, Tuple,
+    TupleValue, Update,
+};
+pub use relation::{RelationCache, UnknownRelation};

@@ -1,0 +1,309 @@
+//! Column values from Postgres TEXT output to the JSON values Zero's replicator expects
+//! (`reference/zero-protocol.md` §5.3).
+//!
+//! Choices where Zero leaves room: float `NaN`/`±Infinity` and numeric `NaN`/`±Infinity` become
+//! `null` (what `JSON.stringify` makes of them); numerics are JSON numbers written from the exact
+//! text, so no digits are lost; timestamps are exact decimal milliseconds.
+
+use std::str::FromStr;
+
+use serde_json::{Number, Value};
+
+use super::array::{parse_array, ArrayError};
+use super::datetime::{self, Instant, MS_PER_DAY};
+
+/// How a scalar column (or array element) is converted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Scalar {
+    Bool,
+    /// int2, int4, int8, oid: exact integers of any size.
+    Integer,
+    Float,
+    Numeric,
+    /// json, jsonb: the JSON text as a string (begin `json: "s"`).
+    Json,
+    Timestamp,
+    TimestampTz,
+    Date,
+    Time,
+    TimeTz,
+    /// Text-like, uuid, enum, bytea (hex text), unknown types: the text itself.
+    Text,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ValueType {
+    Scalar(Scalar),
+    /// A one- or multi-dimensional array with `,`-delimited elements.
+    Array(Scalar),
+}
+
+impl ValueType {
+    /// The conversion for a built-in type OID, or `None` for OIDs not built in.
+    pub(super) fn builtin(oid: u32) -> Option<ValueType> {
+        use Scalar::*;
+        use ValueType::{Array as A, Scalar as S};
+        Some(match oid {
+            16 => S(Bool),
+            20 | 21 | 23 | 26 => S(Integer),
+            700 | 701 => S(Float),
+            1700 => S(Numeric),
+            114 | 3802 => S(Json),
+            1114 => S(Timestamp),
+            1184 => S(TimestampTz),
+            1082 => S(Date),
+            1083 => S(Time),
+            1266 => S(TimeTz),
+            // bytea, "char", name, text, xml, unknown, bpchar, varchar, uuid, and other built-ins
+            // whose text is the value (inet, interval, money, bit, …).
+            17 | 18 | 19 | 25 | 142 | 705 | 1042 | 1043 | 2950 => S(Text),
+            1000 => A(Bool),
+            1005 | 1007 | 1016 | 1028 => A(Integer),
+            1021 | 1022 => A(Float),
+            1231 => A(Numeric),
+            199 | 3807 => A(Json),
+            1115 => A(Timestamp),
+            1185 => A(TimestampTz),
+            1182 => A(Date),
+            1183 => A(Time),
+            1270 => A(TimeTz),
+            // bytea[], "char"[], name[], text[], bpchar[], varchar[], uuid[], xml[], inet[],
+            // cidr[], macaddr[], interval[], money[], bit[], varbit[].
+            1001 | 1002 | 1003 | 1009 | 1014 | 1015 | 2951 | 143 | 1041 | 651 | 1040 | 1187
+            | 791 | 1561 | 1563 => A(Text),
+            _ => return None,
+        })
+    }
+}
+
+/// What a value should have looked like; the caller adds the column and type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ValueError {
+    pub expected: &'static str,
+}
+
+pub(super) fn convert(ty: ValueType, text: &str) -> Result<Value, ValueError> {
+    match ty {
+        ValueType::Scalar(scalar) => convert_scalar(scalar, text),
+        ValueType::Array(scalar) => {
+            parse_array(text, &mut |element| convert_scalar(scalar, element)).map_err(|e| match e {
+                ArrayError::Element(e) => e,
+                ArrayError::Syntax { expected, .. } => ValueError { expected },
+            })
+        }
+    }
+}
+
+fn convert_scalar(scalar: Scalar, text: &str) -> Result<Value, ValueError> {
+    let fail = |expected| ValueError { expected };
+    match scalar {
+        Scalar::Text => Ok(Value::String(text.to_owned())),
+        Scalar::Json => Ok(Value::String(text.to_owned())),
+        Scalar::Bool => match text {
+            "t" => Ok(Value::Bool(true)),
+            "f" => Ok(Value::Bool(false)),
+            _ => Err(fail("a boolean 't' or 'f'")),
+        },
+        Scalar::Integer => {
+            let digits = text.strip_prefix('-').unwrap_or(text);
+            let canonical = !digits.is_empty()
+                && digits.bytes().all(|b| b.is_ascii_digit())
+                && (digits == "0" || !digits.starts_with('0'));
+            if !canonical {
+                return Err(fail("an integer"));
+            }
+            exact_number(text).ok_or(fail("an integer"))
+        }
+        Scalar::Float => match text {
+            "NaN" | "Infinity" | "-Infinity" => Ok(Value::Null),
+            _ => {
+                let parsed: f64 = text.parse().map_err(|_| fail("a floating-point number"))?;
+                // Keep Postgres's shortest round-trip text; re-render only if it is not JSON.
+                exact_number(text)
+                    .or_else(|| Number::from_f64(parsed).map(Value::Number))
+                    .ok_or(fail("a finite floating-point number"))
+            }
+        },
+        Scalar::Numeric => match text {
+            "NaN" | "Infinity" | "-Infinity" => Ok(Value::Null),
+            _ => exact_number(text).ok_or(fail("a numeric")),
+        },
+        Scalar::Timestamp | Scalar::TimestampTz => {
+            let with_zone = scalar == Scalar::TimestampTz;
+            match datetime::parse_timestamp(text, with_zone) {
+                Some(Instant::Infinite) => Ok(Value::Null),
+                Some(Instant::Finite(micros)) => exact_number(&datetime::micros_as_ms_text(micros))
+                    .ok_or(fail("a timestamp")),
+                None if with_zone => Err(fail("a timestamptz 'YYYY-MM-DD HH:MM:SS[.ffffff]±HH[:MM[:SS]][ BC]' (DateStyle ISO)")),
+                None => Err(fail("a timestamp 'YYYY-MM-DD HH:MM:SS[.ffffff][ BC]' (DateStyle ISO)")),
+            }
+        }
+        Scalar::Date => match datetime::parse_date(text) {
+            Some(Instant::Infinite) => Ok(Value::Null),
+            Some(Instant::Finite(days)) => Ok(Value::Number(Number::from(
+                // At most ~2.1e9 days either way, so the product fits i64.
+                days * MS_PER_DAY,
+            ))),
+            None => Err(fail("a date 'YYYY-MM-DD[ BC]' (DateStyle ISO)")),
+        },
+        Scalar::Time => datetime::parse_time(text)
+            .map(|ms| Value::Number(ms.into()))
+            .ok_or(fail("a time 'HH:MM:SS[.ffffff]'")),
+        Scalar::TimeTz => datetime::parse_time_tz(text)
+            .map(|ms| Value::Number(ms.into()))
+            .ok_or(fail("a timetz 'HH:MM:SS[.ffffff]±HH[:MM[:SS]]'")),
+    }
+}
+
+/// A JSON number holding exactly `text` (serde_json keeps the text with arbitrary_precision).
+fn exact_number(text: &str) -> Option<Value> {
+    Number::from_str(text).ok().map(Value::Number)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn scalar(s: Scalar, text: &str) -> Value {
+        convert(ValueType::Scalar(s), text).unwrap()
+    }
+
+    fn json_text(v: &Value) -> String {
+        serde_json::to_string(v).unwrap()
+    }
+
+    #[test]
+    fn int8_beyond_2_pow_53_stays_exact() {
+        let v = scalar(Scalar::Integer, "9223372036854775807");
+        assert_eq!(json_text(&v), "9223372036854775807");
+        assert_eq!(
+            json_text(&scalar(Scalar::Integer, "-9007199254740993")),
+            "-9007199254740993"
+        );
+        for bad in ["", "-", "1.5", "01", "1e3", " 1", "+1"] {
+            assert!(
+                convert(ValueType::Scalar(Scalar::Integer), bad).is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn numeric_keeps_its_exact_text_and_nan_is_null() {
+        let v = scalar(Scalar::Numeric, "12345678901234567890.123456789000");
+        assert_eq!(json_text(&v), "12345678901234567890.123456789000");
+        assert_eq!(scalar(Scalar::Numeric, "NaN"), Value::Null);
+        assert_eq!(scalar(Scalar::Numeric, "-Infinity"), Value::Null);
+        assert!(convert(ValueType::Scalar(Scalar::Numeric), "12,5").is_err());
+    }
+
+    #[test]
+    fn floats_are_numbers_and_non_finite_floats_are_null() {
+        assert_eq!(json_text(&scalar(Scalar::Float, "1.5")), "1.5");
+        assert_eq!(json_text(&scalar(Scalar::Float, "1e+100")), "1e+100");
+        assert_eq!(json_text(&scalar(Scalar::Float, "-0")), "-0");
+        assert_eq!(scalar(Scalar::Float, "NaN"), Value::Null);
+        assert_eq!(scalar(Scalar::Float, "Infinity"), Value::Null);
+        assert!(convert(ValueType::Scalar(Scalar::Float), "abc").is_err());
+    }
+
+    #[test]
+    fn bools_json_and_text() {
+        assert_eq!(scalar(Scalar::Bool, "t"), Value::Bool(true));
+        assert_eq!(scalar(Scalar::Bool, "f"), Value::Bool(false));
+        assert!(convert(ValueType::Scalar(Scalar::Bool), "true").is_err());
+        assert_eq!(
+            scalar(Scalar::Json, r#"{"a": [1, 2]}"#),
+            Value::String(r#"{"a": [1, 2]}"#.into())
+        );
+        assert_eq!(
+            scalar(Scalar::Text, "\\x0102"),
+            Value::String("\\x0102".into())
+        );
+    }
+
+    #[test]
+    fn dates_times_and_timestamps() {
+        assert_eq!(
+            json_text(&scalar(Scalar::Date, "2000-01-01")),
+            "946684800000"
+        );
+        assert_eq!(scalar(Scalar::Date, "infinity"), Value::Null);
+        assert_eq!(json_text(&scalar(Scalar::Time, "01:02:03.004")), "3723004");
+        assert_eq!(
+            json_text(&scalar(Scalar::TimeTz, "01:02:03.004+01")),
+            "123004"
+        );
+        assert_eq!(
+            json_text(&scalar(
+                Scalar::TimestampTz,
+                "2019-01-11 23:30:35.381101+00"
+            )),
+            "1547249435381.101"
+        );
+        assert_eq!(
+            json_text(&scalar(Scalar::Timestamp, "2000-01-01 00:00:00")),
+            "946684800000"
+        );
+        assert_eq!(scalar(Scalar::TimestampTz, "-infinity"), Value::Null);
+        let err = convert(ValueType::Scalar(Scalar::TimestampTz), "Tue Jan 01 2019").unwrap_err();
+        assert!(err.expected.contains("DateStyle ISO"));
+    }
+
+    #[test]
+    fn arrays_convert_each_element() {
+        let v = convert(
+            ValueType::Array(Scalar::Integer),
+            "{{1,NULL},{9223372036854775807,-2}}",
+        )
+        .unwrap();
+        assert_eq!(json_text(&v), "[[1,null],[9223372036854775807,-2]]");
+        let v = convert(
+            ValueType::Array(Scalar::TimestampTz),
+            r#"{"2019-01-11 23:30:35.381101+00",NULL,infinity}"#,
+        )
+        .unwrap();
+        assert_eq!(json_text(&v), "[1547249435381.101,null,null]");
+        let v = convert(ValueType::Array(Scalar::Json), r#"{"{\"a\": 1}",null}"#).unwrap();
+        assert_eq!(json_text(&v), r#"["{\"a\": 1}",null]"#);
+        assert!(convert(ValueType::Array(Scalar::Bool), "{t,x}").is_err());
+        assert!(convert(ValueType::Array(Scalar::Bool), "{t").is_err());
+    }
+
+    #[test]
+    fn builtin_oids_resolve() {
+        assert_eq!(
+            ValueType::builtin(20),
+            Some(ValueType::Scalar(Scalar::Integer))
+        );
+        assert_eq!(
+            ValueType::builtin(3802),
+            Some(ValueType::Scalar(Scalar::Json))
+        );
+        assert_eq!(
+            ValueType::builtin(1009),
+            Some(ValueType::Array(Scalar::Text))
+        );
+        assert_eq!(ValueType::builtin(16400), None);
+    }
+
+    proptest! {
+        #[test]
+        fn every_i64_round_trips_exactly(n: i64) {
+            prop_assert_eq!(json_text(&scalar(Scalar::Integer, &n.to_string())), n.to_string());
+        }
+
+        #[test]
+        fn arbitrary_text_never_panics_any_converter(text in ".{0,32}", which in 0usize..22) {
+            let scalars = [
+                Scalar::Bool, Scalar::Integer, Scalar::Float, Scalar::Numeric, Scalar::Json,
+                Scalar::Timestamp, Scalar::TimestampTz, Scalar::Date, Scalar::Time, Scalar::TimeTz,
+                Scalar::Text,
+            ];
+            let s = scalars[which % scalars.len()];
+            let ty = if which < scalars.len() { ValueType::Scalar(s) } else { ValueType::Array(s) };
+            let _ = convert(ty, &text);
+        }
+    }
+}
