@@ -4,4 +4,13 @@
 //! send, store or acknowledge comes out as values. The same code runs inside the `highwater`
 //! server and, compiled to WebAssembly, in browsers and Node.
 
+pub mod backfill;
+pub mod change_stream;
+pub mod cursor;
+pub mod pgoutput;
+pub mod realtime_bridge;
+pub mod replay;
+pub mod scope;
+pub mod scope_sync;
+pub mod streamer;
 pub mod watermark;

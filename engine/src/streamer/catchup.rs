@@ -1,0 +1,120 @@
+//! Catch-up from the change log (§7.4): the rows a subscriber is sent before it goes live, and
+//! whether its watermark can be served at all.
+
+use crate::change_stream::SubscriberMode;
+use crate::watermark::Watermark;
+
+/// One change-log row, in `(watermark, pos)` order, as the host reads it for a catch-up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CatchupRow {
+    /// The commit watermark of the row's transaction.
+    pub watermark: Watermark,
+    /// The inner `tag` of the stored change (`"begin"`, `"insert"`, …, `"commit"`).
+    pub tag: String,
+    /// The stored change: the second element of the downstream tuple, as JSON text.
+    pub change: String,
+}
+
+impl CatchupRow {
+    pub fn new(watermark: Watermark, tag: impl Into<String>, change: impl Into<String>) -> Self {
+        CatchupRow {
+            watermark,
+            tag: tag.into(),
+            change: change.into(),
+        }
+    }
+}
+
+/// What the first catch-up row says about a subscriber's watermark.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FirstRow {
+    /// The log holds the subscriber's own transaction (or it starts from the replica version):
+    /// everything after it can be sent.
+    Continuous,
+    /// The log starts after the subscriber's watermark: a serving subscriber gets
+    /// `WatermarkTooOld`.
+    TooOld { earliest: Watermark },
+    /// The same gap for the backup replicator: its replica cannot be caught up, so the change
+    /// log must be reset.
+    ResetRequired { earliest: Watermark },
+}
+
+/// Judges the first row a catch-up from `requested` read (§7.4 step 4). The row must be the
+/// subscriber's own, already applied transaction; `replicaVersion` is always acceptable, since
+/// a freshly synced replica needs only what follows it.
+pub fn check_first_row(
+    first: &Watermark,
+    requested: &Watermark,
+    replica_version: &Watermark,
+    mode: SubscriberMode,
+) -> FirstRow {
+    if first <= requested || requested == replica_version {
+        return FirstRow::Continuous;
+    }
+    let earliest = first.clone();
+    match mode {
+        SubscriberMode::Serving => FirstRow::TooOld { earliest },
+        SubscriberMode::Backup => FirstRow::ResetRequired { earliest },
+    }
+}
+
+/// `WatermarkTooOld`'s message (§5.7).
+pub fn too_old_message(earliest: &Watermark, requested: &Watermark) -> String {
+    format!("earliest supported watermark is {earliest} (requested {requested})")
+}
+
+/// `WrongReplicaVersion`'s message (§5.7).
+pub fn wrong_replica_version_message(current: &Watermark, requested: &Watermark) -> String {
+    format!("current replica version is {current} (requested {requested})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(text: &str) -> Watermark {
+        Watermark::parse(text).expect("watermark")
+    }
+
+    #[test]
+    fn first_row_at_the_subscriber_watermark_is_continuous() {
+        let rv = w("01");
+        for mode in [SubscriberMode::Serving, SubscriberMode::Backup] {
+            assert_eq!(
+                check_first_row(&w("0a"), &w("0a"), &rv, mode),
+                FirstRow::Continuous
+            );
+        }
+    }
+
+    #[test]
+    fn replica_version_is_always_acceptable() {
+        // The log was purged past the seed rows, but a replica at replicaVersion only needs
+        // what follows.
+        assert_eq!(
+            check_first_row(&w("0f"), &w("01"), &w("01"), SubscriberMode::Serving),
+            FirstRow::Continuous
+        );
+    }
+
+    #[test]
+    fn watermark_too_old_serving_vs_backup() {
+        let rv = w("01");
+        assert_eq!(
+            check_first_row(&w("0f"), &w("0a"), &rv, SubscriberMode::Serving),
+            FirstRow::TooOld { earliest: w("0f") }
+        );
+        assert_eq!(
+            check_first_row(&w("0f"), &w("0a"), &rv, SubscriberMode::Backup),
+            FirstRow::ResetRequired { earliest: w("0f") }
+        );
+        assert_eq!(
+            too_old_message(&w("0f"), &w("0a")),
+            "earliest supported watermark is 0f (requested 0a)"
+        );
+        assert_eq!(
+            wrong_replica_version_message(&w("01"), &w("02")),
+            "current replica version is 01 (requested 02)"
+        );
+    }
+}
