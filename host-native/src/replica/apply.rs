@@ -1,0 +1,1519 @@
+//! Applies change-stream transactions to the replica, one SQLite transaction per upstream
+//! transaction (`reference/zero-protocol.md` §12, "Apply algorithm").
+//!
+//! Every row written gets `_hw_version` = the transaction's commit watermark and a fresh
+//! `_hw_seq`; deletes and key changes leave a tombstone, truncates a table-wide marker
+//! (a tombstone whose `row_key` is NULL). The replication position is stored in the same SQLite
+//! transaction as the rows, so a transaction is either fully applied with its position or not
+//! at all; transactions at or below the stored position are skipped, which makes a replay after
+//! a crash exactly-once.
+
+use highwater_engine::change_stream::{
+    AddColumn, Backfill, BackfillCompleted, Begin, Change, Commit, CreateIndex, CreateTable,
+    Delete, DownstreamMessage, DropColumn, DropTable, Identifier, Insert, JsonFormat, RenameTable,
+    Row, Truncate, Update, UpdateColumn,
+};
+use highwater_engine::watermark::{Lsn, Watermark};
+use rusqlite::types::Value as SqlValue;
+use rusqlite::{params, params_from_iter, Connection};
+use serde_json::Value;
+
+use super::schema::{
+    self, create_index_sql, quote_ident, replica_index_name, replica_table_name, ReplicaColumn,
+    ReplicaTable,
+};
+use super::value::{row_key_json, to_sql};
+use super::{Replica, ReplicaError, ReplicaState};
+
+/// What applying one message did, as far as acknowledging upstream is concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Applied {
+    /// Nothing durable changed yet (a message inside a transaction, or a status).
+    Pending,
+    /// The transaction is committed durably; upstream may be acknowledged up to `lsn`.
+    Committed { watermark: Watermark, lsn: Lsn },
+    /// The transaction was already in the replica (a replay); it is durable as well.
+    Skipped { watermark: Watermark, lsn: Lsn },
+    /// The open transaction was discarded.
+    RolledBack,
+}
+
+/// A backfill the replica is waiting for: columns whose existing values only upstream knows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingBackfill {
+    /// Replica table name.
+    pub table: String,
+    pub schema: String,
+    pub name: String,
+    pub key: Vec<String>,
+    /// Non-key columns to backfill; every column of the table for a whole-table backfill.
+    pub columns: Vec<String>,
+    /// Whether the table itself is new to the replica (its rows must be inserted).
+    pub whole_table: bool,
+}
+
+struct Txn {
+    watermark: Watermark,
+    skip: bool,
+    json: JsonFormat,
+    schema_changed: bool,
+}
+
+/// Applies change-stream messages to a [`Replica`].
+pub struct ReplicaWriter {
+    replica: Replica,
+    txn: Option<Txn>,
+    next_seq: i64,
+}
+
+impl ReplicaWriter {
+    pub fn new(replica: Replica) -> ReplicaWriter {
+        let next_seq = replica.state().map_or(1, |s| s.next_seq);
+        ReplicaWriter {
+            replica,
+            txn: None,
+            next_seq,
+        }
+    }
+
+    pub fn replica(&self) -> &Replica {
+        &self.replica
+    }
+
+    pub fn into_replica(self) -> Replica {
+        self.replica
+    }
+
+    pub fn in_transaction(&self) -> bool {
+        self.txn.is_some()
+    }
+
+    /// Whether the open transaction is one the replica already has (being skipped).
+    pub fn replaying(&self) -> bool {
+        self.txn.as_ref().is_some_and(|t| t.skip)
+    }
+
+    /// Applies one message. On an error inside a transaction the transaction is rolled back.
+    pub fn apply(&mut self, message: &DownstreamMessage) -> Result<Applied, ReplicaError> {
+        let result = match message {
+            DownstreamMessage::Begin(begin) => self.begin(begin),
+            DownstreamMessage::Data(change) => self.data(change).map(|()| Applied::Pending),
+            DownstreamMessage::Commit(commit) => self.commit(commit),
+            DownstreamMessage::Rollback(_) => self.rollback(),
+            DownstreamMessage::Status(_)
+            | DownstreamMessage::Error(_)
+            | DownstreamMessage::Reserved(_) => Ok(Applied::Pending),
+        };
+        if result.is_err() && self.txn.is_some() {
+            // The error is what the caller needs to see; a failed rollback adds nothing to it.
+            let _ = self.rollback();
+        }
+        result
+    }
+
+    fn state(&self) -> Result<&ReplicaState, ReplicaError> {
+        self.replica.state().ok_or(ReplicaError::NotInitialized)
+    }
+
+    fn begin(&mut self, begin: &Begin) -> Result<Applied, ReplicaError> {
+        if let Some(open) = &self.txn {
+            return Err(ReplicaError::NestedTransaction {
+                open: open.watermark.clone(),
+                next: begin.commit_watermark.clone(),
+            });
+        }
+        let skip = begin.commit_watermark <= self.state()?.watermark;
+        if !skip {
+            self.replica.conn.execute_batch("BEGIN IMMEDIATE")?;
+        }
+        self.txn = Some(Txn {
+            watermark: begin.commit_watermark.clone(),
+            skip,
+            json: begin.json.unwrap_or(JsonFormat::Parsed),
+            schema_changed: false,
+        });
+        Ok(Applied::Pending)
+    }
+
+    fn commit(&mut self, commit: &Commit) -> Result<Applied, ReplicaError> {
+        let txn = self
+            .txn
+            .as_ref()
+            .ok_or(ReplicaError::NotInTransaction { what: "`commit`" })?;
+        if commit.watermark != txn.watermark {
+            return Err(ReplicaError::WatermarkMismatch {
+                begin: txn.watermark.clone(),
+                commit: commit.watermark.clone(),
+            });
+        }
+        let watermark = txn.watermark.clone();
+        let lsn = watermark.to_lsn()?;
+        if txn.skip {
+            self.txn = None;
+            return Ok(Applied::Skipped { watermark, lsn });
+        }
+        self.replica.conn.execute(
+            r#"UPDATE "_hw_state" SET "watermark" = ?1, "lsn" = ?2, "next_seq" = ?3 WHERE "lock" = 1"#,
+            params![watermark.as_str(), lsn.to_string(), self.next_seq],
+        )?;
+        self.replica.conn.execute_batch("COMMIT")?;
+        self.txn = None;
+        if let Some(state) = self.replica.state.as_mut() {
+            state.watermark = watermark.clone();
+            state.lsn = lsn;
+            state.next_seq = self.next_seq;
+        }
+        Ok(Applied::Committed { watermark, lsn })
+    }
+
+    fn rollback(&mut self) -> Result<Applied, ReplicaError> {
+        let Some(txn) = self.txn.take() else {
+            return Ok(Applied::RolledBack);
+        };
+        if !txn.skip {
+            self.replica.conn.execute_batch("ROLLBACK")?;
+            self.next_seq = self.state()?.next_seq;
+            if txn.schema_changed {
+                self.replica.reload()?;
+            }
+        }
+        Ok(Applied::RolledBack)
+    }
+
+    /// Columns waiting for a backfill, grouped by table.
+    pub fn pending_backfills(&self) -> Vec<PendingBackfill> {
+        let mut out = Vec::new();
+        for name in self.replica.table_names() {
+            let Some(table) = self.replica.table(&name) else {
+                continue;
+            };
+            let columns: Vec<String> = table
+                .columns
+                .iter()
+                .filter(|c| c.backfill.is_some())
+                .map(|c| c.name.clone())
+                .collect();
+            if columns.is_empty() {
+                continue;
+            }
+            out.push(PendingBackfill {
+                table: table.name.clone(),
+                schema: table.schema.clone(),
+                name: table.table.clone(),
+                key: table.key.clone(),
+                whole_table: columns.len() == table.columns.len(),
+                columns: columns
+                    .into_iter()
+                    .filter(|c| !table.key.contains(c))
+                    .collect(),
+            });
+        }
+        out
+    }
+
+    fn data(&mut self, change: &Change) -> Result<(), ReplicaError> {
+        let txn = self
+            .txn
+            .as_mut()
+            .ok_or(ReplicaError::NotInTransaction { what: "`data`" })?;
+        if txn.skip {
+            return Ok(());
+        }
+        if !change.is_row_change() {
+            txn.schema_changed = true;
+        }
+        let json = txn.json;
+        let version = txn.watermark.as_str().to_owned();
+        let mut ctx = RowContext {
+            conn: &self.replica.conn,
+            json,
+            version: &version,
+            next_seq: &mut self.next_seq,
+        };
+        let tables = &mut self.replica.tables;
+        match change {
+            Change::Insert(insert) => apply_insert(&mut ctx, tables, insert),
+            Change::Update(update) => apply_update(&mut ctx, tables, update),
+            Change::Delete(delete) => apply_delete(&mut ctx, tables, delete),
+            Change::Truncate(truncate) => apply_truncate(&mut ctx, tables, truncate),
+            Change::Backfill(backfill) => apply_backfill(&mut ctx, tables, backfill),
+            Change::BackfillCompleted(done) => apply_backfill_completed(ctx.conn, tables, done),
+            Change::CreateTable(create) => apply_create_table(ctx.conn, tables, create),
+            Change::RenameTable(rename) => apply_rename_table(ctx.conn, tables, rename),
+            Change::DropTable(drop) => apply_drop_table(ctx.conn, tables, drop),
+            Change::AddColumn(add) => apply_add_column(ctx.conn, tables, add),
+            Change::UpdateColumn(update) => apply_update_column(ctx.conn, tables, update),
+            Change::DropColumn(drop) => apply_drop_column(ctx.conn, tables, drop),
+            Change::CreateIndex(create) => apply_create_index(ctx.conn, tables, create),
+            Change::DropIndex(drop) => {
+                let name = replica_index_name(&drop.id.schema, &drop.id.name);
+                ctx.conn
+                    .execute_batch(&format!("DROP INDEX IF EXISTS {}", quote_ident(&name)))?;
+                Ok(())
+            }
+            // Opaque to the replica: the key and columns it needs arrive with the other changes.
+            Change::UpdateTableMetadata(_) => Ok(()),
+        }
+    }
+}
+
+type Tables = std::collections::HashMap<String, ReplicaTable>;
+
+struct RowContext<'a> {
+    conn: &'a Connection,
+    json: JsonFormat,
+    version: &'a str,
+    next_seq: &'a mut i64,
+}
+
+impl RowContext<'_> {
+    fn seq(&mut self) -> i64 {
+        let seq = *self.next_seq;
+        *self.next_seq += 1;
+        seq
+    }
+
+    fn tombstone(&mut self, table: &str, key: &str) -> Result<(), ReplicaError> {
+        let seq = self.seq();
+        self.conn
+            .prepare_cached(
+                r#"INSERT INTO "_hw_tombstones" ("table_name","row_key","seq","version")
+                   VALUES (?1, ?2, ?3, ?4)
+                   ON CONFLICT ("table_name","row_key") DO UPDATE
+                   SET "seq" = excluded."seq", "version" = excluded."version""#,
+            )?
+            .execute(params![table, key, seq, self.version])?;
+        Ok(())
+    }
+}
+
+fn table_for<'t>(
+    tables: &'t Tables,
+    schema: &str,
+    name: &str,
+) -> Result<&'t ReplicaTable, ReplicaError> {
+    let replica_name = replica_table_name(schema, name);
+    tables.get(&replica_name).ok_or(ReplicaError::UnknownTable {
+        table: replica_name,
+    })
+}
+
+fn table_for_mut<'t>(
+    tables: &'t mut Tables,
+    id: &Identifier,
+) -> Result<&'t mut ReplicaTable, ReplicaError> {
+    let replica_name = replica_table_name(&id.schema, &id.name);
+    tables
+        .get_mut(&replica_name)
+        .ok_or(ReplicaError::UnknownTable {
+            table: replica_name,
+        })
+}
+
+/// The row's values bound for SQLite, in the row's column order.
+fn row_values<'t>(
+    table: &'t ReplicaTable,
+    row: &Row,
+    json: JsonFormat,
+) -> Result<Vec<(&'t ReplicaColumn, SqlValue)>, ReplicaError> {
+    row.iter()
+        .map(|(name, value)| {
+            let col = table
+                .column(name)
+                .ok_or_else(|| ReplicaError::UnknownColumn {
+                    table: table.name.clone(),
+                    column: name.clone(),
+                })?;
+            Ok((col, to_sql(col, value, json)))
+        })
+        .collect()
+}
+
+/// The values of the columns rows are matched on, taken from `row`.
+fn key_values<'t>(
+    table: &'t ReplicaTable,
+    row: &Row,
+    json: JsonFormat,
+    what: &'static str,
+) -> Result<Vec<(&'t ReplicaColumn, SqlValue)>, ReplicaError> {
+    table
+        .match_columns()
+        .iter()
+        .map(|name| {
+            let missing = || ReplicaError::MissingKey {
+                table: table.name.clone(),
+                column: name.clone(),
+                what,
+            };
+            let col = table.column(name).ok_or_else(missing)?;
+            let value = row.get(name).ok_or_else(missing)?;
+            Ok((col, to_sql(col, value, json)))
+        })
+        .collect()
+}
+
+/// `WHERE …` matching one row by key (or, for a keyless table, the first row equal on all
+/// columns), with parameters numbered from `first`.
+fn where_key(table: &ReplicaTable, key: &[(&ReplicaColumn, SqlValue)], first: usize) -> String {
+    let conds: Vec<String> = key
+        .iter()
+        .enumerate()
+        .map(|(i, (col, _))| {
+            let op = if table.key.is_empty() { "IS" } else { "=" };
+            format!("{} {op} ?{}", quote_ident(&col.name), first + i)
+        })
+        .collect();
+    let conds = if conds.is_empty() {
+        "1".to_owned()
+    } else {
+        conds.join(" AND ")
+    };
+    if table.key.is_empty() {
+        format!(
+            "rowid = (SELECT rowid FROM {} WHERE {conds} LIMIT 1)",
+            quote_ident(&table.name)
+        )
+    } else {
+        conds
+    }
+}
+
+fn upsert(
+    ctx: &mut RowContext<'_>,
+    table: &ReplicaTable,
+    values: Vec<(&ReplicaColumn, SqlValue)>,
+) -> Result<(), ReplicaError> {
+    let mut cols: Vec<String> = values.iter().map(|(c, _)| quote_ident(&c.name)).collect();
+    cols.push("\"_hw_version\"".into());
+    cols.push("\"_hw_seq\"".into());
+    let placeholders: Vec<String> = (1..=cols.len()).map(|i| format!("?{i}")).collect();
+    let mut sql = format!(
+        "INSERT INTO {} ({}) VALUES ({})",
+        quote_ident(&table.name),
+        cols.join(", "),
+        placeholders.join(", ")
+    );
+    if !table.key.is_empty() {
+        let key: Vec<String> = table.key.iter().map(|c| quote_ident(c)).collect();
+        let set: Vec<String> = cols.iter().map(|c| format!("{c} = excluded.{c}")).collect();
+        sql.push_str(&format!(
+            " ON CONFLICT ({}) DO UPDATE SET {}",
+            key.join(", "),
+            set.join(", ")
+        ));
+    }
+    let seq = ctx.seq();
+    let params = values.into_iter().map(|(_, v)| v).chain([
+        SqlValue::Text(ctx.version.to_owned()),
+        SqlValue::Integer(seq),
+    ]);
+    ctx.conn
+        .prepare_cached(&sql)?
+        .execute(params_from_iter(params))?;
+    Ok(())
+}
+
+/// Updates the row matched by `key` to `values`; returns how many rows changed.
+fn update_row(
+    ctx: &mut RowContext<'_>,
+    table: &ReplicaTable,
+    values: &[(&ReplicaColumn, SqlValue)],
+    key: &[(&ReplicaColumn, SqlValue)],
+) -> Result<usize, ReplicaError> {
+    let mut set: Vec<String> = values
+        .iter()
+        .enumerate()
+        .map(|(i, (c, _))| format!("{} = ?{}", quote_ident(&c.name), i + 1))
+        .collect();
+    let n = values.len();
+    set.push(format!("\"_hw_version\" = ?{}", n + 1));
+    set.push(format!("\"_hw_seq\" = ?{}", n + 2));
+    let sql = format!(
+        "UPDATE {} SET {} WHERE {}",
+        quote_ident(&table.name),
+        set.join(", "),
+        where_key(table, key, n + 3)
+    );
+    let seq = ctx.seq();
+    let params = values
+        .iter()
+        .map(|(_, v)| v.clone())
+        .chain([
+            SqlValue::Text(ctx.version.to_owned()),
+            SqlValue::Integer(seq),
+        ])
+        .chain(key.iter().map(|(_, v)| v.clone()));
+    Ok(ctx
+        .conn
+        .prepare_cached(&sql)?
+        .execute(params_from_iter(params))?)
+}
+
+fn apply_insert(
+    ctx: &mut RowContext<'_>,
+    tables: &Tables,
+    insert: &Insert,
+) -> Result<(), ReplicaError> {
+    let table = table_for(tables, &insert.relation.schema, &insert.relation.name)?;
+    let values = row_values(table, &insert.new, ctx.json)?;
+    upsert(ctx, table, values)
+}
+
+fn apply_update(
+    ctx: &mut RowContext<'_>,
+    tables: &Tables,
+    update: &Update,
+) -> Result<(), ReplicaError> {
+    let table = table_for(tables, &update.relation.schema, &update.relation.name)?;
+    let values = row_values(table, &update.new, ctx.json)?;
+    let old_key = match &update.key {
+        Some(key) => Some(key_values(table, key, ctx.json, "old key")?),
+        None => None,
+    };
+    // A key column left out of `new` (unchanged TOAST) keeps its old value.
+    let new_key = match (
+        &old_key,
+        key_values(table, &update.new, ctx.json, "new row"),
+    ) {
+        (_, Ok(key)) => key,
+        (Some(old), Err(_)) => old.clone(),
+        (None, Err(e)) => return Err(e),
+    };
+    let target = old_key.as_ref().unwrap_or(&new_key);
+    if update_row(ctx, table, &values, target)? == 0 {
+        upsert(ctx, table, values)?;
+    }
+    if let Some(old) = &old_key {
+        if !table.key.is_empty() && old != &new_key {
+            let old_json = row_key_json(old);
+            ctx.tombstone(&table.name, &old_json)?;
+        }
+    }
+    Ok(())
+}
+
+fn apply_delete(
+    ctx: &mut RowContext<'_>,
+    tables: &Tables,
+    delete: &Delete,
+) -> Result<(), ReplicaError> {
+    let table = table_for(tables, &delete.relation.schema, &delete.relation.name)?;
+    let key = key_values(table, &delete.key, ctx.json, "key")?;
+    let sql = format!(
+        "DELETE FROM {} WHERE {}",
+        quote_ident(&table.name),
+        where_key(table, &key, 1)
+    );
+    let deleted = ctx
+        .conn
+        .prepare_cached(&sql)?
+        .execute(params_from_iter(key.iter().map(|(_, v)| v)))?;
+    if deleted > 0 && !table.key.is_empty() {
+        ctx.tombstone(&table.name, &row_key_json(&key))?;
+    }
+    Ok(())
+}
+
+fn apply_truncate(
+    ctx: &mut RowContext<'_>,
+    tables: &Tables,
+    truncate: &Truncate,
+) -> Result<(), ReplicaError> {
+    for relation in &truncate.relations {
+        let table = table_for(tables, &relation.schema, &relation.name)?;
+        ctx.conn
+            .execute(&format!("DELETE FROM {}", quote_ident(&table.name)), [])?;
+        // One marker stands for every row: older tombstones of the table say nothing more.
+        ctx.conn.execute(
+            r#"DELETE FROM "_hw_tombstones" WHERE "table_name" = ?1"#,
+            [&table.name],
+        )?;
+        let seq = ctx.seq();
+        ctx.conn.execute(
+            r#"INSERT INTO "_hw_tombstones" ("table_name","row_key","seq","version")
+               VALUES (?1, NULL, ?2, ?3)"#,
+            params![table.name, seq, ctx.version],
+        )?;
+    }
+    Ok(())
+}
+
+/// Backfilled values overwrite only the backfilled columns of existing rows; a row that does
+/// not exist is inserted only by a whole-table backfill (a column backfill's row was deleted, or
+/// will arrive with all its values from the stream).
+fn apply_backfill(
+    ctx: &mut RowContext<'_>,
+    tables: &Tables,
+    backfill: &Backfill,
+) -> Result<(), ReplicaError> {
+    let table = table_for(tables, &backfill.relation.schema, &backfill.relation.name)?;
+    let names: Vec<&String> = backfill
+        .relation
+        .row_key
+        .columns
+        .iter()
+        .chain(&backfill.columns)
+        .collect();
+    let whole_table = table
+        .columns
+        .iter()
+        .all(|c| names.iter().any(|n| **n == c.name));
+    for values in &backfill.row_values {
+        let mut row = Row::new();
+        for (name, value) in names.iter().zip(values) {
+            // Columns dropped since the backfill's snapshot are no longer in the replica.
+            if table.column(name).is_some() {
+                row.insert((*name).clone(), value.clone());
+            }
+        }
+        let key = key_values(table, &row, ctx.json, "backfill row")?;
+        let set: Row = row
+            .iter()
+            .filter(|(name, _)| !table.key.contains(name))
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+        let set_values = row_values(table, &set, ctx.json)?;
+        let updated = if set_values.is_empty() {
+            0
+        } else {
+            update_row(ctx, table, &set_values, &key)?
+        };
+        if updated == 0 && whole_table {
+            let values = row_values(table, &row, ctx.json)?;
+            upsert(ctx, table, values)?;
+        }
+    }
+    Ok(())
+}
+
+fn apply_backfill_completed(
+    conn: &Connection,
+    tables: &mut Tables,
+    done: &BackfillCompleted,
+) -> Result<(), ReplicaError> {
+    let id = Identifier::new(done.relation.schema.clone(), done.relation.name.clone());
+    let table = table_for_mut(tables, &id)?;
+    for name in done.relation.row_key.columns.iter().chain(&done.columns) {
+        if let Some(col) = table.column_mut(name) {
+            col.backfill = None;
+        }
+    }
+    schema::store_table(conn, table)
+}
+
+fn create_table(conn: &Connection, table: &ReplicaTable) -> Result<(), ReplicaError> {
+    conn.execute_batch(&format!(
+        "DROP TABLE IF EXISTS {}",
+        quote_ident(&table.name)
+    ))?;
+    conn.execute_batch(&table.create_table_sql())?;
+    if let Some(sql) = table.create_key_index_sql() {
+        conn.execute_batch(&sql)?;
+    }
+    conn.execute_batch(&table.create_seq_index_sql())?;
+    conn.execute(
+        r#"DELETE FROM "_hw_tombstones" WHERE "table_name" = ?1"#,
+        [&table.name],
+    )?;
+    schema::store_table(conn, table)
+}
+
+/// Creates a table in the replica, replacing one of the same name (used by initial sync too).
+pub(super) fn create_replica_table(
+    conn: &Connection,
+    tables: &mut Tables,
+    table: ReplicaTable,
+) -> Result<(), ReplicaError> {
+    create_table(conn, &table)?;
+    tables.insert(table.name.clone(), table);
+    Ok(())
+}
+
+fn apply_create_table(
+    conn: &Connection,
+    tables: &mut Tables,
+    create: &CreateTable,
+) -> Result<(), ReplicaError> {
+    let mut table = ReplicaTable::from_spec(&create.spec);
+    if let Some(backfill) = &create.backfill {
+        for (name, id) in backfill {
+            if let Some(col) = table.column_mut(name) {
+                col.backfill = Some(id.clone());
+            }
+        }
+    }
+    create_replica_table(conn, tables, table)
+}
+
+/// Recreates the internal indexes under the table's current name.
+fn rebuild_internal_indexes(
+    conn: &Connection,
+    table: &ReplicaTable,
+    old_name: &str,
+) -> Result<(), ReplicaError> {
+    for suffix in ["_hw_key", "_hw_seq"] {
+        conn.execute_batch(&format!(
+            "DROP INDEX IF EXISTS {}",
+            quote_ident(&format!("{old_name}{suffix}"))
+        ))?;
+    }
+    if let Some(sql) = table.create_key_index_sql() {
+        conn.execute_batch(&sql)?;
+    }
+    conn.execute_batch(&table.create_seq_index_sql())?;
+    Ok(())
+}
+
+fn apply_rename_table(
+    conn: &Connection,
+    tables: &mut Tables,
+    rename: &RenameTable,
+) -> Result<(), ReplicaError> {
+    let old_name = replica_table_name(&rename.old.schema, &rename.old.name);
+    let mut table = tables
+        .remove(&old_name)
+        .ok_or_else(|| ReplicaError::UnknownRenameSource {
+            table: old_name.clone(),
+        })?;
+    table.name = replica_table_name(&rename.new.schema, &rename.new.name);
+    table.schema = rename.new.schema.clone();
+    table.table = rename.new.name.clone();
+    conn.execute_batch(&format!(
+        "ALTER TABLE {} RENAME TO {}",
+        quote_ident(&old_name),
+        quote_ident(&table.name)
+    ))?;
+    rebuild_internal_indexes(conn, &table, &old_name)?;
+    schema::forget_table(conn, &old_name)?;
+    schema::store_table(conn, &table)?;
+    conn.execute(
+        r#"UPDATE "_hw_tombstones" SET "table_name" = ?1 WHERE "table_name" = ?2"#,
+        params![table.name, old_name],
+    )?;
+    tables.insert(table.name.clone(), table);
+    Ok(())
+}
+
+fn apply_drop_table(
+    conn: &Connection,
+    tables: &mut Tables,
+    drop: &DropTable,
+) -> Result<(), ReplicaError> {
+    let name = replica_table_name(&drop.id.schema, &drop.id.name);
+    conn.execute_batch(&format!("DROP TABLE IF EXISTS {}", quote_ident(&name)))?;
+    schema::forget_table(conn, &name)?;
+    conn.execute(
+        r#"DELETE FROM "_hw_tombstones" WHERE "table_name" = ?1"#,
+        [&name],
+    )?;
+    tables.remove(&name);
+    Ok(())
+}
+
+fn apply_add_column(
+    conn: &Connection,
+    tables: &mut Tables,
+    add: &AddColumn,
+) -> Result<(), ReplicaError> {
+    let table = table_for_mut(tables, &add.table)?;
+    let mut col = ReplicaColumn::from_spec(&add.column.name, &add.column.spec);
+    col.backfill = add.backfill.clone();
+    if table.column(&col.name).is_none() {
+        conn.execute_batch(&format!(
+            "ALTER TABLE {} ADD COLUMN {} {}",
+            quote_ident(&table.name),
+            quote_ident(&col.name),
+            quote_ident(&col.declared_type())
+        ))?;
+        table.columns.push(col);
+    } else if let Some(existing) = table.column_mut(&col.name) {
+        *existing = col;
+    }
+    table.columns.sort_by_key(|c| c.pos);
+    schema::store_table(conn, table)
+}
+
+/// The SQL of the indexes of `table` that include `column` (SQLite cannot drop or retype an
+/// indexed column).
+fn indexes_on(
+    conn: &Connection,
+    table: &str,
+    column: &str,
+) -> Result<Vec<(String, String)>, ReplicaError> {
+    let mut stmt = conn.prepare(
+        "SELECT s.name, s.sql FROM sqlite_schema s
+         WHERE s.type = 'index' AND s.tbl_name = ?1 AND s.sql IS NOT NULL
+           AND EXISTS (SELECT 1 FROM pragma_index_info(s.name) i WHERE i.name = ?2)",
+    )?;
+    let rows = stmt.query_map(params![table, column], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
+fn drop_indexes(conn: &Connection, indexes: &[(String, String)]) -> Result<(), ReplicaError> {
+    for (name, _) in indexes {
+        conn.execute_batch(&format!("DROP INDEX IF EXISTS {}", quote_ident(name)))?;
+    }
+    Ok(())
+}
+
+fn apply_update_column(
+    conn: &Connection,
+    tables: &mut Tables,
+    update: &UpdateColumn,
+) -> Result<(), ReplicaError> {
+    let table = table_for_mut(tables, &update.table)?;
+    let old =
+        table
+            .column(&update.old.name)
+            .cloned()
+            .ok_or_else(|| ReplicaError::UnknownColumn {
+                table: table.name.clone(),
+                column: update.old.name.clone(),
+            })?;
+    let mut new = ReplicaColumn::from_spec(&update.new.name, &update.new.spec);
+    new.backfill = old.backfill.clone();
+    let quoted_table = quote_ident(&table.name);
+    if old.name != new.name {
+        conn.execute_batch(&format!(
+            "ALTER TABLE {quoted_table} RENAME COLUMN {} TO {}",
+            quote_ident(&old.name),
+            quote_ident(&new.name)
+        ))?;
+        for key in table.key.iter_mut().filter(|k| **k == old.name) {
+            *key = new.name.clone();
+        }
+    }
+    if old.declared_type() != new.declared_type() {
+        // SQLite has no ALTER COLUMN TYPE: copy through a new column, keeping its indexes.
+        let indexes = indexes_on(conn, &table.name, &new.name)?;
+        drop_indexes(conn, &indexes)?;
+        let tmp = quote_ident(&format!("_hw_retype_{}", new.name));
+        let quoted = quote_ident(&new.name);
+        conn.execute_batch(&format!(
+            "ALTER TABLE {quoted_table} ADD COLUMN {tmp} {};
+             UPDATE {quoted_table} SET {tmp} = {quoted};
+             ALTER TABLE {quoted_table} DROP COLUMN {quoted};
+             ALTER TABLE {quoted_table} RENAME COLUMN {tmp} TO {quoted};",
+            quote_ident(&new.declared_type())
+        ))?;
+        for (_, sql) in &indexes {
+            conn.execute_batch(sql)?;
+        }
+        if old.data_type != new.data_type {
+            // Upstream rewrote the values without row events; only a backfill brings them.
+            new.backfill = Some(serde_json::json!({"retype": old.data_type}));
+        }
+    }
+    if let Some(col) = table.column_mut(&old.name) {
+        *col = new;
+    }
+    table.columns.sort_by_key(|c| c.pos);
+    schema::store_table(conn, table)
+}
+
+fn apply_drop_column(
+    conn: &Connection,
+    tables: &mut Tables,
+    drop: &DropColumn,
+) -> Result<(), ReplicaError> {
+    let table = table_for_mut(tables, &drop.table)?;
+    if table.column(&drop.column).is_none() {
+        return Ok(());
+    }
+    let indexes = indexes_on(conn, &table.name, &drop.column)?;
+    drop_indexes(conn, &indexes)?;
+    if table.key.contains(&drop.column) {
+        // Upstream dropped the key with the column; rows are matched on all columns until a
+        // new key arrives.
+        table.key.clear();
+    }
+    conn.execute_batch(&format!(
+        "ALTER TABLE {} DROP COLUMN {}",
+        quote_ident(&table.name),
+        quote_ident(&drop.column)
+    ))?;
+    table.columns.retain(|c| c.name != drop.column);
+    schema::store_table(conn, table)
+}
+
+fn apply_create_index(
+    conn: &Connection,
+    tables: &mut Tables,
+    create: &CreateIndex,
+) -> Result<(), ReplicaError> {
+    let spec = &create.spec;
+    let id = Identifier::new(spec.schema.clone(), spec.table_name.clone());
+    let table = table_for_mut(tables, &id)?;
+    let flag = |key: &str| spec.extra.get(key).and_then(Value::as_bool) == Some(true);
+    if flag("isReplicaIdentity") || (flag("isPrimaryKey") && table.key.is_empty()) {
+        let key: Vec<String> = spec.columns.keys().cloned().collect();
+        if key != table.key {
+            table.key = key;
+            let name = table.name.clone();
+            rebuild_internal_indexes(conn, table, &name)?;
+            schema::store_table(conn, table)?;
+        }
+        return Ok(());
+    }
+    if flag("isPrimaryKey") {
+        return Ok(());
+    }
+    conn.execute_batch(&create_index_sql(spec))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use highwater_engine::change_stream::{
+        ColumnDef, ColumnSpec, IndexDirection, IndexSpec, NewRelation, PgTypeClass, Relation,
+        ReplicaIdentity, RowKey, TableSpec,
+    };
+    use highwater_engine::watermark::Lsn;
+    use indexmap::IndexMap;
+    use serde_json::{json, Number};
+
+    fn spec(schema: &str, name: &str, cols: &[(&str, &str)], key: &[&str]) -> TableSpec {
+        let mut columns = IndexMap::new();
+        for (i, (c, t)) in cols.iter().enumerate() {
+            let mut s = ColumnSpec::new(Number::from(i as i64 + 1), *t);
+            s.pg_type_class = Some(PgTypeClass::Base);
+            columns.insert((*c).to_owned(), s);
+        }
+        TableSpec {
+            schema: schema.into(),
+            name: name.into(),
+            columns,
+            primary_key: Some(key.iter().map(|k| (*k).to_owned()).collect()),
+            extra: serde_json::Map::new(),
+        }
+    }
+
+    fn writer() -> ReplicaWriter {
+        let mut replica = Replica::open_in_memory().unwrap();
+        let version = Lsn(0x100).to_watermark();
+        replica
+            .store_initial_state(&ReplicaState {
+                replica_version: version.clone(),
+                watermark: version,
+                lsn: Lsn(0x100),
+                publications: vec!["pub".into()],
+                slot: "slot".into(),
+                app_id: "highwater".into(),
+                next_seq: 1,
+            })
+            .unwrap();
+        let mut writer = ReplicaWriter::new(replica);
+        let mut tables = std::mem::take(&mut writer.replica.tables);
+        let issue = spec(
+            "public",
+            "issue",
+            &[("id", "int8"), ("title", "text"), ("meta", "jsonb")],
+            &["id"],
+        );
+        create_replica_table(
+            &writer.replica.conn,
+            &mut tables,
+            ReplicaTable::from_spec(&issue),
+        )
+        .unwrap();
+        writer.replica.tables = tables;
+        writer
+    }
+
+    fn rel(name: &str, key: &[&str], identity: ReplicaIdentity) -> Relation {
+        Relation::new(
+            "public",
+            name,
+            RowKey::new(
+                key.iter().map(|k| (*k).to_owned()).collect(),
+                Some(identity),
+            ),
+        )
+    }
+
+    fn row(v: Value) -> Row {
+        match v {
+            Value::Object(map) => map,
+            _ => panic!("not an object"),
+        }
+    }
+
+    fn insert(id: i64, title: &str) -> Change {
+        Change::Insert(Insert {
+            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            new: row(json!({"id": id, "title": title, "meta": null})),
+            extra: Default::default(),
+        })
+    }
+
+    fn txn(writer: &mut ReplicaWriter, lsn: u64, changes: Vec<Change>) -> Applied {
+        let wm = Lsn(lsn).to_watermark();
+        writer
+            .apply(&DownstreamMessage::Begin(Begin::new(wm.clone())))
+            .unwrap();
+        for c in changes {
+            writer.apply(&DownstreamMessage::Data(c)).unwrap();
+        }
+        writer
+            .apply(&DownstreamMessage::Commit(Commit::new(wm)))
+            .unwrap()
+    }
+
+    fn rows(writer: &ReplicaWriter, table: &str) -> Vec<Value> {
+        writer
+            .replica()
+            .rows(table, JsonFormat::Parsed)
+            .unwrap()
+            .into_iter()
+            .map(Value::Object)
+            .collect()
+    }
+
+    fn tombstones(writer: &ReplicaWriter) -> Vec<(String, Option<String>, i64)> {
+        let conn = &writer.replica().conn;
+        let mut stmt = conn
+            .prepare(r#"SELECT "table_name","row_key","seq" FROM "_hw_tombstones" ORDER BY "seq""#)
+            .unwrap();
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_committed_transaction_stores_rows_versions_sequences_and_position() {
+        let mut w = writer();
+        let applied = txn(&mut w, 0x200, vec![insert(1, "a"), insert(2, "b")]);
+        assert_eq!(
+            applied,
+            Applied::Committed {
+                watermark: Lsn(0x200).to_watermark(),
+                lsn: Lsn(0x200)
+            }
+        );
+        assert_eq!(
+            rows(&w, "issue"),
+            vec![
+                json!({"id": 1, "title": "a", "meta": null}),
+                json!({"id": 2, "title": "b", "meta": null})
+            ]
+        );
+        let (version, seq): (String, i64) = w
+            .replica()
+            .conn
+            .query_row(
+                r#"SELECT "_hw_version", "_hw_seq" FROM "issue" WHERE "id" = 2"#,
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(version, Lsn(0x200).to_watermark().as_str());
+        assert_eq!(seq, 2);
+        let state = w.replica().state().unwrap();
+        assert_eq!(state.lsn, Lsn(0x200));
+        assert_eq!(state.next_seq, 3);
+    }
+
+    #[test]
+    fn replayed_transactions_at_or_below_the_position_are_skipped() {
+        let mut w = writer();
+        txn(&mut w, 0x200, vec![insert(1, "a")]);
+        let replay = txn(&mut w, 0x200, vec![insert(1, "changed"), insert(9, "x")]);
+        assert!(matches!(
+            replay,
+            Applied::Skipped {
+                lsn: Lsn(0x200),
+                ..
+            }
+        ));
+        assert_eq!(
+            rows(&w, "issue"),
+            vec![json!({"id": 1, "title": "a", "meta": null})]
+        );
+    }
+
+    #[test]
+    fn rollback_discards_rows_and_sequence_numbers() {
+        let mut w = writer();
+        let wm = Lsn(0x300).to_watermark();
+        w.apply(&DownstreamMessage::Begin(Begin::new(wm))).unwrap();
+        w.apply(&DownstreamMessage::Data(insert(1, "a"))).unwrap();
+        let applied = w
+            .apply(&DownstreamMessage::Rollback(Default::default()))
+            .unwrap();
+        assert_eq!(applied, Applied::RolledBack);
+        assert!(rows(&w, "issue").is_empty());
+        txn(&mut w, 0x400, vec![insert(2, "b")]);
+        assert_eq!(w.replica().state().unwrap().next_seq, 2);
+    }
+
+    #[test]
+    fn a_commit_watermark_other_than_begin_is_rejected_and_nothing_is_stored() {
+        let mut w = writer();
+        w.apply(&DownstreamMessage::Begin(Begin::new(
+            Lsn(0x300).to_watermark(),
+        )))
+        .unwrap();
+        w.apply(&DownstreamMessage::Data(insert(1, "a"))).unwrap();
+        let err = w
+            .apply(&DownstreamMessage::Commit(Commit::new(
+                Lsn(0x301).to_watermark(),
+            )))
+            .unwrap_err();
+        assert!(
+            matches!(err, ReplicaError::WatermarkMismatch { .. }),
+            "{err}"
+        );
+        assert!(!w.in_transaction());
+        assert!(rows(&w, "issue").is_empty());
+        assert_eq!(w.replica().state().unwrap().lsn, Lsn(0x100));
+    }
+
+    #[test]
+    fn updates_keep_absent_columns_and_follow_key_changes_with_a_tombstone() {
+        let mut w = writer();
+        txn(&mut w, 0x200, vec![insert(1, "a"), insert(2, "b")]);
+        let relation = rel("issue", &["id"], ReplicaIdentity::Default);
+        // `title` is an unchanged TOAST value: absent from `new`.
+        let keep_title = Change::Update(Update {
+            relation: relation.clone(),
+            key: None,
+            new: row(json!({"id": 1, "meta": {"x": 1}})),
+            extra: Default::default(),
+        });
+        let move_key = Change::Update(Update {
+            relation,
+            key: Some(row(json!({"id": 2}))),
+            new: row(json!({"id": 3, "title": "b2", "meta": null})),
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x300, vec![keep_title, move_key]);
+        assert_eq!(
+            rows(&w, "issue"),
+            vec![
+                json!({"id": 1, "title": "a", "meta": {"x": 1}}),
+                json!({"id": 3, "title": "b2", "meta": null})
+            ]
+        );
+        assert_eq!(
+            tombstones(&w),
+            vec![("issue".to_owned(), Some(r#"{"id":2}"#.to_owned()), 5)]
+        );
+    }
+
+    #[test]
+    fn an_update_of_a_missing_row_becomes_an_insert() {
+        let mut w = writer();
+        let update = Change::Update(Update {
+            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            key: None,
+            new: row(json!({"id": 5, "title": "e", "meta": null})),
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x200, vec![update]);
+        assert_eq!(
+            rows(&w, "issue"),
+            vec![json!({"id": 5, "title": "e", "meta": null})]
+        );
+    }
+
+    #[test]
+    fn replica_identity_full_is_keyed_by_the_table_key_not_all_columns() {
+        let mut w = writer();
+        txn(&mut w, 0x200, vec![insert(1, "a"), insert(2, "b")]);
+        let relation = rel("issue", &["id", "title", "meta"], ReplicaIdentity::Full);
+        let update = Change::Update(Update {
+            relation: relation.clone(),
+            key: Some(row(json!({"id": 1, "title": "a", "meta": null}))),
+            new: row(json!({"id": 1, "title": "a2", "meta": null})),
+            extra: Default::default(),
+        });
+        let delete = Change::Delete(Delete {
+            relation,
+            key: row(json!({"id": 2, "title": "b", "meta": null})),
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x300, vec![update, delete]);
+        assert_eq!(
+            rows(&w, "issue"),
+            vec![json!({"id": 1, "title": "a2", "meta": null})]
+        );
+        // The update kept its key: only the delete left a tombstone.
+        assert_eq!(
+            tombstones(&w).into_iter().map(|t| t.1).collect::<Vec<_>>(),
+            vec![Some(r#"{"id":2}"#.to_owned())]
+        );
+    }
+
+    #[test]
+    fn truncate_empties_the_table_and_leaves_one_marker() {
+        let mut w = writer();
+        txn(&mut w, 0x200, vec![insert(1, "a"), insert(2, "b")]);
+        let delete = Change::Delete(Delete {
+            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            key: row(json!({"id": 1})),
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x300, vec![delete]);
+        let truncate = Change::Truncate(Truncate {
+            relations: vec![rel("issue", &["id"], ReplicaIdentity::Default)],
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x400, vec![truncate]);
+        assert!(rows(&w, "issue").is_empty());
+        assert_eq!(tombstones(&w), vec![("issue".to_owned(), None, 4)]);
+    }
+
+    #[test]
+    fn schema_changes_apply_in_the_transaction_of_the_rows_that_follow_them() {
+        let mut w = writer();
+        let create = Change::CreateTable(CreateTable {
+            spec: spec("app", "label", &[("id", "int4"), ("name", "text")], &["id"]),
+            metadata: None,
+            backfill: None,
+            extra: Default::default(),
+        });
+        let label = |v: Value| {
+            Change::Insert(Insert {
+                relation: Relation::new(
+                    "app",
+                    "tag",
+                    RowKey::new(vec!["id".into()], Some(ReplicaIdentity::Default)),
+                ),
+                new: row(v),
+                extra: Default::default(),
+            })
+        };
+        let rename = Change::RenameTable(RenameTable {
+            old: Identifier::new("app", "label"),
+            new: Identifier::new("app", "tag"),
+            extra: Default::default(),
+        });
+        let mut color = ColumnSpec::new(Number::from(3), "text");
+        color.not_null = Some(Some(false));
+        let add = Change::AddColumn(AddColumn {
+            table: Identifier::new("app", "tag"),
+            column: ColumnDef {
+                name: "color".into(),
+                spec: color,
+                extra: Default::default(),
+            },
+            table_metadata: None,
+            backfill: None,
+            extra: Default::default(),
+        });
+        let index = Change::CreateIndex(CreateIndex {
+            spec: IndexSpec {
+                schema: "app".into(),
+                name: "tag_name".into(),
+                table_name: "tag".into(),
+                unique: true,
+                columns: IndexMap::from([("name".to_owned(), IndexDirection::Asc)]),
+                predicate: None,
+                extra: Default::default(),
+            },
+            extra: Default::default(),
+        });
+        txn(
+            &mut w,
+            0x200,
+            vec![
+                create,
+                rename,
+                add,
+                index,
+                label(json!({"id": 1, "name": "bug", "color": "red"})),
+            ],
+        );
+        assert_eq!(
+            rows(&w, "app.tag"),
+            vec![json!({"id": 1, "name": "bug", "color": "red"})]
+        );
+        let rename_col = Change::UpdateColumn(UpdateColumn {
+            table: Identifier::new("app", "tag"),
+            old: ColumnDef {
+                name: "name".into(),
+                spec: ColumnSpec::new(Number::from(2), "text"),
+                extra: Default::default(),
+            },
+            new: ColumnDef {
+                name: "title".into(),
+                spec: ColumnSpec::new(Number::from(2), "varchar"),
+                extra: Default::default(),
+            },
+            extra: Default::default(),
+        });
+        let drop_col = Change::DropColumn(DropColumn {
+            table: Identifier::new("app", "tag"),
+            column: "color".into(),
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x300, vec![rename_col, drop_col]);
+        assert_eq!(rows(&w, "app.tag"), vec![json!({"id": 1, "title": "bug"})]);
+        let reopened = Replica::with_connection(std::mem::replace(
+            &mut w.replica.conn,
+            rusqlite::Connection::open_in_memory().unwrap(),
+        ))
+        .unwrap();
+        let tag = reopened.table("app.tag").unwrap();
+        assert_eq!(tag.column("title").unwrap().data_type, "varchar");
+        // The retyped column waits for upstream's converted values.
+        assert!(tag.column("title").unwrap().backfill.is_some());
+        assert!(reopened.table("app.label").is_none());
+        let drop = Change::DropTable(DropTable {
+            id: Identifier::new("app", "tag"),
+            extra: Default::default(),
+        });
+        let mut w = ReplicaWriter::new(reopened);
+        txn(&mut w, 0x400, vec![drop]);
+        assert!(w.replica().table("app.tag").is_none());
+    }
+
+    #[test]
+    fn a_rolled_back_schema_change_leaves_the_schema_as_it_was() {
+        let mut w = writer();
+        let wm = Lsn(0x300).to_watermark();
+        w.apply(&DownstreamMessage::Begin(Begin::new(wm))).unwrap();
+        w.apply(&DownstreamMessage::Data(Change::DropTable(DropTable {
+            id: Identifier::new("public", "issue"),
+            extra: Default::default(),
+        })))
+        .unwrap();
+        assert!(w.replica().table("issue").is_none());
+        w.apply(&DownstreamMessage::Rollback(Default::default()))
+            .unwrap();
+        assert!(w.replica().table("issue").is_some());
+        txn(&mut w, 0x400, vec![insert(1, "a")]);
+        assert_eq!(rows(&w, "issue").len(), 1);
+    }
+
+    #[test]
+    fn backfills_fill_existing_rows_and_complete_the_pending_columns() {
+        let mut w = writer();
+        txn(&mut w, 0x200, vec![insert(1, "a"), insert(2, "b")]);
+        let mut prio = ColumnSpec::new(Number::from(4), "int4");
+        prio.not_null = Some(Some(false));
+        let add = Change::AddColumn(AddColumn {
+            table: Identifier::new("public", "issue"),
+            column: ColumnDef {
+                name: "prio".into(),
+                spec: prio,
+                extra: Default::default(),
+            },
+            table_metadata: None,
+            backfill: Some(json!({"attNum": 4})),
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x300, vec![add]);
+        let pending = w.pending_backfills();
+        assert_eq!(pending.len(), 1);
+        assert_eq!(pending[0].columns, vec!["prio".to_owned()]);
+        assert!(!pending[0].whole_table);
+        let relation = NewRelation {
+            schema: "public".into(),
+            name: "issue".into(),
+            row_key: RowKey::new(vec!["id".into()], None),
+            extra: Default::default(),
+        };
+        let backfill = Change::Backfill(Backfill {
+            relation: relation.clone(),
+            columns: vec!["prio".into()],
+            watermark: Lsn(0x300).to_watermark(),
+            // Row 7 is not in the replica: a column backfill does not create it.
+            row_values: vec![vec![json!(1), json!(10)], vec![json!(7), json!(70)]],
+            progress_marks: None,
+            status: None,
+            extra: Default::default(),
+        });
+        let done = Change::BackfillCompleted(BackfillCompleted {
+            relation,
+            columns: vec!["prio".into()],
+            watermark: Lsn(0x300).to_watermark(),
+            progress_marks: None,
+            status: None,
+            extra: Default::default(),
+        });
+        let wm = Lsn(0x300).to_watermark().state_version().next_minor();
+        let wm = wm.to_watermark().unwrap();
+        let mut begin = Begin::new(wm.clone());
+        begin.skip_ack = Some(true);
+        w.apply(&DownstreamMessage::Begin(begin)).unwrap();
+        w.apply(&DownstreamMessage::Data(backfill)).unwrap();
+        w.apply(&DownstreamMessage::Data(done)).unwrap();
+        w.apply(&DownstreamMessage::Commit(Commit::new(wm)))
+            .unwrap();
+        assert_eq!(
+            rows(&w, "issue"),
+            vec![
+                json!({"id": 1, "title": "a", "meta": null, "prio": 10}),
+                json!({"id": 2, "title": "b", "meta": null, "prio": null})
+            ]
+        );
+        assert!(w.pending_backfills().is_empty());
+        // The next upstream transaction (a larger major) is not mistaken for a replay.
+        let applied = txn(&mut w, 0x301, vec![insert(3, "c")]);
+        assert!(matches!(applied, Applied::Committed { .. }));
+    }
+
+    #[test]
+    fn changes_to_unknown_tables_or_columns_are_typed_errors() {
+        let mut w = writer();
+        let wm = Lsn(0x200).to_watermark();
+        w.apply(&DownstreamMessage::Begin(Begin::new(wm))).unwrap();
+        let err = w
+            .apply(&DownstreamMessage::Data(Change::Insert(Insert {
+                relation: rel("nope", &["id"], ReplicaIdentity::Default),
+                new: row(json!({"id": 1})),
+                extra: Default::default(),
+            })))
+            .unwrap_err();
+        assert!(matches!(err, ReplicaError::UnknownTable { .. }), "{err}");
+        let err = w
+            .apply(&DownstreamMessage::Data(insert(1, "a")))
+            .unwrap_err();
+        assert!(
+            matches!(err, ReplicaError::NotInTransaction { .. }),
+            "{err}"
+        );
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Upsert(i64, String),
+        Update { from: i64, to: i64, title: String },
+        Delete(i64),
+        Truncate,
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0i64..8, "[a-z]{0,3}").prop_map(|(id, t)| Op::Upsert(id, t)),
+            (0i64..8, 0i64..8, "[a-z]{0,3}").prop_map(|(from, to, title)| Op::Update {
+                from,
+                to,
+                title
+            }),
+            (0i64..8).prop_map(Op::Delete),
+            Just(Op::Truncate),
+        ]
+    }
+
+    /// What Postgres would hold after `op` (updates and deletes of missing rows do nothing).
+    fn model_apply(model: &mut std::collections::BTreeMap<i64, String>, op: &Op) {
+        match op {
+            Op::Upsert(id, t) => {
+                model.insert(*id, t.clone());
+            }
+            Op::Update { from, to, title } => {
+                if model.remove(from).is_some() {
+                    model.insert(*to, title.clone());
+                }
+            }
+            Op::Delete(id) => {
+                model.remove(id);
+            }
+            Op::Truncate => model.clear(),
+        }
+    }
+
+    fn change_of(op: &Op, model: &std::collections::BTreeMap<i64, String>) -> Option<Change> {
+        let relation = rel("issue", &["id"], ReplicaIdentity::Default);
+        Some(match op {
+            Op::Upsert(id, t) if model.contains_key(id) => Change::Update(Update {
+                relation,
+                key: None,
+                new: row(json!({"id": id, "title": t, "meta": null})),
+                extra: Default::default(),
+            }),
+            Op::Upsert(id, t) => Change::Insert(Insert {
+                relation,
+                new: row(json!({"id": id, "title": t, "meta": null})),
+                extra: Default::default(),
+            }),
+            Op::Update { from, to, title } => {
+                if !model.contains_key(from) || (from != to && model.contains_key(to)) {
+                    return None;
+                }
+                Change::Update(Update {
+                    relation,
+                    key: (from != to).then(|| row(json!({"id": from}))),
+                    // The title is left out when unchanged, like an unchanged TOAST value.
+                    new: if model.get(from) == Some(title) {
+                        row(json!({"id": to, "meta": null}))
+                    } else {
+                        row(json!({"id": to, "title": title, "meta": null}))
+                    },
+                    extra: Default::default(),
+                })
+            }
+            Op::Delete(id) if model.contains_key(id) => Change::Delete(Delete {
+                relation,
+                key: row(json!({"id": id})),
+                extra: Default::default(),
+            }),
+            Op::Delete(_) => return None,
+            Op::Truncate => Change::Truncate(Truncate {
+                relations: vec![relation],
+                extra: Default::default(),
+            }),
+        })
+    }
+
+    proptest::proptest! {
+        /// Any history of transactions, some rolled back and some delivered twice (a replay
+        /// after a reconnect), leaves the replica equal to the upstream table.
+        #[test]
+        fn replica_equals_upstream_after_any_history_with_rollbacks_and_replays(
+            txns in proptest::collection::vec(
+                (proptest::collection::vec(op(), 1..6), proptest::bool::ANY, proptest::bool::ANY),
+                1..12,
+            )
+        ) {
+            let mut w = writer();
+            let mut model = std::collections::BTreeMap::new();
+            for (i, (ops, rolled_back, replayed)) in txns.iter().enumerate() {
+                let wm = Lsn(0x1000 + i as u64 * 0x10).to_watermark();
+                let mut after = model.clone();
+                let mut changes = Vec::new();
+                for op in ops {
+                    if let Some(change) = change_of(op, &after) {
+                        changes.push(change);
+                        model_apply(&mut after, op);
+                    }
+                }
+                let deliveries = if *replayed { 2 } else { 1 };
+                for _ in 0..deliveries {
+                    w.apply(&DownstreamMessage::Begin(Begin::new(wm.clone()))).unwrap();
+                    for change in &changes {
+                        w.apply(&DownstreamMessage::Data(change.clone())).unwrap();
+                    }
+                    if *rolled_back {
+                        w.apply(&DownstreamMessage::Rollback(Default::default())).unwrap();
+                    } else {
+                        w.apply(&DownstreamMessage::Commit(Commit::new(wm.clone()))).unwrap();
+                    }
+                }
+                if !rolled_back {
+                    model = after;
+                }
+            }
+            let expected: Vec<Value> = model
+                .iter()
+                .map(|(id, t)| json!({"id": id, "title": t, "meta": null}))
+                .collect();
+            proptest::prop_assert_eq!(rows(&w, "issue"), expected);
+            // Every live row has its own sequence number, below the next one to hand out.
+            let (distinct, max): (i64, Option<i64>) = w
+                .replica()
+                .conn
+                .query_row(r#"SELECT count(DISTINCT "_hw_seq"), max("_hw_seq") FROM "issue""#, [], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })
+                .unwrap();
+            proptest::prop_assert_eq!(distinct as usize, model.len());
+            proptest::prop_assert!(max.unwrap_or(0) < w.replica().state().unwrap().next_seq);
+        }
+    }
+}

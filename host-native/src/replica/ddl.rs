@@ -1,0 +1,825 @@
+//! Schema changes from Postgres (`reference/zero-protocol.md` §11.6).
+//!
+//! Detection uses a DDL event trigger, as Zero does: at `ddl_command_end` of every table, index,
+//! publication or schema command it emits the published schema with
+//! `pg_logical_emit_message(true, '<app>/ddl', json)`. The message is transactional, so it sits
+//! in the WAL exactly between the DDL and the row changes that depend on it, and the replica
+//! diffs it against its own schema at that point. Comparing pgoutput Relation messages instead
+//! needs no privileges, but Relation messages only arrive before the next row change of a table:
+//! they never announce a dropped or an empty new table or an index, cannot tell a rename from a
+//! drop plus an add, carry no NOT NULL or defaults, and arrive too late to backfill existing
+//! rows of an added column. Event triggers need a superuser; without one, `highwater replicate`
+//! warns that schema changes are not followed.
+//!
+//! Tables are matched by OID and columns by `attnum`, so renames are told apart from drops.
+
+use highwater_engine::change_stream::{
+    AddColumn, Change, ColumnDef, ColumnSpec, CreateIndex, CreateTable, DropColumn, DropIndex,
+    DropTable, Identifier, IndexDirection, IndexSpec, RenameTable, TableSpec, UpdateColumn,
+};
+use indexmap::IndexMap;
+use serde::Deserialize;
+use serde_json::{json, Number, Value};
+
+use super::schema::{
+    parse_type_class, quote_ident, replica_index_name, replica_table_name, ReplicaTable,
+};
+use super::{Replica, ReplicaError};
+
+/// The published schema as JSON, for the publications in `$1` (a `text[]`).
+///
+/// Generated columns are left out (Postgres does not publish them); so are expression and
+/// partial indexes, which the replica cannot represent.
+pub const PUBLISHED_SCHEMA_SQL: &str = r#"
+SELECT coalesce(json_agg(t ORDER BY t.schema, t.name), '[]'::json)::text FROM (
+  SELECT c.oid::int8 AS oid, n.nspname::text AS schema, c.relname::text AS name,
+    CASE c.relreplident WHEN 'd' THEN 'default' WHEN 'n' THEN 'nothing'
+                        WHEN 'f' THEN 'full' ELSE 'index' END AS "replicaIdentity",
+    (SELECT json_agg(DISTINCT pt.pubname::text) FROM pg_publication_tables pt
+      WHERE pt.schemaname = n.nspname AND pt.tablename = c.relname
+        AND pt.pubname::text = ANY($1::text[])) AS publications,
+    (SELECT coalesce(json_agg(json_build_object(
+        'name', a.attname::text, 'attnum', a.attnum, 'typeOID', a.atttypid::int8,
+        'dataType', CASE WHEN t.typcategory = 'A' AND et.oid IS NOT NULL
+                         THEN et.typname::text || '[]' ELSE t.typname::text END,
+        'typeName', t.typname::text,
+        'typtype', t.typtype::text, 'elemTyptype', et.typtype::text,
+        'notNull', a.attnotnull,
+        'dflt', pg_get_expr(d.adbin, d.adrelid),
+        'identity', a.attidentity <> '',
+        'charMaxLen', CASE WHEN a.atttypmod > 4 AND t.typname IN ('bpchar', 'varchar')
+                           THEN a.atttypmod - 4 END
+      ) ORDER BY a.attnum), '[]'::json)
+      FROM pg_attribute a
+      JOIN pg_type t ON t.oid = a.atttypid
+      LEFT JOIN pg_type et ON et.oid = t.typelem AND t.typcategory = 'A'
+      LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+      WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+        AND a.attgenerated = '') AS columns,
+    (SELECT coalesce(json_agg(a.attname::text ORDER BY k.ord), '[]'::json)
+      FROM pg_index i
+      CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
+      JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+      WHERE i.indrelid = c.oid AND k.ord <= i.indnkeyatts
+        AND CASE WHEN c.relreplident = 'i' THEN i.indisreplident
+                 ELSE i.indisprimary END) AS key,
+    (SELECT coalesce(json_agg(json_build_object(
+        'name', ic.relname::text, 'unique', i.indisunique,
+        'isPrimaryKey', i.indisprimary, 'isReplicaIdentity', i.indisreplident,
+        'columns', (SELECT json_agg(json_build_array(a.attname::text,
+                      CASE WHEN (i.indoption[(k.ord - 1)::int] & 1) = 1
+                           THEN 'DESC' ELSE 'ASC' END) ORDER BY k.ord)
+                    FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
+                    JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                    WHERE k.ord <= i.indnkeyatts)
+      ) ORDER BY ic.relname), '[]'::json)
+      FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
+      WHERE i.indrelid = c.oid AND i.indpred IS NULL AND i.indexprs IS NULL
+        AND NOT (0 = ANY (i.indkey::int2[]))) AS indexes
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+  WHERE c.relkind IN ('r', 'p') AND EXISTS (
+    SELECT 1 FROM pg_publication_tables pt
+    WHERE pt.schemaname = n.nspname AND pt.tablename = c.relname AND pt.pubname::text = ANY($1::text[]))
+) t
+"#;
+
+/// One published table as [`PUBLISHED_SCHEMA_SQL`] describes it.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishedTable {
+    pub oid: u32,
+    pub schema: String,
+    pub name: String,
+    pub replica_identity: String,
+    #[serde(default)]
+    pub publications: Option<Vec<String>>,
+    pub columns: Vec<PublishedColumn>,
+    pub key: Vec<String>,
+    pub indexes: Vec<PublishedIndex>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishedColumn {
+    pub name: String,
+    pub attnum: i64,
+    #[serde(rename = "typeOID")]
+    pub type_oid: u32,
+    pub data_type: String,
+    pub type_name: String,
+    pub typtype: String,
+    pub elem_typtype: Option<String>,
+    pub not_null: bool,
+    pub dflt: Option<String>,
+    #[serde(default)]
+    pub identity: bool,
+    pub char_max_len: Option<i64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishedIndex {
+    pub name: String,
+    pub unique: bool,
+    pub is_primary_key: bool,
+    pub is_replica_identity: bool,
+    /// `[column, "ASC" | "DESC"]` pairs.
+    pub columns: Option<Vec<(String, String)>>,
+}
+
+/// The content of a `<app>/ddl` message.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct DdlEvent {
+    /// The command tag (`CREATE TABLE`, `ALTER TABLE`, `ALTER PUBLICATION`, …).
+    pub tag: String,
+    pub schema: Vec<PublishedTable>,
+}
+
+/// Parses the published schema JSON.
+pub fn parse_published_schema(text: &str) -> Result<Vec<PublishedTable>, serde_json::Error> {
+    serde_json::from_str(text)
+}
+
+pub fn parse_ddl_event(content: &[u8]) -> Result<DdlEvent, serde_json::Error> {
+    serde_json::from_slice(content)
+}
+
+/// The logical-message prefix of DDL events of an app.
+pub fn ddl_prefix(app_id: &str) -> String {
+    format!("{app_id}/ddl")
+}
+
+impl PublishedColumn {
+    pub fn to_spec(&self, pos: i64) -> ColumnSpec {
+        let mut spec = ColumnSpec::new(Number::from(pos), self.data_type.clone());
+        spec.pg_type_class = parse_type_class(&self.typtype);
+        spec.elem_pg_type_class = Some(self.elem_typtype.as_deref().and_then(parse_type_class));
+        spec.character_maximum_length = Some(self.char_max_len.map(Number::from));
+        spec.not_null = Some(Some(self.not_null));
+        spec.dflt = Some(self.dflt.clone());
+        spec.extra
+            .insert("typeOID".into(), Value::from(self.type_oid));
+        spec.extra.insert("attNum".into(), Value::from(self.attnum));
+        spec
+    }
+
+    /// Existing rows got a value only upstream knows (a default, an identity).
+    fn needs_backfill(&self) -> bool {
+        self.dflt.is_some() || self.identity
+    }
+}
+
+impl PublishedTable {
+    pub fn replica_name(&self) -> String {
+        replica_table_name(&self.schema, &self.name)
+    }
+
+    pub fn to_spec(&self) -> TableSpec {
+        let mut extra = serde_json::Map::new();
+        extra.insert("oid".into(), Value::from(self.oid));
+        extra.insert(
+            "replicaIdentity".into(),
+            Value::from(self.replica_identity.clone()),
+        );
+        if let Some(publications) = &self.publications {
+            extra.insert("publications".into(), json!(publications));
+        }
+        TableSpec {
+            schema: self.schema.clone(),
+            name: self.name.clone(),
+            columns: self
+                .columns
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (c.name.clone(), c.to_spec(i as i64 + 1)))
+                .collect(),
+            primary_key: (!self.key.is_empty()).then(|| self.key.clone()),
+            extra,
+        }
+    }
+
+    /// Indexes other than the key, as `create-index` specs.
+    pub fn index_specs(&self) -> Vec<IndexSpec> {
+        self.indexes
+            .iter()
+            .filter_map(|index| {
+                let columns = index.columns.as_ref()?;
+                let mut extra = serde_json::Map::new();
+                extra.insert("isPrimaryKey".into(), Value::from(index.is_primary_key));
+                extra.insert(
+                    "isReplicaIdentity".into(),
+                    Value::from(index.is_replica_identity),
+                );
+                Some(IndexSpec {
+                    schema: self.schema.clone(),
+                    name: index.name.clone(),
+                    table_name: self.name.clone(),
+                    unique: index.unique,
+                    columns: columns
+                        .iter()
+                        .map(|(c, dir)| {
+                            let dir = if dir == "DESC" {
+                                IndexDirection::Desc
+                            } else {
+                                IndexDirection::Asc
+                            };
+                            (c.clone(), dir)
+                        })
+                        .collect(),
+                    predicate: None,
+                    extra,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Keeps the tables of `publications`.
+pub fn in_publications(
+    tables: Vec<PublishedTable>,
+    publications: &[String],
+) -> Vec<PublishedTable> {
+    tables
+        .into_iter()
+        .filter(|t| {
+            t.publications
+                .as_ref()
+                .is_none_or(|p| p.iter().any(|name| publications.contains(name)))
+        })
+        .collect()
+}
+
+/// Upstream indexes present in the replica, by replica index name, with their table.
+fn replica_indexes(replica: &Replica) -> Result<Vec<(String, String)>, ReplicaError> {
+    let mut stmt = replica.connection().prepare(
+        "SELECT name, tbl_name FROM sqlite_schema
+         WHERE type = 'index' AND sql IS NOT NULL AND tbl_name NOT LIKE '\\_hw\\_%' ESCAPE '\\'
+           AND name <> tbl_name || '_hw_key' AND name <> tbl_name || '_hw_seq'",
+    )?;
+    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
+fn column_def(name: &str, spec: ColumnSpec) -> ColumnDef {
+    ColumnDef {
+        name: name.to_owned(),
+        spec,
+        extra: Default::default(),
+    }
+}
+
+/// The schema changes that turn the replica's schema into `published` (already limited to the
+/// replica's publications), in Zero's order: drop-index, drop-table, per table rename-table,
+/// drop-column, update-column, add-column, then create-table and create-index.
+///
+/// `tag` is the command that changed the schema: a table that appears other than by `CREATE
+/// TABLE` (added to a publication, moved into a published schema) already has rows, and so has
+/// a column added with a default; both are backfilled.
+pub fn schema_changes(
+    replica: &Replica,
+    published: &[PublishedTable],
+    tag: &str,
+) -> Result<Vec<Change>, ReplicaError> {
+    let current: Vec<&ReplicaTable> = replica
+        .table_names()
+        .iter()
+        .filter_map(|n| replica.table(n))
+        .collect();
+    let find_current = |t: &PublishedTable| {
+        current
+            .iter()
+            .find(|c| c.oid == Some(t.oid))
+            .or_else(|| {
+                current
+                    .iter()
+                    .find(|c| c.oid.is_none() && c.name == t.replica_name())
+            })
+            .copied()
+    };
+    let wanted_indexes: Vec<(String, IndexSpec)> = published
+        .iter()
+        .flat_map(|t| t.index_specs())
+        .filter(|spec| !is_key_index(spec))
+        .map(|spec| (replica_index_name(&spec.schema, &spec.name), spec))
+        .collect();
+    let existing_indexes = replica_indexes(replica)?;
+
+    let mut changes = Vec::new();
+    for (index_name, table_name) in &existing_indexes {
+        if wanted_indexes.iter().any(|(name, _)| name == index_name) {
+            continue;
+        }
+        let Some(table) = replica.table(table_name) else {
+            continue;
+        };
+        let name = index_name
+            .strip_prefix(&format!("{}.", table.schema))
+            .unwrap_or(index_name);
+        changes.push(Change::DropIndex(DropIndex {
+            id: Identifier::new(table.schema.clone(), name),
+            extra: Default::default(),
+        }));
+    }
+    for table in &current {
+        let kept = published.iter().any(|t| match table.oid {
+            Some(oid) => t.oid == oid,
+            None => t.replica_name() == table.name,
+        });
+        if !kept {
+            changes.push(Change::DropTable(DropTable {
+                id: Identifier::new(table.schema.clone(), table.table.clone()),
+                extra: Default::default(),
+            }));
+        }
+    }
+    for table in published {
+        if let Some(existing) = find_current(table) {
+            table_changes(existing, table, tag, &mut changes);
+        }
+    }
+    for table in published {
+        if find_current(table).is_some() {
+            continue;
+        }
+        let spec = table.to_spec();
+        let backfill = (tag != "CREATE TABLE").then(|| {
+            table
+                .columns
+                .iter()
+                .map(|c| (c.name.clone(), json!({"attNum": c.attnum})))
+                .collect::<IndexMap<_, _>>()
+        });
+        changes.push(Change::CreateTable(CreateTable {
+            spec,
+            metadata: None,
+            backfill,
+            extra: Default::default(),
+        }));
+    }
+    let existing_names: Vec<&String> = existing_indexes.iter().map(|(n, _)| n).collect();
+    for (name, spec) in wanted_indexes {
+        if !existing_names.contains(&&name) {
+            changes.push(Change::CreateIndex(CreateIndex {
+                spec,
+                extra: Default::default(),
+            }));
+        }
+    }
+    Ok(changes)
+}
+
+fn is_key_index(spec: &IndexSpec) -> bool {
+    let flag = |key: &str| spec.extra.get(key).and_then(Value::as_bool) == Some(true);
+    flag("isPrimaryKey") || flag("isReplicaIdentity")
+}
+
+fn table_changes(
+    existing: &ReplicaTable,
+    table: &PublishedTable,
+    tag: &str,
+    changes: &mut Vec<Change>,
+) {
+    let id = Identifier::new(table.schema.clone(), table.name.clone());
+    if existing.schema != table.schema || existing.table != table.name {
+        changes.push(Change::RenameTable(RenameTable {
+            old: Identifier::new(existing.schema.clone(), existing.table.clone()),
+            new: id.clone(),
+            extra: Default::default(),
+        }));
+    }
+    let find_new = |attnum: Option<i64>, name: &str| {
+        table.columns.iter().position(|c| match attnum {
+            Some(a) => c.attnum == a,
+            None => c.name == name,
+        })
+    };
+    for col in &existing.columns {
+        if find_new(col.attnum, &col.name).is_none() {
+            changes.push(Change::DropColumn(DropColumn {
+                table: id.clone(),
+                column: col.name.clone(),
+                extra: Default::default(),
+            }));
+        }
+    }
+    for col in &existing.columns {
+        let Some(i) = find_new(col.attnum, &col.name) else {
+            continue;
+        };
+        let new = &table.columns[i];
+        if new.name != col.name || new.data_type != col.data_type || new.not_null != col.not_null {
+            let mut new_spec = new.to_spec(col.pos);
+            new_spec.pos = Number::from(col.pos);
+            changes.push(Change::UpdateColumn(UpdateColumn {
+                table: id.clone(),
+                old: column_def(&col.name, col.to_spec()),
+                new: column_def(&new.name, new_spec),
+                extra: Default::default(),
+            }));
+        }
+    }
+    let mut next_pos = existing.columns.iter().map(|c| c.pos).max().unwrap_or(0);
+    for new in &table.columns {
+        let known = existing.columns.iter().any(|c| match c.attnum {
+            Some(a) => a == new.attnum,
+            None => c.name == new.name,
+        });
+        if known {
+            continue;
+        }
+        next_pos += 1;
+        let backfill =
+            (tag != "ALTER TABLE" || new.needs_backfill()).then(|| json!({"attNum": new.attnum}));
+        changes.push(Change::AddColumn(AddColumn {
+            table: id.clone(),
+            column: column_def(&new.name, new.to_spec(next_pos)),
+            table_metadata: None,
+            backfill,
+            extra: Default::default(),
+        }));
+    }
+    if !table.key.is_empty() && table.key != existing.key {
+        // A new primary key or replica identity index: the replica re-keys its rows by it.
+        let key_index = table
+            .index_specs()
+            .into_iter()
+            .find(|s| is_key_index(s) && s.columns.keys().eq(table.key.iter()));
+        if let Some(mut spec) = key_index {
+            spec.extra
+                .insert("isReplicaIdentity".into(), Value::Bool(true));
+            changes.push(Change::CreateIndex(CreateIndex {
+                spec,
+                extra: Default::default(),
+            }));
+        }
+    }
+}
+
+/// Type names and classes by OID (`$1`: `oid[]`), for columns known only from a Relation message.
+pub const RELATION_TYPES_SQL: &str = "
+SELECT t.oid, CASE WHEN t.typcategory = 'A' AND et.oid IS NOT NULL
+                   THEN et.typname::text || '[]' ELSE t.typname::text END,
+       t.typtype::text, et.typtype::text
+FROM pg_type t LEFT JOIN pg_type et ON et.oid = t.typelem AND t.typcategory = 'A'
+WHERE t.oid = ANY($1::oid[])";
+
+/// The primary key of a table by OID (`$1`), in key order.
+pub const PRIMARY_KEY_SQL: &str = "
+SELECT a.attname::text FROM pg_index i
+CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+WHERE i.indrelid = $1 AND i.indisprimary AND k.ord <= i.indnkeyatts ORDER BY k.ord";
+
+/// A column type as [`RELATION_TYPES_SQL`] describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelationType {
+    pub data_type: String,
+    pub typtype: String,
+    pub elem_typtype: Option<String>,
+}
+
+/// Tables and columns that a pgoutput Relation message shows but the replica does not have:
+/// rows of a table created by `CREATE TABLE AS` precede its DDL event, and without the event
+/// trigger no DDL event comes at all. They are created with a backfill, which brings whatever
+/// rows or values the stream does not. Nothing is dropped on a Relation message's word: a
+/// publication with a column list legitimately shows fewer columns.
+///
+/// `key` is the table's key when it must come from the catalog (replica identity FULL flags
+/// every column); otherwise the Relation's key flags are used.
+pub fn relation_changes(
+    replica: &Replica,
+    relation: &highwater_engine::pgoutput::Relation,
+    types: &std::collections::HashMap<u32, RelationType>,
+    key: Option<Vec<String>>,
+) -> Vec<Change> {
+    let spec_of = |col: &highwater_engine::pgoutput::RelationColumn, pos: i64| {
+        let ty = types.get(&col.type_oid);
+        let mut spec = ColumnSpec::new(
+            Number::from(pos),
+            ty.map_or_else(|| "text".to_owned(), |t| t.data_type.clone()),
+        );
+        spec.pg_type_class = ty.and_then(|t| parse_type_class(&t.typtype));
+        spec.elem_pg_type_class =
+            Some(ty.and_then(|t| t.elem_typtype.as_deref().and_then(parse_type_class)));
+        spec.extra
+            .insert("typeOID".into(), Value::from(col.type_oid));
+        spec
+    };
+    let name = replica_table_name(&relation.namespace, &relation.name);
+    let id = Identifier::new(relation.namespace.clone(), relation.name.clone());
+    let Some(table) = replica.table(&name) else {
+        let key = key.unwrap_or_else(|| {
+            relation
+                .columns
+                .iter()
+                .filter(|c| c.is_key())
+                .map(|c| c.name.clone())
+                .collect()
+        });
+        let mut extra = serde_json::Map::new();
+        extra.insert("oid".into(), Value::from(relation.oid));
+        let spec = TableSpec {
+            schema: relation.namespace.clone(),
+            name: relation.name.clone(),
+            columns: relation
+                .columns
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (c.name.clone(), spec_of(c, i as i64 + 1)))
+                .collect(),
+            primary_key: (!key.is_empty()).then_some(key),
+            extra,
+        };
+        let backfill = relation
+            .columns
+            .iter()
+            .map(|c| (c.name.clone(), json!({"relation": relation.oid})))
+            .collect();
+        return vec![Change::CreateTable(CreateTable {
+            spec,
+            metadata: None,
+            backfill: Some(backfill),
+            extra: Default::default(),
+        })];
+    };
+    let mut next_pos = table.columns.iter().map(|c| c.pos).max().unwrap_or(0);
+    relation
+        .columns
+        .iter()
+        .filter(|c| table.column(&c.name).is_none())
+        .map(|c| {
+            next_pos += 1;
+            Change::AddColumn(AddColumn {
+                table: id.clone(),
+                column: column_def(&c.name, spec_of(c, next_pos)),
+                table_metadata: None,
+                backfill: Some(json!({"relation": relation.oid})),
+                extra: Default::default(),
+            })
+        })
+        .collect()
+}
+
+/// SQL that installs the event trigger for `app_id` (needs a superuser). Idempotent.
+pub fn event_trigger_sql(app_id: &str) -> String {
+    let schema = quote_ident(app_id);
+    let prefix = ddl_prefix(app_id).replace('\'', "''");
+    let trigger = quote_ident(&format!("{app_id}_ddl"));
+    format!(
+        r#"
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE OR REPLACE FUNCTION {schema}.published_schema(pubs text[]) RETURNS text
+  LANGUAGE sql STABLE AS $hw${PUBLISHED_SCHEMA_SQL}$hw$;
+CREATE OR REPLACE FUNCTION {schema}.emit_ddl() RETURNS event_trigger
+  LANGUAGE plpgsql AS $hw$
+BEGIN
+  PERFORM pg_logical_emit_message(true, '{prefix}', json_build_object(
+    'tag', TG_TAG,
+    'schema', {schema}.published_schema(ARRAY(SELECT pubname::text FROM pg_publication))::json
+  )::text);
+END
+$hw$;
+DROP EVENT TRIGGER IF EXISTS {trigger};
+CREATE EVENT TRIGGER {trigger} ON ddl_command_end
+  WHEN TAG IN ('CREATE TABLE', 'CREATE TABLE AS', 'SELECT INTO', 'ALTER TABLE', 'DROP TABLE',
+               'CREATE INDEX', 'DROP INDEX', 'ALTER INDEX', 'ALTER PUBLICATION',
+               'ALTER SCHEMA', 'DROP SCHEMA')
+  EXECUTE FUNCTION {schema}.emit_ddl();
+"#
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn column(name: &str, attnum: i64, data_type: &str) -> PublishedColumn {
+        PublishedColumn {
+            name: name.into(),
+            attnum,
+            type_oid: 23,
+            data_type: data_type.into(),
+            type_name: data_type.into(),
+            typtype: "b".into(),
+            elem_typtype: None,
+            not_null: false,
+            dflt: None,
+            identity: false,
+            char_max_len: None,
+        }
+    }
+
+    fn table(oid: u32, name: &str, columns: Vec<PublishedColumn>) -> PublishedTable {
+        PublishedTable {
+            oid,
+            schema: "public".into(),
+            name: name.into(),
+            replica_identity: "default".into(),
+            publications: Some(vec!["p".into()]),
+            columns,
+            key: vec!["id".into()],
+            indexes: vec![],
+        }
+    }
+
+    fn replica_with(tables: &[PublishedTable]) -> super::super::ReplicaWriter {
+        use highwater_engine::change_stream::{Begin, Commit, DownstreamMessage};
+        use highwater_engine::watermark::Lsn;
+        let mut replica = Replica::open_in_memory().unwrap();
+        replica
+            .store_initial_state(&super::super::ReplicaState {
+                replica_version: Lsn(1).to_watermark(),
+                watermark: Lsn(1).to_watermark(),
+                lsn: Lsn(1),
+                publications: vec!["p".into()],
+                slot: "s".into(),
+                app_id: "a".into(),
+                next_seq: 1,
+            })
+            .unwrap();
+        let mut writer = super::super::ReplicaWriter::new(replica);
+        let wm = Lsn(2).to_watermark();
+        writer
+            .apply(&DownstreamMessage::Begin(Begin::new(wm.clone())))
+            .unwrap();
+        for change in schema_changes(writer.replica(), tables, "CREATE TABLE").unwrap() {
+            writer.apply(&DownstreamMessage::Data(change)).unwrap();
+        }
+        writer
+            .apply(&DownstreamMessage::Commit(Commit::new(wm)))
+            .unwrap();
+        writer
+    }
+
+    fn tags(changes: &[Change]) -> Vec<&'static str> {
+        changes.iter().map(Change::tag).collect()
+    }
+
+    #[test]
+    fn renames_are_told_from_drops_by_oid_and_attnum() {
+        let before = table(
+            10,
+            "issue",
+            vec![column("id", 1, "int4"), column("t", 2, "text")],
+        );
+        let w = replica_with(&[before]);
+        let after = table(
+            10,
+            "ticket",
+            vec![column("id", 1, "int4"), column("title", 2, "text")],
+        );
+        let changes = schema_changes(w.replica(), &[after], "ALTER TABLE").unwrap();
+        assert_eq!(tags(&changes), vec!["rename-table", "update-column"]);
+        let Change::UpdateColumn(update) = &changes[1] else {
+            panic!("expected update-column");
+        };
+        assert_eq!(
+            (update.old.name.as_str(), update.new.name.as_str()),
+            ("t", "title")
+        );
+        assert_eq!(update.table.name, "ticket");
+    }
+
+    #[test]
+    fn a_column_dropped_and_re_added_under_its_name_is_a_drop_and_an_add() {
+        let before = table(
+            10,
+            "issue",
+            vec![column("id", 1, "int4"), column("t", 2, "text")],
+        );
+        let w = replica_with(&[before]);
+        let mut readded = column("t", 3, "int8");
+        readded.dflt = Some("0".into());
+        let after = table(10, "issue", vec![column("id", 1, "int4"), readded]);
+        let changes = schema_changes(w.replica(), &[after], "ALTER TABLE").unwrap();
+        assert_eq!(tags(&changes), vec!["drop-column", "add-column"]);
+        let Change::AddColumn(add) = &changes[1] else {
+            panic!("expected add-column");
+        };
+        // Existing rows got the default upstream: the column is backfilled.
+        assert!(add.backfill.is_some());
+    }
+
+    #[test]
+    fn tables_new_to_the_publication_are_backfilled_but_created_tables_are_not() {
+        let w = replica_with(&[]);
+        let t = table(11, "label", vec![column("id", 1, "int4")]);
+        let created =
+            schema_changes(w.replica(), std::slice::from_ref(&t), "CREATE TABLE").unwrap();
+        let added = schema_changes(w.replica(), &[t], "ALTER PUBLICATION").unwrap();
+        let backfill = |c: &Change| match c {
+            Change::CreateTable(c) => c.backfill.is_some(),
+            _ => panic!("expected create-table"),
+        };
+        assert!(!backfill(&created[0]));
+        assert!(backfill(&added[0]));
+    }
+
+    #[test]
+    fn dropped_tables_and_indexes_go_first_and_new_indexes_last() {
+        let mut a = table(
+            10,
+            "a",
+            vec![column("id", 1, "int4"), column("x", 2, "int4")],
+        );
+        a.indexes.push(PublishedIndex {
+            name: "a_x".into(),
+            unique: false,
+            is_primary_key: false,
+            is_replica_identity: false,
+            columns: Some(vec![("x".into(), "ASC".into())]),
+        });
+        let b = table(20, "b", vec![column("id", 1, "int4")]);
+        let w = replica_with(&[a.clone(), b]);
+        a.indexes[0].name = "a_x2".into();
+        let c = table(30, "c", vec![column("id", 1, "int4")]);
+        let changes = schema_changes(w.replica(), &[a, c], "DROP TABLE").unwrap();
+        assert_eq!(
+            tags(&changes),
+            vec!["drop-index", "drop-table", "create-table", "create-index"]
+        );
+    }
+
+    #[test]
+    fn published_schema_json_parses() {
+        let text = r#"[{"oid": 16384, "schema": "public", "name": "issue",
+            "replicaIdentity": "default", "publications": ["p"],
+            "columns": [{"name": "id", "attnum": 1, "typeOID": 20, "dataType": "int8",
+                "typeName": "int8", "typtype": "b", "elemTyptype": null, "notNull": true,
+                "dflt": null, "identity": false, "charMaxLen": null}],
+            "key": ["id"],
+            "indexes": [{"name": "issue_pkey", "unique": true, "isPrimaryKey": true,
+                "isReplicaIdentity": false, "columns": [["id", "ASC"]]}]}]"#;
+        let tables = parse_published_schema(text).unwrap();
+        let spec = tables[0].to_spec();
+        assert_eq!(spec.primary_key, Some(vec!["id".to_owned()]));
+        assert_eq!(spec.columns["id"].extra["typeOID"], json!(20));
+        assert!(is_key_index(&tables[0].index_specs()[0]));
+    }
+
+    #[test]
+    fn relation_messages_add_unknown_tables_and_columns_but_never_drop() {
+        use highwater_engine::pgoutput::{Relation, RelationColumn, ReplicaIdentity};
+        let w = replica_with(&[table(
+            10,
+            "issue",
+            vec![column("id", 1, "int4"), column("t", 2, "text")],
+        )]);
+        let col = |name: &str, flags: u8, type_oid: u32| RelationColumn {
+            flags,
+            name: name.into(),
+            type_oid,
+            type_modifier: -1,
+        };
+        let types = std::collections::HashMap::from([
+            (
+                23,
+                RelationType {
+                    data_type: "int4".into(),
+                    typtype: "b".into(),
+                    elem_typtype: None,
+                },
+            ),
+            (
+                1009,
+                RelationType {
+                    data_type: "text[]".into(),
+                    typtype: "b".into(),
+                    elem_typtype: Some("b".into()),
+                },
+            ),
+        ]);
+        let relation = |name: &str, columns: Vec<RelationColumn>| Relation {
+            oid: 77,
+            namespace: "public".into(),
+            name: name.into(),
+            replica_identity: ReplicaIdentity::Default,
+            columns,
+        };
+        // A column list publication shows fewer columns: nothing to do.
+        let subset = relation("issue", vec![col("id", 1, 23)]);
+        assert!(relation_changes(w.replica(), &subset, &types, None).is_empty());
+        let wider = relation(
+            "issue",
+            vec![col("id", 1, 23), col("t", 0, 25), col("tags", 0, 1009)],
+        );
+        let changes = relation_changes(w.replica(), &wider, &types, None);
+        assert_eq!(tags(&changes), vec!["add-column"]);
+        let Change::AddColumn(add) = &changes[0] else {
+            panic!("expected add-column");
+        };
+        assert_eq!(
+            (add.column.name.as_str(), add.column.spec.data_type.as_str()),
+            ("tags", "text[]")
+        );
+        assert!(add.backfill.is_some());
+        let new = relation("fresh", vec![col("k", 1, 23), col("v", 0, 1009)]);
+        let changes = relation_changes(w.replica(), &new, &types, None);
+        let Change::CreateTable(create) = &changes[0] else {
+            panic!("expected create-table");
+        };
+        assert_eq!(create.spec.primary_key, Some(vec!["k".to_owned()]));
+        assert_eq!(create.backfill.as_ref().map(|b| b.len()), Some(2));
+        assert_eq!(create.spec.extra["oid"], json!(77));
+    }
+}

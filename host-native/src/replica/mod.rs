@@ -1,0 +1,265 @@
+//! The SQLite replica: every replicated table with a per-row version and server sequence,
+//! tombstones for deleted rows, and the replication position (`reference/zero-protocol.md` §12).
+//!
+//! Durability: WAL journal with `synchronous=FULL`. The host acknowledges a transaction upstream
+//! as soon as [`ReplicaWriter`] has committed it, and Postgres then may discard its WAL; with
+//! `NORMAL` a power loss could roll back commits that were already acknowledged, losing them
+//! for good. `FULL` costs one WAL fsync per upstream transaction, which is what makes the
+//! acknowledgement honest.
+
+mod apply;
+mod copy_text;
+pub mod ddl;
+pub mod initial_sync;
+pub mod schema;
+pub mod value;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use highwater_engine::change_stream::{JsonFormat, Row};
+use highwater_engine::watermark::{Lsn, Watermark, WatermarkError};
+use rusqlite::{params, Connection, OptionalExtension};
+
+pub use apply::{Applied, PendingBackfill, ReplicaWriter};
+use schema::{quote_ident, ReplicaTable};
+
+/// Anything that stops the replica from reading or applying.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicaError {
+    #[error("replica database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("replica metadata is not valid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("replica watermark is invalid: {0}")]
+    Watermark(#[from] WatermarkError),
+    #[error("could not create the replica directory {path}: {source}")]
+    Directory {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("expected a replicated table, got a change for unknown table {table:?}")]
+    UnknownTable { table: String },
+    #[error("expected a column of table {table:?}, got unknown column {column:?}")]
+    UnknownColumn { table: String, column: String },
+    #[error("expected key column {column:?} in the {what} of a change to {table:?}")]
+    MissingKey {
+        table: String,
+        column: String,
+        what: &'static str,
+    },
+    #[error("expected `begin` before {what}, got it outside a transaction")]
+    NotInTransaction { what: &'static str },
+    #[error("expected `commit` or `rollback` of transaction {open}, got `begin` of {next}")]
+    NestedTransaction { open: Watermark, next: Watermark },
+    #[error("expected commit watermark {begin} (from `begin`), got {commit}")]
+    WatermarkMismatch { begin: Watermark, commit: Watermark },
+    #[error("the replica has no replication state yet: it needs an initial sync")]
+    NotInitialized,
+    #[error("expected a table to rename, got unknown table {table:?}")]
+    UnknownRenameSource { table: String },
+}
+
+/// The replica's replication position and configuration (`_hw_state`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaState {
+    /// Watermark of the initial sync (the slot's consistent point).
+    pub replica_version: Watermark,
+    /// Commit watermark of the last applied transaction.
+    pub watermark: Watermark,
+    /// Upstream position to resume streaming after (the major part of `watermark`).
+    pub lsn: Lsn,
+    pub publications: Vec<String>,
+    pub slot: String,
+    pub app_id: String,
+    /// The `_hw_seq` the next row change gets.
+    pub next_seq: i64,
+}
+
+/// An open replica database.
+pub struct Replica {
+    conn: Connection,
+    tables: HashMap<String, ReplicaTable>,
+    state: Option<ReplicaState>,
+}
+
+impl Replica {
+    /// Opens (creating if needed) `<data_dir>/replica.db`.
+    pub fn open_in_dir(data_dir: &Path) -> Result<Replica, ReplicaError> {
+        std::fs::create_dir_all(data_dir).map_err(|source| ReplicaError::Directory {
+            path: data_dir.display().to_string(),
+            source,
+        })?;
+        Replica::open(&data_dir.join("replica.db"))
+    }
+
+    pub fn open(path: &Path) -> Result<Replica, ReplicaError> {
+        let conn = Connection::open(path)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        Replica::with_connection(conn)
+    }
+
+    /// Opens an existing replica for reading only, next to a running writer (WAL lets readers
+    /// and the writer work at the same time). Call [`Replica::refresh`] to see later changes.
+    pub fn open_read_only(path: &Path) -> Result<Replica, ReplicaError> {
+        let conn = Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(std::time::Duration::from_secs(30))?;
+        let mut replica = Replica {
+            conn,
+            tables: HashMap::new(),
+            state: None,
+        };
+        replica.reload()?;
+        Ok(replica)
+    }
+
+    /// Re-reads the schema and replication state (after the writer committed more).
+    pub fn refresh(&mut self) -> Result<(), ReplicaError> {
+        self.reload()
+    }
+
+    pub fn open_in_memory() -> Result<Replica, ReplicaError> {
+        Replica::with_connection(Connection::open_in_memory()?)
+    }
+
+    fn with_connection(conn: Connection) -> Result<Replica, ReplicaError> {
+        conn.busy_timeout(std::time::Duration::from_secs(30))?;
+        conn.set_prepared_statement_cache_capacity(256);
+        conn.execute_batch(schema::INTERNAL_TABLES_SQL)?;
+        let mut replica = Replica {
+            conn,
+            tables: HashMap::new(),
+            state: None,
+        };
+        replica.reload()?;
+        Ok(replica)
+    }
+
+    /// Re-reads tables and state from the database (after a rollback).
+    fn reload(&mut self) -> Result<(), ReplicaError> {
+        self.tables = schema::load_tables(&self.conn)?
+            .into_iter()
+            .map(|t| (t.name.clone(), t))
+            .collect();
+        self.state = read_state(&self.conn)?;
+        Ok(())
+    }
+
+    /// `None` until an initial sync has completed.
+    pub fn state(&self) -> Option<&ReplicaState> {
+        self.state.as_ref()
+    }
+
+    pub fn table(&self, name: &str) -> Option<&ReplicaTable> {
+        self.tables.get(name)
+    }
+
+    /// Replicated tables, by replica name.
+    pub fn table_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tables.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// Every row of a table as change-stream JSON (internal columns left out), ordered by key.
+    pub fn rows(&self, table_name: &str, json: JsonFormat) -> Result<Vec<Row>, ReplicaError> {
+        let table = self
+            .tables
+            .get(table_name)
+            .ok_or_else(|| ReplicaError::UnknownTable {
+                table: table_name.to_owned(),
+            })?;
+        let cols: Vec<String> = table.columns.iter().map(|c| quote_ident(&c.name)).collect();
+        let order: Vec<String> = table
+            .match_columns()
+            .iter()
+            .map(|c| quote_ident(c))
+            .collect();
+        let sql = format!(
+            "SELECT {} FROM {} ORDER BY {}",
+            if cols.is_empty() {
+                "1".to_owned()
+            } else {
+                cols.join(", ")
+            },
+            quote_ident(&table.name),
+            if order.is_empty() {
+                "rowid".to_owned()
+            } else {
+                order.join(", ")
+            }
+        );
+        let mut stmt = self.conn.prepare(&sql)?;
+        let mut rows = stmt.query([])?;
+        let mut out = Vec::new();
+        while let Some(r) = rows.next()? {
+            let mut row = Row::new();
+            for (i, col) in table.columns.iter().enumerate() {
+                row.insert(col.name.clone(), value::from_sql(col, r.get_ref(i)?, json));
+            }
+            out.push(row);
+        }
+        Ok(out)
+    }
+
+    /// Records the replication state of a completed initial sync.
+    pub fn store_initial_state(&mut self, state: &ReplicaState) -> Result<(), ReplicaError> {
+        self.conn.execute(
+            r#"INSERT OR REPLACE INTO "_hw_state"
+                 ("lock","replica_version","watermark","lsn","publications","slot","app_id","next_seq")
+               VALUES (1, ?1, ?2, ?3, ?4, ?5, ?6, ?7)"#,
+            params![
+                state.replica_version.as_str(),
+                state.watermark.as_str(),
+                state.lsn.to_string(),
+                serde_json::to_string(&state.publications)?,
+                state.slot,
+                state.app_id,
+                state.next_seq,
+            ],
+        )?;
+        self.state = Some(state.clone());
+        Ok(())
+    }
+}
+
+fn read_state(conn: &Connection) -> Result<Option<ReplicaState>, ReplicaError> {
+    let row = conn
+        .query_row(
+            r#"SELECT "replica_version","watermark","lsn","publications","slot","app_id","next_seq"
+               FROM "_hw_state" WHERE "lock" = 1"#,
+            [],
+            |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, String>(2)?,
+                    r.get::<_, String>(3)?,
+                    r.get::<_, String>(4)?,
+                    r.get::<_, String>(5)?,
+                    r.get::<_, i64>(6)?,
+                ))
+            },
+        )
+        .optional()?;
+    let Some((version, watermark, lsn, publications, slot, app_id, next_seq)) = row else {
+        return Ok(None);
+    };
+    Ok(Some(ReplicaState {
+        replica_version: Watermark::parse(&version)?,
+        watermark: Watermark::parse(&watermark)?,
+        lsn: lsn.parse()?,
+        publications: serde_json::from_str(&publications)?,
+        slot,
+        app_id,
+        next_seq,
+    }))
+}

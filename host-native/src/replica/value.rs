@@ -1,0 +1,195 @@
+//! Change-stream JSON values to SQLite values and back (`reference/zero-protocol.md` §5.3).
+//!
+//! Integers are INTEGER (int8 beyond 2^53 exactly), other numbers REAL, booleans 0/1, JSON and
+//! arrays JSON text, everything else TEXT. Reading back uses the column's upstream type, so a
+//! value comes out in the same JSON form it went in.
+
+use highwater_engine::change_stream::JsonFormat;
+use rusqlite::types::{Value as SqlValue, ValueRef};
+use serde_json::{Number, Value};
+
+use super::schema::{ReplicaColumn, ValueKind};
+
+/// The SQLite value stored for a change-stream value of `column`.
+pub fn to_sql(column: &ReplicaColumn, value: &Value, json: JsonFormat) -> SqlValue {
+    match (column.kind, value) {
+        (_, Value::Null) => SqlValue::Null,
+        // Stringified JSON is already the text to store; parsed JSON (even a bare string) is not.
+        (ValueKind::Json, Value::String(text)) if json == JsonFormat::Stringified => {
+            SqlValue::Text(text.clone())
+        }
+        (ValueKind::Json, other) => SqlValue::Text(other.to_string()),
+        (_, Value::Bool(b)) => {
+            if column.kind == ValueKind::Text {
+                SqlValue::Text(b.to_string())
+            } else {
+                SqlValue::Integer(i64::from(*b))
+            }
+        }
+        (ValueKind::Text, Value::Number(n)) => SqlValue::Text(n.to_string()),
+        (_, Value::Number(n)) => number_to_sql(n),
+        (_, Value::String(text)) => SqlValue::Text(text.clone()),
+        (_, other @ (Value::Array(_) | Value::Object(_))) => SqlValue::Text(other.to_string()),
+    }
+}
+
+fn number_to_sql(n: &Number) -> SqlValue {
+    if let Some(i) = n.as_i64() {
+        SqlValue::Integer(i)
+    } else if let Some(f) = n.as_f64() {
+        SqlValue::Real(f)
+    } else {
+        SqlValue::Text(n.to_string())
+    }
+}
+
+/// The change-stream value of a stored SQLite value of `column`; JSON columns come back parsed
+/// (`JsonFormat::Parsed`) or as their text (`Stringified`).
+pub fn from_sql(column: &ReplicaColumn, value: ValueRef<'_>, json: JsonFormat) -> Value {
+    match (column.kind, value) {
+        (_, ValueRef::Null) => Value::Null,
+        (ValueKind::Bool, ValueRef::Integer(i)) => Value::Bool(i != 0),
+        (ValueKind::Text, ValueRef::Integer(i)) => Value::String(i.to_string()),
+        (ValueKind::Text, ValueRef::Real(f)) => Value::String(f.to_string()),
+        (_, ValueRef::Integer(i)) => Value::from(i),
+        (_, ValueRef::Real(f)) => Number::from_f64(f).map_or(Value::Null, Value::Number),
+        (ValueKind::Json, ValueRef::Text(bytes)) => {
+            let text = String::from_utf8_lossy(bytes);
+            match json {
+                JsonFormat::Stringified => Value::String(text.into_owned()),
+                JsonFormat::Parsed => {
+                    serde_json::from_str(&text).unwrap_or(Value::String(text.into_owned()))
+                }
+            }
+        }
+        (ValueKind::Array, ValueRef::Text(bytes)) => {
+            let text = String::from_utf8_lossy(bytes);
+            serde_json::from_str(&text).unwrap_or(Value::String(text.into_owned()))
+        }
+        (ValueKind::Number, ValueRef::Text(bytes)) => {
+            let text = String::from_utf8_lossy(bytes);
+            match text.parse::<Number>() {
+                Ok(n) => Value::Number(n),
+                Err(_) => Value::String(text.into_owned()),
+            }
+        }
+        (_, ValueRef::Text(bytes)) => Value::String(String::from_utf8_lossy(bytes).into_owned()),
+        (_, ValueRef::Blob(bytes)) => {
+            let mut hex = String::with_capacity(2 + bytes.len() * 2);
+            hex.push_str("\\x");
+            for b in bytes {
+                hex.push_str(&format!("{b:02x}"));
+            }
+            Value::String(hex)
+        }
+    }
+}
+
+/// The canonical JSON of a row key: key columns in key order, values as the replica reads them
+/// back, so the same key gives the same text whichever path wrote it.
+pub fn row_key_json(columns: &[(&ReplicaColumn, SqlValue)]) -> String {
+    let mut map = serde_json::Map::new();
+    for (col, value) in columns {
+        map.insert(
+            col.name.clone(),
+            from_sql(col, ValueRef::from(value), JsonFormat::Parsed),
+        );
+    }
+    Value::Object(map).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use highwater_engine::change_stream::{ColumnSpec, PgTypeClass};
+    use serde_json::json;
+
+    fn column(data_type: &str, class: Option<PgTypeClass>) -> ReplicaColumn {
+        let mut spec = ColumnSpec::new(Number::from(1), data_type);
+        spec.pg_type_class = class;
+        ReplicaColumn::from_spec("c", &spec)
+    }
+
+    fn round_trip(data_type: &str, value: Value, json: JsonFormat) -> Value {
+        let col = column(data_type, None);
+        let stored = to_sql(&col, &value, json);
+        from_sql(&col, ValueRef::from(&stored), json)
+    }
+
+    #[test]
+    fn values_of_every_storage_kind_read_back_as_written() {
+        let big: Value = serde_json::from_str("9007199254740993").unwrap();
+        let cases = [
+            ("int8", big.clone()),
+            ("int8", json!(-9_223_372_036_854_775_808_i64)),
+            ("int4", json!(7)),
+            ("float8", json!(1.5)),
+            ("timestamptz", json!(1_700_000_000_123.456)),
+            ("bool", json!(true)),
+            ("bool", json!(false)),
+            ("text", json!("héllo\tworld")),
+            ("text", json!("01")),
+            ("uuid", json!("4c9b6f3e-8d0a-4f5e-9c39-1f2d3e4a5b6c")),
+            ("int4[]", json!([1, 2, null])),
+            ("text[]", json!(["a", "b"])),
+            ("jsonb", json!({"a": [1, 2], "b": null})),
+            ("jsonb", json!("just a string")),
+            ("text", Value::Null),
+        ];
+        for (data_type, value) in cases {
+            assert_eq!(
+                round_trip(data_type, value.clone(), JsonFormat::Parsed),
+                value,
+                "{data_type}"
+            );
+        }
+        assert_eq!(
+            round_trip("int8", big.clone(), JsonFormat::Parsed).to_string(),
+            "9007199254740993"
+        );
+    }
+
+    #[test]
+    fn stringified_json_is_stored_as_is_and_parsed_json_is_serialized() {
+        let col = column("json", None);
+        assert_eq!(
+            to_sql(&col, &json!("{\"a\": 1}"), JsonFormat::Stringified),
+            SqlValue::Text("{\"a\": 1}".into())
+        );
+        assert_eq!(
+            to_sql(&col, &json!("x"), JsonFormat::Parsed),
+            SqlValue::Text("\"x\"".into())
+        );
+        assert_eq!(
+            round_trip("json", json!("{\"a\": 1}"), JsonFormat::Stringified),
+            json!("{\"a\": 1}")
+        );
+    }
+
+    #[test]
+    fn enum_values_stay_text() {
+        let col = column("level", Some(PgTypeClass::Enum));
+        let stored = to_sql(&col, &json!("1"), JsonFormat::Parsed);
+        assert_eq!(stored, SqlValue::Text("1".into()));
+        assert_eq!(
+            from_sql(&col, ValueRef::Integer(1), JsonFormat::Parsed),
+            json!("1")
+        );
+    }
+
+    #[test]
+    fn row_keys_are_canonical_across_number_spellings() {
+        let col = column("numeric", None);
+        let a = to_sql(
+            &col,
+            &serde_json::from_str("1.50").unwrap(),
+            JsonFormat::Parsed,
+        );
+        let b = to_sql(
+            &col,
+            &serde_json::from_str("1.5").unwrap(),
+            JsonFormat::Parsed,
+        );
+        assert_eq!(row_key_json(&[(&col, a)]), row_key_json(&[(&col, b)]));
+    }
+}
