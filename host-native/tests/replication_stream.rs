@@ -528,3 +528,66 @@ async fn a_silent_server_is_taken_for_dead_and_the_stream_reconnects() {
     assert_eq!(values, vec!["after"]);
     stream.shutdown().await;
 }
+
+#[tokio::test]
+async fn values_are_read_in_iso_formats_whatever_the_server_datestyle() {
+    use highwater_engine::change_stream::{Change, DownstreamMessage};
+    use highwater_engine::pgoutput::{PgoutputEvent, PgoutputMapper};
+
+    // A server whose defaults print dates as `SQL, DMY` in a non-UTC zone: the replication
+    // session must still hand the mapper ISO text it can parse.
+    let pg = server(PgOptions {
+        settings: vec![
+            ("datestyle".into(), "SQL, DMY".into()),
+            ("timezone".into(), "America/New_York".into()),
+        ],
+        ..PgOptions::default()
+    })
+    .await;
+    let admin = pg.connect().await.unwrap();
+    admin
+        .batch_execute(
+            "CREATE TABLE stamps (id int PRIMARY KEY, at timestamptz, day date, x float8);
+             CREATE PUBLICATION stamps_pub FOR ALL TABLES;",
+        )
+        .await
+        .unwrap();
+    let mut conn = ReplicationConnection::connect(&params(&pg.url()))
+        .await
+        .unwrap();
+    let created = conn.create_slot_with_snapshot("stamps_slot").await.unwrap();
+    admin
+        .batch_execute(
+            "INSERT INTO stamps VALUES
+               (1, '2024-03-05 06:07:08.5+00', '2024-03-05', 0.1)",
+        )
+        .await
+        .unwrap();
+    let mut stream = conn
+        .start_replication(
+            "stamps_slot",
+            created.consistent_point,
+            &["stamps_pub".to_owned()],
+        )
+        .await
+        .unwrap();
+    let mut mapper = PgoutputMapper::new();
+    let row = within(PROMPT, async {
+        loop {
+            let payload = stream.next_copy_data().await.unwrap().expect("stream open");
+            let event = mapper.map_frame(&payload).expect("maps");
+            if let Some(PgoutputEvent::Downstream(DownstreamMessage::Data(Change::Insert(
+                insert,
+            )))) = event
+            {
+                return insert.new;
+            }
+        }
+    })
+    .await;
+    // 2024-03-05T06:07:08.5Z and 2024-03-05T00:00:00Z in Unix milliseconds.
+    assert_eq!(row["at"].as_f64(), Some(1_709_618_828_500.0));
+    assert_eq!(row["day"].as_f64(), Some(1_709_596_800_000.0));
+    assert_eq!(row["x"].as_f64(), Some(0.1));
+    stream.close().await;
+}

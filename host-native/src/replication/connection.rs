@@ -258,6 +258,12 @@ impl ReplicationConnection {
             ("replication", "database"),
             ("application_name", application_name.as_str()),
             ("client_encoding", "UTF8"),
+            // pgoutput sends values as text in the walsender's formats; the mapper reads ISO dates
+            // and exact floats, whatever the server's defaults are.
+            ("DateStyle", "ISO, MDY"),
+            ("IntervalStyle", "postgres"),
+            ("TimeZone", "UTC"),
+            ("extra_float_digits", "3"),
         ];
         frontend::startup_message(startup.iter().copied(), &mut self.write_buf)?;
         self.flush().await?;
