@@ -1,0 +1,12 @@
+// Browser (and bundler) entry point: `await init()` once before calling anything else.
+import initWasm, { type InitInput } from "./wasm/highwater_wasm.js";
+
+export * from "./index.js";
+
+/**
+ * Loads and instantiates the WebAssembly module; by default it is fetched from beside this file.
+ * Safe to call more than once.
+ */
+export async function init(wasm?: InitInput | Promise<InitInput>): Promise<void> {
+  await initWasm(wasm === undefined ? undefined : { module_or_path: wasm });
+}

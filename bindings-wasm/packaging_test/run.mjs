@@ -1,0 +1,75 @@
+#!/usr/bin/env node
+// Packaging smoke test: packs the built package, installs the tarball into a fresh project and
+// uses it the way a user would (Node ESM import, and TypeScript against the shipped .d.ts).
+// Run `npm run build:wasm` first.
+import assert from "node:assert/strict";
+import { execFileSync } from "node:child_process";
+import { cpSync, existsSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { fileURLToPath } from "node:url";
+
+const here = fileURLToPath(new URL(".", import.meta.url));
+const packageDir = join(here, "..");
+const tsc = join(packageDir, "..", "node_modules", ".bin", "tsc");
+const run = (command, args, cwd) => execFileSync(command, args, { cwd, encoding: "utf8", stdio: ["ignore", "pipe", "inherit"] });
+
+if (!existsSync(join(packageDir, "dist", "wasm", "highwater_wasm_bg.wasm"))) {
+  console.error("packaging test: bindings-wasm/dist is missing; run `npm run build:wasm` first");
+  process.exit(1);
+}
+
+const work = mkdtempSync(join(tmpdir(), "highwater-package-"));
+try {
+  const [packed] = JSON.parse(run("npm", ["pack", "--json", "--pack-destination", work], packageDir));
+  const files = packed.files.map((file) => file.path).sort();
+  assert.deepEqual(files, [
+    "README.md",
+    "dist/index.d.ts",
+    "dist/index.js",
+    "dist/node-init.d.ts",
+    "dist/node-init.js",
+    "dist/node.d.ts",
+    "dist/node.js",
+    "dist/wasm/api.d.ts",
+    "dist/wasm/api.js",
+    "dist/wasm/highwater_wasm.d.ts",
+    "dist/wasm/highwater_wasm.js",
+    "dist/wasm/highwater_wasm_bg.wasm",
+    "dist/wasm/highwater_wasm_bg.wasm.d.ts",
+    "dist/web.d.ts",
+    "dist/web.js",
+    "package.json",
+  ]);
+
+  const project = join(work, "project");
+  cpSync(here, project, { recursive: true, filter: (path) => !path.endsWith("run.mjs") });
+  writeFileSync(join(project, "package.json"), JSON.stringify({ name: "highwater-smoke", private: true, type: "module" }));
+  run("npm", ["install", "--no-audit", "--no-fund", "--loglevel=error", join(work, packed.filename)], project);
+
+  const output = JSON.parse(run("node", ["smoke.mjs"], project));
+  assert.deepEqual(output, {
+    watermark: -1,
+    changeStream: "9007199254740993n",
+    cursor: 7,
+    scope: "46fa6bff-e1f7-5d79-ba0d-967dec3d28b6",
+    backfill: true,
+    bridge: "unsubscribed",
+    error: "HW_INVALID_WATERMARK",
+  });
+
+  // Type-check as a Node user (with @types/node) and as a browser user (DOM and the
+  // disposable lib: the generated classes declare `[Symbol.dispose]`).
+  const typeConfigs = {
+    node: { lib: ["ES2022"], types: ["node"], typeRoots: [join(packageDir, "..", "node_modules", "@types")] },
+    browser: { lib: ["ES2022", "DOM", "ESNext.Disposable"], types: [] },
+  };
+  for (const [user, options] of Object.entries(typeConfigs)) {
+    const compilerOptions = { target: "ES2022", module: "NodeNext", moduleResolution: "NodeNext", strict: true, noEmit: true, ...options };
+    writeFileSync(join(project, `tsconfig.${user}.json`), JSON.stringify({ compilerOptions, files: ["smoke.ts"] }));
+    run(tsc, ["-p", `tsconfig.${user}.json`], project);
+  }
+  console.log(`packaging test: ok (${packed.filename}, ${packed.size} bytes packed, ${packed.unpackedSize} unpacked)`);
+} finally {
+  rmSync(work, { recursive: true, force: true });
+}
