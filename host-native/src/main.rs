@@ -2,6 +2,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod check_stream;
+
 #[derive(Parser)]
 #[command(name = "highwater", version, about = "Postgres-to-client sync engine")]
 struct Cli {
@@ -12,9 +14,16 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     // Each subcommand lives in its own module; add a variant and a match arm per command.
+    /// Validate change-stream frames or messages (JSON lines) and report the invalid ones.
+    CheckStream(check_stream::CheckStreamArgs),
+    /// Replicate upstream publications into `<data>/replica.db` until Ctrl-C / SIGTERM.
+    Replicate(highwater_host::replicate::ReplicateArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    match cli.command {}
+    match cli.command {
+        Command::CheckStream(args) => check_stream::run(args),
+        Command::Replicate(args) => highwater_host::replicate::run(args),
+    }
 }

@@ -1,0 +1,9 @@
+//! The highwater server as a library, so integration tests and benchmarks can use its parts.
+//!
+//! Modules of host-native are declared here, not in main.rs; the binary uses them through
+//! `highwater_host::…`.
+
+pub mod private_pg;
+pub mod replica;
+pub mod replicate;
+pub mod replication;
