@@ -3,7 +3,9 @@
 //! Modules of host-native are declared here, not in main.rs; the binary uses them through
 //! `highwater_host::…`.
 
+pub mod change_log;
 pub mod private_pg;
 pub mod replica;
 pub mod replicate;
 pub mod replication;
+pub mod serve;

@@ -18,6 +18,8 @@ enum Command {
     CheckStream(check_stream::CheckStreamArgs),
     /// Replicate upstream publications into `<data>/replica.db` until Ctrl-C / SIGTERM.
     Replicate(highwater_host::replicate::ReplicateArgs),
+    /// Replicate upstream and serve change-stream subscribers, replica snapshots and health.
+    Serve(highwater_host::serve::ServeArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -25,5 +27,6 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::CheckStream(args) => check_stream::run(args),
         Command::Replicate(args) => highwater_host::replicate::run(args),
+        Command::Serve(args) => highwater_host::serve::run(args),
     }
 }

@@ -1,0 +1,145 @@
+//! One change-stream WebSocket: frames the streamer produced go out, client frames go to the
+//! streamer, and a ping every interval drops a peer that went silent (§2.2).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket};
+use futures::{SinkExt, StreamExt};
+use highwater_engine::change_stream::{close_reason, PROTOCOL_ERROR_CLOSE_CODE};
+use highwater_engine::streamer::{ConnId, Effect};
+use tokio::sync::mpsc;
+
+use super::hub::{ConnCommand, Hub};
+
+/// How long to wait for the peer's answer to our close frame.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// Frames written before one flush.
+const MAX_FRAMES_PER_FLUSH: usize = 256;
+
+/// Sends a close frame right away (a request rejected before any stream began).
+pub(crate) async fn reject(mut socket: WebSocket, code: u16, reason: String) {
+    let frame = CloseFrame {
+        code,
+        reason: reason.into(),
+    };
+    if socket.send(Message::Close(Some(frame))).await.is_ok() {
+        await_close(&mut socket).await;
+    }
+}
+
+/// Reads until the peer's close (or the grace period ends), so the close frame is delivered.
+async fn await_close<S>(stream: &mut S)
+where
+    S: futures::Stream<Item = Result<Message, axum::Error>> + Unpin,
+{
+    let _ = tokio::time::timeout(CLOSE_GRACE, async {
+        while let Some(Ok(message)) = stream.next().await {
+            if matches!(message, Message::Close(_)) {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+/// Runs a registered connection until either side closes it. `start` opens the stream in the
+/// streamer (subscribe, or reserve a snapshot); its effects may already address `conn`.
+pub(crate) async fn run(
+    socket: WebSocket,
+    hub: Arc<Hub>,
+    conn: ConnId,
+    mut commands: mpsc::UnboundedReceiver<ConnCommand>,
+    ping_interval: Duration,
+    start: impl FnOnce(&mut highwater_engine::streamer::Streamer, u64) -> Vec<Effect>,
+) {
+    hub.call(start);
+    let (mut sink, mut stream) = socket.split();
+    let mut ping = tokio::time::interval(ping_interval);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ping.tick().await;
+    // Whether anything arrived from the peer since the last ping.
+    let mut alive = true;
+    let mut close: Option<CloseFrame> = None;
+    loop {
+        tokio::select! {
+            command = commands.recv() => {
+                let Some(command) = command else { break };
+                match write(&mut sink, command, &mut commands).await {
+                    Ok(None) => {}
+                    Ok(Some(frame)) => {
+                        close = Some(frame);
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            message = stream.next() => {
+                alive = true;
+                match message {
+                    Some(Ok(Message::Text(text))) => {
+                        hub.call(|s, now| s.on_client_frame(conn, text.as_str(), now));
+                    }
+                    Some(Ok(Message::Binary(_))) => {
+                        let reason = close_reason("expected text frames, found a binary frame");
+                        close = Some(CloseFrame { code: PROTOCOL_ERROR_CLOSE_CODE, reason: reason.into() });
+                        break;
+                    }
+                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                    Some(Ok(Message::Close(_))) | Some(Err(_)) | None => break,
+                }
+            }
+            _ = ping.tick() => {
+                if !alive {
+                    tracing::info!(%conn, "no message or pong for a whole ping interval: closing");
+                    break;
+                }
+                alive = false;
+                if sink.send(Message::Ping(Default::default())).await.is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    hub.disconnect(conn);
+    if let Some(frame) = close {
+        if sink.send(Message::Close(Some(frame))).await.is_ok() {
+            await_close(&mut stream).await;
+        }
+    }
+}
+
+/// Writes `first` and whatever else is queued (up to a bound), then flushes once. Returns the
+/// close frame to end with, if a command asked for one.
+async fn write<S>(
+    sink: &mut S,
+    first: ConnCommand,
+    commands: &mut mpsc::UnboundedReceiver<ConnCommand>,
+) -> Result<Option<CloseFrame>, axum::Error>
+where
+    S: futures::Sink<Message, Error = axum::Error> + Unpin,
+{
+    let mut next = Some(first);
+    let mut written = 0;
+    while let Some(command) = next.take() {
+        match command {
+            ConnCommand::Frame(frame) => {
+                sink.feed(Message::Text(frame.to_text().into())).await?;
+                written += 1;
+            }
+            ConnCommand::Close { code, reason } => {
+                sink.flush().await?;
+                return Ok(Some(CloseFrame {
+                    code,
+                    reason: reason.into(),
+                }));
+            }
+        }
+        if written < MAX_FRAMES_PER_FLUSH {
+            next = commands.try_recv().ok();
+        }
+    }
+    sink.flush().await?;
+    Ok(None)
+}

@@ -1,0 +1,335 @@
+//! The shared heart of `serve`: the engine's [`Streamer`] behind one lock, the links to every
+//! open WebSocket, and the routing of the effects the streamer returns.
+//!
+//! Every event — an upstream message, a client frame, a catch-up batch, a timer — goes through
+//! [`Hub::call`], which runs the streamer and dispatches its effects *while still holding the
+//! lock*. That keeps one total order: writes and catch-up reads enter the storage queue in the
+//! order the streamer asked for them, so a catch-up read always sees every store requested
+//! before it. The lock is never held across an await: all of it is plain, non-blocking code
+//! (channel sends), and SQLite work happens on the ingest thread that drains the queue.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use highwater_engine::streamer::{ConnId, Effect, LogOp, Outgoing, Streamer};
+use highwater_engine::watermark::{Lsn, Watermark};
+use tokio::sync::{mpsc, watch};
+
+use crate::change_log::ChangeLogStatus;
+
+/// What a connection task is told to do.
+#[derive(Debug)]
+pub(crate) enum ConnCommand {
+    Frame(Outgoing),
+    Close { code: u16, reason: String },
+}
+
+/// Work for the ingest thread, in the order the streamer asked for it.
+#[derive(Debug)]
+pub(crate) enum StorageOp {
+    Store(LogOp),
+    FetchCatchup {
+        conn: ConnId,
+        from: Watermark,
+        through: Watermark,
+    },
+    Purge {
+        below: Watermark,
+    },
+    RestartUpstream {
+        reason: String,
+    },
+    ResetRequired {
+        reason: String,
+    },
+}
+
+/// Reports durable positions to the upstream change source.
+pub(crate) type AckSink = Arc<dyn Fn(Lsn) + Send + Sync>;
+
+/// The hub's side of one WebSocket.
+struct Link {
+    out: mpsc::UnboundedSender<ConnCommand>,
+    /// `true` while the streamer wants this connection's catch-up read paused.
+    catchup_paused: watch::Sender<bool>,
+}
+
+/// Upstream acknowledgement positions: a commit's watermark is its commit LSN, but Postgres
+/// should be told the commit's *end* LSN so it does not send the transaction again.
+#[derive(Default)]
+struct CommitEnds {
+    ends: BTreeMap<Watermark, Lsn>,
+}
+
+impl CommitEnds {
+    fn position(&mut self, watermark: &Watermark) -> Option<Lsn> {
+        let lsn = watermark.to_lsn().ok();
+        let mut end = None;
+        while let Some(entry) = self.ends.first_entry() {
+            if entry.key() > watermark {
+                break;
+            }
+            end = end.max(Some(entry.remove()));
+        }
+        lsn.max(end)
+    }
+}
+
+/// Positions shown by `/health` and used for backup watermarks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Positions {
+    pub replica_version: Watermark,
+    /// The newest durable commit.
+    pub last_watermark: Watermark,
+    /// The earliest watermark left in the change log.
+    pub min_watermark: Watermark,
+}
+
+impl From<&ChangeLogStatus> for Positions {
+    fn from(status: &ChangeLogStatus) -> Self {
+        Positions {
+            replica_version: status.replica_version.clone(),
+            last_watermark: status.last_watermark.clone(),
+            min_watermark: status.min_watermark.clone(),
+        }
+    }
+}
+
+pub(crate) struct Hub {
+    streamer: Mutex<Streamer>,
+    links: Mutex<HashMap<ConnId, Link>>,
+    storage: mpsc::UnboundedSender<StorageOp>,
+    upstream_paused: watch::Sender<bool>,
+    ack_sink: Mutex<Option<AckSink>>,
+    commit_ends: Mutex<CommitEnds>,
+    positions: Mutex<Positions>,
+    next_conn: AtomicU64,
+    epoch: Instant,
+}
+
+/// Locks `mutex`, recovering the data of a lock poisoned by a panic elsewhere: every critical
+/// section here leaves its data consistent between statements.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Hub {
+    /// A hub around `streamer`; returns the storage queue's receiving end for the ingest thread.
+    pub fn new(
+        streamer: Streamer,
+        positions: Positions,
+    ) -> (Arc<Hub>, mpsc::UnboundedReceiver<StorageOp>) {
+        let (storage, ops) = mpsc::unbounded_channel();
+        let hub = Hub {
+            streamer: Mutex::new(streamer),
+            links: Mutex::new(HashMap::new()),
+            storage,
+            upstream_paused: watch::channel(false).0,
+            ack_sink: Mutex::new(None),
+            commit_ends: Mutex::new(CommitEnds::default()),
+            positions: Mutex::new(positions),
+            next_conn: AtomicU64::new(1),
+            epoch: Instant::now(),
+        };
+        (Arc::new(hub), ops)
+    }
+
+    /// Milliseconds since the hub started: the streamer's clock.
+    pub fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Runs `f` on the streamer and carries out the effects it returns.
+    pub fn call(&self, f: impl FnOnce(&mut Streamer, u64) -> Vec<Effect>) {
+        let now = self.now_ms();
+        let mut streamer = lock(&self.streamer);
+        let effects = f(&mut streamer, now);
+        self.dispatch(effects);
+    }
+
+    /// Reads the streamer without producing effects.
+    pub fn inspect<R>(&self, f: impl FnOnce(&Streamer) -> R) -> R {
+        f(&lock(&self.streamer))
+    }
+
+    /// Runs `f` on the streamer where the call returns a value and no effects.
+    pub fn with<R>(&self, f: impl FnOnce(&mut Streamer) -> R) -> R {
+        f(&mut lock(&self.streamer))
+    }
+
+    fn dispatch(&self, effects: Vec<Effect>) {
+        if effects.is_empty() {
+            return;
+        }
+        let links = lock(&self.links);
+        for effect in effects {
+            match effect {
+                Effect::Send { conn, frame } => {
+                    if let Some(link) = links.get(&conn) {
+                        let _ = link.out.send(ConnCommand::Frame(frame));
+                    }
+                }
+                Effect::Close { conn, code, reason } => {
+                    if let Some(link) = links.get(&conn) {
+                        let _ = link.out.send(ConnCommand::Close { code, reason });
+                    }
+                }
+                Effect::Store(op) => self.enqueue(StorageOp::Store(op)),
+                Effect::FetchCatchup {
+                    conn,
+                    from,
+                    through,
+                } => self.enqueue(StorageOp::FetchCatchup {
+                    conn,
+                    from,
+                    through,
+                }),
+                Effect::Purge { below } => self.enqueue(StorageOp::Purge { below }),
+                Effect::RestartUpstream { reason } => {
+                    self.enqueue(StorageOp::RestartUpstream { reason })
+                }
+                Effect::ResetRequired { reason } => {
+                    self.enqueue(StorageOp::ResetRequired { reason })
+                }
+                Effect::AckUpstream { watermark } => self.ack_upstream(&watermark),
+                Effect::PauseCatchup { conn } | Effect::ResumeCatchup { conn } => {
+                    let paused = matches!(effect, Effect::PauseCatchup { .. });
+                    if let Some(link) = links.get(&conn) {
+                        link.catchup_paused.send_replace(paused);
+                    }
+                }
+                Effect::PauseUpstream => {
+                    tracing::debug!("a subscriber backlog is full: pausing the upstream stream");
+                    self.upstream_paused.send_replace(true);
+                }
+                Effect::ResumeUpstream => {
+                    tracing::debug!("resuming the upstream stream");
+                    self.upstream_paused.send_replace(false);
+                }
+                Effect::Warn { conn, message } => match conn {
+                    Some(conn) => tracing::warn!(%conn, "{message}"),
+                    None => tracing::warn!("{message}"),
+                },
+            }
+        }
+    }
+
+    fn enqueue(&self, op: StorageOp) {
+        // The receiver lives as long as the ingest thread; after it stopped nothing is stored.
+        let _ = self.storage.send(op);
+    }
+
+    // ---- upstream ----
+
+    /// Where durable positions are reported (the replication stream's acker).
+    pub fn set_ack_sink(&self, sink: AckSink) {
+        *lock(&self.ack_sink) = Some(sink);
+    }
+
+    /// Remembers a commit's end LSN, acknowledged upstream once the commit is durable.
+    pub fn note_commit_end(&self, watermark: Watermark, end: Lsn) {
+        lock(&self.commit_ends).ends.insert(watermark, end);
+    }
+
+    fn ack_upstream(&self, watermark: &Watermark) {
+        let Some(lsn) = lock(&self.commit_ends).position(watermark) else {
+            tracing::warn!(%watermark, "cannot acknowledge a watermark that is not an LSN");
+            return;
+        };
+        if let Some(sink) = lock(&self.ack_sink).as_ref() {
+            sink(lsn);
+        }
+    }
+
+    /// Follows whether the streamer wants the upstream stream paused.
+    pub fn upstream_paused(&self) -> watch::Receiver<bool> {
+        self.upstream_paused.subscribe()
+    }
+
+    // ---- positions ----
+
+    pub fn positions(&self) -> Positions {
+        lock(&self.positions).clone()
+    }
+
+    pub fn set_last_watermark(&self, watermark: Watermark) {
+        lock(&self.positions).last_watermark = watermark;
+    }
+
+    pub fn set_min_watermark(&self, watermark: Watermark) {
+        lock(&self.positions).min_watermark = watermark;
+    }
+
+    // ---- connections ----
+
+    /// Registers a new connection: its id, the commands it receives and its catch-up gate.
+    pub fn connect(&self) -> (ConnId, mpsc::UnboundedReceiver<ConnCommand>) {
+        let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
+        let (out, commands) = mpsc::unbounded_channel();
+        let link = Link {
+            out,
+            catchup_paused: watch::channel(false).0,
+        };
+        lock(&self.links).insert(conn, link);
+        (conn, commands)
+    }
+
+    /// Forgets a connection that ended, in the streamer too.
+    pub fn disconnect(&self, conn: ConnId) {
+        lock(&self.links).remove(&conn);
+        self.call(|s, _| s.on_close(conn));
+    }
+
+    /// The catch-up gate of `conn`, if it is still open.
+    pub fn catchup_gate(&self, conn: ConnId) -> Option<watch::Receiver<bool>> {
+        lock(&self.links)
+            .get(&conn)
+            .map(|link| link.catchup_paused.subscribe())
+    }
+
+    pub fn is_connected(&self, conn: ConnId) -> bool {
+        lock(&self.links).contains_key(&conn)
+    }
+
+    pub fn connections(&self) -> usize {
+        lock(&self.links).len()
+    }
+
+    /// Closes every connection (shutdown).
+    pub fn close_all(&self, code: u16, reason: &str) {
+        for link in lock(&self.links).values() {
+            let _ = link.out.send(ConnCommand::Close {
+                code,
+                reason: reason.to_owned(),
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(n: u64) -> Watermark {
+        Lsn(n).to_watermark()
+    }
+
+    #[test]
+    fn acks_report_the_end_of_the_newest_durable_commit() {
+        let mut ends = CommitEnds::default();
+        ends.ends.insert(w(100), Lsn(130));
+        ends.ends.insert(w(200), Lsn(230));
+        ends.ends.insert(w(300), Lsn(330));
+        // Both commits up to 200 are durable: their entries go, the later end wins.
+        assert_eq!(ends.position(&w(200)), Some(Lsn(230)));
+        assert_eq!(ends.ends.len(), 1);
+        // A keepalive position with no commit of its own is acknowledged as is.
+        assert_eq!(ends.position(&w(250)), Some(Lsn(250)));
+        assert_eq!(ends.position(&w(400)), Some(Lsn(400)));
+        assert!(ends.ends.is_empty());
+    }
+}

@@ -1,0 +1,430 @@
+//! The ingest thread: takes upstream events into the streamer and carries out the storage
+//! queue in order — each upstream transaction applied to the replica and appended to the change
+//! log in one SQLite transaction, then reported durable (which releases the upstream ack) — and
+//! starts catch-up reads once every store before them is committed.
+
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use highwater_engine::change_stream::{DownstreamMessage, Rollback};
+use highwater_engine::streamer::{ConnId, LogOp, StoredChange};
+use highwater_engine::watermark::{Lsn, Watermark};
+use rusqlite::Connection;
+use tokio::runtime::Handle;
+use tokio::sync::{mpsc, watch};
+
+use super::hub::{Hub, StorageOp};
+use super::source::SourceEvent;
+use super::ServeError;
+use crate::change_log::{self, CatchupLimits, CatchupReader};
+use crate::replica::ddl::{in_publications, parse_ddl_event, schema_changes};
+use crate::replica::{Applied, ReplicaWriter};
+
+pub(crate) struct Ingest {
+    hub: Arc<Hub>,
+    writer: ReplicaWriter,
+    db_path: PathBuf,
+    publications: Vec<String>,
+    handle: Handle,
+    /// Inside an upstream transaction that is already stored (sent again after a restart).
+    skipping: bool,
+    /// A purge that came in mid-transaction, run at the next commit.
+    pending_purge: Option<Watermark>,
+    catchup_limits: CatchupLimits,
+    warned_backfills: bool,
+}
+
+// Lives for one loop step; boxing the common message variant would only add an allocation.
+#[allow(clippy::large_enum_variant)]
+enum Next {
+    Stop,
+    Op(StorageOp),
+    Source(SourceEvent),
+    Resumed,
+}
+
+impl Ingest {
+    pub fn new(
+        hub: Arc<Hub>,
+        writer: ReplicaWriter,
+        db_path: PathBuf,
+        publications: Vec<String>,
+        handle: Handle,
+    ) -> Ingest {
+        Ingest {
+            hub,
+            writer,
+            db_path,
+            publications,
+            handle,
+            skipping: false,
+            pending_purge: None,
+            catchup_limits: CatchupLimits::default(),
+            warned_backfills: false,
+        }
+    }
+
+    fn conn(&self) -> &Connection {
+        self.writer.replica().connection()
+    }
+
+    /// Runs until `shutdown`, the source failing, or a storage error. Blocking.
+    pub fn run(
+        mut self,
+        mut ops: mpsc::UnboundedReceiver<StorageOp>,
+        mut events: mpsc::Receiver<SourceEvent>,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> Result<(), ServeError> {
+        let mut paused = self.hub.upstream_paused();
+        let result = loop {
+            if let Err(e) = self.drain(&mut ops) {
+                break Err(e);
+            }
+            let is_paused = *paused.borrow_and_update();
+            let handle = self.handle.clone();
+            let next = handle.block_on(async {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.wait_for(|s| *s) => Next::Stop,
+                    op = ops.recv() => op.map_or(Next::Stop, Next::Op),
+                    _ = paused.changed(), if is_paused => Next::Resumed,
+                    // A source that fails says so; one that just ends was stopped.
+                    event = events.recv(), if !is_paused => event.map_or(Next::Stop, Next::Source),
+                }
+            });
+            let step = match next {
+                Next::Stop => break Ok(()),
+                Next::Resumed => Ok(()),
+                Next::Op(op) => self.execute(op),
+                Next::Source(event) => self.on_source(event, &mut ops),
+            };
+            if let Err(e) = step {
+                break Err(e);
+            }
+        };
+        // Whatever was in flight upstream is not stored; Postgres sends it again next time.
+        self.hub.call(|s, _| s.upstream_ended());
+        while let Ok(op) = ops.try_recv() {
+            if matches!(op, StorageOp::Store(_)) {
+                let _ = self.execute(op);
+            }
+        }
+        if self.writer.in_transaction() {
+            let _ = self
+                .writer
+                .apply(&DownstreamMessage::Rollback(Rollback::default()));
+        }
+        if let Err(error) = &result {
+            tracing::error!(%error, "replication stopped");
+        }
+        result
+    }
+
+    /// Carries out every queued storage op.
+    fn drain(&mut self, ops: &mut mpsc::UnboundedReceiver<StorageOp>) -> Result<(), ServeError> {
+        while let Ok(op) = ops.try_recv() {
+            self.execute(op)?;
+        }
+        Ok(())
+    }
+
+    fn on_source(
+        &mut self,
+        event: SourceEvent,
+        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
+    ) -> Result<(), ServeError> {
+        match event {
+            SourceEvent::Message(message) => self.on_message(message),
+            SourceEvent::Ddl(content) => {
+                // Schema changes are computed against the replica as of the messages before.
+                self.drain(ops)?;
+                self.on_ddl(&content)
+            }
+            SourceEvent::Keepalive(watermark) => {
+                if !self.skipping {
+                    self.hub.call(|s, _| s.on_keepalive(watermark, true));
+                }
+                Ok(())
+            }
+            SourceEvent::Restarted => {
+                self.skipping = false;
+                if self.hub.inspect(|s| s.in_transaction()) {
+                    self.hub.call(|s, _| s.upstream_ended());
+                }
+                Ok(())
+            }
+            SourceEvent::Failed(reason) => Err(ServeError::Source(reason)),
+        }
+    }
+
+    fn on_message(&mut self, message: DownstreamMessage) -> Result<(), ServeError> {
+        if self.skipping {
+            if matches!(
+                message,
+                DownstreamMessage::Commit(_) | DownstreamMessage::Rollback(_)
+            ) {
+                self.skipping = false;
+            }
+            return Ok(());
+        }
+        match &message {
+            DownstreamMessage::Begin(begin) => {
+                let last = self.hub.inspect(|s| s.last_commit().clone());
+                if begin.commit_watermark <= last {
+                    // Stored before the stream restarted (acknowledged too late to be skipped
+                    // by Postgres): nothing to forward or store.
+                    tracing::debug!(watermark = %begin.commit_watermark, "skipping a transaction already stored");
+                    self.skipping = true;
+                    return Ok(());
+                }
+            }
+            DownstreamMessage::Commit(commit) => {
+                let end = commit
+                    .extra
+                    .get("commitEndLsn")
+                    .and_then(serde_json::Value::as_str)
+                    .and_then(|text| text.parse::<Lsn>().ok());
+                if let Some(end) = end {
+                    self.hub.note_commit_end(commit.watermark.clone(), end);
+                }
+            }
+            _ => {}
+        }
+        let mut rejected = None;
+        self.hub.call(|s, _| match s.on_upstream(message) {
+            Ok(effects) => effects,
+            Err(e) => {
+                rejected = Some(e);
+                Vec::new()
+            }
+        });
+        match rejected {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    fn on_ddl(&mut self, content: &[u8]) -> Result<(), ServeError> {
+        if !self.writer.in_transaction() {
+            return Ok(());
+        }
+        let ddl = parse_ddl_event(content).map_err(|e| ServeError::Invariant {
+            expected: "a DDL event as JSON".to_owned(),
+            found: e.to_string(),
+        })?;
+        let tables = in_publications(ddl.schema, &self.publications);
+        let changes = schema_changes(self.writer.replica(), &tables, &ddl.tag)?;
+        for change in changes {
+            tracing::info!(change = change.tag(), "schema change");
+            self.on_message(DownstreamMessage::Data(change))?;
+        }
+        Ok(())
+    }
+
+    fn execute(&mut self, op: StorageOp) -> Result<(), ServeError> {
+        match op {
+            StorageOp::Store(LogOp::Begin(row)) => {
+                let message = typed(&row)?;
+                // Replica and log commit together, so the replica is never ahead of the log.
+                if let Some(state) = self.writer.replica().state() {
+                    if state.watermark >= *row.watermark() {
+                        return Err(ServeError::Invariant {
+                            expected: format!(
+                                "a transaction after the replica's {}",
+                                state.watermark
+                            ),
+                            found: format!("a transaction at {}", row.watermark()),
+                        });
+                    }
+                }
+                self.writer.apply(message)?;
+                self.append(&row)?;
+            }
+            StorageOp::Store(LogOp::Append(row)) => {
+                let message = typed(&row)?;
+                self.writer.apply(message)?;
+                self.append(&row)?;
+                if let DownstreamMessage::Data(change) = message {
+                    if !change.is_row_change() {
+                        change_log::apply_cookie_ops(self.conn(), change)?;
+                    }
+                }
+            }
+            StorageOp::Store(LogOp::Commit(row)) => {
+                let message = typed(&row)?;
+                self.append(&row)?;
+                change_log::commit(self.conn(), row.watermark())?;
+                match self.writer.apply(message)? {
+                    Applied::Committed { .. } => {}
+                    other => {
+                        return Err(ServeError::Invariant {
+                            expected: format!("the commit of {} to be applied", row.watermark()),
+                            found: format!("{other:?}"),
+                        })
+                    }
+                }
+                let watermark = row.watermark().clone();
+                self.hub.set_last_watermark(watermark.clone());
+                self.hub.call(|s, _| s.on_stored(watermark));
+                self.warn_pending_backfills();
+                if let Some(below) = self.pending_purge.take() {
+                    self.purge(&below)?;
+                }
+            }
+            StorageOp::Store(LogOp::Abort) => {
+                self.writer
+                    .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
+            }
+            StorageOp::FetchCatchup {
+                conn,
+                from,
+                through,
+            } => self.spawn_catchup(conn, from, through),
+            StorageOp::Purge { below } => {
+                if self.writer.in_transaction() {
+                    self.pending_purge = Some(match self.pending_purge.take() {
+                        Some(pending) if pending > below => pending,
+                        _ => below,
+                    });
+                } else {
+                    self.purge(&below)?;
+                }
+            }
+            StorageOp::RestartUpstream { reason } => {
+                // Postgres takes no backfill requests: the replica runs its own backfills, so a
+                // restart could not re-request anything.
+                tracing::warn!(%reason, "a subscriber needs backfills the Postgres source cannot re-request");
+            }
+            StorageOp::ResetRequired { reason } => {
+                if self.writer.in_transaction() {
+                    self.writer
+                        .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
+                }
+                change_log::mark_reset_required(self.conn())?;
+                return Err(ServeError::ResetRequired(reason));
+            }
+        }
+        Ok(())
+    }
+
+    fn append(&self, row: &StoredChange) -> Result<(), ServeError> {
+        change_log::append(
+            self.conn(),
+            row.watermark(),
+            row.pos(),
+            row.tag(),
+            row.change_json(),
+        )?;
+        Ok(())
+    }
+
+    fn purge(&mut self, below: &Watermark) -> Result<(), ServeError> {
+        let report = change_log::purge(self.conn(), below)?;
+        tracing::info!(
+            %below,
+            deleted = report.deleted,
+            min_watermark = %report.min_watermark,
+            "change log purged"
+        );
+        let min = report.min_watermark;
+        self.hub.set_min_watermark(min.clone());
+        self.hub.with(|s| s.on_purged(min));
+        Ok(())
+    }
+
+    /// Backfills run by the replica do not pass through the change log yet, so subscribers
+    /// would not see them; say so once instead of diverging silently.
+    fn warn_pending_backfills(&mut self) {
+        if self.warned_backfills || self.writer.pending_backfills().is_empty() {
+            return;
+        }
+        self.warned_backfills = true;
+        tracing::warn!(
+            "the replica waits for backfills of new tables or columns; serve does not stream \
+             backfills yet, so their existing rows stay hidden"
+        );
+    }
+
+    fn spawn_catchup(&self, conn: ConnId, from: Watermark, through: Watermark) {
+        let Some(gate) = self.hub.catchup_gate(conn) else {
+            return;
+        };
+        let hub = self.hub.clone();
+        let path = self.db_path.clone();
+        let handle = self.handle.clone();
+        let limits = self.catchup_limits;
+        self.handle.spawn_blocking(move || {
+            catch_up(
+                &hub,
+                &handle,
+                Catchup {
+                    conn,
+                    from,
+                    through,
+                    gate,
+                },
+                &path,
+                limits,
+            )
+        });
+    }
+}
+
+/// The typed message of a row the streamer asked to store (always there for live messages).
+fn typed(row: &StoredChange) -> Result<&DownstreamMessage, ServeError> {
+    row.message().ok_or_else(|| ServeError::Invariant {
+        expected: "a typed message to apply to the replica".to_owned(),
+        found: format!(
+            "only the stored text of {} at {}",
+            row.tag(),
+            row.watermark()
+        ),
+    })
+}
+
+struct Catchup {
+    conn: ConnId,
+    from: Watermark,
+    through: Watermark,
+    /// `true` while the streamer wants the read paused.
+    gate: watch::Receiver<bool>,
+}
+
+/// Reads the change log for one subscriber and feeds it to the streamer, pausing while the
+/// subscriber has too much unacknowledged catch-up data. Blocking.
+fn catch_up(
+    hub: &Hub,
+    handle: &Handle,
+    mut job: Catchup,
+    path: &std::path::Path,
+    limits: CatchupLimits,
+) {
+    let conn = job.conn;
+    let wanted =
+        |hub: &Hub| hub.is_connected(conn) && hub.inspect(|s| s.subscriber(conn).is_some());
+    let result = CatchupReader::open(path).and_then(|mut reader| {
+        reader.read(&job.from, &job.through, limits, |rows| {
+            hub.call(|s, _| s.catchup_rows(conn, rows));
+            loop {
+                if !wanted(hub) {
+                    return ControlFlow::Break(());
+                }
+                if !*job.gate.borrow_and_update() {
+                    return ControlFlow::Continue(());
+                }
+                if handle.block_on(job.gate.changed()).is_err() {
+                    return ControlFlow::Break(());
+                }
+            }
+        })
+    });
+    match result {
+        Ok(_) if wanted(hub) => hub.call(|s, _| s.catchup_done(conn)),
+        Ok(_) => {}
+        Err(error) => {
+            let reason = error.to_string();
+            hub.call(|s, _| s.catchup_failed(conn, &reason));
+        }
+    }
+}

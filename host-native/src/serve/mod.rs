@@ -1,0 +1,412 @@
+//! `highwater serve`: replicates Postgres into the SQLite replica and change log, and serves
+//! Zero-compatible change-stream subscribers, replica snapshots and health checks.
+//!
+//! ```text
+//!  Postgres ──WalStream──▶ source task ──SourceEvent──▶ ingest thread ◀── storage queue ──┐
+//!                (pgoutput → change-stream messages)       │  ReplicaWriter + change_log  │
+//!                                                           ▼                              │
+//!                                    Hub::call(Streamer::on_upstream) ── effects ──────────┤
+//!  WebSocket tasks ── client frames ──▶ Hub::call(Streamer::…) ──── Send/Close ──▶ sockets │
+//!  catch-up readers ── rows ─────────▶ Hub::call(Streamer::catchup_rows)                   │
+//!  ticker ── tick / backup watermark ▶ Hub::call(…)  ── Store/FetchCatchup/Purge ──────────┘
+//! ```
+//!
+//! The engine's [`Streamer`](highwater_engine::streamer::Streamer) holds every rule; this module
+//! only carries its effects out. The loop is forward, store, ack: a message is forwarded to
+//! live subscribers as soon as it is decoded, the whole upstream transaction is applied to the
+//! replica and appended to the change log in one SQLite transaction, and only once that commit
+//! is durable does Postgres hear the acknowledgement.
+
+mod connection;
+mod endpoints;
+mod hub;
+mod ingest;
+mod snapshot;
+mod source;
+mod startup;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use highwater_engine::change_stream::MAX_PROTOCOL_VERSION;
+use highwater_engine::streamer::{
+    BackupWatermark, ChangeLogState, Streamer, StreamerConfig, DEFAULT_PURGE_DELAY_MS,
+};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::change_log::ChangeLogError;
+use crate::replica::initial_sync::SyncError;
+use crate::replica::ReplicaError;
+use crate::replication::setup::DEFAULT_APP_ID;
+use crate::replication::ReplicationError;
+use hub::{Hub, Positions};
+
+pub use endpoints::SNAPSHOT_PATH;
+pub use snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
+
+/// Zero's change-streamer port when the sync port is 4848 is 4849; highwater serves both
+/// protocols on one port.
+pub const DEFAULT_PORT: u16 = 4848;
+/// WebSocket liveness: ping this often, drop a peer silent for a whole period.
+pub const PING_INTERVAL: Duration = Duration::from_secs(30);
+/// How often the replica's durable position is reported as a backup watermark.
+pub const DEFAULT_BACKUP_INTERVAL_MS: u64 = 10_000;
+
+/// Command-line arguments of `highwater serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Upstream Postgres URL (`postgres://user[:password]@host:port/db`); the user needs the
+    /// REPLICATION attribute, and a superuser to follow schema changes (event triggers).
+    #[arg(long)]
+    pub upstream: String,
+    /// Directory of the replica and change log (`<data>/replica.db`).
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Port for WebSockets, snapshots and health checks.
+    #[arg(long, default_value_t = DEFAULT_PORT)]
+    pub port: u16,
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    /// Names the slot (`<app>_slot`), the default publication (`<app>_pub`) and the DDL trigger.
+    #[arg(long, default_value = DEFAULT_APP_ID)]
+    pub app_id: String,
+    /// Publications to replicate; by default `<app>_pub`, created FOR ALL TABLES if missing.
+    #[arg(long = "publication")]
+    pub publications: Vec<String>,
+    /// Base URL other servers reach this one at (for `backupURL`); by default
+    /// `http://127.0.0.1:<port>` when listening on every address, else `http://<host>:<port>`.
+    #[arg(long)]
+    pub public_url: Option<String>,
+    /// Wait after a backup watermark before purging the change log up to it.
+    #[arg(long, default_value_t = DEFAULT_PURGE_DELAY_MS, hide = true)]
+    pub purge_delay_ms: u64,
+    /// How often the replica's durable position is reported as a backup watermark.
+    #[arg(long, default_value_t = DEFAULT_BACKUP_INTERVAL_MS, hide = true)]
+    pub backup_interval_ms: u64,
+}
+
+impl ServeArgs {
+    /// Defaults for everything but the upstream and the data directory.
+    pub fn new(upstream: impl Into<String>, data: impl Into<PathBuf>) -> Self {
+        ServeArgs {
+            upstream: upstream.into(),
+            data: data.into(),
+            port: DEFAULT_PORT,
+            host: "0.0.0.0".to_owned(),
+            app_id: DEFAULT_APP_ID.to_owned(),
+            publications: Vec::new(),
+            public_url: None,
+            purge_delay_ms: DEFAULT_PURGE_DELAY_MS,
+            backup_interval_ms: DEFAULT_BACKUP_INTERVAL_MS,
+        }
+    }
+
+    fn public_url(&self) -> String {
+        match &self.public_url {
+            Some(url) => url.trim_end_matches('/').to_owned(),
+            None if self.host == "0.0.0.0" || self.host == "::" => {
+                format!("http://127.0.0.1:{}", self.port)
+            }
+            None => format!("http://{}:{}", self.host, self.port),
+        }
+    }
+}
+
+/// Why the server stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
+    #[error(transparent)]
+    ChangeLog(#[from] ChangeLogError),
+    #[error(transparent)]
+    Replication(#[from] ReplicationError),
+    #[error("initial sync failed: {0}")]
+    Sync(#[from] SyncError),
+    #[error("upstream query failed: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("the change source broke the change-stream protocol: {0}")]
+    Upstream(#[from] highwater_engine::streamer::UpstreamError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the replication stream failed: {0}")]
+    Source(String),
+    #[error(
+        "the change log cannot serve a subscriber and must be reset (the next start resyncs): {0}"
+    )]
+    ResetRequired(String),
+    #[error("expected {expected}, found {found}")]
+    Invariant { expected: String, found: String },
+    #[error("a server task failed: {0}")]
+    Task(String),
+}
+
+/// Runs `highwater serve` until Ctrl-C or SIGTERM.
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let (stop_tx, stop) = watch::channel(false);
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            tracing::info!("stopping");
+            let _ = stop_tx.send(true);
+        });
+        serve(args, stop).await
+    })?;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}
+
+/// Serves until `stop` turns true or replication fails: prepares the replica (initial sync
+/// when needed), then runs replication, the storage loop and the endpoints.
+pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), ServeError> {
+    let handle = tokio::runtime::Handle::current();
+    let prepared = {
+        let args = args.clone();
+        let handle = handle.clone();
+        tokio::task::spawn_blocking(move || startup::prepare(&handle, &args))
+            .await
+            .map_err(|e| ServeError::Task(e.to_string()))??
+    };
+    let listen = format!("{}:{}", args.host, args.port);
+    let listener = TcpListener::bind(&listen)
+        .await
+        .map_err(|source| ServeError::Listen {
+            addr: listen.clone(),
+            source,
+        })?;
+    let public_url = args.public_url();
+    let settings = Settings {
+        data: args.data.clone(),
+        public_url: public_url.clone(),
+        purge_delay: Duration::from_millis(args.purge_delay_ms),
+        backup_interval: Duration::from_millis(args.backup_interval_ms.max(1)),
+        ping_interval: PING_INTERVAL,
+        owner: format!("{}@{}", args.app_id, std::process::id()),
+    };
+    let source = source::spawn_postgres(prepared.stream, &args.app_id, stop.clone());
+    tracing::info!(
+        address = %listener.local_addr().map(|a| a.to_string()).unwrap_or(listen),
+        %public_url,
+        max_protocol = MAX_PROTOCOL_VERSION,
+        "serving"
+    );
+    run_server(
+        listener,
+        prepared.writer,
+        prepared.log,
+        prepared.publications,
+        source,
+        settings,
+        stop,
+    )
+    .await
+}
+
+/// How the server runs, once the replica is ready.
+#[derive(Debug, Clone)]
+struct Settings {
+    data: PathBuf,
+    public_url: String,
+    purge_delay: Duration,
+    backup_interval: Duration,
+    ping_interval: Duration,
+    owner: String,
+}
+
+/// Runs the storage loop, the endpoints and the timers over a ready replica and a change
+/// source, until `stop` or a failure.
+async fn run_server(
+    listener: TcpListener,
+    writer: crate::replica::ReplicaWriter,
+    log: crate::change_log::ChangeLogStatus,
+    publications: Vec<String>,
+    source: source::Source,
+    settings: Settings,
+    stop: watch::Receiver<bool>,
+) -> Result<(), ServeError> {
+    let handle = tokio::runtime::Handle::current();
+    let mut config = StreamerConfig::new(log.replica_version.clone());
+    config.backup_url = Some(format!("{}{SNAPSHOT_PATH}", settings.public_url));
+    config.purge_delay_ms = u64::try_from(settings.purge_delay.as_millis()).unwrap_or(u64::MAX);
+    let streamer = Streamer::new(
+        config,
+        ChangeLogState {
+            last_watermark: log.last_watermark.clone(),
+            min_watermark: log.min_watermark.clone(),
+        },
+    );
+    let (hub, ops) = Hub::new(streamer, Positions::from(&log));
+    hub.set_ack_sink(source.ack_sink.clone());
+    let db_path = settings.data.join("replica.db");
+    crate::change_log::set_owner(
+        writer.replica().connection(),
+        &settings.owner,
+        &owner_address(&settings.public_url),
+    )?;
+    let jar = crate::change_log::cookie_jar(writer.replica().connection())?;
+    let requests = hub.with(|s| s.start_upstream(jar));
+    if !requests.is_empty() {
+        tracing::info!(
+            tables = requests.len(),
+            "pending backfills recorded in the change log"
+        );
+    }
+
+    // Anything that ends the server ends all of it.
+    let (shutdown_tx, shutdown) = watch::channel(false);
+    let shutdown_tx = Arc::new(shutdown_tx);
+    {
+        let shutdown_tx = shutdown_tx.clone();
+        let mut stop = stop.clone();
+        tokio::spawn(async move {
+            let _ = stop.wait_for(|s| *s).await;
+            shutdown_tx.send_replace(true);
+        });
+    }
+
+    let ingest = ingest::Ingest::new(
+        hub.clone(),
+        writer,
+        db_path.clone(),
+        publications,
+        handle.clone(),
+    );
+    let ingest_task = {
+        let shutdown_tx = shutdown_tx.clone();
+        let shutdown = shutdown.clone();
+        let events = source.events;
+        tokio::task::spawn_blocking(move || {
+            let result = ingest.run(ops, events, shutdown);
+            shutdown_tx.send_replace(true);
+            result
+        })
+    };
+
+    let ticker = tokio::spawn(tick(
+        hub.clone(),
+        db_path.clone(),
+        settings.backup_interval,
+        shutdown.clone(),
+    ));
+
+    let state = endpoints::AppState {
+        hub: hub.clone(),
+        replica_path: db_path,
+        snapshot_dir: settings.data.join("snapshots"),
+        ping_interval: settings.ping_interval,
+    };
+    snapshot::clear_dir(&state.snapshot_dir)?;
+    let app = endpoints::router(state);
+    let server = {
+        let hub = hub.clone();
+        let mut shutdown = shutdown.clone();
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move {
+            let _ = shutdown.wait_for(|s| *s).await;
+            hub.close_all(1001, "server shutting down");
+        })
+    };
+    let served = server.await;
+    shutdown_tx.send_replace(true);
+    let _ = ticker.await;
+    let ingested = ingest_task
+        .await
+        .map_err(|e| ServeError::Task(e.to_string()))?;
+    let sourced = match source.task {
+        Some(task) => task.await.map_err(|e| ServeError::Task(e.to_string())),
+        None => Ok(()),
+    };
+    ingested?;
+    sourced?;
+    served?;
+    tracing::info!("server stopped");
+    Ok(())
+}
+
+/// The change-stream address other servers discover (`ownerAddress`): `host:port` for plain
+/// WebSockets, `wss://host:port` for TLS, as Zero writes it.
+fn owner_address(public_url: &str) -> String {
+    if let Some(rest) = public_url.strip_prefix("https://") {
+        format!("wss://{rest}")
+    } else {
+        public_url
+            .strip_prefix("http://")
+            .unwrap_or(public_url)
+            .to_owned()
+    }
+}
+
+/// Timers: the streamer's tick, and the replica's durable position as a backup watermark (the
+/// replica is the backup: `/replica/snapshot` serves it at its current position).
+async fn tick(
+    hub: Arc<Hub>,
+    replica_path: PathBuf,
+    backup_interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let period = backup_interval.min(Duration::from_secs(1));
+    let mut timer = tokio::time::interval(period);
+    timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_backup: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::select! {
+            _ = timer.tick() => {}
+            _ = shutdown.wait_for(|s| *s) => return,
+        }
+        let due = last_backup.is_none_or(|at| at.elapsed() >= backup_interval);
+        if due {
+            last_backup = Some(tokio::time::Instant::now());
+            let watermark = hub.positions().last_watermark;
+            let replica_size = std::fs::metadata(&replica_path).ok().map(|m| m.len());
+            hub.call(|s, now| {
+                s.backup_watermark(
+                    BackupWatermark {
+                        watermark,
+                        replica_size,
+                    },
+                    now,
+                )
+            });
+        }
+        hub.call(|s, now| s.tick(now));
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,830 @@
+//! Serve end to end with a scripted change source instead of Postgres: real SQLite, real
+//! WebSockets, the engine's decoder on every frame.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{SinkExt, StreamExt};
+use highwater_engine::change_stream::{
+    decode_downstream, decode_downstream_frame, DownstreamMessage, ErrorKind, Frame,
+};
+use highwater_engine::watermark::{Lsn, Watermark};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+use super::source::{Source, SourceEvent};
+use super::{run_server, ServeError, Settings};
+use crate::change_log::{self, ChangeLogConfig};
+use crate::replica::{Replica, ReplicaState, ReplicaWriter};
+
+const PROMPT: Duration = Duration::from_secs(10);
+
+fn w(n: u64) -> Watermark {
+    Lsn(n).to_watermark()
+}
+
+/// The replica version of every harness.
+const VERSION: u64 = 0x100;
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "highwater-serve-{name}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A server over a replica synced at [`VERSION`] with no tables, fed by the test.
+struct Harness {
+    addr: SocketAddr,
+    source: mpsc::Sender<SourceEvent>,
+    acks: Arc<Mutex<Vec<Lsn>>>,
+    stop: watch::Sender<bool>,
+    server: JoinHandle<Result<(), ServeError>>,
+    dir: TempDir,
+}
+
+impl Harness {
+    async fn start(name: &str, purge_delay: Duration) -> Harness {
+        Harness::start_with(name, purge_delay, Duration::from_secs(30)).await
+    }
+
+    async fn start_with(name: &str, purge_delay: Duration, ping_interval: Duration) -> Harness {
+        let dir = TempDir::new(name);
+        let mut replica = Replica::open_in_dir(&dir.0).expect("replica");
+        replica
+            .store_initial_state(&ReplicaState {
+                replica_version: w(VERSION),
+                watermark: w(VERSION),
+                lsn: Lsn(VERSION),
+                publications: vec!["pub".to_owned()],
+                slot: "slot".to_owned(),
+                app_id: "highwater".to_owned(),
+                next_seq: 1,
+            })
+            .expect("initial state");
+        let config = ChangeLogConfig {
+            replica_version: w(VERSION),
+            publications: vec!["pub".to_owned()],
+        };
+        let log = change_log::ensure(replica.connection(), &config, &w(VERSION)).expect("log");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("listen");
+        let addr = listener.local_addr().expect("addr");
+        let (source, events) = mpsc::channel(64);
+        let acks = Arc::new(Mutex::new(Vec::new()));
+        let sink = acks.clone();
+        let settings = Settings {
+            data: dir.0.clone(),
+            public_url: format!("http://{addr}"),
+            purge_delay,
+            backup_interval: Duration::from_millis(50),
+            ping_interval,
+            owner: "test".to_owned(),
+        };
+        let (stop, stop_rx) = watch::channel(false);
+        let server = tokio::spawn(run_server(
+            listener,
+            ReplicaWriter::new(replica),
+            log,
+            vec!["pub".to_owned()],
+            Source {
+                events,
+                ack_sink: Arc::new(move |lsn| sink.lock().expect("acks").push(lsn)),
+                task: None,
+            },
+            settings,
+            stop_rx,
+        ));
+        Harness {
+            addr,
+            source,
+            acks,
+            stop,
+            server,
+            dir,
+        }
+    }
+
+    async fn send(&self, message: &str) {
+        let message = decode_downstream(message).expect("a valid scripted message");
+        self.source
+            .send(SourceEvent::Message(message))
+            .await
+            .expect("server running");
+    }
+
+    /// A transaction at LSN `n` inserting `ids` (creating the table first when `create`).
+    async fn transaction(&self, n: u64, ids: &[u64], create: bool) {
+        let wm = w(n);
+        self.send(&format!(
+            r#"["begin",{{"tag":"begin"}},{{"commitWatermark":"{wm}"}}]"#
+        ))
+        .await;
+        if create {
+            self.send(CREATE_ITEMS).await;
+        }
+        for id in ids {
+            self.send(&format!(
+                r#"["data",{{"tag":"insert","relation":{ITEMS},"new":{{"id":{id},"v":"row {id}"}}}}]"#
+            ))
+            .await;
+        }
+        let end = Lsn(n + 8);
+        self.send(&format!(
+            r#"["commit",{{"tag":"commit","commitEndLsn":"{end}"}},{{"watermark":"{wm}"}}]"#
+        ))
+        .await;
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("ws://{}{path}", self.addr)
+    }
+
+    fn acks(&self) -> Vec<Lsn> {
+        self.acks.lock().expect("acks").clone()
+    }
+
+    fn db(&self) -> rusqlite::Connection {
+        rusqlite::Connection::open(self.dir.0.join("replica.db")).expect("open replica")
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        let result = tokio::time::timeout(PROMPT, self.server)
+            .await
+            .expect("stops promptly")
+            .expect("server task");
+        result.expect("clean stop");
+    }
+}
+
+const ITEMS: &str = r#"{"schema":"public","name":"items","rowKey":{"columns":["id"]}}"#;
+const CREATE_ITEMS: &str = r#"["data",{"tag":"create-table","spec":{"schema":"public","name":"items","columns":{"id":{"pos":1,"dataType":"int8","notNull":true},"v":{"pos":2,"dataType":"text"}},"primaryKey":["id"]}}]"#;
+
+type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+/// A change-stream client that checks every frame with the engine's decoder.
+struct Client {
+    socket: Socket,
+}
+
+/// What the server did next.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+enum Received {
+    Frame(Frame<DownstreamMessage>),
+    Closed(Option<(CloseCode, String)>),
+}
+
+impl Client {
+    async fn connect(url: &str) -> Client {
+        let (socket, _) = tokio::time::timeout(PROMPT, tokio_tungstenite::connect_async(url))
+            .await
+            .expect("connects promptly")
+            .expect("websocket handshake");
+        Client { socket }
+    }
+
+    async fn next(&mut self) -> Received {
+        loop {
+            let message = tokio::time::timeout(PROMPT, self.socket.next())
+                .await
+                .expect("a frame or close in time");
+            match message {
+                Some(Ok(Message::Text(text))) => {
+                    let frame = decode_downstream_frame(text.as_str())
+                        .unwrap_or_else(|e| panic!("invalid frame {text}: {e}"));
+                    return Received::Frame(frame);
+                }
+                Some(Ok(Message::Close(frame))) => {
+                    return Received::Closed(frame.map(|f| (f.code, f.reason.to_string())))
+                }
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => return Received::Closed(None),
+            }
+        }
+    }
+
+    async fn frame(&mut self) -> Frame<DownstreamMessage> {
+        match self.next().await {
+            Received::Frame(frame) => frame,
+            Received::Closed(close) => panic!("expected a frame, the server closed: {close:?}"),
+        }
+    }
+
+    async fn closed(&mut self) -> Option<(CloseCode, String)> {
+        loop {
+            if let Received::Closed(close) = self.next().await {
+                return close;
+            }
+        }
+    }
+
+    async fn send(&mut self, text: &str) {
+        self.socket
+            .send(Message::text(text.to_owned()))
+            .await
+            .expect("send");
+    }
+
+    async fn ack(&mut self, id: u64) {
+        self.send(&format!(r#"{{"ack":{id}}}"#)).await;
+    }
+
+    /// Receives and acks frames until `count` messages arrived.
+    async fn messages(&mut self, count: usize) -> Vec<DownstreamMessage> {
+        let mut out = Vec::new();
+        while out.len() < count {
+            let frame = self.frame().await;
+            let id = frame.id().expect("an application frame");
+            out.extend(frame.into_messages());
+            self.ack(id).await;
+        }
+        out
+    }
+}
+
+fn commits(messages: &[DownstreamMessage]) -> Vec<Watermark> {
+    messages
+        .iter()
+        .filter_map(|m| match m {
+            DownstreamMessage::Commit(c) => Some(c.watermark.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn changes_url(
+    h: &Harness,
+    version: u32,
+    replica_version: &Watermark,
+    watermark: &Watermark,
+) -> String {
+    h.url(&format!(
+        "/replication/v{version}/changes?id=sub&taskID=task&replicaVersion={replica_version}&watermark={watermark}"
+    ))
+}
+
+async fn wait_until(mut check: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    while !check() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not reached in time"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn stored_last_watermark(conn: &rusqlite::Connection) -> String {
+    conn.query_row(
+        r#"SELECT "last_watermark" FROM "_hw_change_log_state""#,
+        [],
+        |r| r.get(0),
+    )
+    .expect("state")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriber_at_replica_version_gets_the_history_then_live_changes() {
+    let h = Harness::start("history", Duration::from_secs(30)).await;
+    h.transaction(0x200, &[1, 2], true).await;
+    h.transaction(0x300, &[3], false).await;
+    let mut client = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    // status, then 2 catch-up transactions: begin+create+2 inserts+commit, begin+insert+commit.
+    let messages = client.messages(1 + 5 + 3).await;
+    assert!(matches!(messages[0], DownstreamMessage::Status(_)));
+    assert_eq!(commits(&messages), [w(0x200), w(0x300)]);
+    h.transaction(0x400, &[4], false).await;
+    let live = client.messages(3).await;
+    assert_eq!(commits(&live), [w(0x400)]);
+    // The replica holds every row, and the log's position matches.
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x400).as_str()).await;
+    let rows: i64 = h
+        .db()
+        .query_row("SELECT count(*) FROM items", [], |r| r.get(0))
+        .expect("count");
+    assert_eq!(rows, 4);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriber_at_a_stored_watermark_gets_only_later_transactions() {
+    let h = Harness::start("middle", Duration::from_secs(30)).await;
+    h.transaction(0x200, &[1], true).await;
+    h.transaction(0x300, &[2], false).await;
+    h.transaction(0x400, &[3], false).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x400).as_str()).await;
+    let mut client = Client::connect(&changes_url(&h, 5, &w(VERSION), &w(0x300))).await;
+    let messages = client.messages(1 + 3).await;
+    assert!(matches!(messages[0], DownstreamMessage::Status(_)));
+    assert_eq!(commits(&messages), [w(0x400)]);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_is_acked_only_once_the_transaction_is_durable() {
+    let h = Harness::start("acks", Duration::from_secs(30)).await;
+    let mut client = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    assert!(matches!(
+        client.messages(1).await[0],
+        DownstreamMessage::Status(_)
+    ));
+    h.send(&format!(
+        r#"["begin",{{"tag":"begin"}},{{"commitWatermark":"{}"}}]"#,
+        w(0x200)
+    ))
+    .await;
+    h.send(CREATE_ITEMS).await;
+    // Forwarded at once, before the commit exists anywhere.
+    let early = client.messages(2).await;
+    assert!(matches!(early[1], DownstreamMessage::Data(_)));
+    assert!(h.acks().is_empty());
+    assert_eq!(stored_last_watermark(&h.db()), w(VERSION).as_str());
+    h.send(&format!(
+        r#"["commit",{{"tag":"commit","commitEndLsn":"{}"}},{{"watermark":"{}"}}]"#,
+        Lsn(0x208),
+        w(0x200)
+    ))
+    .await;
+    wait_until(|| !h.acks().is_empty()).await;
+    // The acknowledged position is the commit's end, and it is on disk by then.
+    assert_eq!(h.acks(), [Lsn(0x208)]);
+    assert_eq!(stored_last_watermark(&h.db()), w(0x200).as_str());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_transaction_is_forwarded_but_never_stored() {
+    let h = Harness::start("rollback", Duration::from_secs(30)).await;
+    h.transaction(0x200, &[1], true).await;
+    let mut client = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    client.messages(1 + 4).await;
+    h.send(&format!(
+        r#"["begin",{{"tag":"begin"}},{{"commitWatermark":"{}"}}]"#,
+        w(0x300)
+    ))
+    .await;
+    h.send(&format!(
+        r#"["data",{{"tag":"insert","relation":{ITEMS},"new":{{"id":9,"v":"gone"}}}}]"#
+    ))
+    .await;
+    h.send(r#"["rollback",{"tag":"rollback"}]"#).await;
+    h.transaction(0x400, &[2], false).await;
+    let messages = client.messages(3 + 3).await;
+    assert!(matches!(messages[2], DownstreamMessage::Rollback(_)));
+    assert_eq!(commits(&messages), [w(0x400)]);
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x400).as_str()).await;
+    let db = h.db();
+    let stored: i64 = db
+        .query_row(
+            r#"SELECT count(*) FROM "_hw_change_log" WHERE "watermark" = ?1"#,
+            [w(0x300).as_str()],
+            |r| r.get(0),
+        )
+        .expect("count");
+    assert_eq!(stored, 0);
+    let ids: Vec<i64> = db
+        .prepare("SELECT id FROM items ORDER BY id")
+        .expect("query")
+        .query_map([], |r| r.get(0))
+        .expect("rows")
+        .collect::<Result<_, _>>()
+        .expect("ids");
+    assert_eq!(ids, [1, 2]);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_replica_version_is_error_type_1() {
+    let h = Harness::start("wrong-version", Duration::from_secs(30)).await;
+    let mut client = Client::connect(&changes_url(&h, 6, &w(0x999), &w(0x999))).await;
+    let frame = client.frame().await;
+    let [DownstreamMessage::Error(error)] = frame.messages() else {
+        panic!("expected an error, got {frame:?}");
+    };
+    assert_eq!(error.kind(), Some(ErrorKind::WrongReplicaVersion));
+    assert_eq!(
+        error.message.as_deref(),
+        Some(
+            format!(
+                "current replica version is {} (requested {})",
+                w(VERSION),
+                w(0x999)
+            )
+            .as_str()
+        )
+    );
+    client.ack(frame.id().expect("id")).await;
+    assert!(client.closed().await.is_some());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_and_frames_close_the_socket_with_1002() {
+    let h = Harness::start("bad", Duration::from_secs(30)).await;
+    let mut client = Client::connect(&h.url("/replication/v9/changes?id=a")).await;
+    assert_eq!(
+        client.closed().await,
+        Some((
+            CloseCode::Protocol,
+            "Error: Cannot service client at protocol v9. Supported protocols: [v1 ... v8]"
+                .to_owned()
+        ))
+    );
+    let mut client =
+        Client::connect(&h.url("/replication/v6/changes?id=a&replicaVersion=01")).await;
+    assert_eq!(
+        client.closed().await,
+        Some((
+            CloseCode::Protocol,
+            "Error: invalid querystring - missing watermark".to_owned()
+        ))
+    );
+    let mut client = Client::connect(&h.url("/replication/v5/snapshot")).await;
+    assert_eq!(
+        client.closed().await,
+        Some((
+            CloseCode::Protocol,
+            "Error: Missing taskID in snapshot request".to_owned()
+        ))
+    );
+    // A frame that is not valid JSON ends the subscription; the server keeps running.
+    let mut client = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    client.frame().await;
+    client.send("{not json").await;
+    assert!(matches!(
+        client.closed().await,
+        Some((CloseCode::Protocol, _))
+    ));
+    // An out-of-order ack too.
+    h.transaction(0x200, &[1], true).await;
+    let mut client = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    let first = client.frame().await.id().expect("id");
+    let second = client.frame().await.id().expect("id");
+    assert_eq!((first, second), (1, 2));
+    client.ack(2).await;
+    let (code, reason) = client.closed().await.expect("a close frame");
+    assert_eq!(code, CloseCode::Protocol);
+    assert!(
+        reason.contains("expected an ack of frame 1, found an ack of frame 2"),
+        "{reason}"
+    );
+    h.stop().await;
+}
+
+/// `GET` over plain HTTP/1.1: status line, headers (lower-case names), body.
+async fn http_get(addr: SocketAddr, path: &str) -> (String, Vec<(String, String)>, Vec<u8>) {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .expect("request");
+    let mut raw = Vec::new();
+    tokio::time::timeout(PROMPT, stream.read_to_end(&mut raw))
+        .await
+        .expect("response in time")
+        .expect("read");
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("end of headers");
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut lines = head.lines();
+    let status = lines.next().unwrap_or_default().to_owned();
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    (status, headers, raw[split + 4..].to_vec())
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_serves_a_consistent_replica_without_the_change_log() {
+    let h = Harness::start("snapshot", Duration::from_secs(30)).await;
+    h.transaction(0x200, &[1, 2, 3], true).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
+    let (status, headers, body) = http_get(h.addr, "/replica/snapshot").await;
+    assert!(status.contains("200"), "{status}");
+    assert_eq!(
+        header(&headers, super::WATERMARK_HEADER),
+        Some(w(0x200).as_str())
+    );
+    assert_eq!(
+        header(&headers, super::REPLICA_VERSION_HEADER),
+        Some(w(VERSION).as_str())
+    );
+    assert_eq!(
+        header(&headers, "content-length").and_then(|v| v.parse::<usize>().ok()),
+        Some(body.len())
+    );
+    let dir = TempDir::new("snapshot-restored");
+    let path = dir.0.join("replica.db");
+    std::fs::write(&path, &body).expect("write snapshot");
+    let restored = Replica::open(&path).expect("a valid SQLite replica");
+    let state = restored.state().expect("replication state");
+    assert_eq!(
+        (state.watermark.clone(), state.replica_version.clone()),
+        (w(0x200), w(VERSION))
+    );
+    let rows: i64 = restored
+        .connection()
+        .query_row("SELECT count(*) FROM items", [], |r| r.get(0))
+        .expect("count");
+    assert_eq!(rows, 3);
+    let log_tables: i64 = restored
+        .connection()
+        .query_row(
+            "SELECT count(*) FROM sqlite_schema WHERE name LIKE '\\_hw\\_change\\_log%' ESCAPE '\\'",
+            [],
+            |r| r.get(0),
+        )
+        .expect("schema");
+    assert_eq!(log_tables, 0);
+    // Health and keepalive answer too.
+    let (status, _, body) = http_get(h.addr, "/health").await;
+    assert!(status.contains("200"), "{status}");
+    let health: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(health["lastWatermark"], w(0x200).as_str());
+    for path in ["/", "/keepalive"] {
+        assert!(http_get(h.addr, path).await.0.contains("200"));
+    }
+    assert!(Path::new(&h.dir.0.join("snapshots"))
+        .read_dir()
+        .expect("dir")
+        .next()
+        .is_none());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v7_reserve_then_subscribe_on_one_socket_section_3_3() {
+    let h = Harness::start("subscribe", Duration::from_secs(30)).await;
+    h.transaction(0x200, &[1], true).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut client = Client::connect(&h.url("/replication/v7/subscribe?taskID=t1")).await;
+    client
+        .send(r#"{"id":1,"msg":["reserve-snapshot",{"taskID":"t1"}]}"#)
+        .await;
+    // The reservation is confirmed once a backup watermark is known, and the control frame acked.
+    let mut reserved = None;
+    let mut acked = false;
+    while reserved.is_none() || !acked {
+        match client.frame().await {
+            Frame::Ack { ack } => {
+                assert_eq!(ack, 1);
+                acked = true;
+            }
+            frame => {
+                let id = frame.id().expect("id");
+                let [DownstreamMessage::Reserved(r)] = frame.messages() else {
+                    panic!("expected the reservation, got {frame:?}");
+                };
+                reserved = Some(r.clone());
+                client.ack(id).await;
+            }
+        }
+    }
+    let reserved = reserved.expect("reserved");
+    assert_eq!(
+        reserved.backup_url,
+        format!("http://{}/replica/snapshot", h.addr)
+    );
+    assert_eq!(reserved.replica_version, w(VERSION));
+    assert_eq!(reserved.min_watermark, w(0x200));
+    client
+        .send(&format!(
+            r#"{{"id":2,"msg":["start-subscription",{{"taskID":"t1","id":"r1","mode":"serving","replicaVersion":"{}","watermark":"{}"}}]}}"#,
+            w(VERSION),
+            w(0x200)
+        ))
+        .await;
+    h.transaction(0x300, &[2, 3], false).await;
+    let mut messages = Vec::new();
+    let mut acked = false;
+    while commits(&messages).is_empty() || !acked {
+        match client.frame().await {
+            Frame::Ack { ack } => {
+                assert_eq!(ack, 2);
+                acked = true;
+            }
+            frame => {
+                let id = frame.id().expect("id");
+                messages.extend(frame.into_messages());
+                client.ack(id).await;
+            }
+        }
+    }
+    assert!(matches!(messages[0], DownstreamMessage::Status(_)));
+    assert_eq!(commits(&messages), [w(0x300)]);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_pins_the_change_log_through_a_purge() {
+    let h = Harness::start("purge", Duration::from_millis(100)).await;
+    h.transaction(0x200, &[1], true).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
+    // Let the ticker report 0x200 as the backup watermark.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut reservation = Client::connect(&h.url("/replication/v6/snapshot?taskID=t1")).await;
+    let frame = reservation.frame().await;
+    let [DownstreamMessage::Status(status)] = frame.messages() else {
+        panic!("expected the legacy reservation status, got {frame:?}");
+    };
+    let pinned = status.extra["minWatermark"]
+        .as_str()
+        .expect("minWatermark")
+        .to_owned();
+    assert_eq!(pinned, w(0x200).as_str());
+    reservation.ack(frame.id().expect("id")).await;
+    for n in 3..8u64 {
+        h.transaction(n << 8, &[n], false).await;
+    }
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x700).as_str()).await;
+    // Purges run (the delay is short) but stop at the reservation.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let min = |h: &Harness| -> String {
+        h.db()
+            .query_row(
+                r#"SELECT MIN("watermark") FROM "_hw_change_log""#,
+                [],
+                |r| r.get(0),
+            )
+            .expect("min")
+    };
+    assert_eq!(min(&h), pinned);
+    let mut client = Client::connect(&format!(
+        "{}&initial=true",
+        changes_url(&h, 6, &w(VERSION), &w(0x200)).replace("taskID=task", "taskID=t1")
+    ))
+    .await;
+    let messages = client.messages(1 + 5 * 3).await;
+    assert_eq!(
+        commits(&messages),
+        (3..8u64).map(|n| w(n << 8)).collect::<Vec<_>>()
+    );
+    // The subscription ended the reservation.
+    assert!(reservation.closed().await.is_some());
+    client.socket.close(None).await.expect("close");
+    let hub = |h: &Harness| h.addr;
+    loop {
+        let (_, _, body) = http_get(hub(&h), "/health").await;
+        let health: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        if health["connections"] == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Without reservation or subscriber, the next purge cuts the log to the newest transaction...
+    h.transaction(0x800, &[8], false).await;
+    wait_until(|| min(&h) == w(0x800).as_str()).await;
+    // ...and a subscriber that far behind is told its watermark is too old.
+    let mut late = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(0x200))).await;
+    let frame = late.frame().await;
+    let [DownstreamMessage::Error(error)] = frame.messages() else {
+        panic!("expected an error, got {frame:?}");
+    };
+    assert_eq!(error.kind(), Some(ErrorKind::WatermarkTooOld));
+    assert_eq!(
+        error.message.as_deref(),
+        Some(
+            format!(
+                "earliest supported watermark is {} (requested {})",
+                w(0x800),
+                w(0x200)
+            )
+            .as_str()
+        )
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_source_resends_without_duplicates_or_half_transactions() {
+    let h = Harness::start("restart", Duration::from_secs(30)).await;
+    h.transaction(0x200, &[1], true).await;
+    let mut client = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    client.messages(1 + 4).await;
+    // The stream dies inside a transaction...
+    h.send(&format!(
+        r#"["begin",{{"tag":"begin"}},{{"commitWatermark":"{}"}}]"#,
+        w(0x300)
+    ))
+    .await;
+    h.send(&format!(
+        r#"["data",{{"tag":"insert","relation":{ITEMS},"new":{{"id":2,"v":"first try"}}}}]"#
+    ))
+    .await;
+    h.source
+        .send(SourceEvent::Restarted)
+        .await
+        .expect("running");
+    // ...and upstream sends again from its last acknowledged position: 0x200 is stored already.
+    h.transaction(0x200, &[1], true).await;
+    h.transaction(0x300, &[2], false).await;
+    let messages = client.messages(2 + 1 + 3).await;
+    assert!(matches!(messages[2], DownstreamMessage::Rollback(_)));
+    assert_eq!(commits(&messages), [w(0x300)]);
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x300).as_str()).await;
+    let rows: Vec<(i64, String)> = h
+        .db()
+        .prepare("SELECT id, v FROM items ORDER BY id")
+        .expect("query")
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .expect("rows")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    assert_eq!(rows, [(1, "row 1".to_owned()), (2, "row 2".to_owned())]);
+    let stored: i64 = h
+        .db()
+        .query_row(r#"SELECT count(*) FROM "_hw_change_log""#, [], |r| r.get(0))
+        .expect("count");
+    // Seed (2) + 0x200 (begin, create, insert, commit) + 0x300 (begin, insert, commit).
+    assert_eq!(stored, 2 + 4 + 3);
+    h.stop().await;
+}
+
+#[test]
+fn owner_address_is_what_zero_discovers() {
+    assert_eq!(
+        super::owner_address("http://10.0.0.5:4848"),
+        "10.0.0.5:4848"
+    );
+    assert_eq!(
+        super::owner_address("https://sync.example:443"),
+        "wss://sync.example:443"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_answering_pings_is_dropped_section_2_2() {
+    let h = Harness::start_with(
+        "liveness",
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+    )
+    .await;
+    let connections = |h: &Harness| {
+        let addr = h.addr;
+        async move {
+            let (_, _, body) = http_get(addr, "/health").await;
+            let health: serde_json::Value = serde_json::from_slice(&body).expect("json");
+            health["connections"].as_u64().expect("connections")
+        }
+    };
+    // This one reads, so its library answers every ping.
+    let mut lively = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    let reader = tokio::spawn(async move {
+        let end = tokio::time::Instant::now() + Duration::from_millis(800);
+        while tokio::time::Instant::now() < end {
+            let _ = tokio::time::timeout(Duration::from_millis(50), lively.socket.next()).await;
+        }
+        lively
+    });
+    // This one never reads again: no pong ever comes back.
+    let _silent = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    assert_eq!(connections(&h).await, 2);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(connections(&h).await, 1);
+    let mut lively = reader.await.expect("reader");
+    // Still subscribed: live changes reach it.
+    h.transaction(0x200, &[1], true).await;
+    let frame = lively.frame().await;
+    assert!(
+        matches!(frame.messages(), [DownstreamMessage::Begin(_)]),
+        "{frame:?}"
+    );
+    h.stop().await;
+}
