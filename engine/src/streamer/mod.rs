@@ -173,6 +173,8 @@ pub struct SubscriberStatus {
     /// The last commit acknowledged.
     pub acked: Watermark,
     pub backlog_bytes: usize,
+    /// Bytes sent live and not yet acknowledged.
+    pub live_bytes_in_flight: usize,
     pub outstanding_frames: usize,
 }
 
@@ -262,6 +264,7 @@ impl Streamer {
             watermark: s.watermark.clone(),
             acked: s.acked.clone(),
             backlog_bytes: s.backlog_bytes(),
+            live_bytes_in_flight: s.live_in_flight(),
             outstanding_frames: c.outstanding(),
         })
     }

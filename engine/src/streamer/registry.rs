@@ -103,6 +103,7 @@ mod tests {
         Carried {
             backlog_bytes: backlog,
             catchup_bytes: 0,
+            live_bytes: 0,
             commit: commit.map(|c| Watermark::parse(c).expect("watermark")),
         }
     }

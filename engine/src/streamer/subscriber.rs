@@ -32,6 +32,8 @@ pub struct Carried {
     pub backlog_bytes: usize,
     /// Bytes read from the change log.
     pub catchup_bytes: usize,
+    /// Bytes sent live, straight from the stream.
+    pub live_bytes: usize,
     /// The last commit in the frame: its ack means the transaction was applied.
     pub commit: Option<Watermark>,
 }
@@ -40,6 +42,7 @@ impl Carried {
     pub fn merge(&mut self, other: Carried) {
         self.backlog_bytes += other.backlog_bytes;
         self.catchup_bytes += other.catchup_bytes;
+        self.live_bytes += other.live_bytes;
         if other.commit.is_some() {
             self.commit = other.commit;
         }
@@ -105,10 +108,13 @@ pub struct Subscriber {
     backlog_in_flight: usize,
     /// Change-log bytes sent but not yet acked.
     catchup_in_flight: usize,
+    /// Live bytes sent but not yet acked: a live subscriber that stops reading holds up the
+    /// stream like a full backlog instead of piling up frames without limit.
+    live_in_flight: usize,
     /// The host was told to stop reading the change log for this subscriber.
     pub catchup_paused: bool,
-    /// The backlog reached high water and has not yet fallen to low water: this holds up
-    /// the upstream stream.
+    /// The backlog plus unacknowledged live bytes reached high water and have not yet fallen
+    /// to low water: this holds up the upstream stream.
     pub blocking: bool,
     /// When the host's clock first saw `blocking`.
     pub blocking_since: Option<u64>,
@@ -135,6 +141,7 @@ impl Subscriber {
             backlog_bytes: 0,
             backlog_in_flight: 0,
             catchup_in_flight: 0,
+            live_in_flight: 0,
             catchup_paused: false,
             blocking: false,
             blocking_since: None,
@@ -154,6 +161,15 @@ impl Subscriber {
         self.catchup_in_flight
     }
 
+    pub fn live_in_flight(&self) -> usize {
+        self.live_in_flight
+    }
+
+    /// What this subscriber holds of the stream: its backlog and unacknowledged live bytes.
+    fn held_bytes(&self) -> usize {
+        self.backlog_bytes + self.live_in_flight
+    }
+
     /// A live message: sent now, kept in the backlog, or ignored (queued subscribers start
     /// after it). Returns whether the subscriber just became aligned.
     pub fn offer(&mut self, entry: &Arc<Entry>, limits: WaterMarks, d: &mut Delivery) -> bool {
@@ -161,6 +177,9 @@ impl Subscriber {
             Phase::Queued => false,
             Phase::Live => {
                 self.deliver(entry, Source::Live, d);
+                if self.held_bytes() >= limits.high {
+                    self.blocking = true;
+                }
                 false
             }
             Phase::CatchingUp { .. } | Phase::Draining => {
@@ -169,7 +188,7 @@ impl Subscriber {
                 }
                 self.backlog_bytes += entry.bytes();
                 self.backlog.push_back(entry.clone());
-                if self.backlog_bytes >= limits.high {
+                if self.held_bytes() >= limits.high {
                     self.blocking = true;
                 }
                 self.phase == Phase::Draining && self.drain(limits, d)
@@ -240,7 +259,10 @@ impl Subscriber {
         }
         let mut carried = Carried::default();
         match source {
-            Source::Live => {}
+            Source::Live => {
+                carried.live_bytes = entry.bytes();
+                self.live_in_flight += entry.bytes();
+            }
             Source::Backlog => carried.backlog_bytes = entry.bytes(),
             Source::Catchup => {
                 carried.catchup_bytes = entry.bytes();
@@ -262,6 +284,7 @@ impl Subscriber {
         self.backlog_bytes -= carried.backlog_bytes.min(self.backlog_bytes);
         self.backlog_in_flight -= carried.backlog_bytes.min(self.backlog_in_flight);
         self.catchup_in_flight -= carried.catchup_bytes.min(self.catchup_in_flight);
+        self.live_in_flight -= carried.live_bytes.min(self.live_in_flight);
         if let Some(commit) = &carried.commit {
             if *commit > self.acked {
                 self.acked = commit.clone();
@@ -271,7 +294,7 @@ impl Subscriber {
     }
 
     fn release_block(&mut self, limits: WaterMarks) {
-        if self.blocking && self.backlog_bytes <= limits.low {
+        if self.blocking && self.held_bytes() <= limits.low {
             self.blocking = false;
             self.blocking_since = None;
         }
@@ -395,6 +418,36 @@ mod tests {
             s.drain(LIMITS, &mut d);
         }
         assert!(s.backlog_bytes() <= LIMITS.low);
+    }
+
+    #[test]
+    fn live_bytes_count_until_acked_and_block_above_high_water() {
+        let mut tracker = BackfillStateTracker::new();
+        let mut s = subscriber("01");
+        s.phase = Phase::Live;
+        let mut d = Delivery::new(6, &mut tracker);
+        let mut n = 1;
+        while !s.blocking {
+            n += 1;
+            let wm = format!("0{}", char::from_digit(n, 36).expect("digit"));
+            s.offer(&begin(&wm), LIMITS, &mut d);
+            s.offer(&commit(&wm), LIMITS, &mut d);
+        }
+        // Sent at once, but held until acked.
+        assert_eq!(d.out.len(), 2 * (n as usize - 1));
+        assert!(s.live_in_flight() >= LIMITS.high);
+        let mut next = 0;
+        while s.blocking {
+            assert!(s.live_in_flight() > LIMITS.low);
+            s.on_acked(&d.out[next].1, LIMITS);
+            next += 1;
+        }
+        assert!(s.live_in_flight() <= LIMITS.low);
+        for (_, carried) in &d.out[next..] {
+            s.on_acked(carried, LIMITS);
+        }
+        assert_eq!(s.live_in_flight(), 0);
+        assert_eq!(s.backlog_bytes(), 0);
     }
 
     #[test]

@@ -598,6 +598,72 @@ fn subscriber_whose_backlog_stays_full_is_disconnected() {
     );
 }
 
+/// A live subscriber that stops acking used to get every later frame queued for it without
+/// limit; its unacknowledged live bytes now hold up the stream like a full backlog.
+#[test]
+fn live_subscriber_that_stops_acking_pauses_upstream_and_is_disconnected() {
+    let mut s = small_streamer(300);
+    let c = ConnId(1);
+    s.open(c, 6, false);
+    let e = s.subscribe(c, serving("0c"), 1_000);
+    assert_eq!(sent_to(&e, c).len(), 1, "{e:?}");
+    assert_eq!(s.subscriber(c).map(|s| s.phase), Some(Phase::Live));
+    let mut sent = 0;
+    let mut n = 0;
+    loop {
+        n += 1;
+        assert!(n < 20, "never paused");
+        let wm = crate::watermark::encode_lexi(100 + n);
+        let mut e = unwrap_ok(s.on_upstream(begin(&wm)));
+        e.extend(unwrap_ok(s.on_upstream(commit(&wm))));
+        // Everything still goes out at once: live messages are not held back.
+        sent += sent_to(&e, c).len();
+        assert_eq!(sent, 2 * n as usize);
+        if has(&e, "pause upstream") {
+            break;
+        }
+    }
+    let status = s.subscriber(c).expect("subscribed");
+    assert!(status.live_bytes_in_flight >= 300);
+    assert_eq!(status.backlog_bytes, 0);
+    assert_eq!(s.next_deadline(), Some(6_000));
+    assert!(s.tick(5_999).is_empty());
+    assert_eq!(
+        lines(&s.tick(6_000)),
+        [
+            "close #1 1013 Error: subscriber backlog stayed above 300 bytes for 5000 ms",
+            "resume upstream"
+        ]
+    );
+}
+
+#[test]
+fn live_subscriber_acking_again_resumes_upstream_at_low_water() {
+    let mut s = small_streamer(300);
+    let c = ConnId(1);
+    s.open(c, 6, false);
+    s.subscribe(c, serving("0c"), 0);
+    let mut n = 0;
+    while !s.is_upstream_paused() {
+        n += 1;
+        assert!(n < 20, "never paused");
+        let wm = crate::watermark::encode_lexi(100 + n);
+        unwrap_ok(s.on_upstream(begin(&wm)));
+        unwrap_ok(s.on_upstream(commit(&wm)));
+    }
+    // Frame 1 is the initial status; each ack releases one message's bytes.
+    let mut id = 0;
+    while s.is_upstream_paused() {
+        id += 1;
+        let in_flight = s.subscriber(c).map(|s| s.live_bytes_in_flight);
+        assert!(in_flight > Some(240), "{in_flight:?}");
+        s.on_ack(c, id, 0);
+    }
+    let in_flight = s.subscriber(c).map(|s| s.live_bytes_in_flight);
+    assert!(in_flight <= Some(240), "{in_flight:?}");
+    assert_eq!(s.next_deadline(), None);
+}
+
 #[test]
 fn close_with_error_sends_it_and_waits_for_its_ack() {
     let mut s = streamer_at("0c", "0b");
@@ -1389,6 +1455,11 @@ mod simulation {
                         "backlog of #{i} holds {} bytes",
                         status.backlog_bytes
                     );
+                    assert!(
+                        status.live_bytes_in_flight <= HIGH + self.max_message,
+                        "#{i} has {} live bytes unacknowledged",
+                        status.live_bytes_in_flight
+                    );
                 }
             }
         }
@@ -1490,6 +1561,7 @@ mod simulation {
                     let status = host.streamer.subscriber(ConnId(i as u64)).expect("registered");
                     prop_assert_eq!(status.phase, Phase::Live);
                     prop_assert_eq!(status.backlog_bytes, 0);
+                    prop_assert_eq!(status.live_bytes_in_flight, 0);
                 }
             }
         }
