@@ -7,7 +7,7 @@
 //! transaction in progress is discarded (Postgres sends it again on the next start).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -18,18 +18,16 @@ use tokio::runtime::Handle;
 use tokio::sync::watch;
 use tokio_postgres::{Client, Config, NoTls};
 
+use crate::replica::backfill::{run_backfills, BackfillPlanner, RecentXids};
+use crate::replica::bootstrap::{BootstrapError, Upstream};
 use crate::replica::ddl::{
-    ddl_prefix, event_trigger_sql, in_publications, parse_ddl_event, relation_changes,
-    schema_changes, RelationType, PRIMARY_KEY_SQL, RELATION_TYPES_SQL,
+    ddl_prefix, in_publications, parse_ddl_event, relation_changes, schema_changes, RelationType,
+    PRIMARY_KEY_SQL, RELATION_TYPES_SQL,
 };
-use crate::replica::initial_sync::{
-    initial_sync_until, run_backfills, SyncError, SyncSource, DEFAULT_BATCH_ROWS,
-};
+use crate::replica::initial_sync::SyncError;
 use crate::replica::{Applied, Replica, ReplicaWriter};
-use crate::replication::setup::{
-    check_upstream, ensure_publication, slot_state, ReplicationNames, DEFAULT_APP_ID,
-};
-use crate::replication::{ConnectParams, ReplicationConnection, StreamConfig, WalEvent, WalStream};
+use crate::replication::setup::DEFAULT_APP_ID;
+use crate::replication::{WalEvent, WalStream};
 
 /// Command-line arguments of `highwater replicate`.
 #[derive(Debug, Clone, clap::Args)]
@@ -91,14 +89,13 @@ async fn wait_for_signal() {
     }
 }
 
-/// An ordinary connection for catalog queries, COPY and backfills, reopened after upstream
-/// restarts.
-struct Upstream {
+/// An ordinary connection for catalog queries, reopened after upstream restarts.
+struct Catalog {
     config: Config,
     client: Option<Client>,
 }
 
-impl Upstream {
+impl Catalog {
     fn client(&mut self, handle: &Handle) -> anyhow::Result<&Client> {
         if self.client.as_ref().is_none_or(Client::is_closed) {
             let (client, connection) = handle
@@ -117,16 +114,20 @@ impl Upstream {
     }
 }
 
-/// Removes the replica files so a new initial sync starts from nothing.
-fn remove_replica(data: &Path) -> anyhow::Result<()> {
-    for name in ["replica.db", "replica.db-wal", "replica.db-shm"] {
-        let path = data.join(name);
-        if path.exists() {
-            std::fs::remove_file(&path)
-                .with_context(|| format!("cannot remove {}", path.display()))?;
-        }
+/// Backfills between upstream transactions: what to run next, and the transactions the next
+/// backfill's snapshot must see.
+struct Backfills {
+    upstream: Config,
+    planner: BackfillPlanner,
+    recent_xids: RecentXids,
+}
+
+impl Backfills {
+    fn run(&mut self, handle: &Handle, writer: &mut ReplicaWriter) -> Result<(), SyncError> {
+        let xids = self.recent_xids.to_vec();
+        run_backfills(handle, &self.upstream, writer, &mut self.planner, &xids)?;
+        Ok(())
     }
-    Ok(())
 }
 
 /// Replicates until `stop` turns true. Blocking: run it on a blocking thread of `handle`'s
@@ -136,102 +137,40 @@ pub fn replicate(
     args: &ReplicateArgs,
     mut stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let params: ConnectParams = args.upstream.parse()?;
-    let names = ReplicationNames::for_app(&args.app_id)?;
-    let mut upstream = Upstream {
-        config: params.query_config().clone(),
-        client: None,
-    };
-    let client = upstream.client(handle)?;
-    let settings = handle.block_on(check_upstream(client))?;
-    let publications = if args.publications.is_empty() {
-        handle.block_on(ensure_publication(client, &names.publication, None))?;
-        vec![names.publication.clone()]
-    } else {
-        args.publications.clone()
-    };
-    install_ddl_trigger(handle, client, &args.app_id)?;
-
+    let upstream = Upstream::prepare(handle, &args.upstream, &args.app_id, &args.publications)?;
     let mut replica = Replica::open_in_dir(&args.data)?;
-    let resync = match replica.state() {
-        None => true,
-        Some(state) => {
-            let slot = handle.block_on(slot_state(client, &state.slot))?;
-            match slot {
-                Some(slot) if !slot.is_invalidated() => {
-                    if state.publications != publications {
-                        tracing::warn!(
-                            replica = ?state.publications,
-                            requested = ?publications,
-                            "the replica was synced from other publications; resyncing"
-                        );
-                        true
-                    } else {
-                        false
-                    }
-                }
-                _ => {
-                    tracing::warn!(slot = %state.slot, "replication slot is missing or invalidated; resyncing");
-                    true
-                }
-            }
-        }
-    };
-    if resync {
-        drop(replica);
-        remove_replica(&args.data)?;
-        replica = Replica::open_in_dir(&args.data)?;
-        drop_slot(handle, client, &names.slot)?;
-        let mut conn = handle.block_on(ReplicationConnection::connect(&params))?;
-        let created = handle.block_on(conn.create_slot_with_snapshot(&names.slot))?;
-        let source = SyncSource {
-            publications: publications.clone(),
-            slot: names.slot.clone(),
-            app_id: args.app_id.clone(),
-            consistent_point: created.consistent_point,
-            snapshot_name: created.snapshot_name.clone(),
-        };
-        let started = Instant::now();
+    if let Some(reason) = upstream.resync_reason(handle, &replica)? {
+        tracing::warn!(%reason, "resyncing");
         let stopped = stop.clone();
-        let report = match initial_sync_until(
-            handle,
-            client,
-            &mut replica,
-            &source,
-            DEFAULT_BATCH_ROWS,
-            &|| *stopped.borrow(),
-        ) {
-            Err(SyncError::Stopped) => {
+        replica = match upstream.resync(handle, replica, &args.data, &|| *stopped.borrow()) {
+            Err(BootstrapError::Sync(SyncError::Stopped)) => {
                 tracing::info!("stopped during the initial sync; the next start syncs again");
                 return Ok(());
             }
-            other => other?,
+            other => other?.0,
         };
-        let _ = handle.block_on(conn.close());
-        tracing::info!(
-            tables = report.tables,
-            rows = report.rows,
-            replica_version = %report.replica_version,
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "initial sync complete"
-        );
     }
 
     let mut writer = ReplicaWriter::new(replica);
-    run_backfills(
-        handle,
-        upstream.client(handle)?,
-        &mut writer,
-        DEFAULT_BATCH_ROWS,
-        None,
-    )?;
+    let mut catalog = Catalog {
+        config: upstream.params.query_config().clone(),
+        client: None,
+    };
+    let mut backfills = Backfills {
+        upstream: upstream.params.query_config().clone(),
+        planner: BackfillPlanner::new(),
+        recent_xids: RecentXids::default(),
+    };
+    // Pending since before a crash or a stop: recorded with the schema change that asked.
+    backfills.run(handle, &mut writer)?;
     let state = writer
         .replica()
         .state()
         .context("the replica has no replication state after its initial sync")?
         .clone();
-    let mut config = StreamConfig::new(params.clone(), &state.slot, &publications, state.lsn);
-    config.wal_sender_timeout = settings.wal_sender_timeout;
+    let config = upstream.stream_config(&state);
+    let publications = upstream.publications.clone();
+    drop(upstream);
     let mut stream = {
         let _runtime = handle.enter();
         WalStream::spawn(config)
@@ -244,7 +183,8 @@ pub fn replicate(
     );
     let result = stream_changes(
         handle,
-        &mut upstream,
+        &mut catalog,
+        &mut backfills,
         &mut writer,
         &mut stream,
         &publications,
@@ -262,50 +202,15 @@ pub fn replicate(
     result
 }
 
-fn install_ddl_trigger(handle: &Handle, client: &Client, app_id: &str) -> anyhow::Result<()> {
-    let superuser: bool = handle
-        .block_on(client.query_one(
-            "SELECT rolsuper FROM pg_roles WHERE rolname = current_user",
-            &[],
-        ))?
-        .try_get(0)?;
-    if !superuser {
-        tracing::warn!(
-            "the upstream user is not a superuser: no DDL event trigger, so schema changes \
-             are not followed (a changed table stops replication until a resync)"
-        );
-        return Ok(());
-    }
-    handle
-        .block_on(client.batch_execute(&event_trigger_sql(app_id)))
-        .context("cannot install the DDL event trigger")?;
-    Ok(())
-}
-
-fn drop_slot(handle: &Handle, client: &Client, slot: &str) -> anyhow::Result<()> {
-    let Some(state) = handle.block_on(slot_state(client, slot))? else {
-        return Ok(());
-    };
-    if let Some(pid) = state.active_pid {
-        handle.block_on(client.execute("SELECT pg_terminate_backend($1)", &[&pid]))?;
-    }
-    for attempt in 0..50 {
-        match handle.block_on(client.execute("SELECT pg_drop_replication_slot($1)", &[&slot])) {
-            Ok(_) => return Ok(()),
-            // The terminated walsender may hold the slot for a moment longer.
-            Err(_) if attempt < 49 => std::thread::sleep(Duration::from_millis(100)),
-            Err(error) => return Err(error).context("cannot drop the old replication slot"),
-        }
-    }
-    Ok(())
-}
-
 /// How often progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
+// The replicator's whole state, passed down from `replicate`.
+#[allow(clippy::too_many_arguments)]
 fn stream_changes(
     handle: &Handle,
-    upstream: &mut Upstream,
+    catalog: &mut Catalog,
+    backfills: &mut Backfills,
     writer: &mut ReplicaWriter,
     stream: &mut WalStream,
     publications: &[String],
@@ -315,7 +220,6 @@ fn stream_changes(
     let prefix = ddl_prefix(app_id);
     let mut mapper = PgoutputMapper::new();
     let mut commit_end: Option<Lsn> = None;
-    let mut xid: Option<u32> = None;
     let mut committed: u64 = 0;
     let mut last_report = Instant::now();
     loop {
@@ -353,11 +257,7 @@ fn stream_changes(
         match event {
             PgoutputEvent::Downstream(message) => {
                 if let DownstreamMessage::Begin(begin) = &message {
-                    xid = begin
-                        .extra
-                        .get("xid")
-                        .and_then(serde_json::Value::as_u64)
-                        .and_then(|x| u32::try_from(x).ok());
+                    backfills.recent_xids.note(begin);
                 }
                 if let DownstreamMessage::Commit(commit) = &message {
                     commit_end = commit
@@ -370,9 +270,8 @@ fn stream_changes(
                     Applied::Committed { lsn, .. } | Applied::Skipped { lsn, .. } => {
                         stream.ack(commit_end.take().unwrap_or(lsn).max(lsn));
                         committed += 1;
-                        if !writer.pending_backfills().is_empty() {
-                            let client = upstream.client(handle)?;
-                            run_backfills(handle, client, writer, DEFAULT_BATCH_ROWS, xid)?;
+                        if writer.replica().has_pending_backfills() {
+                            backfills.run(handle, writer)?;
                         }
                     }
                     Applied::Pending | Applied::RolledBack => {}
@@ -400,7 +299,7 @@ fn stream_changes(
             }
             // A replayed transaction shows the schema of its time, older than the replica's.
             PgoutputEvent::Relation { relation, .. } if !writer.replaying() => {
-                reconcile_relation(handle, upstream, writer, &relation)?
+                reconcile_relation(handle, catalog, writer, &relation)?
             }
             PgoutputEvent::Relation { .. } => {}
             PgoutputEvent::LogicalMessage(_) => {}
@@ -426,7 +325,7 @@ fn log_schema_change(change: &Change) {
 /// `replica::ddl::relation_changes`), inside the open transaction, before its rows.
 fn reconcile_relation(
     handle: &Handle,
-    upstream: &mut Upstream,
+    catalog: &mut Catalog,
     writer: &mut ReplicaWriter,
     relation: &highwater_engine::pgoutput::Relation,
 ) -> anyhow::Result<()> {
@@ -440,7 +339,7 @@ fn reconcile_relation(
     if known || !writer.in_transaction() {
         return Ok(());
     }
-    let client = upstream.client(handle)?;
+    let client = catalog.client(handle)?;
     let oids: Vec<u32> = relation.columns.iter().map(|c| c.type_oid).collect();
     let types = handle
         .block_on(client.query(RELATION_TYPES_SQL, &[&oids]))?

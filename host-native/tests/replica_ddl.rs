@@ -226,3 +226,39 @@ async fn without_a_superuser_new_tables_and_columns_are_learned_from_the_stream(
     assert_replica_matches(&pg, data.path(), &publ).await;
     replicator.stop().await.expect("clean stop");
 }
+
+/// A column added with a volatile default and renamed right after: whichever name the backfill
+/// snapshot finds, the values end up under the new name (none is completed empty while a
+/// rename is still on its way through the stream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_renamed_right_after_its_backfill_was_requested_keeps_its_values() {
+    let pg = start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client
+        .batch_execute(&format!(
+            "{MARKER_DDL}
+             CREATE TABLE item (id int PRIMARY KEY, name text);
+             INSERT INTO item SELECT g, 'item ' || g FROM generate_series(1, 500) g;"
+        ))
+        .await
+        .unwrap();
+    let data = DataDir::new("rename-backfill");
+    let replicator = InProcess::spawn(args(&pg.url(), data.path(), &[]));
+    catch_up(&client, data.path()).await;
+    client
+        .batch_execute(
+            "ALTER TABLE item ADD COLUMN r float8 DEFAULT random();
+             ALTER TABLE item RENAME COLUMN r TO score;
+             UPDATE item SET score = -1 WHERE id = 9;",
+        )
+        .await
+        .unwrap();
+    catch_up(&client, data.path()).await;
+    assert_replica_matches(&pg, data.path(), &["highwater_pub"]).await;
+    let pending: i64 = replica_scalar(
+        data.path(),
+        "SELECT count(*) FROM _hw_columns WHERE backfill IS NOT NULL",
+    );
+    assert_eq!(pending, 0, "backfills completed");
+    replicator.stop().await.expect("clean stop");
+}

@@ -7,6 +7,11 @@
 //! transaction as the rows, so a transaction is either fully applied with its position or not
 //! at all; transactions at or below the stored position are skipped, which makes a replay after
 //! a crash exactly-once.
+//!
+//! Backfills follow `reference/zero-protocol.md` §9.8: rows are upserted by key, except rows
+//! deleted (or truncated) after the backfill's snapshot; a backfilling column keeps a value the
+//! stream wrote after that snapshot (tracked per row in `_hw_backfill_versions` while the column
+//! is backfilling); rows new to the replica get the snapshot's watermark as their version.
 
 use highwater_engine::change_stream::{
     AddColumn, Backfill, BackfillCompleted, Begin, Change, Commit, CreateIndex, CreateTable,
@@ -182,33 +187,7 @@ impl ReplicaWriter {
 
     /// Columns waiting for a backfill, grouped by table.
     pub fn pending_backfills(&self) -> Vec<PendingBackfill> {
-        let mut out = Vec::new();
-        for name in self.replica.table_names() {
-            let Some(table) = self.replica.table(&name) else {
-                continue;
-            };
-            let columns: Vec<String> = table
-                .columns
-                .iter()
-                .filter(|c| c.backfill.is_some())
-                .map(|c| c.name.clone())
-                .collect();
-            if columns.is_empty() {
-                continue;
-            }
-            out.push(PendingBackfill {
-                table: table.name.clone(),
-                schema: table.schema.clone(),
-                name: table.table.clone(),
-                key: table.key.clone(),
-                whole_table: columns.len() == table.columns.len(),
-                columns: columns
-                    .into_iter()
-                    .filter(|c| !table.key.contains(c))
-                    .collect(),
-            });
-        }
-        out
+        self.replica.pending_backfills()
     }
 
     fn data(&mut self, change: &Change) -> Result<(), ReplicaError> {
@@ -285,6 +264,32 @@ impl RowContext<'_> {
             .execute(params![table, key, seq, self.version])?;
         Ok(())
     }
+
+    /// Records that this transaction wrote `columns` of the row at `key` while they await a
+    /// backfill, so an older backfill snapshot does not overwrite them.
+    fn note_backfilling_writes<'c>(
+        &mut self,
+        table: &ReplicaTable,
+        key: &str,
+        columns: impl Iterator<Item = &'c String>,
+    ) -> Result<(), ReplicaError> {
+        let mut stmt = self.conn.prepare_cached(
+            r#"INSERT INTO "_hw_backfill_versions" ("table_name","row_key","column_name","version")
+               VALUES (?1, ?2, ?3, ?4)
+               ON CONFLICT DO UPDATE SET "version" = excluded."version""#,
+        )?;
+        for column in columns {
+            if table.column(column).is_some_and(|c| c.backfill.is_some()) {
+                stmt.execute(params![table.name, key, column, self.version])?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether any column of `table` awaits a backfill (streamed writes to it are then tracked).
+fn is_backfilling(table: &ReplicaTable) -> bool {
+    !table.key.is_empty() && table.columns.iter().any(|c| c.backfill.is_some())
 }
 
 fn table_for<'t>(
@@ -456,7 +461,12 @@ fn apply_insert(
 ) -> Result<(), ReplicaError> {
     let table = table_for(tables, &insert.relation.schema, &insert.relation.name)?;
     let values = row_values(table, &insert.new, ctx.json)?;
-    upsert(ctx, table, values)
+    upsert(ctx, table, values)?;
+    if is_backfilling(table) {
+        let key = row_key_json(&key_values(table, &insert.new, ctx.json, "new row")?);
+        ctx.note_backfilling_writes(table, &key, insert.new.keys())?;
+    }
+    Ok(())
 }
 
 fn apply_update(
@@ -482,6 +492,9 @@ fn apply_update(
     let target = old_key.as_ref().unwrap_or(&new_key);
     if update_row(ctx, table, &values, target)? == 0 {
         upsert(ctx, table, values)?;
+    }
+    if is_backfilling(table) {
+        ctx.note_backfilling_writes(table, &row_key_json(&new_key), update.new.keys())?;
     }
     if let Some(old) = &old_key {
         if !table.key.is_empty() && old != &new_key {
@@ -528,6 +541,7 @@ fn apply_truncate(
             r#"DELETE FROM "_hw_tombstones" WHERE "table_name" = ?1"#,
             [&table.name],
         )?;
+        forget_backfill_versions(ctx.conn, &table.name, None)?;
         let seq = ctx.seq();
         ctx.conn.execute(
             r#"INSERT INTO "_hw_tombstones" ("table_name","row_key","seq","version")
@@ -538,15 +552,21 @@ fn apply_truncate(
     Ok(())
 }
 
-/// Backfilled values overwrite only the backfilled columns of existing rows; a row that does
-/// not exist is inserted only by a whole-table backfill (a column backfill's row was deleted, or
-/// will arrive with all its values from the stream).
+/// Backfilled values (§9.8) overwrite only the backfilling columns of existing rows, and of
+/// those only the ones the stream has not written since the backfill's snapshot. A row deleted
+/// or truncated after the snapshot stays deleted. A row the replica lacks is inserted, with the
+/// snapshot's watermark as its version, only while the whole table awaits its backfill (for a
+/// column backfill it was deleted, or will arrive with all its values from the stream).
 fn apply_backfill(
     ctx: &mut RowContext<'_>,
     tables: &Tables,
     backfill: &Backfill,
 ) -> Result<(), ReplicaError> {
     let table = table_for(tables, &backfill.relation.schema, &backfill.relation.name)?;
+    let snapshot = backfill.watermark.as_str();
+    if truncated_after(ctx.conn, &table.name, snapshot)? {
+        return Ok(());
+    }
     let names: Vec<&String> = backfill
         .relation
         .row_key
@@ -554,10 +574,10 @@ fn apply_backfill(
         .iter()
         .chain(&backfill.columns)
         .collect();
-    let whole_table = table
-        .columns
-        .iter()
-        .all(|c| names.iter().any(|n| **n == c.name));
+    // The table itself is new to the replica: its rows come from the backfill.
+    let whole_table = table.columns.iter().all(|c| c.backfill.is_some());
+    let keyed = !table.key.is_empty();
+    let tracked = keyed && has_backfill_versions_after(ctx.conn, &table.name, snapshot)?;
     for values in &backfill.row_values {
         let mut row = Row::new();
         for (name, value) in names.iter().zip(values) {
@@ -567,23 +587,165 @@ fn apply_backfill(
             }
         }
         let key = key_values(table, &row, ctx.json, "backfill row")?;
+        let mut written_after = Vec::new();
+        if keyed {
+            let key_json = row_key_json(&key);
+            if deleted_after(ctx.conn, &table.name, &key_json, snapshot)? {
+                continue;
+            }
+            if tracked {
+                written_after = columns_written_after(ctx.conn, &table.name, &key_json, snapshot)?;
+            }
+        }
         let set: Row = row
             .iter()
-            .filter(|(name, _)| !table.key.contains(name))
+            .filter(|(name, _)| {
+                !table.key.contains(name)
+                    && table.column(name).is_some_and(|c| c.backfill.is_some())
+                    && !written_after.contains(name)
+            })
             .map(|(n, v)| (n.clone(), v.clone()))
             .collect();
         let set_values = row_values(table, &set, ctx.json)?;
-        let updated = if set_values.is_empty() {
-            0
+        let exists = if set_values.is_empty() {
+            row_exists(ctx.conn, table, &key)?
         } else {
-            update_row(ctx, table, &set_values, &key)?
+            backfill_row(ctx, table, &set_values, &key)? > 0
         };
-        if updated == 0 && whole_table {
+        if !exists && whole_table {
             let values = row_values(table, &row, ctx.json)?;
-            upsert(ctx, table, values)?;
+            let mut at_snapshot = RowContext {
+                conn: ctx.conn,
+                json: ctx.json,
+                version: snapshot,
+                next_seq: &mut *ctx.next_seq,
+            };
+            upsert(&mut at_snapshot, table, values)?;
         }
     }
     Ok(())
+}
+
+/// Whether the table was truncated after `snapshot`.
+fn truncated_after(conn: &Connection, table: &str, snapshot: &str) -> Result<bool, ReplicaError> {
+    Ok(conn
+        .prepare_cached(
+            r#"SELECT EXISTS (SELECT 1 FROM "_hw_tombstones"
+               WHERE "table_name" = ?1 AND "row_key" IS NULL AND "version" > ?2)"#,
+        )?
+        .query_row(params![table, snapshot], |r| r.get(0))?)
+}
+
+/// Whether the row at `key` was deleted after `snapshot`.
+fn deleted_after(
+    conn: &Connection,
+    table: &str,
+    key: &str,
+    snapshot: &str,
+) -> Result<bool, ReplicaError> {
+    Ok(conn
+        .prepare_cached(
+            r#"SELECT EXISTS (SELECT 1 FROM "_hw_tombstones"
+               WHERE "table_name" = ?1 AND "row_key" = ?2 AND "version" > ?3)"#,
+        )?
+        .query_row(params![table, key, snapshot], |r| r.get(0))?)
+}
+
+fn has_backfill_versions_after(
+    conn: &Connection,
+    table: &str,
+    snapshot: &str,
+) -> Result<bool, ReplicaError> {
+    Ok(conn
+        .prepare_cached(
+            r#"SELECT EXISTS (SELECT 1 FROM "_hw_backfill_versions"
+               WHERE "table_name" = ?1 AND "version" > ?2)"#,
+        )?
+        .query_row(params![table, snapshot], |r| r.get(0))?)
+}
+
+/// The backfilling columns of the row at `key` that the stream wrote after `snapshot`.
+fn columns_written_after(
+    conn: &Connection,
+    table: &str,
+    key: &str,
+    snapshot: &str,
+) -> Result<Vec<String>, ReplicaError> {
+    let mut stmt = conn.prepare_cached(
+        r#"SELECT "column_name" FROM "_hw_backfill_versions"
+           WHERE "table_name" = ?1 AND "row_key" = ?2 AND "version" > ?3"#,
+    )?;
+    let columns = stmt.query_map(params![table, key, snapshot], |r| r.get(0))?;
+    Ok(columns.collect::<Result<_, _>>()?)
+}
+
+/// Forgets the write versions of `column` (every column when `None`) of `table`.
+fn forget_backfill_versions(
+    conn: &Connection,
+    table: &str,
+    column: Option<&str>,
+) -> Result<(), ReplicaError> {
+    conn.prepare_cached(
+        r#"DELETE FROM "_hw_backfill_versions"
+           WHERE "table_name" = ?1 AND (?2 IS NULL OR "column_name" = ?2)"#,
+    )?
+    .execute(params![table, column])?;
+    Ok(())
+}
+
+fn row_exists(
+    conn: &Connection,
+    table: &ReplicaTable,
+    key: &[(&ReplicaColumn, SqlValue)],
+) -> Result<bool, ReplicaError> {
+    let sql = format!(
+        "SELECT EXISTS (SELECT 1 FROM {} WHERE {})",
+        quote_ident(&table.name),
+        where_key(table, key, 1)
+    );
+    Ok(conn
+        .prepare_cached(&sql)?
+        .query_row(params_from_iter(key.iter().map(|(_, v)| v)), |r| r.get(0))?)
+}
+
+/// Writes backfilled values into the row at `key`; its version never moves backwards (a row the
+/// stream wrote later keeps its later version). Returns how many rows changed.
+fn backfill_row(
+    ctx: &mut RowContext<'_>,
+    table: &ReplicaTable,
+    values: &[(&ReplicaColumn, SqlValue)],
+    key: &[(&ReplicaColumn, SqlValue)],
+) -> Result<usize, ReplicaError> {
+    let mut set: Vec<String> = values
+        .iter()
+        .enumerate()
+        .map(|(i, (c, _))| format!("{} = ?{}", quote_ident(&c.name), i + 1))
+        .collect();
+    let n = values.len();
+    set.push(format!(
+        "\"_hw_version\" = max(\"_hw_version\", ?{})",
+        n + 1
+    ));
+    set.push(format!("\"_hw_seq\" = ?{}", n + 2));
+    let sql = format!(
+        "UPDATE {} SET {} WHERE {}",
+        quote_ident(&table.name),
+        set.join(", "),
+        where_key(table, key, n + 3)
+    );
+    let seq = ctx.seq();
+    let params = values
+        .iter()
+        .map(|(_, v)| v.clone())
+        .chain([
+            SqlValue::Text(ctx.version.to_owned()),
+            SqlValue::Integer(seq),
+        ])
+        .chain(key.iter().map(|(_, v)| v.clone()));
+    Ok(ctx
+        .conn
+        .prepare_cached(&sql)?
+        .execute(params_from_iter(params))?)
 }
 
 fn apply_backfill_completed(
@@ -596,6 +758,7 @@ fn apply_backfill_completed(
     for name in done.relation.row_key.columns.iter().chain(&done.columns) {
         if let Some(col) = table.column_mut(name) {
             col.backfill = None;
+            forget_backfill_versions(conn, &table.name, Some(name))?;
         }
     }
     schema::store_table(conn, table)
@@ -615,6 +778,7 @@ fn create_table(conn: &Connection, table: &ReplicaTable) -> Result<(), ReplicaEr
         r#"DELETE FROM "_hw_tombstones" WHERE "table_name" = ?1"#,
         [&table.name],
     )?;
+    forget_backfill_versions(conn, &table.name, None)?;
     schema::store_table(conn, table)
 }
 
@@ -686,10 +850,12 @@ fn apply_rename_table(
     rebuild_internal_indexes(conn, &table, &old_name)?;
     schema::forget_table(conn, &old_name)?;
     schema::store_table(conn, &table)?;
-    conn.execute(
-        r#"UPDATE "_hw_tombstones" SET "table_name" = ?1 WHERE "table_name" = ?2"#,
-        params![table.name, old_name],
-    )?;
+    for internal in ["_hw_tombstones", "_hw_backfill_versions"] {
+        conn.execute(
+            &format!(r#"UPDATE "{internal}" SET "table_name" = ?1 WHERE "table_name" = ?2"#),
+            params![table.name, old_name],
+        )?;
+    }
     tables.insert(table.name.clone(), table);
     Ok(())
 }
@@ -706,6 +872,7 @@ fn apply_drop_table(
         r#"DELETE FROM "_hw_tombstones" WHERE "table_name" = ?1"#,
         [&name],
     )?;
+    forget_backfill_versions(conn, &name, None)?;
     tables.remove(&name);
     Ok(())
 }
@@ -782,6 +949,11 @@ fn apply_update_column(
         for key in table.key.iter_mut().filter(|k| **k == old.name) {
             *key = new.name.clone();
         }
+        conn.execute(
+            r#"UPDATE "_hw_backfill_versions" SET "column_name" = ?1
+               WHERE "table_name" = ?2 AND "column_name" = ?3"#,
+            params![new.name, table.name, old.name],
+        )?;
     }
     if old.declared_type() != new.declared_type() {
         // SQLite has no ALTER COLUMN TYPE: copy through a new column, keeping its indexes.
@@ -833,6 +1005,7 @@ fn apply_drop_column(
         quote_ident(&drop.column)
     ))?;
     table.columns.retain(|c| c.name != drop.column);
+    forget_backfill_versions(conn, &table.name, Some(&drop.column))?;
     schema::store_table(conn, table)
 }
 
@@ -1354,6 +1527,257 @@ mod tests {
         // The next upstream transaction (a larger major) is not mistaken for a replay.
         let applied = txn(&mut w, 0x301, vec![insert(3, "c")]);
         assert!(matches!(applied, Applied::Committed { .. }));
+    }
+
+    fn add_prio_with_backfill(w: &mut ReplicaWriter, lsn: u64) {
+        let mut prio = ColumnSpec::new(Number::from(4), "int4");
+        prio.not_null = Some(Some(false));
+        let add = Change::AddColumn(AddColumn {
+            table: Identifier::new("public", "issue"),
+            column: ColumnDef {
+                name: "prio".into(),
+                spec: prio,
+                extra: Default::default(),
+            },
+            table_metadata: None,
+            backfill: Some(json!({"attNum": 4})),
+            extra: Default::default(),
+        });
+        txn(w, lsn, vec![add]);
+    }
+
+    fn issue_relation() -> NewRelation {
+        NewRelation {
+            schema: "public".into(),
+            name: "issue".into(),
+            row_key: RowKey::new(vec!["id".into()], None),
+            extra: Default::default(),
+        }
+    }
+
+    /// One synthetic backfill transaction after `after` (a skipAck transaction at its next
+    /// minor version), read at the snapshot `snapshot`.
+    fn backfill_txn(
+        w: &mut ReplicaWriter,
+        after: u64,
+        snapshot: u64,
+        columns: &[&str],
+        row_values: Vec<Vec<Value>>,
+        complete: bool,
+    ) -> Applied {
+        let wm = Lsn(after).to_watermark().state_version().next_minor();
+        let wm = wm.to_watermark().unwrap();
+        let columns: Vec<String> = columns.iter().map(|c| (*c).to_owned()).collect();
+        let mut begin = Begin::new(wm.clone());
+        begin.skip_ack = Some(true);
+        w.apply(&DownstreamMessage::Begin(begin)).unwrap();
+        w.apply(&DownstreamMessage::Data(Change::Backfill(Backfill {
+            relation: issue_relation(),
+            columns: columns.clone(),
+            watermark: Lsn(snapshot).to_watermark(),
+            row_values,
+            progress_marks: None,
+            status: None,
+            extra: Default::default(),
+        })))
+        .unwrap();
+        if complete {
+            w.apply(&DownstreamMessage::Data(Change::BackfillCompleted(
+                BackfillCompleted {
+                    relation: issue_relation(),
+                    columns,
+                    watermark: Lsn(snapshot).to_watermark(),
+                    progress_marks: None,
+                    status: None,
+                    extra: Default::default(),
+                },
+            )))
+            .unwrap();
+        }
+        w.apply(&DownstreamMessage::Commit(Commit::new(wm)))
+            .unwrap()
+    }
+
+    fn versions(w: &ReplicaWriter) -> Vec<(i64, String)> {
+        let mut stmt = w
+            .replica()
+            .conn
+            .prepare(r#"SELECT "id", "_hw_version" FROM "issue" ORDER BY "id""#)
+            .unwrap();
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    fn tracked_versions(w: &ReplicaWriter) -> i64 {
+        w.replica()
+            .conn
+            .query_row(r#"SELECT count(*) FROM "_hw_backfill_versions""#, [], |r| {
+                r.get(0)
+            })
+            .unwrap()
+    }
+
+    /// §9.8: a backfill read at a snapshot older than later streamed changes skips the rows
+    /// deleted after it and keeps the backfilling values the stream wrote after it.
+    #[test]
+    fn backfill_skips_rows_deleted_after_its_snapshot_and_keeps_later_streamed_values() {
+        let mut w = writer();
+        txn(
+            &mut w,
+            0x200,
+            vec![insert(1, "a"), insert(2, "b"), insert(3, "c")],
+        );
+        add_prio_with_backfill(&mut w, 0x300);
+        let update = Change::Update(Update {
+            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            key: None,
+            new: row(json!({"id": 1, "title": "a2", "meta": null, "prio": 11})),
+            extra: Default::default(),
+        });
+        let delete = Change::Delete(Delete {
+            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            key: row(json!({"id": 2})),
+            extra: Default::default(),
+        });
+        // Only the title of row 3 changes (its prio left out, like an unchanged TOAST value).
+        let title_only = Change::Update(Update {
+            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            key: None,
+            new: row(json!({"id": 3, "title": "c2", "meta": null})),
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x400, vec![update, delete, title_only]);
+        assert_eq!(tracked_versions(&w), 1, "only row 1's prio was written");
+        let applied = backfill_txn(
+            &mut w,
+            0x400,
+            0x350,
+            &["prio"],
+            vec![
+                vec![json!(1), json!(10)],
+                vec![json!(2), json!(20)],
+                vec![json!(3), json!(30)],
+            ],
+            true,
+        );
+        assert!(matches!(applied, Applied::Committed { .. }));
+        assert_eq!(
+            rows(&w, "issue"),
+            vec![
+                json!({"id": 1, "title": "a2", "meta": null, "prio": 11}),
+                json!({"id": 3, "title": "c2", "meta": null, "prio": 30})
+            ]
+        );
+        assert!(w.pending_backfills().is_empty());
+        assert_eq!(
+            tracked_versions(&w),
+            0,
+            "completion forgets the write versions"
+        );
+    }
+
+    /// §9.8: a table new to the replica gets the rows it lacks, versioned at the backfill's
+    /// snapshot; rows the stream wrote after the snapshot keep their values, and a truncate
+    /// after the snapshot drops the whole backfill.
+    #[test]
+    fn whole_table_backfill_inserts_missing_rows_at_the_snapshot_version() {
+        let mut w = writer();
+        let drop = Change::DropTable(DropTable {
+            id: Identifier::new("public", "issue"),
+            extra: Default::default(),
+        });
+        let create = Change::CreateTable(CreateTable {
+            spec: spec(
+                "public",
+                "issue",
+                &[("id", "int8"), ("title", "text"), ("meta", "jsonb")],
+                &["id"],
+            ),
+            metadata: None,
+            backfill: Some(
+                ["id", "title", "meta"]
+                    .iter()
+                    .map(|c| ((*c).to_owned(), json!({"attNum": 1})))
+                    .collect(),
+            ),
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x200, vec![drop, create]);
+        assert!(w.pending_backfills()[0].whole_table);
+        txn(&mut w, 0x300, vec![insert(1, "streamed")]);
+        let rows_read = vec![
+            vec![json!(1), json!("old"), json!(null)],
+            vec![json!(2), json!("b"), json!(null)],
+        ];
+        backfill_txn(
+            &mut w,
+            0x300,
+            0x280,
+            &["title", "meta"],
+            rows_read.clone(),
+            false,
+        );
+        assert_eq!(
+            rows(&w, "issue"),
+            vec![
+                json!({"id": 1, "title": "streamed", "meta": null}),
+                json!({"id": 2, "title": "b", "meta": null})
+            ]
+        );
+        assert_eq!(
+            versions(&w),
+            vec![
+                (1, Lsn(0x300).to_watermark().as_str().to_owned()),
+                (2, Lsn(0x280).to_watermark().as_str().to_owned())
+            ]
+        );
+        // A truncate after the snapshot: nothing read before it comes back.
+        let truncate = Change::Truncate(Truncate {
+            relations: vec![rel("issue", &["id"], ReplicaIdentity::Default)],
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x500, vec![truncate]);
+        backfill_txn(&mut w, 0x500, 0x450, &["title", "meta"], rows_read, true);
+        assert!(rows(&w, "issue").is_empty());
+        assert!(w.pending_backfills().is_empty());
+    }
+
+    /// Once a column's backfill completed, the stream owns its values: a backfill delivered
+    /// again (a relay's source restarting) changes nothing.
+    #[test]
+    fn a_backfill_of_a_completed_column_changes_nothing() {
+        let mut w = writer();
+        txn(&mut w, 0x200, vec![insert(1, "a")]);
+        add_prio_with_backfill(&mut w, 0x300);
+        backfill_txn(
+            &mut w,
+            0x300,
+            0x310,
+            &["prio"],
+            vec![vec![json!(1), json!(5)]],
+            true,
+        );
+        let update = Change::Update(Update {
+            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            key: None,
+            new: row(json!({"id": 1, "title": "a", "meta": null, "prio": 6})),
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x400, vec![update]);
+        backfill_txn(
+            &mut w,
+            0x400,
+            0x310,
+            &["prio"],
+            vec![vec![json!(1), json!(5)]],
+            true,
+        );
+        assert_eq!(
+            rows(&w, "issue"),
+            vec![json!({"id": 1, "title": "a", "meta": null, "prio": 6})]
+        );
     }
 
     #[test]

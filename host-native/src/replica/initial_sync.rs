@@ -1,5 +1,6 @@
-//! Initial sync and backfills: copying upstream rows into the replica in a snapshot
-//! (`reference/zero-protocol.md` §11.2, §9).
+//! Initial sync: copying upstream rows into the replica in a snapshot
+//! (`reference/zero-protocol.md` §11.2). Backfills read their snapshots with the same COPY
+//! conversion (`replica::backfill`).
 //!
 //! Rows are streamed with `COPY (SELECT …) TO STDOUT` in text format and converted by the same
 //! per-type-OID conversion as the replication stream (`engine::pgoutput`'s mapper is fed the
@@ -10,10 +11,7 @@
 //! `handle.block_on`, SQLite is written directly.
 
 use futures::StreamExt;
-use highwater_engine::change_stream::{
-    Backfill, BackfillCompleted, Begin, Change, Commit, DownstreamMessage, JsonFormat, NewRelation,
-    Row, RowKey,
-};
+use highwater_engine::change_stream::{Change, DownstreamMessage, JsonFormat, Row};
 use highwater_engine::pgoutput::{
     self, MappingError, PgTimestamp, PgType, PgoutputEvent, PgoutputMapper, PgoutputMessage,
     RelationColumn, Tuple, TupleValue,
@@ -25,12 +23,12 @@ use serde_json::Value;
 use tokio::runtime::Handle;
 use tokio_postgres::Client;
 
-use super::apply::{create_replica_table, PendingBackfill};
+use super::apply::create_replica_table;
 use super::copy_text::{CopyRows, CopyTextError};
 use super::ddl::{parse_published_schema, PublishedTable, PUBLISHED_SCHEMA_SQL};
 use super::schema::{create_index_sql, quote_ident, ReplicaColumn, ReplicaTable, ValueKind};
 use super::value::to_sql;
-use super::{Applied, Replica, ReplicaError, ReplicaState, ReplicaWriter};
+use super::{Replica, ReplicaError, ReplicaState};
 
 /// Rows per SQLite transaction during the copy.
 pub const DEFAULT_BATCH_ROWS: usize = 10_000;
@@ -79,7 +77,7 @@ pub struct SyncReport {
 }
 
 /// Converts COPY text fields of a table's columns with the replication stream's conversion.
-struct TextRowConverter {
+pub(super) struct TextRowConverter {
     mapper: PgoutputMapper,
     oid: u32,
 }
@@ -87,7 +85,7 @@ struct TextRowConverter {
 impl TextRowConverter {
     const OID: u32 = 1;
 
-    fn new(table: &ReplicaTable, columns: &[&ReplicaColumn]) -> Result<Self, SyncError> {
+    pub(super) fn new(table: &ReplicaTable, columns: &[&ReplicaColumn]) -> Result<Self, SyncError> {
         let mut mapper = PgoutputMapper::new();
         for col in columns {
             if let (ValueKind::Array, Some(oid)) = (col.kind, col.type_oid) {
@@ -126,7 +124,7 @@ impl TextRowConverter {
         })
     }
 
-    fn convert(&mut self, fields: &[Option<String>]) -> Result<Row, SyncError> {
+    pub(super) fn convert(&mut self, fields: &[Option<String>]) -> Result<Row, SyncError> {
         let tuple = Tuple(
             fields
                 .iter()
@@ -158,7 +156,7 @@ fn quote_literal(text: &str) -> String {
 }
 
 /// `COPY (SELECT cols FROM table) TO STDOUT`.
-fn copy_sql(table: &ReplicaTable, columns: &[&ReplicaColumn]) -> String {
+pub(super) fn copy_sql(table: &ReplicaTable, columns: &[&ReplicaColumn]) -> String {
     let cols: Vec<String> = columns.iter().map(|c| quote_ident(&c.name)).collect();
     format!(
         "COPY (SELECT {} FROM {}.{}) TO STDOUT",
@@ -198,6 +196,15 @@ fn begin_snapshot(
     client: &Client,
     snapshot: Option<&str>,
 ) -> Result<(), SyncError> {
+    handle.block_on(open_snapshot(client, snapshot))
+}
+
+/// [`begin_snapshot`] for async callers: a repeatable-read transaction, at the exported
+/// `snapshot` if one is given.
+pub(super) async fn open_snapshot(
+    client: &Client,
+    snapshot: Option<&str>,
+) -> Result<(), SyncError> {
     let mut sql = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY;".to_owned();
     if let Some(name) = snapshot {
         sql.push_str(&format!(
@@ -206,45 +213,8 @@ fn begin_snapshot(
         ));
     }
     sql.push_str("SET LOCAL datestyle = 'ISO, MDY'; SET LOCAL intervalstyle = 'postgres';");
-    handle.block_on(client.batch_execute(&sql))?;
+    client.batch_execute(&sql).await?;
     Ok(())
-}
-
-/// How long a backfill waits for the transaction that asked for it to become visible.
-const VISIBILITY_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Whether transaction `xid` (32-bit, as pgoutput sends it) is visible in the current
-/// transaction's snapshot; the 64-bit id takes its epoch from the snapshot's xmax.
-const XID_VISIBLE_SQL: &str = "
-SELECT pg_visible_in_snapshot(
-  ((((pg_snapshot_xmax(s)::text::int8 >> 32)
-     - CASE WHEN $1::int8 > (pg_snapshot_xmax(s)::text::int8 & 4294967295) THEN 1 ELSE 0 END)
-    << 32) | $1::int8)::text::xid8, s)
-FROM pg_current_snapshot() s";
-
-/// Opens a snapshot transaction that sees transaction `xid`. A commit is streamed as soon as
-/// its WAL is flushed, a moment before other sessions see it; a snapshot taken in that moment
-/// would miss the very transaction that asked for the backfill.
-fn begin_snapshot_after(
-    handle: &Handle,
-    client: &Client,
-    xid: Option<u32>,
-) -> Result<(), SyncError> {
-    let deadline = std::time::Instant::now() + VISIBILITY_WAIT;
-    loop {
-        begin_snapshot(handle, client, None)?;
-        let Some(xid) = xid else {
-            return Ok(());
-        };
-        let visible: bool = handle
-            .block_on(client.query_one(XID_VISIBLE_SQL, &[&i64::from(xid)]))?
-            .try_get(0)?;
-        if visible || std::time::Instant::now() > deadline {
-            return Ok(());
-        }
-        handle.block_on(client.batch_execute("ROLLBACK"))?;
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
 }
 
 /// Reads the published schema of `publications` in the current transaction.
@@ -380,153 +350,4 @@ fn copy_snapshot(
         tables: published.len(),
         rows: total,
     })
-}
-
-/// Runs the backfills the replica waits for, each read in a fresh snapshot of upstream and
-/// applied as a synthetic transaction (`skipAck`) at the next minor version of the replica's
-/// position. The snapshot sees every transaction the replica has applied (`after_xid` is the
-/// last one when it was just streamed), and the
-/// transactions between the replica's position and the snapshot are applied again after the
-/// backfill, so every row ends at its upstream value.
-pub fn run_backfills(
-    handle: &Handle,
-    client: &Client,
-    writer: &mut ReplicaWriter,
-    batch_rows: usize,
-    after_xid: Option<u32>,
-) -> Result<Vec<Applied>, SyncError> {
-    let mut applied = Vec::new();
-    for pending in writer.pending_backfills() {
-        let result = backfill_one(
-            handle,
-            client,
-            writer,
-            &pending,
-            batch_rows.max(1),
-            after_xid,
-        );
-        let _ = handle.block_on(client.batch_execute("ROLLBACK"));
-        if result.is_err() && writer.in_transaction() {
-            let _ = writer.apply(&DownstreamMessage::Rollback(Default::default()));
-        }
-        applied.push(result?);
-    }
-    Ok(applied)
-}
-
-fn backfill_one(
-    handle: &Handle,
-    client: &Client,
-    writer: &mut ReplicaWriter,
-    pending: &PendingBackfill,
-    batch_rows: usize,
-    after_xid: Option<u32>,
-) -> Result<Applied, SyncError> {
-    let Some(table) = writer.replica().table(&pending.table).cloned() else {
-        return Ok(Applied::Pending);
-    };
-    let state = writer
-        .replica()
-        .state()
-        .ok_or(ReplicaError::NotInitialized)?;
-    let watermark = state
-        .watermark
-        .state_version()
-        .next_minor()
-        .to_watermark()
-        .unwrap_or_else(|| state.watermark.clone());
-    begin_snapshot_after(handle, client, after_xid)?;
-    let snapshot_lsn: String = handle
-        .block_on(client.query_one("SELECT pg_current_wal_lsn()::text", &[]))?
-        .try_get(0)?;
-    let snapshot_watermark = snapshot_lsn
-        .parse::<Lsn>()
-        .map(Lsn::to_watermark)
-        .unwrap_or_else(|_| watermark.clone());
-    // Columns dropped or renamed upstream since are left out; later changes in the stream
-    // bring the replica there.
-    let upstream: Vec<String> = handle
-        .block_on(client.query(
-            "SELECT attname::text FROM pg_attribute \
-             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
-            &[&format!(
-                "{}.{}",
-                quote_ident(&table.schema),
-                quote_ident(&table.table)
-            )],
-        ))?
-        .iter()
-        .map(|r| r.try_get(0))
-        .collect::<Result<_, _>>()?;
-    let key_present = pending.key.iter().all(|k| upstream.contains(k));
-    let columns: Vec<String> = pending
-        .columns
-        .iter()
-        .filter(|c| upstream.contains(c))
-        .cloned()
-        .collect();
-    let relation = NewRelation {
-        schema: table.schema.clone(),
-        name: table.table.clone(),
-        row_key: RowKey::new(pending.key.clone(), None),
-        extra: Default::default(),
-    };
-    let mut begin = Begin::new(watermark.clone());
-    begin.json = Some(JsonFormat::Stringified);
-    begin.skip_ack = Some(true);
-    writer.apply(&DownstreamMessage::Begin(begin))?;
-    let mut rows_copied = 0;
-    if key_present && !upstream.is_empty() {
-        let copy_columns: Vec<&ReplicaColumn> = pending
-            .key
-            .iter()
-            .chain(&columns)
-            .filter_map(|name| table.column(name))
-            .collect();
-        let message = |row_values: Vec<Vec<Value>>| {
-            DownstreamMessage::Data(Change::Backfill(Backfill {
-                relation: relation.clone(),
-                columns: columns.clone(),
-                watermark: snapshot_watermark.clone(),
-                row_values,
-                progress_marks: None,
-                status: None,
-                extra: Default::default(),
-            }))
-        };
-        let mut batch: Vec<Vec<Value>> = Vec::new();
-        rows_copied = copy_rows(handle, client, &table, &copy_columns, |mut row| {
-            batch.push(
-                copy_columns
-                    .iter()
-                    .map(|c| row.remove(&c.name).unwrap_or(Value::Null))
-                    .collect(),
-            );
-            if batch.len() >= batch_rows {
-                writer.apply(&message(std::mem::take(&mut batch)))?;
-            }
-            Ok(())
-        })?;
-        if !batch.is_empty() {
-            writer.apply(&message(batch))?;
-        }
-    }
-    writer.apply(&DownstreamMessage::Data(Change::BackfillCompleted(
-        BackfillCompleted {
-            relation,
-            columns: pending.columns.clone(),
-            watermark: snapshot_watermark,
-            progress_marks: None,
-            status: None,
-            extra: Default::default(),
-        },
-    )))?;
-    let applied = writer.apply(&DownstreamMessage::Commit(Commit::new(watermark)))?;
-    tracing::info!(
-        table = %table.name,
-        columns = ?pending.columns,
-        rows = rows_copied,
-        "backfill applied"
-    );
-    Ok(applied)
 }

@@ -8,6 +8,8 @@
 //! acknowledgement honest.
 
 mod apply;
+pub mod backfill;
+pub mod bootstrap;
 mod copy_text;
 pub mod ddl;
 pub mod initial_sync;
@@ -208,6 +210,45 @@ impl Replica {
             out.push(row);
         }
         Ok(out)
+    }
+
+    /// Whether any column waits for a backfill (cheap: no allocation).
+    pub fn has_pending_backfills(&self) -> bool {
+        self.tables
+            .values()
+            .any(|t| t.columns.iter().any(|c| c.backfill.is_some()))
+    }
+
+    /// Columns waiting for a backfill, grouped by table (recorded with the schema change that
+    /// asked for them, so they survive a crash).
+    pub fn pending_backfills(&self) -> Vec<PendingBackfill> {
+        let mut out = Vec::new();
+        for name in self.table_names() {
+            let Some(table) = self.table(&name) else {
+                continue;
+            };
+            let columns: Vec<String> = table
+                .columns
+                .iter()
+                .filter(|c| c.backfill.is_some())
+                .map(|c| c.name.clone())
+                .collect();
+            if columns.is_empty() {
+                continue;
+            }
+            out.push(PendingBackfill {
+                table: table.name.clone(),
+                schema: table.schema.clone(),
+                name: table.table.clone(),
+                key: table.key.clone(),
+                whole_table: columns.len() == table.columns.len(),
+                columns: columns
+                    .into_iter()
+                    .filter(|c| !table.key.contains(c))
+                    .collect(),
+            });
+        }
+        out
     }
 
     /// Records the replication state of a completed initial sync.

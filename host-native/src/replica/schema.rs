@@ -413,6 +413,15 @@ CREATE TABLE IF NOT EXISTS "_hw_tombstones" (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS "_hw_tombstones_key" ON "_hw_tombstones" ("table_name", "row_key");
 CREATE INDEX IF NOT EXISTS "_hw_tombstones_seq" ON "_hw_tombstones" ("seq");
+-- While a column awaits its backfill: the version of the last streamed write to it, per row.
+-- A backfill read in an older snapshot must not overwrite such a value.
+CREATE TABLE IF NOT EXISTS "_hw_backfill_versions" (
+    "table_name" TEXT NOT NULL,
+    "row_key" TEXT NOT NULL,
+    "column_name" TEXT NOT NULL,
+    "version" TEXT NOT NULL,
+    PRIMARY KEY ("table_name", "row_key", "column_name")
+) WITHOUT ROWID;
 "#;
 
 fn class_str(class: Option<PgTypeClass>) -> Option<&'static str> {

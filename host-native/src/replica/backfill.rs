@@ -1,0 +1,873 @@
+//! Backfills as a source of change-stream messages (`reference/zero-protocol.md` §9.1, §9.6).
+//!
+//! A table or column whose existing values only upstream knows (a table added to a publication,
+//! a column added with a default, a retyped column) is read in a fresh snapshot of upstream and
+//! becomes one synthetic transaction:
+//!
+//! ```text
+//! ["begin",{"tag":"begin","json":"s","skipAck":true},{"commitWatermark":<position.minor+1>}]
+//! ["data",{"tag":"backfill","relation":…,"columns":…,"watermark":<snapshot>,"rowValues":…}]  (batches)
+//! ["data",{"tag":"backfill-completed",…}]
+//! ["commit",{"tag":"commit"},{"watermark":<position.minor+1>}]
+//! ```
+//!
+//! Consumers decide where it goes: `highwater replicate` applies it to the replica
+//! ([`run_backfills`]); `highwater serve` forwards and stores it like any upstream transaction,
+//! and `skipAck` keeps it from being acknowledged upstream.
+//!
+//! Ordering: a consumer starts a backfill only between upstream transactions, and takes nothing
+//! else until its commit. The snapshot waits until the upstream transactions the consumer took
+//! last are visible, so it holds everything the replica has; upstream transactions after the
+//! consumer's position come after the backfill and carry whole rows, so every row ends at its
+//! upstream value. Rows are streamed from `COPY` in batches; a backfill never holds a table.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use highwater_engine::change_stream::{
+    Backfill, BackfillCompleted, Begin, Change, Commit, DownloadStatus, DownstreamMessage,
+    JsonFormat, NewRelation, RowKey,
+};
+use highwater_engine::watermark::{Lsn, Watermark};
+use serde_json::{Number, Value};
+use tokio::runtime::Handle;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_postgres::{Client, Config, NoTls};
+
+use super::apply::PendingBackfill;
+use super::copy_text::CopyRows;
+use super::initial_sync::{copy_sql, open_snapshot, SyncError, TextRowConverter};
+use super::schema::{quote_ident, ReplicaColumn, ReplicaTable};
+use super::{Applied, Replica, ReplicaWriter};
+
+/// Rows per `backfill` message.
+pub const BACKFILL_BATCH_ROWS: usize = 2_000;
+
+/// Messages produced ahead of the consumer: with [`BACKFILL_BATCH_ROWS`], a few thousand rows.
+const AHEAD: usize = 2;
+
+/// How long a backfill waits for the transactions before it to become visible.
+const VISIBILITY_WAIT: Duration = Duration::from_secs(30);
+
+/// How many of the consumer's latest upstream transactions a snapshot is checked against.
+const VISIBLE_XIDS: usize = 64;
+
+/// The consumer's latest upstream transactions (their 32-bit xids): the next backfill's
+/// snapshot must see them, or it would overwrite their rows with older values.
+#[derive(Debug, Default)]
+pub struct RecentXids(VecDeque<u32>);
+
+impl RecentXids {
+    /// Notes the transaction `begin` opens (pgoutput's `xid`; other sources have none).
+    pub fn note(&mut self, begin: &Begin) {
+        let xid = begin
+            .extra
+            .get("xid")
+            .and_then(Value::as_u64)
+            .and_then(|x| u32::try_from(x).ok());
+        if let Some(xid) = xid {
+            if self.0.len() == VISIBLE_XIDS {
+                self.0.pop_front();
+            }
+            self.0.push_back(xid);
+        }
+    }
+
+    pub fn to_vec(&self) -> Vec<u32> {
+        self.0.iter().copied().collect()
+    }
+}
+
+/// One backfill to run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackfillJob {
+    /// The replica's table, for column types.
+    pub table: ReplicaTable,
+    pub pending: PendingBackfill,
+    /// Columns (of `pending`, key included) to complete without values if upstream no longer
+    /// has them: the consumer has passed the snapshot where they were first found missing, so
+    /// no schema change in the stream will rename or drop them.
+    pub settle: Vec<String>,
+    /// The synthetic transaction's watermark: the next minor version after the consumer's
+    /// position (§6.3).
+    pub commit_watermark: Watermark,
+    /// Upstream transactions (32-bit xids) the snapshot must see: the consumer's latest.
+    pub visible_xids: Vec<u32>,
+    pub batch_rows: usize,
+}
+
+/// What a running backfill yields.
+// Messages are the common variant; boxing them would add an allocation per message.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum BackfillItem {
+    /// The next message of the synthetic transaction.
+    Message(DownstreamMessage),
+    /// Pending columns (key included) that upstream lacks at `snapshot`: left pending, since a
+    /// schema change after the consumer's position may still rename or drop them.
+    Missing {
+        columns: Vec<String>,
+        snapshot: Watermark,
+    },
+}
+
+/// A backfill being read from upstream, message by message. Dropping it stops the read.
+pub struct BackfillStream {
+    items: mpsc::Receiver<Result<BackfillItem, SyncError>>,
+    task: JoinHandle<()>,
+}
+
+impl BackfillStream {
+    /// Starts reading `job` on a new connection made with `upstream`.
+    pub fn spawn(handle: &Handle, upstream: &Config, job: BackfillJob) -> BackfillStream {
+        let (tx, items) = mpsc::channel(AHEAD);
+        let upstream = upstream.clone();
+        let task = handle.spawn(async move {
+            if let Err(error) = produce(&upstream, job, &tx).await {
+                let _ = tx.send(Err(error)).await;
+            }
+        });
+        BackfillStream { items, task }
+    }
+
+    /// The next item; `None` once the backfill is over.
+    pub async fn next(&mut self) -> Option<Result<BackfillItem, SyncError>> {
+        self.items.recv().await
+    }
+}
+
+impl Drop for BackfillStream {
+    fn drop(&mut self) {
+        // Ends the snapshot transaction with its connection.
+        self.task.abort();
+    }
+}
+
+/// Whether every xid (32-bit, as pgoutput sends it) is visible in the current transaction's
+/// snapshot; the 64-bit id takes its epoch from the snapshot's xmax.
+const XIDS_VISIBLE_SQL: &str = "
+SELECT coalesce(bool_and(pg_visible_in_snapshot(
+  ((((pg_snapshot_xmax(s)::text::int8 >> 32)
+     - CASE WHEN x > (pg_snapshot_xmax(s)::text::int8 & 4294967295) THEN 1 ELSE 0 END)
+    << 32) | x)::text::xid8, s)), true)
+FROM pg_current_snapshot() s, unnest($1::int8[]) x";
+
+/// Opens a snapshot transaction that sees `xids`. A commit is streamed as soon as its WAL is
+/// flushed, a moment before other sessions see it; a snapshot taken in that moment would miss
+/// the very transaction that asked for the backfill.
+async fn open_snapshot_seeing(client: &Client, xids: &[u32]) -> Result<(), SyncError> {
+    let xids: Vec<i64> = xids.iter().map(|x| i64::from(*x)).collect();
+    let deadline = Instant::now() + VISIBILITY_WAIT;
+    loop {
+        open_snapshot(client, None).await?;
+        if xids.is_empty() {
+            return Ok(());
+        }
+        let visible: bool = client
+            .query_one(XIDS_VISIBLE_SQL, &[&xids])
+            .await?
+            .try_get(0)?;
+        if visible {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            tracing::warn!("a backfill snapshot still misses recent transactions; reading anyway");
+            return Ok(());
+        }
+        client.batch_execute("ROLLBACK").await?;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// The watermark of the snapshot (§9.8: the backfill's `watermark`).
+async fn snapshot_watermark(client: &Client) -> Result<Watermark, SyncError> {
+    let lsn: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .try_get(0)?;
+    lsn.parse::<Lsn>()
+        .map(Lsn::to_watermark)
+        .map_err(|e| SyncError::Converter {
+            got: format!("the WAL position {lsn:?} ({e})"),
+        })
+}
+
+/// The table's columns upstream in the snapshot; empty when the table is gone.
+async fn upstream_columns(client: &Client, table: &ReplicaTable) -> Result<Vec<String>, SyncError> {
+    let name = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&table.table)
+    );
+    client
+        .query(
+            "SELECT attname::text FROM pg_attribute \
+             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
+            &[&name],
+        )
+        .await?
+        .iter()
+        .map(|r| r.try_get(0).map_err(SyncError::from))
+        .collect()
+}
+
+/// The planner's estimate of the table's rows, for `status` (display only).
+async fn estimated_rows(client: &Client, table: &ReplicaTable) -> Result<u64, SyncError> {
+    let name = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&table.table)
+    );
+    let estimate: Option<f32> = client
+        .query_opt(
+            "SELECT reltuples FROM pg_class WHERE oid = to_regclass($1)",
+            &[&name],
+        )
+        .await?
+        .map(|r| r.try_get(0))
+        .transpose()?;
+    // Never-analyzed tables say -1.
+    Ok(estimate.map_or(0, |n| n.max(0.0) as u64))
+}
+
+/// What a backfill reads and completes, given the table's columns upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ReadPlan {
+    /// Pending columns upstream lacks that may still be renamed or dropped by the stream.
+    waiting: Vec<String>,
+    /// Non-key columns read from the snapshot (after the key).
+    read: Vec<String>,
+    /// Whether rows are read at all (a whole-table backfill reads even without `read`).
+    copy: bool,
+    /// Non-key columns the `backfill-completed` clears (the key's are cleared with it).
+    completed: Vec<String>,
+    /// Whether there is a transaction to produce.
+    emit: bool,
+}
+
+fn plan_read(job: &BackfillJob, upstream_columns: &[String]) -> ReadPlan {
+    let pending = &job.pending;
+    let present = |c: &String| upstream_columns.contains(c);
+    let key_present = !upstream_columns.is_empty() && pending.key.iter().all(present);
+    // Without its key (or the table) upstream, no row can be matched.
+    let missing: Vec<&String> = if key_present {
+        pending.columns.iter().filter(|c| !present(c)).collect()
+    } else {
+        pending.key.iter().chain(&pending.columns).collect()
+    };
+    let (settled, waiting): (Vec<&String>, Vec<&String>) =
+        missing.into_iter().partition(|c| job.settle.contains(c));
+    let key_settled = !key_present && pending.key.iter().all(|k| settled.contains(&k));
+    // A keyless table's rows are matched on every column: only a whole-table backfill can
+    // read them.
+    let matchable = !pending.key.is_empty() || pending.whole_table;
+    let readable = key_present && matchable;
+    let read: Vec<String> = pending
+        .columns
+        .iter()
+        .filter(|c| readable && present(c))
+        .cloned()
+        .collect();
+    let copy = readable && (pending.whole_table || !read.is_empty());
+    // Columns that cannot be read are completed too: their values cannot be had.
+    let completed: Vec<String> = pending
+        .columns
+        .iter()
+        .filter(|c| read.contains(c) || settled.contains(c) || (key_present && !matchable))
+        .cloned()
+        .collect();
+    let emit = (key_present || key_settled)
+        && (copy || !completed.is_empty() || key_settled || key_backfilling(&job.table, pending));
+    ReadPlan {
+        waiting: waiting.into_iter().cloned().collect(),
+        read,
+        copy,
+        completed,
+        emit,
+    }
+}
+
+async fn produce(
+    upstream: &Config,
+    job: BackfillJob,
+    tx: &mpsc::Sender<Result<BackfillItem, SyncError>>,
+) -> Result<(), SyncError> {
+    let (client, connection) = upstream.connect(NoTls).await?;
+    tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            tracing::debug!(%error, "backfill connection ended");
+        }
+    });
+    open_snapshot_seeing(&client, &job.visible_xids).await?;
+    let snapshot = snapshot_watermark(&client).await?;
+    let plan = plan_read(&job, &upstream_columns(&client, &job.table).await?);
+    // A closed channel means the consumer stopped listening: nothing more to do.
+    if !plan.waiting.is_empty() {
+        let item = BackfillItem::Missing {
+            columns: plan.waiting.clone(),
+            snapshot: snapshot.clone(),
+        };
+        if tx.send(Ok(item)).await.is_err() {
+            return Ok(());
+        }
+    }
+    if !plan.emit {
+        return Ok(());
+    }
+    if job.pending.key.is_empty() && !job.pending.whole_table {
+        tracing::warn!(
+            table = %job.table.name,
+            columns = ?job.pending.columns,
+            "a table without a key cannot take a column backfill: its existing rows keep NULL"
+        );
+    }
+    let relation = NewRelation {
+        schema: job.table.schema.clone(),
+        name: job.table.table.clone(),
+        row_key: RowKey::new(job.pending.key.clone(), None),
+        extra: Default::default(),
+    };
+    let mut begin = Begin::new(job.commit_watermark.clone());
+    begin.json = Some(JsonFormat::Stringified);
+    begin.skip_ack = Some(true);
+    if !send(tx, DownstreamMessage::Begin(begin)).await {
+        return Ok(());
+    }
+    let rows = if plan.copy {
+        let read = RowsRead {
+            relation: &relation,
+            columns: &plan.read,
+            snapshot: &snapshot,
+        };
+        match read_rows(&client, &job, read, tx).await? {
+            Some(rows) => rows,
+            None => return Ok(()),
+        }
+    } else {
+        0
+    };
+    let done = BackfillCompleted {
+        relation,
+        columns: plan.completed.clone(),
+        watermark: snapshot,
+        progress_marks: None,
+        status: None,
+        extra: Default::default(),
+    };
+    if !send(tx, DownstreamMessage::Data(Change::BackfillCompleted(done))).await {
+        return Ok(());
+    }
+    tracing::info!(
+        table = %job.table.name,
+        columns = ?plan.completed,
+        rows,
+        "backfill read"
+    );
+    send(
+        tx,
+        DownstreamMessage::Commit(Commit::new(job.commit_watermark)),
+    )
+    .await;
+    Ok(())
+}
+
+/// Sends one message; `false` once the consumer stopped listening.
+async fn send(
+    tx: &mpsc::Sender<Result<BackfillItem, SyncError>>,
+    message: DownstreamMessage,
+) -> bool {
+    tx.send(Ok(BackfillItem::Message(message))).await.is_ok()
+}
+
+/// What the `backfill` messages of one read say besides their rows.
+struct RowsRead<'a> {
+    relation: &'a NewRelation,
+    columns: &'a [String],
+    snapshot: &'a Watermark,
+}
+
+/// Streams the key and `read.columns` of every row as `backfill` messages of at most
+/// `job.batch_rows` rows; the number of rows, or `None` once the consumer stopped listening.
+async fn read_rows(
+    client: &Client,
+    job: &BackfillJob,
+    read: RowsRead<'_>,
+    tx: &mpsc::Sender<Result<BackfillItem, SyncError>>,
+) -> Result<Option<u64>, SyncError> {
+    let copy_columns: Vec<&ReplicaColumn> = job
+        .pending
+        .key
+        .iter()
+        .chain(read.columns)
+        .filter_map(|name| job.table.column(name))
+        .collect();
+    let total = estimated_rows(client, &job.table).await?;
+    let mut converter = TextRowConverter::new(&job.table, &copy_columns)?;
+    let stream = client
+        .copy_out(&copy_sql(&job.table, &copy_columns))
+        .await?;
+    let mut stream = Box::pin(stream);
+    let mut parser = CopyRows::new(copy_columns.len());
+    let mut batch: Vec<Vec<Value>> = Vec::new();
+    let mut rows = 0u64;
+    let batch_rows = job.batch_rows.max(1);
+    loop {
+        let chunk = stream.next().await.transpose()?;
+        let last = chunk.is_none();
+        match chunk {
+            Some(chunk) => parser.push(&chunk, |fields| {
+                let mut row = converter.convert(&fields)?;
+                batch.push(
+                    copy_columns
+                        .iter()
+                        .map(|c| row.remove(&c.name).unwrap_or(Value::Null))
+                        .collect(),
+                );
+                Ok::<_, SyncError>(())
+            })?,
+            None => parser.finish()?,
+        }
+        // One COPY chunk completes a bounded number of rows: the batch stays near its size.
+        while batch.len() >= batch_rows || (last && !batch.is_empty()) {
+            let rest = batch.split_off(batch.len().min(batch_rows));
+            let row_values = std::mem::replace(&mut batch, rest);
+            rows += row_values.len() as u64;
+            let message = Backfill {
+                relation: read.relation.clone(),
+                columns: read.columns.to_vec(),
+                watermark: read.snapshot.clone(),
+                row_values,
+                progress_marks: None,
+                status: Some(DownloadStatus {
+                    rows: Number::from(rows),
+                    total_rows: Number::from(total.max(rows)),
+                    total_bytes: None,
+                    extra: Default::default(),
+                }),
+                extra: Default::default(),
+            };
+            if !send(tx, DownstreamMessage::Data(Change::Backfill(message))).await {
+                return Ok(None);
+            }
+        }
+        if last {
+            return Ok(Some(rows));
+        }
+    }
+}
+
+/// Chooses the next backfill to run and remembers what upstream cannot serve yet.
+#[derive(Debug, Default)]
+pub struct BackfillPlanner {
+    /// `(table, column)` → the snapshot where upstream first lacked the column.
+    missing: HashMap<(String, String), Watermark>,
+    /// Table → the position at which its backfill failed: retried after the next transaction.
+    failed: HashMap<String, Watermark>,
+    /// Table → the last job handed out for it: the same job at the same position again would
+    /// only repeat a run that changed nothing.
+    handed_out: HashMap<String, (Watermark, Vec<String>, Vec<String>)>,
+}
+
+impl BackfillPlanner {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The next backfill the replica waits for, as a transaction after `position` (the
+    /// consumer's last commit), or `None` when there is nothing to run now.
+    pub fn next_job(
+        &mut self,
+        replica: &Replica,
+        position: &Watermark,
+        visible_xids: &[u32],
+        batch_rows: usize,
+    ) -> Option<BackfillJob> {
+        if !replica.has_pending_backfills() {
+            self.missing.clear();
+            self.failed.clear();
+            self.handed_out.clear();
+            return None;
+        }
+        let pending = replica.pending_backfills();
+        let is_pending = |table: &str, column: &str| {
+            pending
+                .iter()
+                .any(|p| p.table == table && p.key.iter().chain(&p.columns).any(|c| c == column))
+        };
+        self.missing
+            .retain(|(table, column), _| is_pending(table, column));
+        self.failed
+            .retain(|table, at| pending.iter().any(|p| p.table == *table) && *at >= *position);
+        for p in pending {
+            let Some(table) = replica.table(&p.table) else {
+                continue;
+            };
+            if self.failed.contains_key(&p.table) {
+                continue;
+            }
+            let missing_since =
+                |column: &String| self.missing.get(&(p.table.clone(), column.clone()));
+            // Missing at a snapshot the consumer has not passed yet: a schema change in between
+            // may still rename or drop it.
+            let waiting = |c: &String| missing_since(c).is_some_and(|at| at > position);
+            let settle: Vec<String> = p
+                .key
+                .iter()
+                .chain(&p.columns)
+                .filter(|c| missing_since(c).is_some_and(|at| at <= position))
+                .cloned()
+                .collect();
+            // Without its key no row can be matched: the table waits as a whole.
+            let runnable = !p.key.iter().any(waiting)
+                && (p.columns.iter().any(|c| !waiting(c))
+                    || p.whole_table
+                    || key_backfilling(table, &p));
+            if !runnable {
+                continue;
+            }
+            let mut job_pending = p.clone();
+            job_pending.columns.retain(|c| !waiting(c));
+            let handed = (
+                position.clone(),
+                job_pending.columns.clone(),
+                settle.clone(),
+            );
+            if self.handed_out.get(&p.table) == Some(&handed) {
+                continue;
+            }
+            self.handed_out.insert(p.table.clone(), handed);
+            return Some(BackfillJob {
+                table: table.clone(),
+                pending: job_pending,
+                settle,
+                commit_watermark: next_minor(position),
+                visible_xids: visible_xids.to_vec(),
+                batch_rows,
+            });
+        }
+        None
+    }
+
+    /// Upstream lacked `columns` of `table` at `snapshot`.
+    pub fn on_missing(&mut self, table: &str, columns: &[String], snapshot: &Watermark) {
+        for column in columns {
+            self.missing
+                .entry((table.to_owned(), column.clone()))
+                .or_insert_with(|| snapshot.clone());
+        }
+    }
+
+    /// The backfill of `table` failed at `position`: not retried before the next transaction.
+    pub fn on_failed(&mut self, table: &str, position: &Watermark) {
+        self.failed.insert(table.to_owned(), position.clone());
+    }
+}
+
+/// Whether a key column itself awaits a backfill (a retyped key): completing the backfill
+/// clears it.
+fn key_backfilling(table: &ReplicaTable, pending: &PendingBackfill) -> bool {
+    table
+        .columns
+        .iter()
+        .any(|c| pending.key.contains(&c.name) && c.backfill.is_some())
+}
+
+/// `position.minor + 1` (§6.3).
+fn next_minor(position: &Watermark) -> Watermark {
+    position
+        .state_version()
+        .next_minor()
+        .to_watermark()
+        // Only a minor of 36 base-36 digits could overflow.
+        .unwrap_or_else(|| position.clone())
+}
+
+/// Runs every backfill the replica waits for now, applying each through `writer`; returns what
+/// each commit did. `visible_xids` are the upstream transactions applied last. A backfill that
+/// upstream fails is logged and retried after the next transaction; a replica error is returned.
+///
+/// Blocking: run it on a blocking thread of `handle`'s runtime.
+pub fn run_backfills(
+    handle: &Handle,
+    upstream: &Config,
+    writer: &mut ReplicaWriter,
+    planner: &mut BackfillPlanner,
+    visible_xids: &[u32],
+) -> Result<Vec<Applied>, SyncError> {
+    let mut applied = Vec::new();
+    loop {
+        let Some(position) = writer.replica().state().map(|s| s.watermark.clone()) else {
+            return Ok(applied);
+        };
+        let Some(job) = planner.next_job(
+            writer.replica(),
+            &position,
+            visible_xids,
+            BACKFILL_BATCH_ROWS,
+        ) else {
+            return Ok(applied);
+        };
+        let table = job.table.name.clone();
+        let mut stream = BackfillStream::spawn(handle, upstream, job);
+        let failure = loop {
+            match handle.block_on(stream.next()) {
+                None => break None,
+                Some(Err(error)) => break Some(error),
+                Some(Ok(BackfillItem::Missing { columns, snapshot })) => {
+                    planner.on_missing(&table, &columns, &snapshot);
+                }
+                Some(Ok(BackfillItem::Message(message))) => {
+                    if let done @ Applied::Committed { .. } = writer.apply(&message)? {
+                        applied.push(done);
+                    }
+                }
+            }
+        };
+        if let Some(error) = failure {
+            if writer.in_transaction() {
+                writer.apply(&DownstreamMessage::Rollback(Default::default()))?;
+            }
+            tracing::warn!(%table, %error, "backfill failed; retrying after the next transaction");
+            planner.on_failed(&table, &position);
+        } else if writer.in_transaction() {
+            // The producer ended without its commit: nothing of it may stay.
+            writer.apply(&DownstreamMessage::Rollback(Default::default()))?;
+            planner.on_failed(&table, &position);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replica::ReplicaState;
+    use highwater_engine::change_stream::{
+        AddColumn, ColumnDef, ColumnSpec, CreateTable, Identifier, PgTypeClass, TableSpec,
+        UpdateColumn,
+    };
+    use indexmap::IndexMap;
+    use serde_json::json;
+
+    fn w(n: u64) -> Watermark {
+        Lsn(n).to_watermark()
+    }
+
+    fn column(pos: i64, data_type: &str) -> ColumnSpec {
+        let mut spec = ColumnSpec::new(Number::from(pos), data_type);
+        spec.pg_type_class = Some(PgTypeClass::Base);
+        spec
+    }
+
+    fn txn(writer: &mut ReplicaWriter, lsn: u64, changes: Vec<Change>) {
+        writer
+            .apply(&DownstreamMessage::Begin(Begin::new(w(lsn))))
+            .unwrap();
+        for change in changes {
+            writer.apply(&DownstreamMessage::Data(change)).unwrap();
+        }
+        writer
+            .apply(&DownstreamMessage::Commit(Commit::new(w(lsn))))
+            .unwrap();
+    }
+
+    /// A replica with `item (id, name)` and a column `c` added with a backfill at 0x200.
+    fn writer_waiting_for_c() -> ReplicaWriter {
+        let mut replica = Replica::open_in_memory().unwrap();
+        replica
+            .store_initial_state(&ReplicaState {
+                replica_version: w(0x100),
+                watermark: w(0x100),
+                lsn: Lsn(0x100),
+                publications: vec!["pub".into()],
+                slot: "slot".into(),
+                app_id: "highwater".into(),
+                next_seq: 1,
+            })
+            .unwrap();
+        let mut writer = ReplicaWriter::new(replica);
+        let create = Change::CreateTable(CreateTable {
+            spec: TableSpec {
+                schema: "public".into(),
+                name: "item".into(),
+                columns: IndexMap::from([
+                    ("id".to_owned(), column(1, "int4")),
+                    ("name".to_owned(), column(2, "text")),
+                ]),
+                primary_key: Some(vec!["id".into()]),
+                extra: Default::default(),
+            },
+            metadata: None,
+            backfill: None,
+            extra: Default::default(),
+        });
+        let add = Change::AddColumn(AddColumn {
+            table: Identifier::new("public", "item"),
+            column: ColumnDef {
+                name: "c".into(),
+                spec: column(3, "float8"),
+                extra: Default::default(),
+            },
+            table_metadata: None,
+            backfill: Some(json!({"attNum": 3})),
+            extra: Default::default(),
+        });
+        txn(&mut writer, 0x200, vec![create, add]);
+        writer
+    }
+
+    #[test]
+    fn a_job_is_a_skip_ack_transaction_at_the_next_minor_version() {
+        let writer = writer_waiting_for_c();
+        let mut planner = BackfillPlanner::new();
+        let job = planner
+            .next_job(writer.replica(), &w(0x200), &[7], 10)
+            .unwrap();
+        assert_eq!(
+            job.commit_watermark,
+            w(0x200)
+                .state_version()
+                .next_minor()
+                .to_watermark()
+                .unwrap()
+        );
+        assert!(w(0x200) < job.commit_watermark && job.commit_watermark < w(0x201));
+        assert_eq!(job.pending.columns, vec!["c".to_owned()]);
+        assert_eq!(job.pending.key, vec!["id".to_owned()]);
+        assert!(!job.pending.whole_table);
+        assert!(job.settle.is_empty());
+        assert_eq!(job.visible_xids, vec![7]);
+        // A second backfill at the same position sorts after the first.
+        let next = next_minor(&job.commit_watermark);
+        assert!(job.commit_watermark < next && next < w(0x201));
+    }
+
+    /// A column upstream no longer has waits for the stream to pass the snapshot where it was
+    /// missing (a rename or drop in between would reach the replica); past it, it is settled.
+    #[test]
+    fn a_missing_column_waits_until_the_stream_passes_its_snapshot_then_is_settled() {
+        let writer = writer_waiting_for_c();
+        let mut planner = BackfillPlanner::new();
+        assert!(planner
+            .next_job(writer.replica(), &w(0x200), &[], 10)
+            .is_some());
+        planner.on_missing("item", &["c".to_owned()], &w(0x500));
+        assert_eq!(planner.next_job(writer.replica(), &w(0x200), &[], 10), None);
+        assert_eq!(planner.next_job(writer.replica(), &w(0x4ff), &[], 10), None);
+        // A later snapshot that also misses it does not push the settling back.
+        planner.on_missing("item", &["c".to_owned()], &w(0x600));
+        let job = planner
+            .next_job(writer.replica(), &w(0x500), &[], 10)
+            .unwrap();
+        assert_eq!(job.settle, vec!["c".to_owned()]);
+    }
+
+    /// Add a column, then rename it: the first backfill finds it missing upstream; the rename
+    /// reaches the replica before the stream passes that snapshot, and the renamed column is
+    /// backfilled at once rather than lost.
+    #[test]
+    fn a_renamed_missing_column_is_backfilled_under_its_new_name() {
+        let mut writer = writer_waiting_for_c();
+        let mut planner = BackfillPlanner::new();
+        planner.on_missing("item", &["c".to_owned()], &w(0x500));
+        let rename = Change::UpdateColumn(UpdateColumn {
+            table: Identifier::new("public", "item"),
+            old: ColumnDef {
+                name: "c".into(),
+                spec: column(3, "float8"),
+                extra: Default::default(),
+            },
+            new: ColumnDef {
+                name: "d".into(),
+                spec: column(3, "float8"),
+                extra: Default::default(),
+            },
+            extra: Default::default(),
+        });
+        txn(&mut writer, 0x300, vec![rename]);
+        let job = planner
+            .next_job(writer.replica(), &w(0x300), &[], 10)
+            .unwrap();
+        assert_eq!(job.pending.columns, vec!["d".to_owned()]);
+        assert!(job.settle.is_empty());
+    }
+
+    /// A run that changed nothing (its producer found nothing to do) is not repeated at the
+    /// same position: no loop of snapshots.
+    #[test]
+    fn the_same_job_is_not_handed_out_twice_at_one_position() {
+        let writer = writer_waiting_for_c();
+        let mut planner = BackfillPlanner::new();
+        assert!(planner
+            .next_job(writer.replica(), &w(0x200), &[], 10)
+            .is_some());
+        assert_eq!(planner.next_job(writer.replica(), &w(0x200), &[], 10), None);
+        assert!(planner
+            .next_job(writer.replica(), &w(0x300), &[], 10)
+            .is_some());
+    }
+
+    #[test]
+    fn a_failed_backfill_is_retried_after_the_next_transaction() {
+        let writer = writer_waiting_for_c();
+        let mut planner = BackfillPlanner::new();
+        planner.on_failed("item", &w(0x200));
+        assert_eq!(planner.next_job(writer.replica(), &w(0x200), &[], 10), None);
+        assert!(planner
+            .next_job(writer.replica(), &w(0x300), &[], 10)
+            .is_some());
+    }
+
+    fn job(writer: &ReplicaWriter, settle: &[&str]) -> BackfillJob {
+        let mut job = BackfillPlanner::new()
+            .next_job(writer.replica(), &w(0x200), &[], 10)
+            .unwrap();
+        job.settle = settle.iter().map(|c| (*c).to_owned()).collect();
+        job
+    }
+
+    fn names(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| (*n).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_column_present_upstream_is_read_and_completed() {
+        let writer = writer_waiting_for_c();
+        let plan = plan_read(&job(&writer, &[]), &names(&["id", "name", "c"]));
+        assert_eq!(
+            plan,
+            ReadPlan {
+                waiting: vec![],
+                read: names(&["c"]),
+                copy: true,
+                completed: names(&["c"]),
+                emit: true,
+            }
+        );
+    }
+
+    #[test]
+    fn a_missing_column_waits_and_a_settled_one_completes_without_values() {
+        let writer = writer_waiting_for_c();
+        let plan = plan_read(&job(&writer, &[]), &names(&["id", "name"]));
+        assert_eq!(plan.waiting, names(&["c"]));
+        assert!(!plan.emit, "nothing to produce while it waits");
+        let plan = plan_read(&job(&writer, &["c"]), &names(&["id", "name"]));
+        assert!(plan.waiting.is_empty());
+        assert!(!plan.copy);
+        assert_eq!(plan.completed, names(&["c"]));
+        assert!(plan.emit);
+    }
+
+    #[test]
+    fn without_the_table_upstream_nothing_can_be_matched_and_everything_waits() {
+        let writer = writer_waiting_for_c();
+        let plan = plan_read(&job(&writer, &[]), &[]);
+        assert_eq!(plan.waiting, names(&["id", "c"]));
+        assert!(!plan.emit);
+        let plan = plan_read(&job(&writer, &["id", "c"]), &[]);
+        assert_eq!(plan.completed, names(&["c"]));
+        assert!(plan.emit && !plan.copy);
+    }
+}
