@@ -8,12 +8,15 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket};
 use futures::{SinkExt, StreamExt};
 use highwater_engine::change_stream::{close_reason, PROTOCOL_ERROR_CLOSE_CODE};
 use highwater_engine::streamer::{ConnId, Effect};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use super::hub::{ConnCommand, Hub};
 
 /// How long to wait for the peer's answer to our close frame.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// How long the close frame may take to get through to a peer that stopped reading (behind
+/// whatever was already written to it) before the socket is dropped.
+const CLOSE_WRITE_GRACE: Duration = Duration::from_secs(5);
 
 /// Frames written before one flush.
 const MAX_FRAMES_PER_FLUSH: usize = 256;
@@ -55,6 +58,7 @@ pub(crate) async fn run(
     start: impl FnOnce(&mut highwater_engine::streamer::Streamer, u64) -> Vec<Effect>,
 ) {
     hub.call(start);
+    let mut closing = hub.closing_signal(conn);
     let (mut sink, mut stream) = socket.split();
     let mut ping = tokio::time::interval(ping_interval);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -66,7 +70,14 @@ pub(crate) async fn run(
         tokio::select! {
             command = commands.recv() => {
                 let Some(command) = command else { break };
-                match write(&mut sink, command, &mut commands).await {
+                let written = match unless_stuck(write(&mut sink, command, &mut commands), &mut closing).await {
+                    Ok(written) => written,
+                    Err(frame) => {
+                        close = Some(frame);
+                        break;
+                    }
+                };
+                match written {
                     Ok(None) => {}
                     Ok(Some(frame)) => {
                         close = Some(frame);
@@ -96,18 +107,60 @@ pub(crate) async fn run(
                     break;
                 }
                 alive = false;
-                if sink.send(Message::Ping(Default::default())).await.is_err() {
-                    break;
+                let ping = sink.send(Message::Ping(Default::default()));
+                match unless_stuck(ping, &mut closing).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => break,
+                    Err(frame) => {
+                        close = Some(frame);
+                        break;
+                    }
                 }
             }
         }
     }
     hub.disconnect(conn);
     if let Some(frame) = close {
-        if sink.send(Message::Close(Some(frame))).await.is_ok() {
-            await_close(&mut stream).await;
+        let sent = tokio::time::timeout(CLOSE_WRITE_GRACE, sink.send(Message::Close(Some(frame))));
+        match sent.await {
+            Ok(Ok(())) => await_close(&mut stream).await,
+            Ok(Err(_)) => {}
+            Err(_) => tracing::info!(%conn, "the peer is not reading: dropping the connection"),
         }
     }
+}
+
+/// Runs a write. A peer that stopped reading blocks it for good, and then the close the hub
+/// asks for would never get its turn: once told to close, the write gets [`CLOSE_GRACE`] to
+/// finish, else the close frame is returned instead.
+async fn unless_stuck<T>(
+    write: impl std::future::Future<Output = T>,
+    closing: &mut Option<watch::Receiver<Option<(u16, String)>>>,
+) -> Result<T, CloseFrame> {
+    tokio::pin!(write);
+    tokio::select! {
+        biased;
+        done = &mut write => Ok(done),
+        frame = signalled(closing) => match tokio::time::timeout(CLOSE_GRACE, write).await {
+            Ok(done) => Ok(done),
+            Err(_) => Err(frame),
+        },
+    }
+}
+
+/// The close frame, once the hub told this connection to close (never, without a signal).
+async fn signalled(closing: &mut Option<watch::Receiver<Option<(u16, String)>>>) -> CloseFrame {
+    if let Some(closing) = closing {
+        if let Ok(close) = closing.wait_for(Option::is_some).await {
+            if let Some((code, reason)) = close.clone() {
+                return CloseFrame {
+                    code,
+                    reason: reason.into(),
+                };
+            }
+        }
+    }
+    std::future::pending().await
 }
 
 /// Writes `first` and whatever else is queued (up to a bound), then flushes once. Returns the

@@ -58,6 +58,8 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
         "lastWatermark": positions.last_watermark,
         "minWatermark": positions.min_watermark,
         "connections": state.hub.connections(),
+        // A subscriber's full backlog holds up replication (back-pressure).
+        "upstreamPaused": state.hub.inspect(|s| s.is_upstream_paused()),
     }))
 }
 

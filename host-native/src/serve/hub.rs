@@ -54,6 +54,9 @@ struct Link {
     out: mpsc::UnboundedSender<ConnCommand>,
     /// `true` while the streamer wants this connection's catch-up read paused.
     catchup_paused: watch::Sender<bool>,
+    /// The close (code, reason), set with the close command: a connection stuck writing to a
+    /// peer that stopped reading would otherwise never get to the command.
+    closing: watch::Sender<Option<(u16, String)>>,
 }
 
 /// Upstream acknowledgement positions: a commit's watermark is its commit LSN, but Postgres
@@ -175,6 +178,7 @@ impl Hub {
                 }
                 Effect::Close { conn, code, reason } => {
                     if let Some(link) = links.get(&conn) {
+                        link.closing.send_replace(Some((code, reason.clone())));
                         let _ = link.out.send(ConnCommand::Close { code, reason });
                     }
                 }
@@ -273,6 +277,7 @@ impl Hub {
         let link = Link {
             out,
             catchup_paused: watch::channel(false).0,
+            closing: watch::channel(None).0,
         };
         lock(&self.links).insert(conn, link);
         (conn, commands)
@@ -291,6 +296,13 @@ impl Hub {
             .map(|link| link.catchup_paused.subscribe())
     }
 
+    /// The close `conn` is told to make, once it is; `None` if it is no longer open.
+    pub fn closing_signal(&self, conn: ConnId) -> Option<watch::Receiver<Option<(u16, String)>>> {
+        lock(&self.links)
+            .get(&conn)
+            .map(|link| link.closing.subscribe())
+    }
+
     pub fn is_connected(&self, conn: ConnId) -> bool {
         lock(&self.links).contains_key(&conn)
     }
@@ -306,6 +318,7 @@ impl Hub {
                 code,
                 reason: reason.to_owned(),
             });
+            link.closing.send_replace(Some((code, reason.to_owned())));
         }
     }
 }

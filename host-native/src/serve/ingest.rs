@@ -2,6 +2,11 @@
 //! queue in order — each upstream transaction applied to the replica and appended to the change
 //! log in one SQLite transaction, then reported durable (which releases the upstream ack) — and
 //! starts catch-up reads once every store before them is committed.
+//!
+//! Backfills (`replica::backfill`) are a second source of transactions. Between upstream
+//! transactions, once everything before is stored, the thread starts the backfill the replica
+//! waits for and takes its messages instead of upstream's until its commit: forwarded, stored
+//! and (being `skipAck`) never acknowledged upstream, like any other transaction.
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -18,7 +23,11 @@ use super::hub::{Hub, StorageOp};
 use super::source::SourceEvent;
 use super::ServeError;
 use crate::change_log::{self, CatchupLimits, CatchupReader};
+use crate::replica::backfill::{
+    BackfillItem, BackfillPlanner, BackfillStream, RecentXids, BACKFILL_BATCH_ROWS,
+};
 use crate::replica::ddl::{in_publications, parse_ddl_event, schema_changes};
+use crate::replica::initial_sync::SyncError;
 use crate::replica::{Applied, ReplicaWriter};
 
 pub(crate) struct Ingest {
@@ -32,7 +41,38 @@ pub(crate) struct Ingest {
     /// A purge that came in mid-transaction, run at the next commit.
     pending_purge: Option<Watermark>,
     catchup_limits: CatchupLimits,
-    warned_backfills: bool,
+    /// Backfills read from Postgres; `None` when the source streams its own (a relay).
+    backfills: Option<Backfills>,
+}
+
+/// The backfills this server reads itself.
+pub(crate) struct Backfills {
+    upstream: tokio_postgres::Config,
+    planner: BackfillPlanner,
+    /// The one running, and its table.
+    running: Option<(BackfillStream, String)>,
+    /// Whether a backfill may be waiting: at startup and after every commit.
+    due: bool,
+    recent_xids: RecentXids,
+}
+
+impl Backfills {
+    pub fn new(upstream: tokio_postgres::Config) -> Backfills {
+        Backfills {
+            upstream,
+            planner: BackfillPlanner::new(),
+            running: None,
+            due: true,
+            recent_xids: RecentXids::default(),
+        }
+    }
+
+    async fn next(&mut self) -> Option<Result<BackfillItem, SyncError>> {
+        match &mut self.running {
+            Some((stream, _)) => stream.next().await,
+            None => std::future::pending().await,
+        }
+    }
 }
 
 // Lives for one loop step; boxing the common message variant would only add an allocation.
@@ -41,6 +81,7 @@ enum Next {
     Stop,
     Op(StorageOp),
     Source(SourceEvent),
+    Backfill(Option<Result<BackfillItem, SyncError>>),
     Resumed,
 }
 
@@ -51,6 +92,7 @@ impl Ingest {
         db_path: PathBuf,
         publications: Vec<String>,
         handle: Handle,
+        backfills: Option<Backfills>,
     ) -> Ingest {
         Ingest {
             hub,
@@ -61,7 +103,7 @@ impl Ingest {
             skipping: false,
             pending_purge: None,
             catchup_limits: CatchupLimits::default(),
-            warned_backfills: false,
+            backfills,
         }
     }
 
@@ -81,16 +123,30 @@ impl Ingest {
             if let Err(e) = self.drain(&mut ops) {
                 break Err(e);
             }
+            if let Err(e) = self.start_backfill(&mut ops) {
+                break Err(e);
+            }
             let is_paused = *paused.borrow_and_update();
+            let backfilling = self.backfills.as_ref().is_some_and(|b| b.running.is_some());
             let handle = self.handle.clone();
+            let backfills = &mut self.backfills;
             let next = handle.block_on(async {
                 tokio::select! {
                     biased;
                     _ = shutdown.wait_for(|s| *s) => Next::Stop,
                     op = ops.recv() => op.map_or(Next::Stop, Next::Op),
                     _ = paused.changed(), if is_paused => Next::Resumed,
+                    // A running backfill is the only source until its commit.
+                    item = async {
+                        match backfills {
+                            Some(b) => b.next().await,
+                            None => std::future::pending().await,
+                        }
+                    }, if !is_paused && backfilling => Next::Backfill(item),
                     // A source that fails says so; one that just ends was stopped.
-                    event = events.recv(), if !is_paused => event.map_or(Next::Stop, Next::Source),
+                    event = events.recv(), if !is_paused && !backfilling => {
+                        event.map_or(Next::Stop, Next::Source)
+                    }
                 }
             });
             let step = match next {
@@ -98,6 +154,7 @@ impl Ingest {
                 Next::Resumed => Ok(()),
                 Next::Op(op) => self.execute(op),
                 Next::Source(event) => self.on_source(event, &mut ops),
+                Next::Backfill(item) => self.on_backfill(item),
             };
             if let Err(e) = step {
                 break Err(e);
@@ -158,6 +215,104 @@ impl Ingest {
         }
     }
 
+    /// Starts the next backfill the replica waits for, if one may run now: between
+    /// transactions, with everything before it stored.
+    fn start_backfill(
+        &mut self,
+        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
+    ) -> Result<(), ServeError> {
+        let ready = self
+            .backfills
+            .as_ref()
+            .is_some_and(|b| b.due && b.running.is_none());
+        if !ready || self.skipping || self.hub.inspect(|s| s.in_transaction()) {
+            return Ok(());
+        }
+        // The replica's schema and pending columns as of the last commit forwarded.
+        self.drain(ops)?;
+        let Some(backfills) = self.backfills.as_mut() else {
+            return Ok(());
+        };
+        backfills.due = false;
+        if !self.writer.replica().has_pending_backfills() {
+            return Ok(());
+        }
+        let position = self.hub.inspect(|s| s.last_commit().clone());
+        let xids = backfills.recent_xids.to_vec();
+        let Some(job) = backfills.planner.next_job(
+            self.writer.replica(),
+            &position,
+            &xids,
+            BACKFILL_BATCH_ROWS,
+        ) else {
+            return Ok(());
+        };
+        tracing::info!(
+            table = %job.table.name,
+            columns = ?job.pending.columns,
+            watermark = %job.commit_watermark,
+            "backfilling"
+        );
+        let table = job.table.name.clone();
+        let stream = BackfillStream::spawn(&self.handle, &backfills.upstream, job);
+        backfills.running = Some((stream, table));
+        Ok(())
+    }
+
+    fn on_backfill(
+        &mut self,
+        item: Option<Result<BackfillItem, SyncError>>,
+    ) -> Result<(), ServeError> {
+        let Some(backfills) = self.backfills.as_mut() else {
+            return Ok(());
+        };
+        let table = backfills
+            .running
+            .as_ref()
+            .map(|(_, table)| table.clone())
+            .unwrap_or_default();
+        let failure = match item {
+            Some(Ok(BackfillItem::Message(message))) => {
+                let commit = matches!(message, DownstreamMessage::Commit(_));
+                self.on_message(message)?;
+                if commit {
+                    self.end_backfill();
+                }
+                return Ok(());
+            }
+            Some(Ok(BackfillItem::Missing { columns, snapshot })) => {
+                tracing::info!(%table, ?columns, "columns to backfill are not upstream yet");
+                backfills.planner.on_missing(&table, &columns, &snapshot);
+                return Ok(());
+            }
+            Some(Err(error)) => Some(error.to_string()),
+            None if self.hub.inspect(|s| s.in_transaction()) => {
+                Some("the backfill ended before its commit".to_owned())
+            }
+            None => None,
+        };
+        if let Some(error) = failure {
+            // Subscribers that saw its beginning get a rollback; nothing of it is stored.
+            if self.hub.inspect(|s| s.in_transaction()) {
+                self.on_message(DownstreamMessage::Rollback(Rollback::default()))?;
+            }
+            let position = self.hub.inspect(|s| s.last_commit().clone());
+            tracing::warn!(%table, %error, "backfill failed; retrying after the next transaction");
+            if let Some(backfills) = self.backfills.as_mut() {
+                backfills.planner.on_failed(&table, &position);
+            }
+        }
+        self.end_backfill();
+        Ok(())
+    }
+
+    fn end_backfill(&mut self) {
+        if let Some(backfills) = self.backfills.as_mut() {
+            backfills.running = None;
+            backfills.due = true;
+        }
+    }
+
     fn on_message(&mut self, message: DownstreamMessage) -> Result<(), ServeError> {
         if self.skipping {
             if matches!(
@@ -170,6 +325,9 @@ impl Ingest {
         }
         match &message {
             DownstreamMessage::Begin(begin) => {
+                if let Some(backfills) = self.backfills.as_mut() {
+                    backfills.recent_xids.note(begin);
+                }
                 let last = self.hub.inspect(|s| s.last_commit().clone());
                 if begin.commit_watermark <= last {
                     // Stored before the stream restarted (acknowledged too late to be skipped
@@ -187,6 +345,9 @@ impl Ingest {
                     .and_then(|text| text.parse::<Lsn>().ok());
                 if let Some(end) = end {
                     self.hub.note_commit_end(commit.watermark.clone(), end);
+                }
+                if let Some(backfills) = self.backfills.as_mut() {
+                    backfills.due = true;
                 }
             }
             _ => {}
@@ -267,7 +428,6 @@ impl Ingest {
                 let watermark = row.watermark().clone();
                 self.hub.set_last_watermark(watermark.clone());
                 self.hub.call(|s, _| s.on_stored(watermark));
-                self.warn_pending_backfills();
                 if let Some(below) = self.pending_purge.take() {
                     self.purge(&below)?;
                 }
@@ -331,19 +491,6 @@ impl Ingest {
         self.hub.set_min_watermark(min.clone());
         self.hub.with(|s| s.on_purged(min));
         Ok(())
-    }
-
-    /// Backfills run by the replica do not pass through the change log yet, so subscribers
-    /// would not see them; say so once instead of diverging silently.
-    fn warn_pending_backfills(&mut self) {
-        if self.warned_backfills || self.writer.pending_backfills().is_empty() {
-            return;
-        }
-        self.warned_backfills = true;
-        tracing::warn!(
-            "the replica waits for backfills of new tables or columns; serve does not stream \
-             backfills yet, so their existing rows stay hidden"
-        );
     }
 
     fn spawn_catchup(&self, conn: ConnId, from: Watermark, through: Watermark) {

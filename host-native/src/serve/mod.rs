@@ -21,6 +21,7 @@ mod connection;
 mod endpoints;
 mod hub;
 mod ingest;
+mod relay;
 mod snapshot;
 mod source;
 mod startup;
@@ -32,7 +33,8 @@ use std::time::Duration;
 
 use highwater_engine::change_stream::MAX_PROTOCOL_VERSION;
 use highwater_engine::streamer::{
-    BackupWatermark, ChangeLogState, Streamer, StreamerConfig, DEFAULT_PURGE_DELAY_MS,
+    BackupWatermark, ChangeLogState, Streamer, StreamerConfig, DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
+    DEFAULT_BACKLOG_HIGH_WATER_BYTES, DEFAULT_PURGE_DELAY_MS,
 };
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -45,6 +47,7 @@ use crate::replication::ReplicationError;
 use hub::{Hub, Positions};
 
 pub use endpoints::SNAPSHOT_PATH;
+pub use relay::RelayError;
 pub use snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
 
 /// Zero's change-streamer port when the sync port is 4848 is 4849; highwater serves both
@@ -60,8 +63,20 @@ pub const DEFAULT_BACKUP_INTERVAL_MS: u64 = 10_000;
 pub struct ServeArgs {
     /// Upstream Postgres URL (`postgres://user[:password]@host:port/db`); the user needs the
     /// REPLICATION attribute, and a superuser to follow schema changes (event triggers).
-    #[arg(long)]
+    /// Empty for a relay (`--from`).
+    #[arg(
+        long,
+        default_value = "",
+        hide_default_value = true,
+        required_unless_present = "from",
+        conflicts_with = "from"
+    )]
     pub upstream: String,
+    /// Relay mode: follow another Highwater (`ws://host:port`) instead of Postgres. The replica
+    /// is restored from its snapshot, then kept current through its change stream; no
+    /// replication slot is used.
+    #[arg(long)]
+    pub from: Option<String>,
     /// Directory of the replica and change log (`<data>/replica.db`).
     #[arg(long)]
     pub data: PathBuf,
@@ -87,6 +102,13 @@ pub struct ServeArgs {
     /// How often the replica's durable position is reported as a backup watermark.
     #[arg(long, default_value_t = DEFAULT_BACKUP_INTERVAL_MS, hide = true)]
     pub backup_interval_ms: u64,
+    /// Unacknowledged bytes a subscriber may hold before the upstream stream is paused.
+    #[arg(long, default_value_t = DEFAULT_BACKLOG_HIGH_WATER_BYTES, hide = true)]
+    pub backlog_high_water_bytes: usize,
+    /// How long a subscriber may hold up the stream with a full backlog before it is closed
+    /// (1013, try again later).
+    #[arg(long, default_value_t = DEFAULT_BACKLOG_FULL_TIMEOUT_MS, hide = true)]
+    pub backlog_full_timeout_ms: u64,
 }
 
 impl ServeArgs {
@@ -94,6 +116,7 @@ impl ServeArgs {
     pub fn new(upstream: impl Into<String>, data: impl Into<PathBuf>) -> Self {
         ServeArgs {
             upstream: upstream.into(),
+            from: None,
             data: data.into(),
             port: DEFAULT_PORT,
             host: "0.0.0.0".to_owned(),
@@ -102,6 +125,16 @@ impl ServeArgs {
             public_url: None,
             purge_delay_ms: DEFAULT_PURGE_DELAY_MS,
             backup_interval_ms: DEFAULT_BACKUP_INTERVAL_MS,
+            backlog_high_water_bytes: DEFAULT_BACKLOG_HIGH_WATER_BYTES,
+            backlog_full_timeout_ms: DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
+        }
+    }
+
+    /// Defaults for a relay of the Highwater at `from` (`ws://host:port`).
+    pub fn relay(from: impl Into<String>, data: impl Into<PathBuf>) -> Self {
+        ServeArgs {
+            from: Some(from.into()),
+            ..ServeArgs::new("", data)
         }
     }
 
@@ -127,6 +160,8 @@ pub enum ServeError {
     Replication(#[from] ReplicationError),
     #[error("initial sync failed: {0}")]
     Sync(#[from] SyncError),
+    #[error(transparent)]
+    Bootstrap(#[from] crate::replica::bootstrap::BootstrapError),
     #[error("upstream query failed: {0}")]
     Postgres(#[from] tokio_postgres::Error),
     #[error("the change source broke the change-stream protocol: {0}")]
@@ -138,6 +173,8 @@ pub enum ServeError {
     },
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+    #[error("relaying failed: {0}")]
+    Relay(#[from] RelayError),
     #[error("the replication stream failed: {0}")]
     Source(String),
     #[error(
@@ -192,6 +229,9 @@ async fn wait_for_signal() {
 /// Serves until `stop` turns true or replication fails: prepares the replica (initial sync
 /// when needed), then runs replication, the storage loop and the endpoints.
 pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), ServeError> {
+    if let Some(from) = args.from.clone() {
+        return relay::serve(args, from, stop).await;
+    }
     let handle = tokio::runtime::Handle::current();
     let prepared = {
         let args = args.clone();
@@ -208,14 +248,8 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
             source,
         })?;
     let public_url = args.public_url();
-    let settings = Settings {
-        data: args.data.clone(),
-        public_url: public_url.clone(),
-        purge_delay: Duration::from_millis(args.purge_delay_ms),
-        backup_interval: Duration::from_millis(args.backup_interval_ms.max(1)),
-        ping_interval: PING_INTERVAL,
-        owner: format!("{}@{}", args.app_id, std::process::id()),
-    };
+    let mut settings = settings(&args);
+    settings.backfill_from = Some(prepared.backfill_from);
     let source = source::spawn_postgres(prepared.stream, &args.app_id, stop.clone());
     tracing::info!(
         address = %listener.local_addr().map(|a| a.to_string()).unwrap_or(listen),
@@ -235,6 +269,21 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     .await
 }
 
+/// How the server runs, from its arguments.
+fn settings(args: &ServeArgs) -> Settings {
+    Settings {
+        data: args.data.clone(),
+        public_url: args.public_url(),
+        purge_delay: Duration::from_millis(args.purge_delay_ms),
+        backup_interval: Duration::from_millis(args.backup_interval_ms.max(1)),
+        ping_interval: PING_INTERVAL,
+        owner: format!("{}@{}", args.app_id, std::process::id()),
+        backlog_high_water_bytes: args.backlog_high_water_bytes,
+        backlog_full_timeout_ms: args.backlog_full_timeout_ms,
+        backfill_from: None,
+    }
+}
+
 /// How the server runs, once the replica is ready.
 #[derive(Debug, Clone)]
 struct Settings {
@@ -244,6 +293,11 @@ struct Settings {
     backup_interval: Duration,
     ping_interval: Duration,
     owner: String,
+    backlog_high_water_bytes: usize,
+    backlog_full_timeout_ms: u64,
+    /// Where the replica's pending backfills are read (Postgres); `None` when the change source
+    /// streams its own (a relay).
+    backfill_from: Option<tokio_postgres::Config>,
 }
 
 /// Runs the storage loop, the endpoints and the timers over a ready replica and a change
@@ -261,6 +315,8 @@ async fn run_server(
     let mut config = StreamerConfig::new(log.replica_version.clone());
     config.backup_url = Some(format!("{}{SNAPSHOT_PATH}", settings.public_url));
     config.purge_delay_ms = u64::try_from(settings.purge_delay.as_millis()).unwrap_or(u64::MAX);
+    config.backlog_high_water_bytes = settings.backlog_high_water_bytes;
+    config.backlog_full_timeout_ms = Some(settings.backlog_full_timeout_ms);
     let streamer = Streamer::new(
         config,
         ChangeLogState {
@@ -303,6 +359,7 @@ async fn run_server(
         db_path.clone(),
         publications,
         handle.clone(),
+        settings.backfill_from.clone().map(ingest::Backfills::new),
     );
     let ingest_task = {
         let shutdown_tx = shutdown_tx.clone();

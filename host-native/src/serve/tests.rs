@@ -101,6 +101,9 @@ impl Harness {
             backup_interval: Duration::from_millis(50),
             ping_interval,
             owner: "test".to_owned(),
+            backlog_high_water_bytes: highwater_engine::streamer::DEFAULT_BACKLOG_HIGH_WATER_BYTES,
+            backlog_full_timeout_ms: highwater_engine::streamer::DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
+            backfill_from: None,
         };
         let (stop, stop_rx) = watch::channel(false);
         let server = tokio::spawn(run_server(

@@ -1,0 +1,337 @@
+//! A relay's replica from its primary's snapshot (§3.3 flow 1, §10.2): reserve a snapshot on
+//! the `/subscribe` socket, download the `backupURL` into the data directory, check it against
+//! the reservation, seed the relay's own change log inside the copy, and put it in place with
+//! one rename. The socket stays open — it *is* the reservation, pinning the primary's change
+//! log — and is handed to the change stream, which sends `start-subscription` on it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bytes::Bytes;
+use highwater_engine::change_stream::{
+    DownstreamMessage, Extra, ReserveSnapshot, Reserved, UpstreamMessage,
+};
+use highwater_engine::watermark::Watermark;
+use http_body_util::{BodyExt, Empty};
+use hyper::header::{CONTENT_LENGTH, HOST};
+use hyper::{Request, StatusCode, Uri};
+use hyper_util::rt::TokioIo;
+use rusqlite::Connection;
+use tokio::io::AsyncWriteExt;
+
+use super::upstream::{Incoming, UpstreamConnection};
+use super::{RelayError, REPLICA_FILE};
+use crate::change_log::{self, ChangeLogConfig};
+use crate::replica::Replica;
+use crate::serve::snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
+
+/// The snapshot being downloaded; only ever renamed into place once complete and checked.
+pub(super) const RESTORE_FILE: &str = "replica.db.restore";
+
+/// How long the primary may take to confirm a reservation (it waits for a backup watermark).
+const RESERVE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A replica restored and in place, and the socket holding its reservation.
+pub(super) struct Restored {
+    pub upstream: UpstreamConnection,
+    pub watermark: Watermark,
+}
+
+/// Restores `<data>/replica.db` from the primary at `subscribe_url` as task `task_id`.
+pub(super) async fn restore(
+    subscribe_url: &str,
+    task_id: &str,
+    data: &Path,
+) -> Result<Restored, RelayError> {
+    let mut upstream = UpstreamConnection::connect(subscribe_url).await?;
+    upstream
+        .send(&UpstreamMessage::ReserveSnapshot(ReserveSnapshot {
+            task_id: task_id.to_owned(),
+            extra: Extra::new(),
+        }))
+        .await?;
+    let reserved = tokio::time::timeout(RESERVE_TIMEOUT, reservation(&mut upstream))
+        .await
+        .map_err(|_| RelayError::Protocol {
+            expected: format!(
+                "a snapshot reservation within {} s",
+                RESERVE_TIMEOUT.as_secs()
+            ),
+            found: "no answer".to_owned(),
+        })??;
+    tracing::info!(
+        backup_url = %reserved.backup_url,
+        replica_version = %reserved.replica_version,
+        min_watermark = %reserved.min_watermark,
+        "snapshot reserved; downloading"
+    );
+    let temp = data.join(RESTORE_FILE);
+    let download = download(&reserved.backup_url, &temp);
+    let headers = while_reserved(&mut upstream, download).await?;
+    let watermark = {
+        let temp = temp.clone();
+        tokio::task::spawn_blocking(move || seed(&temp, &reserved, &headers))
+            .await
+            .map_err(|e| RelayError::Task(e.to_string()))??
+    };
+    let data = data.to_owned();
+    tokio::task::spawn_blocking(move || install(&data, &temp))
+        .await
+        .map_err(|e| RelayError::Task(e.to_string()))??;
+    tracing::info!(%watermark, "replica restored from the primary's snapshot");
+    Ok(Restored {
+        upstream,
+        watermark,
+    })
+}
+
+/// Waits for the `reserved` answer, acking the primary's frames as they are read.
+async fn reservation(upstream: &mut UpstreamConnection) -> Result<Reserved, RelayError> {
+    loop {
+        let (id, messages) = match upstream.recv().await? {
+            Incoming::Frame { id, messages } => (id, messages),
+            Incoming::Alive => continue,
+            Incoming::Closed(close) => {
+                return Err(RelayError::Closed {
+                    during: "the snapshot reservation",
+                    close,
+                })
+            }
+        };
+        upstream.ack(&[id]).await?;
+        for message in messages {
+            match message {
+                DownstreamMessage::Reserved(reserved) => return Ok(reserved),
+                DownstreamMessage::Error(error) => {
+                    return Err(RelayError::Rejected(
+                        error.message.unwrap_or_else(|| "no message".to_owned()),
+                    ))
+                }
+                DownstreamMessage::Status(_) => {}
+                other => {
+                    return Err(RelayError::Protocol {
+                        expected: "a snapshot reservation answer".to_owned(),
+                        found: format!("{other:?}").chars().take(120).collect(),
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// Runs `work` while reading the reservation socket, so the primary's pings are answered and a
+/// lost reservation is noticed.
+async fn while_reserved<T>(
+    upstream: &mut UpstreamConnection,
+    work: impl std::future::Future<Output = Result<T, RelayError>>,
+) -> Result<T, RelayError> {
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            result = &mut work => return result,
+            incoming = upstream.recv() => match incoming? {
+                Incoming::Alive => {}
+                Incoming::Closed(close) => {
+                    return Err(RelayError::Closed { during: "the snapshot download", close })
+                }
+                Incoming::Frame { id, messages } => {
+                    upstream.ack(&[id]).await?;
+                    if let Some(DownstreamMessage::Error(error)) = messages.first() {
+                        let message = error.message.clone().unwrap_or_else(|| "no message".to_owned());
+                        return Err(RelayError::Rejected(message));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What the snapshot response said about its content.
+#[derive(Debug, Clone, Default)]
+struct SnapshotHeaders {
+    watermark: Option<String>,
+    replica_version: Option<String>,
+}
+
+/// `GET url` into `path` (created anew, synced). Plain HTTP/1.1: the primary serves it.
+async fn download(url: &str, path: &Path) -> Result<SnapshotHeaders, RelayError> {
+    let failed = |reason: String| RelayError::Download {
+        url: url.to_owned(),
+        reason,
+    };
+    let uri: Uri = url
+        .parse()
+        .map_err(|e| failed(format!("expected an http:// URL: {e}")))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(failed(format!(
+            "expected an http:// URL, found scheme {:?}",
+            uri.scheme_str().unwrap_or("")
+        )));
+    }
+    let authority = uri
+        .authority()
+        .ok_or_else(|| failed("expected a host in the URL".to_owned()))?
+        .clone();
+    let port = authority.port_u16().unwrap_or(80);
+    let stream = tokio::net::TcpStream::connect((authority.host(), port))
+        .await
+        .map_err(|e| failed(format!("cannot connect: {e}")))?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    let connection = tokio::spawn(connection);
+    let path_and_query = uri.path_and_query().map_or("/", |p| p.as_str());
+    let request = Request::get(path_and_query)
+        .header(HOST, authority.as_str())
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| failed(e.to_string()))?;
+    let mut response = sender
+        .send_request(request)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    if response.status() != StatusCode::OK {
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+            .unwrap_or_default();
+        return Err(failed(format!(
+            "expected 200 OK, found {status}: {}",
+            body.chars().take(200).collect::<String>()
+        )));
+    }
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let headers = SnapshotHeaders {
+        watermark: header(WATERMARK_HEADER),
+        replica_version: header(REPLICA_VERSION_HEADER),
+    };
+    let length = header(CONTENT_LENGTH.as_str()).and_then(|v| v.parse::<u64>().ok());
+    let mut file = tokio::fs::File::create(path).await?;
+    let mut received = 0u64;
+    let body = response.body_mut();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| failed(e.to_string()))?;
+        if let Ok(data) = frame.into_data() {
+            file.write_all(&data).await?;
+            received += data.len() as u64;
+        }
+    }
+    file.sync_all().await?;
+    drop(file);
+    connection.abort();
+    if let Some(length) = length.filter(|&l| l != received) {
+        return Err(failed(format!(
+            "expected {length} bytes, received {received}"
+        )));
+    }
+    Ok(headers)
+}
+
+/// Checks the downloaded copy against the reservation and seeds its change log: the log takes
+/// the primary's replica version, and starts at the copy's watermark, the only point from which
+/// it can catch its own subscribers up. Blocking. Returns the copy's watermark.
+fn seed(
+    path: &Path,
+    reserved: &Reserved,
+    headers: &SnapshotHeaders,
+) -> Result<Watermark, RelayError> {
+    let state = Replica::open_read_only(path)?
+        .state()
+        .cloned()
+        .ok_or(RelayError::Snapshot {
+            expected: "a synced replica".to_owned(),
+            found: "a database without replication state".to_owned(),
+        })?;
+    if state.replica_version != reserved.replica_version {
+        return Err(RelayError::Snapshot {
+            expected: format!("replica version {}", reserved.replica_version),
+            found: format!("a snapshot of replica version {}", state.replica_version),
+        });
+    }
+    if state.watermark < reserved.min_watermark {
+        return Err(RelayError::Snapshot {
+            expected: format!("a snapshot at or after {}", reserved.min_watermark),
+            found: format!("a snapshot at {}", state.watermark),
+        });
+    }
+    let claimed = [
+        (&headers.watermark, &state.watermark),
+        (&headers.replica_version, &state.replica_version),
+    ];
+    for (header, actual) in claimed {
+        if let Some(header) = header.as_deref().filter(|h| *h != actual.as_str()) {
+            return Err(RelayError::Snapshot {
+                expected: format!("the snapshot's content at {header}, as its headers say"),
+                found: format!("content at {actual}"),
+            });
+        }
+    }
+    let conn = Connection::open(path).map_err(change_log::ChangeLogError::from)?;
+    let config = ChangeLogConfig {
+        replica_version: state.replica_version.clone(),
+        publications: state.publications.clone(),
+    };
+    change_log::create_tables(&conn)?;
+    change_log::reseed(&conn, &config)?;
+    if state.watermark > state.replica_version {
+        // The seed moves from the replica version to the snapshot's watermark: nothing between
+        // the two is in this log, so it must not claim to serve it.
+        let tx = conn
+            .unchecked_transaction()
+            .map_err(change_log::ChangeLogError::from)?;
+        change_log::append(&tx, &state.watermark, 0, "begin", r#"{"tag":"begin"}"#)?;
+        change_log::append(&tx, &state.watermark, 1, "commit", r#"{"tag":"commit"}"#)?;
+        change_log::commit(&tx, &state.watermark)?;
+        tx.commit().map_err(change_log::ChangeLogError::from)?;
+        change_log::purge(&conn, &state.watermark)?;
+    }
+    let status = change_log::status(&conn)?.ok_or(change_log::ChangeLogError::NotInitialized)?;
+    if status.last_watermark != state.watermark || status.min_watermark != state.watermark {
+        return Err(RelayError::Snapshot {
+            expected: format!("a change log seeded at {}", state.watermark),
+            found: format!(
+                "one from {} to {}",
+                status.min_watermark, status.last_watermark
+            ),
+        });
+    }
+    Ok(state.watermark)
+}
+
+/// Replaces the replica with the restored copy. The old database goes first, then its WAL (a
+/// WAL left beside the new file would be replayed into it), then the rename. Blocking.
+fn install(data: &Path, restored: &Path) -> Result<(), RelayError> {
+    remove_replica(data)?;
+    std::fs::rename(restored, data.join(REPLICA_FILE))?;
+    std::fs::File::open(data)?.sync_all()?;
+    Ok(())
+}
+
+/// Removes the replica and what SQLite keeps beside it, the database first.
+pub(super) fn remove_replica(data: &Path) -> Result<(), RelayError> {
+    for name in replica_files() {
+        let path = data.join(name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+fn replica_files() -> [PathBuf; 3] {
+    [
+        PathBuf::from(REPLICA_FILE),
+        PathBuf::from(format!("{REPLICA_FILE}-wal")),
+        PathBuf::from(format!("{REPLICA_FILE}-shm")),
+    ]
+}

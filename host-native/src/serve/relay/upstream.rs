@@ -1,0 +1,461 @@
+//! The relay's side of its primary's `/replication/v8/subscribe` socket (§3.3): the framed
+//! connection, and the change source that subscribes from the relay's durable watermark and
+//! feeds every downstream message to the ingest thread, acking each frame once consumed.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{SinkExt, StreamExt};
+use highwater_engine::change_stream::{
+    ack_frame, decode_downstream_frame, encode_upstream, message_frame, AckQueue, BackfillRequest,
+    DownstreamMessage, ErrorKind, Extra, Frame, SubscribeContext, SubscriberMode, UpstreamMessage,
+};
+use highwater_engine::watermark::Watermark;
+use rusqlite::{Connection as Sqlite, OpenFlags};
+use tokio::sync::{mpsc, watch, Notify};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+use super::frame_acks::FrameAcks;
+use super::{Backoff, RelayError};
+use crate::change_log::{self, ChangeLogError};
+use crate::serve::source::{Source, SourceEvent};
+
+type Socket = WebSocketStream<MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// Messages buffered ahead of the ingest thread; while it does not take them (the streamer
+/// paused upstream), the primary's socket is not read and TCP pushes back.
+const EVENT_CAPACITY: usize = 1024;
+
+/// How long the WebSocket handshake with the primary may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Fallback re-read of the durable position while frames wait for storage (acks are normally
+/// released by the durable-commit notification).
+const DURABLE_POLL: Duration = Duration::from_millis(250);
+
+/// What arrived from the primary.
+#[derive(Debug)]
+pub(super) enum Incoming {
+    /// An application frame and the messages it carries.
+    Frame {
+        id: u64,
+        messages: Vec<DownstreamMessage>,
+    },
+    /// A ping or pong: the primary is alive.
+    Alive,
+    /// The primary closed the socket (code and reason, if it gave them).
+    Closed(Option<String>),
+}
+
+/// One framed `/subscribe` connection to the primary.
+pub(super) struct UpstreamConnection {
+    socket: Socket,
+    /// Our frames (control messages) not yet acked by the primary.
+    outgoing: AckQueue,
+}
+
+impl UpstreamConnection {
+    pub async fn connect(url: &str) -> Result<UpstreamConnection, RelayError> {
+        let connecting = tokio_tungstenite::connect_async(url);
+        let (socket, _) = tokio::time::timeout(CONNECT_TIMEOUT, connecting)
+            .await
+            .map_err(|_| RelayError::Connect {
+                url: url.to_owned(),
+                reason: format!("no handshake within {} s", CONNECT_TIMEOUT.as_secs()),
+            })?
+            .map_err(|e| RelayError::Connect {
+                url: url.to_owned(),
+                reason: e.to_string(),
+            })?;
+        Ok(UpstreamConnection {
+            socket,
+            outgoing: AckQueue::new(),
+        })
+    }
+
+    /// Sends a control message as `{"id","msg"}`.
+    pub async fn send(&mut self, message: &UpstreamMessage) -> Result<(), RelayError> {
+        let id = self.outgoing.next_id();
+        let text = message_frame(id, &encode_upstream(message));
+        self.socket.send(Message::text(text)).await?;
+        Ok(())
+    }
+
+    /// Acks frames `ids` of the primary, in order, with one flush.
+    pub async fn ack(&mut self, ids: &[u64]) -> Result<(), RelayError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        for &id in ids {
+            self.socket.feed(Message::text(ack_frame(id))).await?;
+        }
+        self.socket.flush().await?;
+        Ok(())
+    }
+
+    /// The next application frame, ping or close. Acks of our frames are checked here; pings
+    /// are answered by the socket while it is read. Cancel-safe.
+    pub async fn recv(&mut self) -> Result<Incoming, RelayError> {
+        loop {
+            let message = match self.socket.next().await {
+                None => return Ok(Incoming::Closed(None)),
+                Some(message) => message?,
+            };
+            match message {
+                Message::Text(text) => match decode_downstream_frame(text.as_str())? {
+                    Frame::Ack { ack } => self.outgoing.ack(ack)?,
+                    Frame::Message { id, msg } => {
+                        return Ok(Incoming::Frame {
+                            id,
+                            messages: vec![msg],
+                        })
+                    }
+                    Frame::Batch { id, batch } => {
+                        return Ok(Incoming::Frame {
+                            id,
+                            messages: batch,
+                        })
+                    }
+                },
+                Message::Binary(_) => {
+                    return Err(RelayError::Protocol {
+                        expected: "a text frame".to_owned(),
+                        found: "a binary frame".to_owned(),
+                    })
+                }
+                Message::Close(frame) => {
+                    return Ok(Incoming::Closed(
+                        frame.map(|f| format!("{} {}", u16::from(f.code), f.reason)),
+                    ))
+                }
+                Message::Ping(_) | Message::Pong(_) => return Ok(Incoming::Alive),
+                Message::Frame(_) => {}
+            }
+        }
+    }
+
+    pub async fn close(mut self) {
+        let _ = self.socket.close(None).await;
+    }
+}
+
+/// Where and as whom the relay subscribes.
+#[derive(Debug, Clone)]
+pub(super) struct SubscribeTarget {
+    /// `ws://host:port/replication/v8/subscribe?taskID=…`.
+    pub url: String,
+    pub task_id: String,
+    pub replica_version: Watermark,
+    /// The relay's replica (its change log lives inside).
+    pub replica_path: PathBuf,
+    /// The primary pings at least this often; silence for longer means it is gone.
+    pub liveness: Duration,
+}
+
+/// Reads the relay's durable position from its change log, beside the ingest thread's writer:
+/// a commit visible to this connection is committed (and, with `synchronous=FULL`, synced).
+struct DurableLog {
+    conn: Sqlite,
+}
+
+impl DurableLog {
+    fn open(path: &Path) -> Result<DurableLog, ChangeLogError> {
+        let conn = Sqlite::open_with_flags(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(Duration::from_secs(30))?;
+        Ok(DurableLog { conn })
+    }
+
+    fn last_watermark(&self) -> Result<Watermark, ChangeLogError> {
+        let status = change_log::status(&self.conn)?.ok_or(ChangeLogError::NotInitialized)?;
+        Ok(status.last_watermark)
+    }
+
+    fn pending_backfills(&self) -> Result<Vec<BackfillRequest>, ChangeLogError> {
+        change_log::cookie_jar(&self.conn)
+    }
+}
+
+/// How one subscription ended.
+enum Ended {
+    Stopped,
+    /// The primary cannot serve this replica: it must be restored again.
+    RestoreRequired(String),
+    Reconnect(String),
+}
+
+/// Streams from the primary into the ingest thread until `stop`. `handover` is the socket a
+/// fresh restore reserved its snapshot on: the subscription starts on it. When the primary
+/// rejects the replica, `restore_required` is set and the source fails.
+pub(super) fn spawn(
+    target: SubscribeTarget,
+    handover: Option<UpstreamConnection>,
+    restore_required: Arc<AtomicBool>,
+    stop: watch::Receiver<bool>,
+) -> Source {
+    let (tx, events) = mpsc::channel(EVENT_CAPACITY);
+    let durable = Arc::new(Notify::new());
+    let task = {
+        let durable = durable.clone();
+        tokio::spawn(async move {
+            let failure = run(target, handover, &tx, &durable, &restore_required, stop).await;
+            if let Some(reason) = failure {
+                let _ = tx.send(SourceEvent::Failed(reason)).await;
+            }
+        })
+    };
+    Source {
+        events,
+        // The hub reports durable commits as LSNs; the exact watermark is read from the log.
+        ack_sink: Arc::new(move |_| durable.notify_one()),
+        task: Some(task),
+    }
+}
+
+/// Returns why the source failed, or `None` when stopped.
+async fn run(
+    target: SubscribeTarget,
+    mut handover: Option<UpstreamConnection>,
+    events: &mpsc::Sender<SourceEvent>,
+    durable_notify: &Notify,
+    restore_required: &AtomicBool,
+    mut stop: watch::Receiver<bool>,
+) -> Option<String> {
+    // Held as `&mut` across awaits: a SQLite connection may move between threads, but not be
+    // shared by them.
+    let mut log = match DurableLog::open(&target.replica_path) {
+        Ok(log) => log,
+        Err(error) => return Some(format!("cannot read the relay's change log: {error}")),
+    };
+    let mut backoff = Backoff::default();
+    loop {
+        // Whether the primary accepted this subscription (a later failure starts the backoff
+        // over).
+        let mut accepted = false;
+        let connected = match handover.take() {
+            Some(conn) => Ok(conn),
+            None => tokio::select! {
+                _ = until_stopped(&mut stop) => return None,
+                _ = events.closed() => return None,
+                connected = UpstreamConnection::connect(&target.url) => connected,
+            },
+        };
+        let ended = match connected {
+            Ok(conn) => {
+                // A transaction cut off with the previous connection will not be completed.
+                if !hand_on(events, SourceEvent::Restarted, &mut stop).await {
+                    return None;
+                }
+                let subscribed = subscribe(
+                    &target,
+                    conn,
+                    &mut log,
+                    events,
+                    durable_notify,
+                    &mut stop,
+                    &mut accepted,
+                );
+                subscribed
+                    .await
+                    .unwrap_or_else(|error| Ended::Reconnect(error.to_string()))
+            }
+            Err(error) => Ended::Reconnect(error.to_string()),
+        };
+        match ended {
+            Ended::Stopped => return None,
+            Ended::RestoreRequired(reason) => {
+                restore_required.store(true, Ordering::SeqCst);
+                return Some(format!(
+                    "the primary cannot serve this replica ({reason}); it is wiped and restored \
+                     from a new snapshot"
+                ));
+            }
+            Ended::Reconnect(reason) => {
+                if accepted {
+                    backoff = Backoff::default();
+                }
+                let delay = backoff.next_delay();
+                tracing::warn!(
+                    %reason,
+                    retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                    "the subscription to the primary ended; reconnecting"
+                );
+                tokio::select! {
+                    _ = until_stopped(&mut stop) => return None,
+                    _ = events.closed() => return None,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Resolves once `stop` turns true (or its sender is gone), holding no borrow of its value.
+async fn until_stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Hands an event to the ingest thread; `false` once stopped or the ingest thread is gone.
+async fn hand_on(
+    events: &mpsc::Sender<SourceEvent>,
+    event: SourceEvent,
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
+    tokio::select! {
+        _ = stop.wait_for(|s| *s) => false,
+        sent = events.send(event) => sent.is_ok(),
+    }
+}
+
+/// One subscription: `start-subscription` from the durable watermark, then the stream.
+/// `accepted` turns true once the primary accepted it.
+async fn subscribe(
+    target: &SubscribeTarget,
+    mut conn: UpstreamConnection,
+    log: &mut DurableLog,
+    events: &mpsc::Sender<SourceEvent>,
+    durable_notify: &Notify,
+    stop: &mut watch::Receiver<bool>,
+    accepted: &mut bool,
+) -> Result<Ended, RelayError> {
+    let watermark = log.last_watermark()?;
+    let context = SubscribeContext {
+        task_id: target.task_id.clone(),
+        id: target.task_id.clone(),
+        mode: SubscriberMode::Serving,
+        replica_version: target.replica_version.clone(),
+        watermark: watermark.clone(),
+        backfills: Some(log.pending_backfills()?),
+        extra: Extra::new(),
+    };
+    conn.send(&UpstreamMessage::StartSubscription(context))
+        .await?;
+    tracing::info!(url = %target.url, %watermark, "subscribing to the primary");
+    let mut stream = Subscription {
+        acks: FrameAcks::new(watermark),
+        subscribed: false,
+        skip_ack: false,
+    };
+    let mut poll = tokio::time::interval(DURABLE_POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut heard = tokio::time::Instant::now();
+    // The frame handler needs `stop` too, while the select holds this one.
+    let mut stopped = stop.clone();
+    let ended = loop {
+        let waits = stream.acks.waits_for_storage();
+        tokio::select! {
+            biased;
+            _ = until_stopped(&mut stopped) => break Ended::Stopped,
+            _ = events.closed() => break Ended::Stopped,
+            _ = durable_notify.notified() => stream.acks.on_durable(log.last_watermark()?),
+            _ = poll.tick(), if waits => stream.acks.on_durable(log.last_watermark()?),
+            _ = tokio::time::sleep_until(heard + target.liveness) => {
+                break Ended::Reconnect(format!(
+                    "no message or ping from the primary for {} s",
+                    target.liveness.as_secs()
+                ));
+            }
+            incoming = conn.recv() => {
+                heard = tokio::time::Instant::now();
+                match incoming? {
+                    Incoming::Alive => {}
+                    Incoming::Closed(close) => {
+                        break Ended::Reconnect(match close {
+                            Some(close) => format!("the primary closed the connection ({close})"),
+                            None => "the primary closed the connection".to_owned(),
+                        });
+                    }
+                    Incoming::Frame { id, messages } => {
+                        let ended = stream.on_frame(id, messages, &mut conn, events, stop).await?;
+                        *accepted = stream.subscribed;
+                        if let Some(ended) = ended {
+                            break ended;
+                        }
+                    }
+                }
+            }
+        }
+        conn.ack(&stream.acks.release()).await?;
+    };
+    conn.close().await;
+    Ok(ended)
+}
+
+/// The state of one subscription's stream.
+struct Subscription {
+    acks: FrameAcks,
+    /// Whether the primary accepted the subscription (its first status, or any change).
+    subscribed: bool,
+    /// Whether the open transaction is one the primary does not want acknowledged.
+    skip_ack: bool,
+}
+
+impl Subscription {
+    /// Hands the messages of frame `id` on; `Some` when the subscription ends with it.
+    async fn on_frame(
+        &mut self,
+        id: u64,
+        messages: Vec<DownstreamMessage>,
+        conn: &mut UpstreamConnection,
+        events: &mpsc::Sender<SourceEvent>,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<Option<Ended>, RelayError> {
+        self.acks.on_frame(id, &messages);
+        for message in messages {
+            let mut keepalive = None;
+            match &message {
+                // The first status confirms the subscription; it is the relay's alone.
+                DownstreamMessage::Status(_) if !self.subscribed => {
+                    self.subscribed = true;
+                    tracing::info!("the primary accepted the subscription");
+                    continue;
+                }
+                DownstreamMessage::Error(error) => {
+                    // Acked so the primary can close; nothing after it is used.
+                    conn.ack(&self.acks.release()).await?;
+                    let reason = format!(
+                        "{} (error type {})",
+                        error.message.as_deref().unwrap_or("no message"),
+                        error.error_type
+                    );
+                    return Ok(Some(match error.kind() {
+                        Some(ErrorKind::WrongReplicaVersion | ErrorKind::WatermarkTooOld) => {
+                            Ended::RestoreRequired(reason)
+                        }
+                        _ => Ended::Reconnect(reason),
+                    }));
+                }
+                DownstreamMessage::Reserved(_) => {
+                    tracing::warn!(
+                        "ignoring a snapshot reservation answer inside the change stream"
+                    );
+                    continue;
+                }
+                DownstreamMessage::Begin(begin) => {
+                    self.subscribed = true;
+                    self.skip_ack = begin.skip_ack == Some(true);
+                }
+                // A transaction that is never acked upstream is not reported durable by the
+                // hub either: a keepalive at its watermark is answered once it is.
+                DownstreamMessage::Commit(commit) if self.skip_ack => {
+                    keepalive = Some(commit.watermark.clone());
+                }
+                _ => {}
+            }
+            if !hand_on(events, SourceEvent::Message(message), stop).await {
+                return Ok(Some(Ended::Stopped));
+            }
+            if let Some(watermark) = keepalive {
+                if !hand_on(events, SourceEvent::Keepalive(watermark), stop).await {
+                    return Ok(Some(Ended::Stopped));
+                }
+            }
+        }
+        Ok(None)
+    }
+}
