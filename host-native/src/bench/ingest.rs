@@ -1,0 +1,922 @@
+//! `highwater bench ingest`: how fast committed Postgres changes become durable in the SQLite
+//! replica, measured against `pg_recvlogical` streaming the same changes.
+//!
+//! Setup: a table of ~170-byte order rows and a publication for it; Highwater's replicator
+//! (the real `replicate` code path, in this process: replication stream → `engine::pgoutput`
+//! mapper → replica apply → one durable SQLite commit per upstream transaction) does its
+//! initial sync, which creates its slot; then a second pgoutput slot on the same publication is
+//! created for `pg_recvlogical`. Both slots exist before the workload, so both see the same WAL.
+//!
+//! Phases: A is one transaction inserting `--rows` rows (`INSERT … SELECT generate_series`);
+//! B is `--txns` single-row transactions sent from `--clients` connections with `--pipeline`
+//! statements in flight each. Each phase ends with a transaction committed alone (see
+//! `workload`), whose position tells when a consumer is through the phase.
+//!
+//! Modes:
+//! - `catch-up` (default): after each phase has committed, `pg_recvlogical --endpos` runs over
+//!   the phase's WAL until it exits (it fsyncs its file before exiting), then the replicator
+//!   runs until the replica's stored position (`_hw_state`) covers the phase. The consumers
+//!   never compete with each other or with the workload for CPU: this is pure decode and apply
+//!   throughput on identical input. Times include each consumer's start-up.
+//! - `live`: both consumers stream while the workload runs; each phase is timed from its start
+//!   and from its last commit until the replica covers it, or until `pg_recvlogical`'s file
+//!   ends with the phase's last commit (written, not yet fsynced: it fsyncs every 10 s).
+//!
+//! MiB/s counts pgoutput payload bytes, the messages both consumers receive, as found in
+//! `pg_recvlogical`'s output.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use highwater_engine::pgoutput::PgoutputMapper;
+use highwater_engine::watermark::Lsn;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_postgres::{Client, Config};
+
+use super::recvlogical::{self, last_commit, summarize, OutputSummary, RecvLogical};
+use super::workload::{self, PhaseCommit, PUBLICATION, TABLE};
+use crate::private_pg::{newest_bin_dir, PgOptions, PrivatePg};
+use crate::replica::schema::{quote_ident, replica_table_name};
+use crate::replicate::{replicate, ReplicateArgs};
+use crate::replication::setup::ReplicationNames;
+use crate::replication::ConnectParams;
+
+/// Names Highwater's slot (`hwbench_slot`), schema and DDL trigger.
+const APP_ID: &str = "hwbench";
+/// How often positions are polled; the timing resolution.
+const POLL: Duration = Duration::from_millis(1);
+/// Longest wait for a consumer to get through one phase, or to start.
+const CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Settings of the private server: no autovacuum or checkpoints in the middle of a phase.
+const SERVER_SETTINGS: &[(&str, &str)] = &[
+    ("autovacuum", "off"),
+    ("max_wal_size", "8GB"),
+    ("checkpoint_timeout", "1h"),
+    ("shared_buffers", "256MB"),
+];
+
+/// Command-line arguments of `highwater bench ingest`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct IngestArgs {
+    /// Rows inserted by phase A's single transaction (0 skips the phase).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub rows: u64,
+    /// Single-row transactions of phase B (0 skips the phase).
+    #[arg(long, default_value_t = 100_000)]
+    pub txns: u64,
+    /// Upstream Postgres URL (a superuser; wal_level=logical). By default a private server is
+    /// started. The benchmark creates and finally drops its own table, publication, slots and
+    /// `hwbench` schema there.
+    #[arg(long)]
+    pub upstream: Option<String>,
+    /// `catch-up`: consumers run one after the other over each phase's committed WAL.
+    /// `live`: both stream while the workload runs.
+    #[arg(long, value_enum, default_value_t = Mode::CatchUp)]
+    pub mode: Mode,
+    /// Connections sending phase B's transactions.
+    #[arg(long, default_value_t = 4)]
+    pub clients: usize,
+    /// Statements in flight per connection in phase B.
+    #[arg(long, default_value_t = 16)]
+    pub pipeline: usize,
+    /// Directory for the replica and pg_recvlogical's output; by default a temporary one,
+    /// removed afterwards.
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    CatchUp,
+    Live,
+}
+
+/// Runs the benchmark and prints its tables.
+pub fn run(args: IngestArgs) -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let report = runtime.block_on(ingest(&args))?;
+    print!("{}", report.render());
+    Ok(())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// A: one transaction, many rows.
+    Bulk,
+    /// B: many single-row transactions.
+    SingleRow,
+}
+
+impl Phase {
+    fn key(self) -> &'static str {
+        match self {
+            Phase::Bulk => "A",
+            Phase::SingleRow => "B",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Consumer {
+    Highwater,
+    PgRecvlogical,
+}
+
+impl Consumer {
+    fn name(self) -> &'static str {
+        match self {
+            Consumer::Highwater => "highwater",
+            Consumer::PgRecvlogical => "pg_recvlogical",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct ConsumerResult {
+    consumer: Consumer,
+    /// Catch-up: from the consumer's start; live: from the phase start; until durable.
+    elapsed: Duration,
+    /// Live only: from the last commit returning to the client until durable.
+    after_commit: Option<Duration>,
+    /// Highwater only: this process's peak RSS over the phase (catch-up) or the run (live).
+    peak_rss_kib: Option<u64>,
+    /// Highwater in catch-up mode only: CPU time this process used meanwhile.
+    cpu: Option<Duration>,
+}
+
+#[derive(Debug, Clone)]
+struct PhaseReport {
+    phase: Phase,
+    commit: PhaseCommit,
+    /// What `pg_recvlogical` received for the phase.
+    stream: OutputSummary,
+    consumers: [ConsumerResult; 2],
+}
+
+#[derive(Debug, Clone)]
+struct IngestReport {
+    mode: Mode,
+    server_version: String,
+    clients: usize,
+    pipeline: usize,
+    phases: Vec<PhaseReport>,
+    upstream_rows: u64,
+    replica_rows: u64,
+}
+
+/// The run's files: the replica and `pg_recvlogical`'s output.
+struct WorkDir {
+    path: PathBuf,
+    temporary: bool,
+}
+
+impl WorkDir {
+    fn new(dir: Option<&Path>) -> anyhow::Result<WorkDir> {
+        let (path, temporary) = match dir {
+            Some(dir) => (dir.to_owned(), false),
+            None => {
+                let nanos = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.subsec_nanos());
+                let name = format!("highwater-bench-{}-{nanos:x}", std::process::id());
+                (std::env::temp_dir().join(name), true)
+            }
+        };
+        let replica = path.join("replica");
+        if replica.exists() {
+            std::fs::remove_dir_all(&replica)
+                .with_context(|| format!("cannot remove the old {}", replica.display()))?;
+        }
+        std::fs::create_dir_all(&path)
+            .with_context(|| format!("cannot create {}", path.display()))?;
+        Ok(WorkDir { path, temporary })
+    }
+
+    fn replica_dir(&self) -> PathBuf {
+        self.path.join("replica")
+    }
+
+    /// A fresh (removed if present) `pg_recvlogical` output file.
+    fn recvlogical_output(&self, name: &str) -> anyhow::Result<PathBuf> {
+        let path = self.path.join(format!("recvlogical-{name}.bin"));
+        if path.exists() {
+            std::fs::remove_file(&path)
+                .with_context(|| format!("cannot remove the old {}", path.display()))?;
+        }
+        Ok(path)
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if self.temporary {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// Everything a run needs to reach the upstream.
+struct Upstream {
+    url: String,
+    config: Config,
+    bin_dir: PathBuf,
+}
+
+async fn ingest(args: &IngestArgs) -> anyhow::Result<IngestReport> {
+    // Kept until the end: dropping it stops the private server.
+    let (_private, url) = match &args.upstream {
+        Some(url) => (None, url.clone()),
+        None => {
+            let options = PgOptions {
+                settings: SERVER_SETTINGS
+                    .iter()
+                    .map(|&(k, v)| (k.to_owned(), v.to_owned()))
+                    .collect(),
+                ..PgOptions::default()
+            };
+            let pg = PrivatePg::start(options).await?;
+            let url = pg.url();
+            (Some(pg), url)
+        }
+    };
+    let params: ConnectParams = url.parse()?;
+    let upstream = Upstream {
+        config: params.query_config().clone(),
+        url,
+        bin_dir: newest_bin_dir()?,
+    };
+    let work = WorkDir::new(args.work_dir.as_deref())?;
+    let mut client = workload::connect(&upstream.config).await?;
+    drop_objects(&client).await?;
+    let result = tokio::select! {
+        result = run_phases(args, &upstream, &mut client, &work) => result,
+        // Dropping the run stops the consumers; the clean-up below still runs.
+        _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
+    };
+    // Slots left behind would retain WAL upstream forever: drop them whatever happened.
+    let cleanup = drop_objects(&client).await;
+    let report = result?;
+    cleanup?;
+    Ok(report)
+}
+
+async fn run_phases(
+    args: &IngestArgs,
+    upstream: &Upstream,
+    client: &mut Client,
+    work: &WorkDir,
+) -> anyhow::Result<IngestReport> {
+    workload::create_schema(client).await?;
+    let server_version: String = client
+        .query_one("SHOW server_version", &[])
+        .await?
+        .try_get(0)?;
+    let replicate_args = ReplicateArgs {
+        upstream: upstream.url.clone(),
+        data: work.replica_dir(),
+        app_id: APP_ID.to_owned(),
+        publications: vec![PUBLICATION.to_owned()],
+    };
+    // The initial sync creates Highwater's slot; the yardstick's comes right after, so both
+    // start before the workload.
+    let mut highwater = Replicator::spawn(&replicate_args);
+    let deadline = Instant::now() + START_TIMEOUT;
+    while highwater.position().is_none() {
+        highwater.check_running().await?;
+        if Instant::now() > deadline {
+            bail!("the replicator did not finish its initial sync in {START_TIMEOUT:?}");
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    client
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&recvlogical::SLOT],
+        )
+        .await
+        .context("cannot create the pg_recvlogical slot")?;
+
+    let mut phases = Vec::new();
+    if args.rows > 0 {
+        phases.push(Phase::Bulk);
+    }
+    if args.txns > 0 {
+        phases.push(Phase::SingleRow);
+    }
+    let reports = match args.mode {
+        Mode::CatchUp => {
+            highwater.stop().await?;
+            catch_up(args, upstream, client, work, &replicate_args, &phases).await?
+        }
+        Mode::Live => live(args, upstream, client, work, highwater, &phases).await?,
+    };
+    let upstream_rows = workload::row_count(client).await?;
+    let replica_rows = replica_row_count(&work.replica_dir())?;
+    for report in &reports {
+        let (rows, txns) = (report.commit.rows, report.commit.txns);
+        // Other activity upstream may add empty transactions, never inserts.
+        if report.stream.inserts != rows || report.stream.commits < txns {
+            bail!(
+                "expected pg_recvlogical to receive {rows} inserts in {txns} transactions in \
+                 phase {}, got {} inserts in {} transactions",
+                report.phase.key(),
+                report.stream.inserts,
+                report.stream.commits
+            );
+        }
+    }
+    if replica_rows != upstream_rows || upstream_rows != args.rows + args.txns {
+        bail!(
+            "expected {} rows upstream and in the replica, got {upstream_rows} upstream and \
+             {replica_rows} in the replica",
+            args.rows + args.txns
+        );
+    }
+    Ok(IngestReport {
+        mode: args.mode,
+        server_version,
+        clients: args.clients,
+        pipeline: args.pipeline,
+        phases: reports,
+        upstream_rows,
+        replica_rows,
+    })
+}
+
+async fn commit_phase(
+    phase: Phase,
+    args: &IngestArgs,
+    upstream: &Upstream,
+    client: &mut Client,
+) -> anyhow::Result<PhaseCommit> {
+    let first_bulk_id = 1;
+    let first_single_id = i64::try_from(args.rows)? + 1;
+    match phase {
+        Phase::Bulk => workload::bulk_insert(client, first_bulk_id, args.rows).await,
+        Phase::SingleRow => {
+            workload::single_row_txns(
+                &upstream.config,
+                client,
+                first_single_id,
+                args.txns,
+                args.clients,
+                args.pipeline,
+            )
+            .await
+        }
+    }
+}
+
+/// Each phase: commit it, then `pg_recvlogical` through it, then the replicator through it.
+async fn catch_up(
+    args: &IngestArgs,
+    upstream: &Upstream,
+    client: &mut Client,
+    work: &WorkDir,
+    replicate_args: &ReplicateArgs,
+    phases: &[Phase],
+) -> anyhow::Result<Vec<PhaseReport>> {
+    let mut reports = Vec::new();
+    for &phase in phases {
+        let commit = commit_phase(phase, args, upstream, client).await?;
+
+        let output = work.recvlogical_output(phase.key())?;
+        let started = Instant::now();
+        RecvLogical::spawn(
+            &upstream.bin_dir,
+            &upstream.url,
+            PUBLICATION,
+            &output,
+            Some(commit.wal_end),
+        )?
+        .wait()
+        .await?;
+        let recvlogical = ConsumerResult {
+            consumer: Consumer::PgRecvlogical,
+            elapsed: started.elapsed(),
+            after_commit: None,
+            peak_rss_kib: None,
+            cpu: None,
+        };
+
+        let rss_reset = reset_peak_rss();
+        let cpu_before = cpu_time();
+        let started = Instant::now();
+        let mut replicator = Replicator::spawn(replicate_args);
+        replicator
+            .wait_for(commit.last_commit_floor, CONSUMER_TIMEOUT)
+            .await?;
+        let elapsed = started.elapsed();
+        let cpu = match (cpu_before, cpu_time()) {
+            (Some(before), Some(after)) => after.checked_sub(before),
+            _ => None,
+        };
+        let highwater = ConsumerResult {
+            consumer: Consumer::Highwater,
+            elapsed,
+            after_commit: None,
+            peak_rss_kib: peak_rss_kib().filter(|_| rss_reset),
+            cpu,
+        };
+        replicator.stop().await?;
+
+        let len = std::fs::metadata(&output)?.len();
+        reports.push(PhaseReport {
+            phase,
+            commit,
+            stream: summarize(&output, 0..len, &mut PgoutputMapper::new())?,
+            consumers: [highwater, recvlogical],
+        });
+    }
+    Ok(reports)
+}
+
+/// Both consumers stream throughout; each phase is timed until both are through it.
+async fn live(
+    args: &IngestArgs,
+    upstream: &Upstream,
+    client: &mut Client,
+    work: &WorkDir,
+    mut highwater: Replicator,
+    phases: &[Phase],
+) -> anyhow::Result<Vec<PhaseReport>> {
+    let output = work.recvlogical_output("live")?;
+    let mut recv =
+        RecvLogical::spawn(&upstream.bin_dir, &upstream.url, PUBLICATION, &output, None)?;
+    let highwater_slot = ReplicationNames::for_app(APP_ID)?.slot;
+    let slots = vec![highwater_slot, recvlogical::SLOT.to_owned()];
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        let active: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = ANY($1) AND active",
+                &[&slots],
+            )
+            .await?
+            .try_get(0)?;
+        if active == 2 {
+            break;
+        }
+        highwater.check_running().await?;
+        if let Some(exit) = recv.exited() {
+            bail!("{exit}");
+        }
+        if Instant::now() > deadline {
+            bail!("the consumers did not start streaming in {START_TIMEOUT:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let rss_reset = reset_peak_rss();
+    let mut mapper = PgoutputMapper::new();
+    let mut offset = 0;
+    let mut reports = Vec::new();
+    for &phase in phases {
+        let started = Instant::now();
+        let commit = commit_phase(phase, args, upstream, client).await?;
+        let floor = commit.last_commit_floor;
+        let deadline = Instant::now() + CONSUMER_TIMEOUT;
+        let mut highwater_done = None;
+        let mut recv_done = None;
+        while highwater_done.is_none() || recv_done.is_none() {
+            if highwater_done.is_none() && highwater.position().is_some_and(|p| p >= floor) {
+                highwater_done = Some(Instant::now());
+            }
+            if recv_done.is_none() {
+                let (commit_lsn, len) = last_commit(&output)?;
+                if commit_lsn.is_some_and(|lsn| lsn >= floor) {
+                    recv_done = Some((Instant::now(), len));
+                }
+            }
+            highwater.check_running().await?;
+            if let Some(exit) = recv.exited() {
+                bail!("{exit}");
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the consumers did not get through phase {} in {CONSUMER_TIMEOUT:?}",
+                    phase.key()
+                );
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        let (Some(highwater_at), Some((recv_at, end))) = (highwater_done, recv_done) else {
+            bail!("expected both consumers through phase {}", phase.key());
+        };
+        let result = |consumer, at: Instant| ConsumerResult {
+            consumer,
+            elapsed: at - started,
+            after_commit: Some(at.saturating_duration_since(commit.committed_at)),
+            peak_rss_kib: None,
+            cpu: None,
+        };
+        let stream = summarize(&output, offset..end, &mut mapper)?;
+        offset = end;
+        reports.push(PhaseReport {
+            phase,
+            consumers: [
+                result(Consumer::Highwater, highwater_at),
+                result(Consumer::PgRecvlogical, recv_at),
+            ],
+            commit,
+            stream,
+        });
+    }
+    let peak = peak_rss_kib().filter(|_| rss_reset);
+    for report in &mut reports {
+        report.consumers[0].peak_rss_kib = peak;
+    }
+    recv.stop().await?;
+    highwater.stop().await?;
+    Ok(reports)
+}
+
+/// Highwater's replicator running in this process on a blocking thread.
+struct Replicator {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<anyhow::Result<()>>,
+    db_path: PathBuf,
+    db: Option<rusqlite::Connection>,
+}
+
+impl Replicator {
+    fn spawn(args: &ReplicateArgs) -> Replicator {
+        let (stop, stop_rx) = watch::channel(false);
+        let handle = tokio::runtime::Handle::current();
+        let args = args.clone();
+        let db_path = args.data.join("replica.db");
+        let task = tokio::task::spawn_blocking(move || replicate(&handle, &args, stop_rx));
+        Replicator {
+            stop,
+            task,
+            db_path,
+            db: None,
+        }
+    }
+
+    /// The replica's stored position, once the initial sync has stored one.
+    fn position(&mut self) -> Option<Lsn> {
+        if self.db.is_none() {
+            if !self.db_path.exists() {
+                return None;
+            }
+            self.db = rusqlite::Connection::open_with_flags(
+                &self.db_path,
+                rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY
+                    | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+            )
+            .ok();
+        }
+        let text: Result<String, _> = self
+            .db
+            .as_ref()?
+            .prepare_cached(r#"SELECT "lsn" FROM "_hw_state" WHERE "lock" = 1"#)
+            .and_then(|mut statement| statement.query_row([], |row| row.get(0)));
+        match text {
+            Ok(text) => text.parse().ok(),
+            Err(_) => {
+                // The initial sync may replace the file: look again with a new connection.
+                self.db = None;
+                None
+            }
+        }
+    }
+
+    /// Fails if the replicator has stopped.
+    async fn check_running(&mut self) -> anyhow::Result<()> {
+        if !self.task.is_finished() {
+            return Ok(());
+        }
+        match (&mut self.task).await {
+            Ok(Ok(())) => Err(anyhow!("the replicator stopped unexpectedly")),
+            Ok(Err(error)) => Err(error.context("the replicator failed")),
+            Err(error) => Err(anyhow!("the replicator thread panicked: {error}")),
+        }
+    }
+
+    /// Waits until the replica's stored position reaches `floor`.
+    async fn wait_for(&mut self, floor: Lsn, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.position().is_some_and(|p| p >= floor) {
+                return Ok(());
+            }
+            self.check_running().await?;
+            if Instant::now() > deadline {
+                bail!(
+                    "the replica did not reach {floor} in {timeout:?} (it is at {:?})",
+                    self.position()
+                );
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    async fn stop(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(true);
+        drop(self.db);
+        self.task.await.context("the replicator thread panicked")?
+    }
+}
+
+fn replica_row_count(replica_dir: &Path) -> anyhow::Result<u64> {
+    let db = rusqlite::Connection::open_with_flags(
+        replica_dir.join("replica.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    )?;
+    let table = quote_ident(&replica_table_name("public", TABLE));
+    let count: i64 = db.query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))?;
+    Ok(u64::try_from(count)?)
+}
+
+/// Drops the slots, the DDL trigger's schema, the table and the publication, if present.
+async fn drop_objects(client: &Client) -> anyhow::Result<()> {
+    let highwater_slot = ReplicationNames::for_app(APP_ID)?.slot;
+    for slot in [highwater_slot.as_str(), recvlogical::SLOT] {
+        drop_slot(client, slot).await?;
+    }
+    client
+        .batch_execute(&format!(
+            "DROP EVENT TRIGGER IF EXISTS {APP_ID}_ddl; DROP SCHEMA IF EXISTS {APP_ID} CASCADE;"
+        ))
+        .await
+        .context("cannot drop the replicator's DDL trigger")?;
+    workload::drop_schema(client).await
+}
+
+async fn drop_slot(client: &Client, slot: &str) -> anyhow::Result<()> {
+    const ATTEMPTS: usize = 100;
+    for attempt in 1..=ATTEMPTS {
+        let Some(row) = client
+            .query_opt(
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await?
+        else {
+            return Ok(());
+        };
+        if let Some(pid) = row.try_get::<_, Option<i32>>(0)? {
+            client
+                .execute("SELECT pg_terminate_backend($1)", &[&pid])
+                .await?;
+        } else {
+            match client
+                .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+                .await
+            {
+                Ok(_) => return Ok(()),
+                // A consumer may take the slot again between the check and the drop.
+                Err(_) if attempt < ATTEMPTS => {}
+                Err(error) => return Err(error).context(format!("cannot drop slot {slot}")),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("slot {slot} stayed in use")
+}
+
+/// Resets this process's peak RSS (`VmHWM`); false where the kernel does not allow it.
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// User plus system CPU time of this process (all threads).
+fn cpu_time() -> Option<Duration> {
+    // Linux reports these in USER_HZ ticks, 100 per second on every architecture it runs on.
+    const TICKS_PER_SECOND: u64 = 100;
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
+    let user: u64 = fields.next()?.parse().ok()?;
+    let system: u64 = fields.next()?.parse().ok()?;
+    Some(Duration::from_millis(
+        (user + system) * 1000 / TICKS_PER_SECOND,
+    ))
+}
+
+fn peak_rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
+}
+
+impl IngestReport {
+    fn render(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let method = match self.mode {
+            Mode::CatchUp => {
+                "catch-up: after each phase committed, pg_recvlogical then highwater read its \
+                 retained WAL, one after the other; seconds from consumer start until durable"
+            }
+            Mode::Live => {
+                "live: both consumers stream while the workload runs; seconds from phase start \
+                 until durable (pg_recvlogical: written to its file)"
+            }
+        };
+        let _ = writeln!(out, "highwater bench ingest ({method})");
+        let _ = writeln!(
+            out,
+            "Postgres {}; phase B from {} connections x {} pipelined statements\n",
+            self.server_version, self.clients, self.pipeline
+        );
+        let _ = writeln!(
+            out,
+            "| Phase | Workload | Postgres commit time | WAL | pgoutput payload | Messages |"
+        );
+        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|");
+        for p in &self.phases {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {:.2} s | {:.1} MiB | {:.1} MiB | {} |",
+                p.phase.key(),
+                workload_text(p),
+                p.commit.elapsed.as_secs_f64(),
+                p.commit.wal_bytes as f64 / MIB,
+                p.stream.payload_bytes as f64 / MIB,
+                thousands(p.stream.messages as f64),
+            );
+        }
+        let _ = writeln!(
+            out,
+            "\n| Phase | Consumer | Rows | Txns | Seconds | Rows/s | MiB/s | After last commit \
+             | CPU | Peak RSS |"
+        );
+        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let optional = |value: Option<String>| value.unwrap_or_else(|| "-".to_owned());
+        for p in &self.phases {
+            let rows = |name: &str, elapsed: Duration, c: Option<&ConsumerResult>| {
+                let seconds = elapsed.as_secs_f64().max(1e-9);
+                format!(
+                    "| {} | {name} | {} | {} | {seconds:.3} | {} | {:.1} | {} | {} | {} |\n",
+                    p.phase.key(),
+                    thousands(p.commit.rows as f64),
+                    thousands(p.commit.txns as f64),
+                    thousands(p.commit.rows as f64 / seconds),
+                    p.stream.payload_bytes as f64 / MIB / seconds,
+                    optional(c.and_then(|c| c.after_commit).map(|d| {
+                        if d < POLL {
+                            // Already there at the first look: below the poll resolution.
+                            format!("< {:.3} s", POLL.as_secs_f64())
+                        } else {
+                            format!("{:.3} s", d.as_secs_f64())
+                        }
+                    })),
+                    optional(
+                        c.and_then(|c| c.cpu)
+                            .map(|d| format!("{:.2} s", d.as_secs_f64()))
+                    ),
+                    optional(
+                        c.and_then(|c| c.peak_rss_kib)
+                            .map(|kib| format!("{:.0} MiB", kib as f64 / 1024.0))
+                    ),
+                )
+            };
+            for c in &p.consumers {
+                out.push_str(&rows(c.consumer.name(), c.elapsed, Some(c)));
+            }
+            out.push_str(&rows(
+                "(pgoutput mapping alone, in memory)",
+                p.stream.mapping,
+                None,
+            ));
+        }
+        let ratios: Vec<String> = self
+            .phases
+            .iter()
+            .filter_map(|p| Some(format!("{} {:.2}", p.phase.key(), p.throughput_ratio()?)))
+            .collect();
+        let _ = writeln!(
+            out,
+            "\nhighwater / pg_recvlogical throughput: {}\nrows: {} upstream, {} in the replica",
+            ratios.join(", "),
+            self.upstream_rows,
+            self.replica_rows
+        );
+        out
+    }
+}
+
+impl PhaseReport {
+    /// Highwater's rows/s over `pg_recvlogical`'s.
+    fn throughput_ratio(&self) -> Option<f64> {
+        let [highwater, recvlogical] = &self.consumers;
+        let highwater = highwater.elapsed.as_secs_f64();
+        (highwater > 0.0).then(|| recvlogical.elapsed.as_secs_f64() / highwater)
+    }
+}
+
+fn workload_text(p: &PhaseReport) -> String {
+    match p.phase {
+        Phase::Bulk => format!("1 txn x {} rows", thousands(p.commit.rows as f64)),
+        Phase::SingleRow => format!("{} txns x 1 row", thousands(p.commit.txns as f64)),
+    }
+}
+
+/// `1234567.8` → `1,234,568`.
+fn thousands(value: f64) -> String {
+    let digits = format!("{:.0}", value.max(0.0));
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(mode: Mode, upstream: Option<String>) -> IngestArgs {
+        IngestArgs {
+            rows: 2_000,
+            txns: 200,
+            upstream,
+            mode,
+            clients: 2,
+            pipeline: 8,
+            work_dir: None,
+        }
+    }
+
+    fn assert_complete(report: &IngestReport) {
+        assert_eq!(report.replica_rows, 2_200);
+        assert_eq!(report.upstream_rows, 2_200);
+        let phases: Vec<_> = report.phases.iter().map(|p| p.phase).collect();
+        assert_eq!(phases, [Phase::Bulk, Phase::SingleRow]);
+        let [bulk, single] = &report.phases[..] else {
+            panic!("two phases expected");
+        };
+        assert_eq!((bulk.stream.inserts, bulk.stream.commits), (2_000, 1));
+        assert_eq!((single.stream.inserts, single.stream.commits), (200, 200));
+        assert!(bulk.stream.last_commit >= Some(bulk.commit.last_commit_floor));
+        assert!(single.stream.last_commit >= Some(single.commit.last_commit_floor));
+        let table = report.render();
+        assert_eq!(table.matches("| highwater |").count(), 2, "{table}");
+        assert_eq!(table.matches("| pg_recvlogical |").count(), 2, "{table}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tiny_catch_up_run_replicates_every_row_to_both_consumers() {
+        let report = ingest(&tiny(Mode::CatchUp, None)).await.unwrap();
+        assert_complete(&report);
+        assert!(report.phases[0].consumers[0].peak_rss_kib.is_some());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tiny_live_run_on_an_upstream_leaves_no_slots_behind() {
+        let pg = PrivatePg::start(PgOptions::default()).await.unwrap();
+        let report = ingest(&tiny(Mode::Live, Some(pg.url()))).await.unwrap();
+        assert_complete(&report);
+        assert!(report.phases[1].consumers[0].after_commit.is_some());
+        let client = pg.connect().await.unwrap();
+        let slots: i64 = client
+            .query_one("SELECT count(*) FROM pg_replication_slots", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(slots, 0);
+        let tables: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_tables WHERE tablename = $1",
+                &[&TABLE],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(tables, 0);
+    }
+
+    #[test]
+    fn thousands_groups_digits() {
+        assert_eq!(thousands(0.0), "0");
+        assert_eq!(thousands(999.4), "999");
+        assert_eq!(thousands(1_000.0), "1,000");
+        assert_eq!(thousands(1_234_567.8), "1,234,568");
+    }
+}

@@ -1,0 +1,35 @@
+//! `highwater bench …`: benchmarks a user can run, each printing a results table.
+//!
+//! - `ingest` ([`ingest`]): Postgres changes to the durable SQLite replica, with
+//!   `pg_recvlogical` on the same workload as the yardstick.
+//! - `fanout` ([`fanout`]): committed changes delivered to 1, 10, 100 change-stream
+//!   subscribers (throughput, commit-to-subscriber latency), and catch-up speed from the log.
+
+pub mod fanout;
+pub mod ingest;
+mod recvlogical;
+mod workload;
+
+/// Command-line arguments of `highwater bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub benchmark: Benchmark,
+}
+
+/// The benchmarks.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum Benchmark {
+    /// Ingest throughput, commit to durable replica, against `pg_recvlogical` on the same WAL.
+    Ingest(ingest::IngestArgs),
+    /// Delivery to many change-stream subscribers, and catch-up of one far behind.
+    Fanout(fanout::FanoutArgs),
+}
+
+/// Runs the chosen benchmark and prints its table to stdout.
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.benchmark {
+        Benchmark::Ingest(args) => ingest::run(args),
+        Benchmark::Fanout(args) => fanout::run(args),
+    }
+}
