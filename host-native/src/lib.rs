@@ -3,9 +3,13 @@
 //! Modules of host-native are declared here, not in main.rs; the binary uses them through
 //! `highwater_host::…`.
 
+pub mod bench;
 pub mod change_log;
+pub mod demo;
 pub mod private_pg;
 pub mod replica;
 pub mod replicate;
 pub mod replication;
+pub mod runtime;
 pub mod serve;
+pub mod watch;

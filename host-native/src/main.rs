@@ -20,6 +20,12 @@ enum Command {
     Replicate(highwater_host::replicate::ReplicateArgs),
     /// Replicate upstream and serve change-stream subscribers, replica snapshots and health.
     Serve(highwater_host::serve::ServeArgs),
+    /// Run the server on an embedded default: a private Postgres with demo data and live writes.
+    Demo(highwater_host::demo::DemoArgs),
+    /// Subscribe to a change streamer and print each message as a JSON line.
+    Watch(highwater_host::watch::WatchArgs),
+    /// Run a benchmark and print its results table (`highwater bench ingest`).
+    Bench(highwater_host::bench::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -28,5 +34,8 @@ fn main() -> anyhow::Result<()> {
         Command::CheckStream(args) => check_stream::run(args),
         Command::Replicate(args) => highwater_host::replicate::run(args),
         Command::Serve(args) => highwater_host::serve::run(args),
+        Command::Demo(args) => highwater_host::demo::run(args),
+        Command::Watch(args) => highwater_host::watch::run(args),
+        Command::Bench(args) => highwater_host::bench::run(args),
     }
 }
