@@ -45,6 +45,10 @@ pub struct ReplicateArgs {
     /// Publications to replicate; by default `<app>_pub`, created FOR ALL TABLES if missing.
     #[arg(long = "publication")]
     pub publications: Vec<String>,
+    /// When the replication slot is missing or invalidated, discard the replica and sync again
+    /// instead of stopping with an error.
+    #[arg(long)]
+    pub auto_reset: bool,
 }
 
 /// Runs the command until Ctrl-C or SIGTERM.
@@ -139,6 +143,7 @@ pub fn replicate(
 ) -> anyhow::Result<()> {
     let upstream = Upstream::prepare(handle, &args.upstream, &args.app_id, &args.publications)?;
     let mut replica = Replica::open_in_dir(&args.data)?;
+    upstream.check_slot(handle, &replica, &args.data, args.auto_reset)?;
     if let Some(reason) = upstream.resync_reason(handle, &replica)? {
         tracing::warn!(%reason, "resyncing");
         let stopped = stop.clone();

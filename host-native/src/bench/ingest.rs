@@ -291,6 +291,7 @@ async fn run_phases(
         data: work.replica_dir(),
         app_id: APP_ID.to_owned(),
         publications: vec![PUBLICATION.to_owned()],
+        auto_reset: false,
     };
     // The initial sync creates Highwater's slot; the yardstick's comes right after, so both
     // start before the workload.

@@ -31,6 +31,16 @@ pub enum BootstrapError {
     Replica(#[from] ReplicaError),
     #[error("initial sync failed: {0}")]
     Sync(#[from] SyncError),
+    #[error(
+        "Replication slot {slot} is missing or invalidated, so upstream no longer holds the changes \
+         after the replica's position {position}. Restart with --auto-reset to discard the replica \
+         in {data} and sync again from a new slot (subscribers then resync too)."
+    )]
+    SlotLost {
+        slot: String,
+        position: String,
+        data: String,
+    },
     #[error("cannot remove {path}: {source}")]
     Remove {
         path: String,
@@ -113,6 +123,36 @@ impl Upstream {
                 )),
             },
         )
+    }
+
+    /// Refuses to go on when `replica` was synced but its slot is gone, unless `auto_reset`:
+    /// resyncing then discards the replica, which an operator must opt into.
+    pub fn check_slot(
+        &self,
+        handle: &Handle,
+        replica: &Replica,
+        data: &Path,
+        auto_reset: bool,
+    ) -> Result<(), BootstrapError> {
+        let Some(state) = replica.state() else {
+            return Ok(());
+        };
+        let lost = match handle.block_on(slot_state(&self.client, &state.slot))? {
+            Some(slot) => slot.is_invalidated(),
+            None => true,
+        };
+        if !lost {
+            return Ok(());
+        }
+        if auto_reset {
+            tracing::warn!(slot = %state.slot, "slot missing or invalidated; --auto-reset resyncs");
+            return Ok(());
+        }
+        Err(BootstrapError::SlotLost {
+            slot: state.slot.clone(),
+            position: state.lsn.to_string(),
+            data: data.display().to_string(),
+        })
     }
 
     /// Replaces the replica in `data` (closing `replica` first) with an initial sync from a new

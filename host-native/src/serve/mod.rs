@@ -109,6 +109,10 @@ pub struct ServeArgs {
     /// (1013, try again later).
     #[arg(long, default_value_t = DEFAULT_BACKLOG_FULL_TIMEOUT_MS, hide = true)]
     pub backlog_full_timeout_ms: u64,
+    /// When the replication slot is missing or invalidated, discard the replica and change log
+    /// and sync again instead of stopping with an error.
+    #[arg(long)]
+    pub auto_reset: bool,
 }
 
 impl ServeArgs {
@@ -127,6 +131,7 @@ impl ServeArgs {
             backup_interval_ms: DEFAULT_BACKUP_INTERVAL_MS,
             backlog_high_water_bytes: DEFAULT_BACKLOG_HIGH_WATER_BYTES,
             backlog_full_timeout_ms: DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
+            auto_reset: false,
         }
     }
 

@@ -24,6 +24,7 @@ pub(crate) struct Prepared {
 pub(crate) fn prepare(handle: &Handle, args: &ServeArgs) -> Result<Prepared, ServeError> {
     let upstream = Upstream::prepare(handle, &args.upstream, &args.app_id, &args.publications)?;
     let mut replica = Replica::open_in_dir(&args.data)?;
+    upstream.check_slot(handle, &replica, &args.data, args.auto_reset)?;
     let mut log = None;
     match upstream.resync_reason(handle, &replica)? {
         Some(reason) => tracing::warn!(%reason, "resyncing"),

@@ -61,6 +61,7 @@ pub fn args(url: &str, data: &Path, publications: &[&str]) -> ReplicateArgs {
         data: data.to_owned(),
         app_id: "highwater".to_owned(),
         publications: publications.iter().map(|p| (*p).to_owned()).collect(),
+        auto_reset: false,
     }
 }
 
