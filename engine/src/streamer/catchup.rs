@@ -28,8 +28,7 @@ impl CatchupRow {
 /// What the first catch-up row says about a subscriber's watermark.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FirstRow {
-    /// The log holds the subscriber's own transaction (or it starts from the replica version):
-    /// everything after it can be sent.
+    /// The log holds the subscriber's own transaction: everything after it can be sent.
     Continuous,
     /// The log starts after the subscriber's watermark: a serving subscriber gets
     /// `WatermarkTooOld`.
@@ -40,15 +39,14 @@ pub enum FirstRow {
 }
 
 /// Judges the first row a catch-up from `requested` read (§7.4 step 4). The row must be the
-/// subscriber's own, already applied transaction; `replicaVersion` is always acceptable, since
-/// a freshly synced replica needs only what follows it.
-pub fn check_first_row(
-    first: &Watermark,
-    requested: &Watermark,
-    replica_version: &Watermark,
-    mode: SubscriberMode,
-) -> FirstRow {
-    if first <= requested || requested == replica_version {
+/// subscriber's own, already applied transaction.
+///
+/// Zero also accepts `replicaVersion` whatever the first row is. Highwater does not: a log seeded
+/// at `replicaVersion` still holds its seed rows there (so the rule above accepts it), and a log
+/// that no longer does — purged past them, or a relay's log seeded at its restored snapshot —
+/// lacks changes such a subscriber needs, so accepting it would lose them silently.
+pub fn check_first_row(first: &Watermark, requested: &Watermark, mode: SubscriberMode) -> FirstRow {
+    if first <= requested {
         return FirstRow::Continuous;
     }
     let earliest = first.clone();
@@ -78,34 +76,37 @@ mod tests {
 
     #[test]
     fn first_row_at_the_subscriber_watermark_is_continuous() {
-        let rv = w("01");
         for mode in [SubscriberMode::Serving, SubscriberMode::Backup] {
             assert_eq!(
-                check_first_row(&w("0a"), &w("0a"), &rv, mode),
+                check_first_row(&w("0a"), &w("0a"), mode),
                 FirstRow::Continuous
             );
         }
     }
 
     #[test]
-    fn replica_version_is_always_acceptable() {
-        // The log was purged past the seed rows, but a replica at replicaVersion only needs
-        // what follows.
+    fn replica_version_needs_its_seed_rows_like_any_watermark() {
+        // Seed rows at the replica version 01: continuous.
         assert_eq!(
-            check_first_row(&w("0f"), &w("01"), &w("01"), SubscriberMode::Serving),
+            check_first_row(&w("01"), &w("01"), SubscriberMode::Serving),
             FirstRow::Continuous
+        );
+        // Purged past them (or a relay's log seeded at its snapshot 0f): the changes between
+        // are gone, so the subscriber is told instead of silently missing them.
+        assert_eq!(
+            check_first_row(&w("0f"), &w("01"), SubscriberMode::Serving),
+            FirstRow::TooOld { earliest: w("0f") }
         );
     }
 
     #[test]
     fn watermark_too_old_serving_vs_backup() {
-        let rv = w("01");
         assert_eq!(
-            check_first_row(&w("0f"), &w("0a"), &rv, SubscriberMode::Serving),
+            check_first_row(&w("0f"), &w("0a"), SubscriberMode::Serving),
             FirstRow::TooOld { earliest: w("0f") }
         );
         assert_eq!(
-            check_first_row(&w("0f"), &w("0a"), &rv, SubscriberMode::Backup),
+            check_first_row(&w("0f"), &w("0a"), SubscriberMode::Backup),
             FirstRow::ResetRequired { earliest: w("0f") }
         );
         assert_eq!(

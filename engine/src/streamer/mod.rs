@@ -750,12 +750,7 @@ impl Streamer {
         let mut failure = None;
         for row in rows {
             if !checked {
-                let verdict = check_first_row(
-                    &row.watermark,
-                    &sub.requested,
-                    &self.config.replica_version,
-                    sub.mode,
-                );
+                let verdict = check_first_row(&row.watermark, &sub.requested, sub.mode);
                 match verdict {
                     FirstRow::Continuous => {
                         checked = true;

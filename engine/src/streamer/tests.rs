@@ -395,16 +395,17 @@ fn subscriber_at_the_last_commit_goes_live_at_once() {
 }
 
 #[test]
-fn replica_version_watermark_is_always_acceptable() {
-    // The seed rows at the replica version were purged long ago.
+fn replica_version_watermark_after_its_seed_rows_were_purged_is_too_old() {
+    // The seed rows at the replica version were purged: the subscriber's replica lacks the
+    // changes before 0b, so it is told rather than silently served from 0b.
     let mut s = streamer_at("0c", "0b");
     let c = ConnId(1);
     s.open(c, 6, false);
     s.subscribe(c, serving(RV), 0);
     let e = s.catchup_rows(c, log_tx("0b", &[2]));
     let got = messages_to(&e, c);
-    assert_eq!(got.len(), 4, "{got:?}");
-    assert_eq!(got[0], r#"["status",{"tag":"status"}]"#);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].starts_with(r#"["error",{"type":2"#), "{got:?}");
 }
 
 #[test]
