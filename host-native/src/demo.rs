@@ -47,7 +47,7 @@ WHERE NOT EXISTS (SELECT 1 FROM todos);
 
 /// Runs the demo until Ctrl-C or SIGTERM.
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
-    runtime::init_tracing();
+    runtime::init_tracing("info");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -53,20 +53,14 @@ pub struct ReplicateArgs {
 
 /// Runs the command until Ctrl-C or SIGTERM.
 pub fn run(args: ReplicateArgs) -> anyhow::Result<()> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    crate::runtime::init_tracing("info");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     let (stop_tx, stop) = watch::channel(false);
     runtime.spawn(async move {
-        wait_for_signal().await;
+        crate::runtime::wait_for_signal().await;
         tracing::info!("stopping: finishing the current message");
         let _ = stop_tx.send(true);
     });
@@ -76,21 +70,6 @@ pub fn run(args: ReplicateArgs) -> anyhow::Result<()> {
             .await
             .context("the replicator thread panicked")?
     })
-}
-
-async fn wait_for_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate => {}
-    }
 }
 
 /// An ordinary connection for catalog queries, reopened after upstream restarts.

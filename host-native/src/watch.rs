@@ -36,7 +36,7 @@ type Socket =
 
 /// Runs `highwater watch` until the stream ends, Ctrl-C, or `--commits` commits.
 pub fn run(args: WatchArgs) -> anyhow::Result<()> {
-    runtime::init_tracing();
+    runtime::init_tracing("info");
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -102,7 +102,14 @@ async fn watch(args: WatchArgs) -> anyhow::Result<()> {
         for message in frame.messages() {
             writeln!(out, "{}", encode_downstream(message))?;
             match message {
-                DownstreamMessage::Commit(_) => commits += 1,
+                DownstreamMessage::Commit(_) => {
+                    commits += 1;
+                    // A batch may hold more transactions: stop at exactly the commit asked for.
+                    if args.commits.is_some_and(|limit| commits >= limit) {
+                        out.flush()?;
+                        return Ok(());
+                    }
+                }
                 DownstreamMessage::Error(_) => {
                     out.flush()?;
                     bail!(
@@ -115,9 +122,6 @@ async fn watch(args: WatchArgs) -> anyhow::Result<()> {
         }
         out.flush()?;
         ack(&mut socket, &frame).await?;
-        if args.commits.is_some_and(|limit| commits >= limit) {
-            return Ok(());
-        }
     }
 }
 

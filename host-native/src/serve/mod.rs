@@ -194,41 +194,20 @@ pub enum ServeError {
 
 /// Runs `highwater serve` until Ctrl-C or SIGTERM.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    crate::runtime::init_tracing("info");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async move {
         let (stop_tx, stop) = watch::channel(false);
         tokio::spawn(async move {
-            wait_for_signal().await;
+            crate::runtime::wait_for_signal().await;
             tracing::info!("stopping");
             let _ = stop_tx.send(true);
         });
         serve(args, stop).await
     })?;
     Ok(())
-}
-
-async fn wait_for_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate => {}
-    }
 }
 
 /// Serves until `stop` turns true or replication fails: prepares the replica (initial sync
