@@ -458,6 +458,13 @@ impl Subscriber {
         self.send(&format!(r#"{{"ack":{id}}}"#)).await;
     }
 
+    /// Acks `id`, reporting a dead socket instead of panicking (the server may have just died).
+    pub async fn try_ack(&mut self, id: u64) -> Result<(), tokio_tungstenite::tungstenite::Error> {
+        self.socket
+            .send(Message::text(format!(r#"{{"ack":{id}}}"#)))
+            .await
+    }
+
     /// The first frame carries only an `error`: returns it after acking it.
     pub async fn error(&mut self) -> StreamError {
         let frame = self.frame().await;
@@ -501,7 +508,9 @@ impl Subscriber {
                         self.model.apply(message);
                     }
                     if let Some(id) = id {
-                        self.ack(id).await;
+                        if self.try_ack(id).await.is_err() {
+                            return Followed::Closed;
+                        }
                     }
                 }
             }
