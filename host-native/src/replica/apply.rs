@@ -418,12 +418,23 @@ fn upsert(
     Ok(())
 }
 
+/// How an update sets the row version.
+#[derive(Clone, Copy)]
+enum VersionRule {
+    /// To this transaction's version (a streamed change).
+    Set,
+    /// To the later of the row's and this version: a backfill never moves a row backwards (a
+    /// row the stream wrote later keeps its later version).
+    Keep,
+}
+
 /// Updates the row matched by `key` to `values`; returns how many rows changed.
 fn update_row(
     ctx: &mut RowContext<'_>,
     table: &ReplicaTable,
     values: &[(&ReplicaColumn, SqlValue)],
     key: &[(&ReplicaColumn, SqlValue)],
+    version: VersionRule,
 ) -> Result<usize, ReplicaError> {
     let mut set: Vec<String> = values
         .iter()
@@ -431,7 +442,10 @@ fn update_row(
         .map(|(i, (c, _))| format!("{} = ?{}", quote_ident(&c.name), i + 1))
         .collect();
     let n = values.len();
-    set.push(format!("\"_hw_version\" = ?{}", n + 1));
+    set.push(match version {
+        VersionRule::Set => format!("\"_hw_version\" = ?{}", n + 1),
+        VersionRule::Keep => format!("\"_hw_version\" = max(\"_hw_version\", ?{})", n + 1),
+    });
     set.push(format!("\"_hw_seq\" = ?{}", n + 2));
     let sql = format!(
         "UPDATE {} SET {} WHERE {}",
@@ -490,7 +504,7 @@ fn apply_update(
         (None, Err(e)) => return Err(e),
     };
     let target = old_key.as_ref().unwrap_or(&new_key);
-    if update_row(ctx, table, &values, target)? == 0 {
+    if update_row(ctx, table, &values, target, VersionRule::Set)? == 0 {
         upsert(ctx, table, values)?;
     }
     if is_backfilling(table) {
@@ -610,7 +624,7 @@ fn apply_backfill(
         let exists = if set_values.is_empty() {
             row_exists(ctx.conn, table, &key)?
         } else {
-            backfill_row(ctx, table, &set_values, &key)? > 0
+            update_row(ctx, table, &set_values, &key, VersionRule::Keep)? > 0
         };
         if !exists && whole_table {
             let values = row_values(table, &row, ctx.json)?;
@@ -706,46 +720,6 @@ fn row_exists(
     Ok(conn
         .prepare_cached(&sql)?
         .query_row(params_from_iter(key.iter().map(|(_, v)| v)), |r| r.get(0))?)
-}
-
-/// Writes backfilled values into the row at `key`; its version never moves backwards (a row the
-/// stream wrote later keeps its later version). Returns how many rows changed.
-fn backfill_row(
-    ctx: &mut RowContext<'_>,
-    table: &ReplicaTable,
-    values: &[(&ReplicaColumn, SqlValue)],
-    key: &[(&ReplicaColumn, SqlValue)],
-) -> Result<usize, ReplicaError> {
-    let mut set: Vec<String> = values
-        .iter()
-        .enumerate()
-        .map(|(i, (c, _))| format!("{} = ?{}", quote_ident(&c.name), i + 1))
-        .collect();
-    let n = values.len();
-    set.push(format!(
-        "\"_hw_version\" = max(\"_hw_version\", ?{})",
-        n + 1
-    ));
-    set.push(format!("\"_hw_seq\" = ?{}", n + 2));
-    let sql = format!(
-        "UPDATE {} SET {} WHERE {}",
-        quote_ident(&table.name),
-        set.join(", "),
-        where_key(table, key, n + 3)
-    );
-    let seq = ctx.seq();
-    let params = values
-        .iter()
-        .map(|(_, v)| v.clone())
-        .chain([
-            SqlValue::Text(ctx.version.to_owned()),
-            SqlValue::Integer(seq),
-        ])
-        .chain(key.iter().map(|(_, v)| v.clone()));
-    Ok(ctx
-        .conn
-        .prepare_cached(&sql)?
-        .execute(params_from_iter(params))?)
 }
 
 fn apply_backfill_completed(
