@@ -3,14 +3,13 @@
 
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use highwater_engine::change_stream::{JsonFormat, Row};
 use highwater_engine::watermark::Lsn;
-use highwater_host::private_pg::{PgOptions, PrivatePg};
+use highwater_host::private_pg::PrivatePg;
 use highwater_host::replica::initial_sync::{initial_sync, SyncSource};
 use highwater_host::replica::Replica;
 use highwater_host::replicate::{replicate, ReplicateArgs};
@@ -22,38 +21,13 @@ use tokio_postgres::Client;
 /// How long a local replicator may take to catch up.
 pub const CATCH_UP: Duration = Duration::from_secs(20);
 
-pub async fn start_pg() -> PrivatePg {
-    PrivatePg::start(PgOptions::default())
-        .await
-        .expect("start a private Postgres")
-}
-
-/// A fresh data directory under the temp dir, removed on drop.
-pub struct DataDir(pub PathBuf);
-
-impl DataDir {
-    pub fn new(name: &str) -> DataDir {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "highwater-replica-{name}-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create data dir");
-        DataDir(dir)
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for DataDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+// A test binary that uses both support modules gets two copies; they never meet.
+#[allow(clippy::duplicate_mod)]
+#[path = "../scratch_support/mod.rs"]
+mod scratch_support;
+// Not every test binary uses both.
+#[allow(unused_imports)]
+pub use scratch_support::{start_pg, DataDir};
 
 pub fn args(url: &str, data: &Path, publications: &[&str]) -> ReplicateArgs {
     ReplicateArgs {

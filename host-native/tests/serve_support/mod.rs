@@ -6,9 +6,8 @@
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
@@ -16,7 +15,6 @@ use highwater_engine::change_stream::{
     decode_downstream_frame, decode_envelope, Change, DownstreamMessage, Frame, StreamError,
 };
 use highwater_engine::watermark::Watermark;
-use highwater_host::private_pg::{PgOptions, PrivatePg};
 use highwater_host::serve::{serve, ServeArgs, ServeError};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -32,38 +30,13 @@ pub const PROMPT: Duration = Duration::from_secs(20);
 
 pub const ITEMS_DDL: &str = "CREATE TABLE items (id int8 PRIMARY KEY, v text)";
 
-pub async fn start_pg() -> PrivatePg {
-    PrivatePg::start(PgOptions::default())
-        .await
-        .expect("start a private Postgres")
-}
-
-/// A fresh data directory under the temp dir, removed on drop.
-pub struct DataDir(pub PathBuf);
-
-impl DataDir {
-    pub fn new(name: &str) -> DataDir {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "highwater-serve-it-{name}-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("create data dir");
-        DataDir(dir)
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for DataDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+// A test binary that uses both support modules gets two copies; they never meet.
+#[allow(clippy::duplicate_mod)]
+#[path = "../scratch_support/mod.rs"]
+mod scratch_support;
+// Not every test binary uses both.
+#[allow(unused_imports)]
+pub use scratch_support::{start_pg, DataDir};
 
 /// A port nothing listens on right now.
 pub fn free_port() -> u16 {
