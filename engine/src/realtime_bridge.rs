@@ -148,6 +148,7 @@ impl BridgeInput {
             ServerFrame::ChannelError {
                 subscription_id,
                 message,
+                ..
             } => Some(BridgeInput::ChannelError {
                 subscription_id,
                 message,
@@ -156,6 +157,7 @@ impl BridgeInput {
             ServerFrame::SessionGone => Some(BridgeInput::SessionGone),
             ServerFrame::SessionEstablished { .. }
             | ServerFrame::Error { .. }
+            | ServerFrame::Pong
             | ServerFrame::ChannelUnsubscribed { .. }
             | ServerFrame::ChannelReplayGap { .. } => None,
         }

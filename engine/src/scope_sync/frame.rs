@@ -29,6 +29,9 @@ pub enum ClientFrame {
     },
     #[serde(rename_all = "camelCase")]
     ChannelUnsubscribe { subscription_id: String },
+    /// Application-level heartbeat; the server answers [`ServerFrame::Pong`]. Browsers cannot
+    /// see WebSocket protocol pings, so a client detects a half-open socket with this.
+    Ping,
 }
 
 /// A frame the server sends.
@@ -46,8 +49,17 @@ pub enum ServerFrame {
     SessionResumed { session_id: String },
     /// The session to resume is unknown, expired, or belongs to another identity.
     SessionGone,
-    /// A protocol error not tied to a subscription.
-    Error { error: String },
+    /// A protocol error not tied to a subscription. Highwater adds a stable `code` and, when the
+    /// server is about to close for overload or shutdown, `retryAfterMs`: the least delay
+    /// before the client reconnects. Velocious peers ignore both keys.
+    #[serde(rename_all = "camelCase")]
+    Error {
+        error: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        code: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        retry_after_ms: Option<u64>,
+    },
     /// A channel message; for scope sync the body is a [`super::SyncEnvelope`].
     #[serde(rename_all = "camelCase")]
     ChannelMessage {
@@ -61,11 +73,17 @@ pub enum ServerFrame {
     ChannelSubscribed { subscription_id: String },
     #[serde(rename_all = "camelCase")]
     ChannelUnsubscribed { subscription_id: String },
+    /// The subscription is refused or ended. Highwater adds a stable `code` (for example
+    /// `auth-expired`) that a client can act on; velocious peers ignore it.
     #[serde(rename_all = "camelCase")]
     ChannelError {
         subscription_id: String,
         message: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        code: Option<String>,
     },
+    /// The answer to [`ClientFrame::Ping`].
+    Pong,
     /// Event-log replay could not cover the gap; not used by scope sync.
     #[serde(rename_all = "camelCase")]
     ChannelReplayGap {
@@ -124,6 +142,7 @@ impl ClientFrame {
                 params: fields.object_or_empty("params")?,
                 last_event_id: fields.optional_string("lastEventId")?,
             },
+            "ping" => ClientFrame::Ping,
             _ => ClientFrame::ChannelUnsubscribe {
                 subscription_id: fields.id("subscriptionId")?,
             },
@@ -142,7 +161,9 @@ impl ClientFrame {
                 subscription_id, ..
             }
             | ClientFrame::ChannelUnsubscribe { subscription_id } => Some(subscription_id),
-            ClientFrame::SessionResume { .. } | ClientFrame::Metadata { .. } => None,
+            ClientFrame::SessionResume { .. }
+            | ClientFrame::Metadata { .. }
+            | ClientFrame::Ping => None,
         }
     }
 }
@@ -167,7 +188,10 @@ impl ServerFrame {
             "session-gone" => ServerFrame::SessionGone,
             "error" => ServerFrame::Error {
                 error: fields.string("error")?,
+                code: fields.optional_string("code")?,
+                retry_after_ms: fields.optional_count("retryAfterMs")?,
             },
+            "pong" => ServerFrame::Pong,
             "channel-message" => ServerFrame::ChannelMessage {
                 subscription_id: fields.id("subscriptionId")?,
                 body: fields.required("body")?.clone(),
@@ -182,6 +206,7 @@ impl ServerFrame {
             "channel-error" => ServerFrame::ChannelError {
                 subscription_id: fields.id("subscriptionId")?,
                 message: fields.string("message")?,
+                code: fields.optional_string("code")?,
             },
             _ => ServerFrame::ChannelReplayGap {
                 subscription_id: fields.id("subscriptionId")?,
@@ -212,7 +237,8 @@ impl ServerFrame {
             ServerFrame::SessionEstablished { .. }
             | ServerFrame::SessionResumed { .. }
             | ServerFrame::SessionGone
-            | ServerFrame::Error { .. } => None,
+            | ServerFrame::Error { .. }
+            | ServerFrame::Pong => None,
         }
     }
 }
@@ -238,6 +264,7 @@ const CLIENT_TYPES: &[&str] = &[
     "metadata",
     "channel-subscribe",
     "channel-unsubscribe",
+    "ping",
 ];
 
 const SERVER_TYPES: &[&str] = &[
@@ -250,6 +277,7 @@ const SERVER_TYPES: &[&str] = &[
     "channel-unsubscribed",
     "channel-error",
     "channel-replay-gap",
+    "pong",
 ];
 
 fn parse_json(text: &str) -> Result<Value, FrameError> {
@@ -346,6 +374,13 @@ impl<'a> Fields<'a> {
         }
     }
 
+    fn optional_count(&self, field: &'static str) -> Result<Option<u64>, FrameError> {
+        match self.object.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(_) => self.count(field).map(Some),
+        }
+    }
+
     fn count(&self, field: &'static str) -> Result<u64, FrameError> {
         let value = self.required(field)?;
         match value {
@@ -389,8 +424,31 @@ mod tests {
         assert_eq!(
             ServerFrame::from_json(r#"{"type":"error","error":"missing subscriptionId"}"#),
             Ok(ServerFrame::Error {
-                error: "missing subscriptionId".to_owned()
+                error: "missing subscriptionId".to_owned(),
+                code: None,
+                retry_after_ms: None,
             })
+        );
+        assert_eq!(
+            ServerFrame::from_json(
+                r#"{"type":"error","error":"shutting down","code":"shutdown","retryAfterMs":2500}"#
+            ),
+            Ok(ServerFrame::Error {
+                error: "shutting down".to_owned(),
+                code: Some("shutdown".to_owned()),
+                retry_after_ms: Some(2500),
+            })
+        );
+        assert_eq!(
+            ClientFrame::from_json(r#"{"type":"ping"}"#),
+            Ok(ClientFrame::Ping)
+        );
+        assert_eq!(ServerFrame::Pong.to_json(), r#"{"type":"pong"}"#);
+        assert_eq!(
+            ServerFrame::from_json(r#"{"type":"error","error":"x","retryAfterMs":-5}"#)
+                .unwrap_err()
+                .to_string(),
+            "expected `retryAfterMs` in the error frame to be a non-negative integer, got number -5"
         );
     }
 
@@ -409,10 +467,20 @@ mod tests {
         let error = ServerFrame::ChannelError {
             subscription_id: "s1".to_owned(),
             message: "Subscription not authorized".to_owned(),
+            code: None,
         };
         assert_eq!(
             error.to_json(),
             r#"{"type":"channel-error","subscriptionId":"s1","message":"Subscription not authorized"}"#
+        );
+        let coded = ServerFrame::ChannelError {
+            subscription_id: "s1".to_owned(),
+            message: "The token has expired".to_owned(),
+            code: Some("auth-expired".to_owned()),
+        };
+        assert_eq!(
+            coded.to_json(),
+            r#"{"type":"channel-error","subscriptionId":"s1","message":"The token has expired","code":"auth-expired"}"#
         );
         let gap = ServerFrame::ChannelReplayGap {
             subscription_id: "s2".to_owned(),
@@ -543,7 +611,14 @@ mod tests {
             }),
             id().prop_map(|session_id| ServerFrame::SessionResumed { session_id }),
             Just(ServerFrame::SessionGone),
-            ".*".prop_map(|error| ServerFrame::Error { error }),
+            (".*", prop::option::of(id()), prop::option::of(any::<u32>())).prop_map(
+                |(error, code, retry)| ServerFrame::Error {
+                    error,
+                    code,
+                    retry_after_ms: retry.map(u64::from),
+                }
+            ),
+            Just(ServerFrame::Pong),
             (id(), prop::option::of(id()), any::<i64>()).prop_map(
                 |(subscription_id, event_id, n)| {
                     ServerFrame::ChannelMessage {
@@ -555,9 +630,12 @@ mod tests {
             ),
             id().prop_map(|subscription_id| ServerFrame::ChannelSubscribed { subscription_id }),
             id().prop_map(|subscription_id| ServerFrame::ChannelUnsubscribed { subscription_id }),
-            (id(), ".*").prop_map(|(subscription_id, message)| ServerFrame::ChannelError {
-                subscription_id,
-                message
+            (id(), ".*", prop::option::of(id())).prop_map(|(subscription_id, message, code)| {
+                ServerFrame::ChannelError {
+                    subscription_id,
+                    message,
+                    code,
+                }
             }),
             (id(), id()).prop_map(|(subscription_id, last_event_id)| {
                 ServerFrame::ChannelReplayGap {
@@ -583,6 +661,7 @@ mod tests {
                 }
             ),
             id().prop_map(|subscription_id| ClientFrame::ChannelUnsubscribe { subscription_id }),
+            Just(ClientFrame::Ping),
         ]
     }
 
