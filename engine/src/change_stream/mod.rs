@@ -9,12 +9,14 @@
 //! canonical LexiVersions / StateVersions (Zero would crash on them later), frame ids must be
 //! integers, and `create-index.spec.predicate` is kept as opaque JSON.
 
+mod column_default;
 mod decode;
 mod encode;
 mod frame;
 mod message;
 mod version;
 
+pub use column_default::{exact_lite_default, lite_default, UnsupportedDefault};
 pub use decode::{
     decode_backfill_request_value, decode_change_value, decode_downstream, decode_downstream_value,
     decode_message, decode_message_value, decode_upstream, decode_upstream_value, parse_json,
