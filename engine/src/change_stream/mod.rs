@@ -14,6 +14,7 @@ mod decode;
 mod encode;
 mod frame;
 mod message;
+mod traffic;
 mod version;
 
 pub use column_default::{exact_lite_default, lite_default, UnsupportedDefault};
@@ -32,6 +33,7 @@ pub use frame::{
     message_frame, AckError, AckQueue, BatchPayload, Envelope, Frame,
 };
 pub use message::*;
+pub use traffic::{check_traffic, Direction, TrafficError};
 pub use version::{
     adapt_for_version, batch_frames_allowed, check_protocol_version, close_reason, may_receive,
     unsupported_version_reason, Endpoint, UnsupportedVersion, MAX_CLOSE_REASON_BYTES,
