@@ -392,10 +392,14 @@ pub fn schema_changes(
             table_changes(existing, table, tag, &mut changes);
         }
     }
+    // A new table's key index goes out like any index: Zero's replicator creates tables
+    // without a key and relies on this index for its upserts (`ON CONFLICT (key)`).
+    let mut key_indexes = Vec::new();
     for table in published {
         if find_current(table).is_some() {
             continue;
         }
+        key_indexes.extend(table.index_specs().into_iter().filter(is_key_index));
         let spec = table.to_spec();
         let backfill = (tag != "CREATE TABLE").then(|| {
             table
@@ -408,6 +412,12 @@ pub fn schema_changes(
             spec,
             metadata: table.metadata(),
             backfill,
+            extra: Default::default(),
+        }));
+    }
+    for spec in key_indexes {
+        changes.push(Change::CreateIndex(CreateIndex {
+            spec,
             extra: Default::default(),
         }));
     }
@@ -854,7 +864,21 @@ mod tests {
             vec![column("id", 1, "int4"), column("name", 3, "text")],
         );
         t.columns[1].dflt = Some("now()".into());
-        let changes = schema_changes(w.replica(), &[t], "CREATE TABLE").unwrap();
+        t.indexes.push(PublishedIndex {
+            name: "label_pkey".into(),
+            unique: true,
+            is_primary_key: true,
+            is_replica_identity: false,
+            columns: Some(vec![("id".into(), "ASC".into())]),
+        });
+        let changes =
+            schema_changes(w.replica(), std::slice::from_ref(&t), "CREATE TABLE").unwrap();
+        // Zero's replicator creates the table without a key: the key index must follow.
+        assert_eq!(tags(&changes), vec!["create-table", "create-index"]);
+        let Change::CreateIndex(key) = &changes[1] else {
+            panic!("expected create-index");
+        };
+        assert!(key.spec.unique && is_key_index(&key.spec));
         let Change::CreateTable(create) = &changes[0] else {
             panic!("expected create-table");
         };
@@ -875,6 +899,20 @@ mod tests {
         );
         assert_eq!(metadata.extra["schemaOID"], json!(2200));
         assert_eq!(metadata.extra["relationOID"], json!(11));
+        // Once the table exists, its key index is not announced again.
+        let mut w = w;
+        let wm = highwater_engine::watermark::Lsn(3).to_watermark();
+        use highwater_engine::change_stream::{Begin, Commit, DownstreamMessage};
+        w.apply(&DownstreamMessage::Begin(Begin::new(wm.clone())))
+            .unwrap();
+        for change in changes {
+            w.apply(&DownstreamMessage::Data(change)).unwrap();
+        }
+        w.apply(&DownstreamMessage::Commit(Commit::new(wm)))
+            .unwrap();
+        assert!(schema_changes(w.replica(), &[t], "CREATE INDEX")
+            .unwrap()
+            .is_empty());
     }
 
     #[test]
