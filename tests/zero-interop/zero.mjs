@@ -48,16 +48,18 @@ export async function createEmptyReplica(file, replicaVersion, publications) {
 }
 
 /**
- * Validates one downstream frame (text) the way a v6 Zero subscriber reads it: an `{id,msg}`
+ * Validates one downstream frame (text, or its parsed value) the way a v6 Zero subscriber reads it: an `{id,msg}`
  * frame with a message that passes `downstreamSchema` in passthrough mode and, for
  * `add-column`, a default its replicator can map. Returns an error message or null.
  */
 export function checkDownstreamFrame(text) {
-  let frame;
-  try {
-    frame = BigIntJSON.parse(text);
-  } catch (e) {
-    return `not JSON: ${e.message}`;
+  let frame = text;
+  if (typeof text === 'string') {
+    try {
+      frame = BigIntJSON.parse(text);
+    } catch (e) {
+      return `not JSON: ${e.message}`;
+    }
   }
   if (frame === null || typeof frame !== 'object' || !('msg' in frame) || !('id' in frame)) {
     return 'a v6 subscriber takes only {id,msg} frames';
