@@ -132,6 +132,7 @@ impl Replica {
         conn.busy_timeout(std::time::Duration::from_secs(30))?;
         conn.set_prepared_statement_cache_capacity(256);
         conn.execute_batch(schema::INTERNAL_TABLES_SQL)?;
+        schema::upgrade_internal_tables(&conn)?;
         let mut replica = Replica {
             conn,
             tables: HashMap::new(),
