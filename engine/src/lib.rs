@@ -5,6 +5,7 @@
 //! server and, compiled to WebAssembly, in browsers and Node.
 
 pub mod backfill;
+pub mod backoff;
 pub mod change_stream;
 pub mod cursor;
 pub mod pgoutput;
@@ -13,4 +14,5 @@ pub mod replay;
 pub mod scope;
 pub mod scope_sync;
 pub mod streamer;
+pub mod sync_client;
 pub mod watermark;
