@@ -99,16 +99,7 @@ impl ServerConfig {
     }
 }
 
-/// What the rules allow a subscription, as decided by the host.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Grant {
-    /// The replica table the scope reads.
-    pub table: String,
-    /// Columns never sent.
-    pub omit_columns: Vec<String>,
-    /// When the token expires; the subscription ends with `auth-expired` then.
-    pub expires_at_ms: Option<u64>,
-}
+pub use crate::scope_rules::Grant;
 
 /// The authorization decision for one subscribe.
 #[derive(Debug, Clone, PartialEq, Eq)]
