@@ -1996,7 +1996,10 @@ mod tests {
         w
     }
 
-    fn seqs(w: &ReplicaWriter) -> (Vec<(i64, i64)>, Vec<(String, Option<String>, i64)>, i64) {
+    /// Row seqs by id, tombstones, and the next seq.
+    type Seqs = (Vec<(i64, i64)>, Vec<(String, Option<String>, i64)>, i64);
+
+    fn seqs(w: &ReplicaWriter) -> Seqs {
         let conn = &w.replica().conn;
         let mut stmt = conn
             .prepare(r#"SELECT "id", "_hw_seq" FROM "issue" ORDER BY "id""#)

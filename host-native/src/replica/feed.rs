@@ -860,7 +860,20 @@ fn condition_value(column: &ReplicaColumn, value: &Value) -> SqlValue {
 /// Drops exits journalled before `older_than` (ISO-8601, same format as `updated_at`) and
 /// raises the retention floor to the highest seq dropped. Returns the floor.
 pub fn prune_exits(conn: &Connection, older_than: &str) -> Result<Option<i64>, ReplicaError> {
-    conn.execute_batch(FEED_TABLES_SQL)?;
+    // One transaction: the floor is never below an exit already gone.
+    conn.execute_batch("BEGIN IMMEDIATE")?;
+    let result = prune_in_transaction(conn, older_than);
+    match result {
+        Ok(()) => conn.execute_batch("COMMIT")?,
+        Err(error) => {
+            let _ = conn.execute_batch("ROLLBACK");
+            return Err(error);
+        }
+    }
+    retention_floor(conn)
+}
+
+fn prune_in_transaction(conn: &Connection, older_than: &str) -> Result<(), ReplicaError> {
     let pruned: Option<i64> = conn
         .prepare_cached(r#"SELECT max("seq") FROM "_hw_exits" WHERE "updated_at" < ?1"#)?
         .query_row([older_than], |r| r.get(0))?;
@@ -875,7 +888,7 @@ pub fn prune_exits(conn: &Connection, older_than: &str) -> Result<Option<i64>, R
             [seq],
         )?;
     }
-    retention_floor(conn)
+    Ok(())
 }
 
 /// Seqs at or below the floor may have lost their exits; `None` when nothing was pruned.
