@@ -1,7 +1,7 @@
 // A private Postgres, a real `highwater serve --sync-rules`, and a TCP proxy the tests can
 // sever, for HighwaterClient tests end to end. Everything started here is stopped by pid.
 import { execFileSync, spawn } from "node:child_process";
-import { mkdtempSync, readdirSync, rmSync, writeFileSync, chmodSync } from "node:fs";
+import { chmodSync, existsSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from "node:fs";
 import { createServer, connect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -91,6 +91,9 @@ export class Serve {
   }
 
   async start(data = scratch("data")) {
+    if (!existsSync(BIN)) {
+      throw new Error(`no highwater binary at ${BIN}: run cargo build -p highwater-host, or set HIGHWATER_BIN`);
+    }
     this.data = data;
     (this.dirs ??= new Set()).add(data);
     this.port ||= await freePort();

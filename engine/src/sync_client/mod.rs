@@ -507,6 +507,8 @@ impl SyncClient {
                 self.drop_link(1000, "client closed", &mut out);
                 self.closed = true;
                 self.reason = None;
+                // Nothing is reported after close: the rows go now, not with the host.
+                self.scopes.clear();
             }
         }
         self.report(now_ms, &mut out);

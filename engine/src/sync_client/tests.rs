@@ -601,6 +601,7 @@ fn offline_by_request_closes_and_online_reconnects_now() {
     assert_eq!(token_request(&effects), Some(2));
     let effects = client.handle(100_000, ClientInput::Close);
     assert_eq!(states(&effects), [ConnectionState::Closed]);
+    assert!(client.rows(1).is_empty(), "a closed client holds no rows");
     assert!(client
         .handle(
             100_001,
