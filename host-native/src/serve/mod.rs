@@ -1,6 +1,6 @@
 //! `highwater serve`: replicates Postgres into the SQLite replica and change log, and serves
 //! Zero-compatible change-stream subscribers, replica snapshots, health checks and, with
-//! `--sync-rules`, scope-sync clients on `GET /sync` (see [`sync`]: each commit's feed entries
+//! `--sync-rules`, scope-sync clients on `GET /sync` (`sync.rs`: each commit's feed entries
 //! are routed from the ingest thread once the replica commit is durable).
 //!
 //! ```text
