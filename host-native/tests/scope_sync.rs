@@ -10,6 +10,7 @@ mod serve_support;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
@@ -68,6 +69,8 @@ struct Scope {
     /// Entries applied by the last replay (before `channel-subscribed`).
     replayed: usize,
     resets: usize,
+    /// Every (resourceId, serverSequence) applied since the last reset: each change once.
+    seen: std::collections::BTreeSet<(String, i64)>,
 }
 
 impl Scope {
@@ -76,6 +79,7 @@ impl Scope {
             self.rows.clear();
             self.cursor = None;
             self.resets += 1;
+            self.seen.clear();
         }
         for entry in body["syncs"].as_array().unwrap() {
             let id = entry["resourceId"].as_str().unwrap().to_owned();
@@ -89,6 +93,10 @@ impl Scope {
                 self.rows.insert(id, entry["data"].clone());
             }
             let seq = entry["serverSequence"].as_i64().unwrap();
+            assert!(
+                self.seen.insert((id_of(entry), seq)),
+                "a change arrived twice: {entry}"
+            );
             if self.cursor.as_ref().is_none_or(|c| seq > c.1) {
                 self.cursor = Some((
                     entry["id"].as_str().unwrap().to_owned(),
@@ -110,6 +118,10 @@ impl Scope {
             }
         }
     }
+}
+
+fn id_of(entry: &Value) -> String {
+    entry["resourceId"].as_str().unwrap().to_owned()
 }
 
 /// A `/sync` client with scopes by subscription id.
@@ -504,5 +516,204 @@ async fn scope_sync_replays_routes_live_resumes_and_refuses_with_typed_errors() 
     client.until_subscribed("s1").await;
     assert_eq!(client.scopes["s1"].replayed, 0);
     assert_eq!(client.scopes["s1"].rows, want);
+
+    // Rows written while a fresh replay runs in pages of one: above the pin they arrive live,
+    // each change once (the client asserts it), and the scope ends equal.
+    let writer = {
+        let url = pg.url();
+        tokio::spawn(async move {
+            let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            insert_ada(&db, 1000..1030).await;
+        })
+    };
+    client
+        .subscribe("r1", "ada", Some(&ada), json!({"limit": 1}))
+        .await;
+    client.until_subscribed("r1").await;
+    writer.await.unwrap();
+    client.until_equal("r1", &pg_scope(&db, "ada").await).await;
+    server.stop().await;
+}
+
+/// `highwater serve --sync-rules …` as a process, so it can be killed with -9.
+fn spawn_primary(url: &str, data: &Path, port: u16, files: &SyncFiles, app_id: &str) -> Binary {
+    let child = Command::new(env!("CARGO_BIN_EXE_highwater"))
+        .arg("serve")
+        .args(["--upstream", url, "--app-id", app_id])
+        .arg("--data")
+        .arg(data)
+        .args(["--port", &port.to_string(), "--host", "127.0.0.1"])
+        .arg("--sync-rules")
+        .arg(&files.rules)
+        .arg("--sync-secret-file")
+        .arg(&files.secret)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn highwater serve");
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    Binary { child, addr }
+}
+
+async fn insert_ada(db: &tokio_postgres::Client, ids: std::ops::Range<i64>) {
+    for id in ids {
+        db.execute(
+            "INSERT INTO todos (id, owner, title) VALUES ($1, 'ada', $2)",
+            &[&id, &format!("t{id}")],
+        )
+        .await
+        .unwrap();
+    }
+}
+
+/// Subscribes a fresh socket to ada's scope from `scope`'s cursor; returns the client once
+/// caught up.
+async fn resume(addr: SocketAddr, scope: &Scope) -> Client {
+    let mut client = Client::connect(addr).await;
+    client.scopes.insert("s1".into(), scope.clone());
+    client
+        .subscribe("s1", "ada", Some(&token("ada")), json!({}))
+        .await;
+    client.until_subscribed("s1").await;
+    client
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cursors_are_portable_across_relays_survive_kill_9_and_reset_on_a_new_replica() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    insert_ada(&db, 1..6).await;
+    let files = SyncFiles::new();
+    let primary_data = DataDir::new("sync-primary");
+    let port = free_port();
+    let primary = spawn_primary(&pg.url(), primary_data.path(), port, &files, "highwater");
+    wait_ready(primary.addr).await;
+    let relay_data = DataDir::new("sync-relay");
+    let mut relay_args = ServeArgs::relay(format!("ws://{}", primary.addr), relay_data.path());
+    relay_args.port = free_port();
+    relay_args.host = "127.0.0.1".to_owned();
+    files.apply(&mut relay_args);
+    let relay = InProcess::start(relay_args).await;
+
+    // Subscribe on the relay, then present its cursor to the primary: nothing to replay.
+    replica_caught_up(&db, relay_data.path()).await;
+    let client = resume(relay.addr, &Scope::default()).await;
+    let on_relay = client.scopes["s1"].clone();
+    assert_eq!(on_relay.rows, pg_scope(&db, "ada").await);
+    drop(client);
+    let client = resume(primary.addr, &on_relay).await;
+    assert_eq!(client.scopes["s1"].replayed, 0, "nothing twice");
+    assert_eq!(client.scopes["s1"].resets, 0);
+    drop(client);
+
+    // Ten more rows; a primary cursor from before them, presented to the relay, replays
+    // exactly those ten.
+    insert_ada(&db, 6..16).await;
+    replica_caught_up(&db, primary_data.path()).await;
+    replica_caught_up(&db, relay_data.path()).await;
+    let client = resume(relay.addr, &on_relay).await;
+    assert_eq!(
+        client.scopes["s1"].replayed, 10,
+        "nothing missing, nothing twice"
+    );
+    assert_eq!(client.scopes["s1"].rows, pg_scope(&db, "ada").await);
+    let from_relay = client.scopes["s1"].clone();
+    drop(client);
+    let client = resume(primary.addr, &from_relay).await;
+    assert_eq!(client.scopes["s1"].replayed, 0);
+    drop(client);
+
+    // kill -9 of the primary in the middle of a stream of writes; restart, resume, equal.
+    let mut live = resume(primary.addr, &from_relay).await;
+    let writer = {
+        let url = pg.url();
+        tokio::spawn(async move {
+            let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            insert_ada(&db, 100..300).await;
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    primary.kill9();
+    while live.next().await.is_some() {}
+    let scope = live.scopes["s1"].clone();
+    writer.await.unwrap();
+    let primary = spawn_primary(&pg.url(), primary_data.path(), port, &files, "highwater");
+    wait_ready(primary.addr).await;
+    replica_caught_up(&db, primary_data.path()).await;
+    let client = resume(primary.addr, &scope).await;
+    assert_eq!(client.scopes["s1"].resets, 0);
+    assert_eq!(client.scopes["s1"].rows, pg_scope(&db, "ada").await);
+    drop(client);
+    // The relay follows the restarted primary; its cursors stay valid there too.
+    replica_caught_up(&db, relay_data.path()).await;
+    let client = resume(relay.addr, &scope).await;
+    assert_eq!(client.scopes["s1"].rows, pg_scope(&db, "ada").await);
+    drop(client);
+
+    // A new replica (new data directory, new slot): another epoch, so a reset and a full replay.
+    let fresh_data = DataDir::new("sync-fresh");
+    let fresh = spawn_primary(&pg.url(), fresh_data.path(), free_port(), &files, "fresh");
+    wait_ready(fresh.addr).await;
+    let client = resume(fresh.addr, &scope).await;
+    assert_eq!(client.scopes["s1"].resets, 1);
+    assert_eq!(client.scopes["s1"].rows, pg_scope(&db, "ada").await);
+    drop(client);
+    relay.stop().await;
+    primary.kill9();
+    fresh.kill9();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_subscribers_each_to_its_own_scope_all_end_equal() {
+    const N: usize = 1000;
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    let files = SyncFiles::new();
+    let data = DataDir::new("sync-many");
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    let mut clients = Vec::with_capacity(N);
+    for i in 0..N {
+        let mut client = Client::connect(server.addr).await;
+        let owner = format!("u{i}");
+        client
+            .subscribe("s", &owner, Some(&token(&owner)), json!({}))
+            .await;
+        clients.push(client);
+    }
+    for client in &mut clients {
+        client.until_subscribed("s").await;
+    }
+    // Two rows per owner, in transactions of a hundred rows each.
+    for batch in 0..(2 * N / 100) {
+        let values: Vec<String> = (0..100)
+            .map(|k| {
+                let n = batch * 100 + k;
+                format!("({n}, 'u{}', 't{n}')", n % N)
+            })
+            .collect();
+        db.batch_execute(&format!(
+            "INSERT INTO todos (id, owner, title) VALUES {}",
+            values.join(", ")
+        ))
+        .await
+        .unwrap();
+    }
+    for (i, client) in clients.iter_mut().enumerate() {
+        let want = pg_scope(&db, &format!("u{i}")).await;
+        assert_eq!(want.len(), 2);
+        client.until_equal("s", &want).await;
+    }
+    let health = health(server.addr).await;
+    assert_eq!(health["syncConnections"], json!(N));
+    drop(clients);
     server.stop().await;
 }

@@ -1,5 +1,7 @@
 //! `highwater serve`: replicates Postgres into the SQLite replica and change log, and serves
-//! Zero-compatible change-stream subscribers, replica snapshots and health checks.
+//! Zero-compatible change-stream subscribers, replica snapshots, health checks and, with
+//! `--sync-rules`, scope-sync clients on `GET /sync` (`sync.rs`: each commit's feed entries
+//! are routed from the ingest thread once the replica commit is durable).
 //!
 //! ```text
 //!  Postgres ──WalStream──▶ source task ──SourceEvent──▶ ingest thread ◀── storage queue ──┐
