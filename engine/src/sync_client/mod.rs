@@ -24,7 +24,8 @@
 //! Rules held here and nowhere else:
 //! - One connect in flight at a time; a lost socket waits a capped exponential delay with full
 //!   jitter ([`crate::backoff`]), at least the server's `retryAfterMs`; the window resets once a
-//!   socket has stayed up `healthy_after_ms`. The browser's `online` event retries at once; while
+//!   subscription on the socket is confirmed and caught up, or the socket stayed up
+//!   `healthy_after_ms` (a server that accepts and drops at once keeps the window growing). The browser's `online` event retries at once; while
 //!   the browser says offline, no reconnect is started.
 //! - Heartbeat: an app-level `ping` every `ping_interval_ms`; a socket silent for
 //!   `silence_limit_ms` is half-open and is closed and replaced.
@@ -1100,6 +1101,8 @@ impl SyncClient {
                         }
                         slot.phase = Phase::Live;
                         slot.expired_in_a_row = 0;
+                        // The server answered a subscription in full: this connection works.
+                        self.backoff.reset();
                         slot.replayed = slot.replaying;
                         out.push(ClientEffect::Ready {
                             scope: key,
