@@ -81,6 +81,9 @@ export class Postgres {
 
 export class Serve {
   constructor(pg) {
+    if (!existsSync(BIN)) {
+      throw new Error(`no highwater binary at ${BIN}: run cargo build -p highwater-host, or set HIGHWATER_BIN`);
+    }
     this.pg = pg;
     this.files = scratch("sync-files");
     this.rules = join(this.files, "rules.json");
@@ -91,9 +94,6 @@ export class Serve {
   }
 
   async start(data = scratch("data")) {
-    if (!existsSync(BIN)) {
-      throw new Error(`no highwater binary at ${BIN}: run cargo build -p highwater-host, or set HIGHWATER_BIN`);
-    }
     this.data = data;
     (this.dirs ??= new Set()).add(data);
     this.port ||= await freePort();

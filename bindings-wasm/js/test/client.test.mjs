@@ -164,3 +164,31 @@ test("goOffline closes the socket and goOnline reconnects at once", () =>
     assert.deepEqual(states, ["open", "offline", "reconnecting", "open"]);
     await client.close();
   }));
+
+test("row values cross exactly: integers beyond 2^53 as bigint, a __proto__ column as an own key", () =>
+  withServer(async (server, url) => {
+    server.write("plain", "ada", { n: 1.5, big: 1 });
+    const client = new HighwaterClient({ url });
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    const raw = '{"type":"channel-message","subscriptionId":"SUB","body":{"echoOrigin":null,"syncs":[{"id":"1:9","resourceType":"todos","resourceId":"big","serverSequence":9,"syncType":"update","updatedAt":"2026-12-01T12:00:00.000Z","data":{"id":"big","owner":"ada","big":12345678901234567890,"__proto__":{"x":1}}}]}}';
+    const [socket] = server.sockets;
+    const [sub] = socket.subs.keys();
+    const changes = [];
+    todos.on("change", (c) => changes.push(c));
+    socket.send(raw.replace("SUB", sub));
+    // Without a wide integer the event takes the JSON.parse path: the same values.
+    socket.send(raw.replace("SUB", sub).replace('"big","owner"', '"proto","owner"').replace('"resourceId":"big"', '"resourceId":"proto"').replace("12345678901234567890", "7").replace('"1:9"', '"1:10"').replace('"serverSequence":9', '"serverSequence":10'));
+    await until(() => changes.length === 2, "the changes");
+    const proto = todos.rows().find((row) => row.id === "proto");
+    assert.ok(Object.hasOwn(proto, "__proto__"));
+    assert.equal(Object.getPrototypeOf(proto), Object.prototype);
+    assert.deepEqual(proto.__proto__, { x: 1 });
+    const big = todos.rows().find((row) => row.id === "big");
+    assert.equal(big.big, 12345678901234567890n);
+    assert.ok(Object.hasOwn(big, "__proto__"));
+    assert.equal(Object.getPrototypeOf(big), Object.prototype);
+    assert.equal(changes[0].inserted[0].big, 12345678901234567890n);
+    assert.equal(todos.rows().find((row) => row.id === "plain").n, 1.5);
+    await client.close();
+  }));
