@@ -192,3 +192,20 @@ test("row values cross exactly: integers beyond 2^53 as bigint, a __proto__ colu
     assert.equal(todos.rows().find((row) => row.id === "plain").n, 1.5);
     await client.close();
   }));
+
+test("a half-open socket is found by the heartbeat within 10 s and replaced", () =>
+  withServer(async (server, url) => {
+    const client = new HighwaterClient({ url });
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    server.freeze();
+    const frozenAt = Date.now();
+    await until(() => client.status.state === "reconnecting", "the heartbeat to give up", 12_000);
+    const noticed = Date.now() - frozenAt;
+    assert.ok(noticed <= 10_000, `noticed after ${noticed} ms`);
+    assert.match(client.status.reason, /silent/);
+    await until(() => client.status.state === "open" && server.connections === 2, "the new socket");
+    server.write("after", "ada");
+    await until(() => todos.rows().length === 1, "a row on the new socket");
+    await client.close();
+  }));
