@@ -222,7 +222,11 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     return this.#status;
   }
 
-  /** Subscribes a scope; its stored rows show as soon as the store has read them. */
+  /**
+   * Subscribes a scope; its stored rows show as soon as the store has read them. Throws
+   * `HW_INVALID_SCOPE` for conditions that are not equality on scalars; `ready` rejects for
+   * params the server or the client refuses.
+   */
   subscribe(params: ScopeParams): Subscription {
     if (this.#closed) throw new Error("the client is closed");
     const scope = { resourceType: params.resourceType, conditions: params.conditions ?? {} };
@@ -240,6 +244,16 @@ export class HighwaterClient extends Emitter<ClientEvents> {
       .then((stored) => {
         if (this.#closed || !this.#subscriptions.has(key)) return;
         this.#core.subscribe(key, scope, stored);
+      })
+      .catch((error: unknown) => {
+        // Params the core refuses (a blank resourceType, say): the scope fails, `ready` rejects.
+        const code = (error as { code?: unknown }).code;
+        subscription.deliver({
+          type: "scopeFailed",
+          scope: key,
+          code: typeof code === "string" ? code : "invalid-params",
+          message: describe(error),
+        });
       })
       .finally(() => this.#loading.delete(loading));
     this.#loading.add(loading);

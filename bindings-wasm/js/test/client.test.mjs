@@ -209,3 +209,17 @@ test("a half-open socket is found by the heartbeat within 10 s and replaced", ()
     await until(() => todos.rows().length === 1, "a row on the new socket");
     await client.close();
   }));
+
+test("malformed scopes are refused with a code, never an unhandled rejection", () =>
+  withServer(async (server, url) => {
+    const client = new HighwaterClient({ url });
+    assert.throws(
+      () => client.subscribe({ resourceType: "todos", conditions: { owner: { nested: 1 } } }),
+      (error) => error.code === "HW_INVALID_SCOPE",
+    );
+    const blank = client.subscribe({ resourceType: " ", conditions: {} });
+    await assert.rejects(blank.ready, (error) => error.code === "HW_INVALID_SCOPE");
+    const fine = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await fine.ready;
+    await client.close();
+  }));
