@@ -7,9 +7,11 @@
 //! - Replay: `--replay-rows` rows of one scope are committed and stored; one client subscribes
 //!   with no cursor (pages of 1,000) and is timed from the subscribe until `channel-subscribed`.
 //! - Latency, for each level N of `--connections`: N sockets, each subscribed to a scope of its
-//!   own; then single-row INSERTs are committed at `--rate` tx/s for `--seconds`, round-robin
-//!   over the N scopes. Latency per received row: the wall clock when the client read it minus
+//!   own; then single-row INSERTs are committed at `--rate` tx/s for `--warmup-seconds` (not
+//!   measured) and then `--seconds`, round-robin over the N scopes. Latency per received row: the wall clock when the client read it minus
 //!   its `updatedAt` (the Postgres commit time, ms resolution). p50 / p99 / max.
+//! - The change log is not purged during the run (as in `bench fanout`), and the private
+//!   Postgres runs without autovacuum or checkpoints.
 //! - Memory: the process's resident set before and after `--idle-subscriptions` idle
 //!   subscriptions (100 per socket) are open, divided by their count. Clients and server share
 //!   the process, so this is an upper bound for the server's cost.
@@ -47,6 +49,9 @@ pub struct SyncArgs {
     /// Seconds of load per latency level.
     #[arg(long, default_value_t = 10)]
     pub seconds: u64,
+    /// Seconds of the same load before each level's measured seconds (not measured).
+    #[arg(long, default_value_t = 2)]
+    pub warmup_seconds: u64,
     /// Rows of the scope replayed to one client (0 skips the replay run).
     #[arg(long, default_value_t = 200_000)]
     pub replay_rows: u64,
@@ -149,7 +154,21 @@ fn percentile(sorted: &[i64], p: f64) -> Option<i64> {
 }
 
 async fn bench(args: &SyncArgs) -> anyhow::Result<String> {
-    let pg = PrivatePg::start(PgOptions::default()).await?;
+    // As in `bench fanout`: no autovacuum or checkpoint in the middle of a run.
+    let settings = [
+        ("autovacuum", "off"),
+        ("max_wal_size", "8GB"),
+        ("checkpoint_timeout", "1h"),
+        ("shared_buffers", "256MB"),
+    ];
+    let pg = PrivatePg::start(PgOptions {
+        settings: settings
+            .iter()
+            .map(|&(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+        ..PgOptions::default()
+    })
+    .await?;
     let db = pg.connect().await?;
     db.batch_execute(&format!(
         "CREATE TABLE public.{TABLE} (id bigint PRIMARY KEY, owner text NOT NULL, payload text NOT NULL)"
@@ -187,6 +206,9 @@ async fn with_server(
     let mut serve_args = ServeArgs::new(pg.url(), work.join("data"));
     serve_args.port = port;
     serve_args.host = "127.0.0.1".to_owned();
+    // As in `bench fanout`: the change log is not purged during the run (a purge of the replay
+    // load would stall ingest mid-level; that cost is the change log's, not scope sync's).
+    serve_args.purge_delay_ms = 24 * 60 * 60 * 1000;
     serve_args.sync_rules = Some(rules);
     serve_args.sync_secret.sync_secret_file = Some(secret);
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -278,6 +300,7 @@ async fn measure(
             until_subscribed(socket, 1).await?;
         }
         let total = args.rate * args.seconds;
+        let warmup = args.rate * args.warmup_seconds;
         let readers: Vec<_> = sockets
             .into_iter()
             .map(|mut socket| {
@@ -294,6 +317,9 @@ async fn measure(
                             continue;
                         };
                         for entry in frame["body"]["syncs"].as_array().into_iter().flatten() {
+                            if entry["data"]["payload"] == "warm-up" {
+                                continue;
+                            }
                             let at = entry["updatedAt"].as_str().and_then(parse_iso_ms);
                             if let Some(at) = at {
                                 latencies.push(read_at - at);
@@ -311,7 +337,8 @@ async fn measure(
             let conn = pg.connect().await?;
             let first = next_id;
             let n = n as i64;
-            let per = total / writers;
+            let per = (warmup + total) / writers;
+            let warm = warmup / writers;
             let period = Duration::from_secs_f64(writers as f64 / args.rate.max(1) as f64);
             tasks.push(tokio::spawn(async move {
                 let mut tick = tokio::time::interval(period);
@@ -319,9 +346,10 @@ async fn measure(
                     tick.tick().await;
                     let id = first + k * writers as i64 + w as i64;
                     let owner = format!("c{n}-{}", id % n);
+                    let payload = if (k as u64) < warm { "warm-up" } else { "live" };
                     conn.execute(
-                        &format!("INSERT INTO public.{TABLE} VALUES ($1, $2, 'live')"),
-                        &[&id, &owner],
+                        &format!("INSERT INTO public.{TABLE} VALUES ($1, $2, $3)"),
+                        &[&id, &owner, &payload],
                     )
                     .await?;
                 }
@@ -331,7 +359,7 @@ async fn measure(
         for task in tasks {
             task.await??;
         }
-        next_id += i64::try_from(total)? + 4;
+        next_id += i64::try_from(warmup + total)? + 4;
         let mut latencies = Vec::new();
         for reader in readers {
             latencies.extend(reader.await?);
