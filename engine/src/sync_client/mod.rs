@@ -53,7 +53,7 @@ use serde_json::{Map, Value};
 use crate::backoff::{Backoff, BackoffPolicy};
 use crate::cursor::{is_cursor_after, SyncCursor};
 use crate::realtime_bridge::{
-    BridgeConfig, BridgeEffect, BridgeInput, RemoteChange, ScopeBridge, ScopeChannel,
+    BridgeConfig, BridgeEffect, BridgeError, BridgeInput, RemoteChange, ScopeBridge, ScopeChannel,
 };
 use crate::scope::{Scope, ScopeDigest};
 use crate::scope_sync::{ClientFrame, ServerFrame, SubscribeParams};
@@ -664,7 +664,7 @@ impl SyncClient {
             let effects = slot
                 .bridge
                 .handle(BridgeInput::Unsubscribe)
-                .unwrap_or_default();
+                .unwrap_or_else(|error| refused(error, &mut *out));
             let kept = effects
                 .into_iter()
                 .filter(|effect| !matches!(effect, BridgeEffect::SendUnsubscribe { .. }))
@@ -804,7 +804,7 @@ impl SyncClient {
         let effects = slot
             .bridge
             .handle(BridgeInput::Unsubscribe)
-            .unwrap_or_default();
+            .unwrap_or_else(|error| refused(error, &mut *out));
         for effect in effects {
             if let (BridgeEffect::SendUnsubscribe { subscription_id }, Some(frame)) =
                 (&effect, effect.client_frame())
@@ -847,7 +847,7 @@ impl SyncClient {
             .handle(BridgeInput::Subscribe {
                 channels: vec![channel],
             })
-            .unwrap_or_default();
+            .unwrap_or_else(|error| refused(error, &mut *out));
         self.drive(key, effects, out);
     }
 
@@ -887,7 +887,7 @@ impl SyncClient {
                             let effects = slot
                                 .bridge
                                 .handle(BridgeInput::SessionGone)
-                                .unwrap_or_default();
+                                .unwrap_or_else(|error| refused(error, &mut *out));
                             self.drive(key, effects, out);
                         }
                     }
@@ -1008,7 +1008,10 @@ impl SyncClient {
         let Some(slot) = self.scopes.get_mut(&key) else {
             return;
         };
-        let effects = slot.bridge.handle(input).unwrap_or_default();
+        let effects = slot
+            .bridge
+            .handle(input)
+            .unwrap_or_else(|error| refused(error, &mut *out));
         self.drive(key, effects, out);
     }
 
@@ -1063,7 +1066,7 @@ impl SyncClient {
                             ticket,
                             result: Ok(()),
                         })
-                        .unwrap_or_default();
+                        .unwrap_or_else(|error| refused(error, &mut *out));
                     queue.extend(more);
                 }
                 BridgeEffect::SaveCursor { cursor, .. } => {
@@ -1272,6 +1275,16 @@ impl ScopeSlot {
             },
         ))
     }
+}
+
+/// A bridge refused an input: a broken rule inside this client, reported rather than hidden.
+fn refused(error: BridgeError, out: &mut Vec<ClientEffect>) -> Vec<BridgeEffect> {
+    out.push(ClientEffect::Error {
+        scope: None,
+        code: error.code().to_owned(),
+        message: error.to_string(),
+    });
+    Vec::new()
 }
 
 fn flush(key: ScopeKey, write: Option<PersistWrite>, out: &mut Vec<ClientEffect>) {
