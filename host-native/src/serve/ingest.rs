@@ -456,14 +456,6 @@ impl Ingest {
                 // restart could not re-request anything.
                 tracing::warn!(%reason, "a subscriber needs backfills the Postgres source cannot re-request");
             }
-            StorageOp::ResetRequired { reason } => {
-                if self.writer.in_transaction() {
-                    self.writer
-                        .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
-                }
-                change_log::mark_reset_required(self.conn())?;
-                return Err(ServeError::ResetRequired(reason));
-            }
         }
         Ok(())
     }

@@ -182,10 +182,6 @@ pub enum ServeError {
     Relay(#[from] RelayError),
     #[error("the replication stream failed: {0}")]
     Source(String),
-    #[error(
-        "the change log cannot serve a subscriber and must be reset (the next start resyncs): {0}"
-    )]
-    ResetRequired(String),
     #[error("expected {expected}, found {found}")]
     Invariant { expected: String, found: String },
     #[error("a server task failed: {0}")]

@@ -831,3 +831,48 @@ async fn a_peer_that_stops_answering_pings_is_dropped_section_2_2() {
     );
     h.stop().await;
 }
+
+/// Regression: `mode=backup` with a watermark older than the change log used to mark the log
+/// reset-required and stop the server, so anyone who could reach the port could wipe it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_subscriber_with_an_old_watermark_gets_an_error_and_the_server_serves_on() {
+    let h = Harness::start("backup-reset", Duration::from_secs(30)).await;
+    h.transaction(0x200, &[1, 2], true).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
+    for version in [5, 6] {
+        let url = h.url(&format!(
+            "/replication/v{version}/changes?id=rm&taskID=rm&mode=backup&replicaVersion={}&watermark=00",
+            w(VERSION)
+        ));
+        let mut client = Client::connect(&url).await;
+        let frame = client.frame().await;
+        let [DownstreamMessage::Error(error)] = frame.messages() else {
+            panic!("expected an error, got {frame:?}");
+        };
+        assert_eq!(error.kind(), Some(ErrorKind::WatermarkTooOld));
+        client.ack(frame.id().expect("id")).await;
+        assert!(client.closed().await.is_some());
+    }
+    // The change log is not marked for a reset, and the server keeps storing and serving.
+    let reset_required: bool = h
+        .db()
+        .query_row(
+            r#"SELECT "reset_required" FROM "_hw_change_log_config""#,
+            [],
+            |r| r.get(0),
+        )
+        .expect("config row");
+    assert!(!reset_required);
+    h.transaction(0x300, &[3], false).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x300).as_str()).await;
+    let mut client = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(0x200))).await;
+    let commits = commits(&client.messages(4).await);
+    assert_eq!(
+        commits,
+        [w(0x300)],
+        "a serving subscriber still gets new transactions"
+    );
+    let (status, _, _) = http_get(h.addr, "/health").await;
+    assert!(status.contains("200"), "{status}");
+    h.stop().await;
+}
