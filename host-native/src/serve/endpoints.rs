@@ -11,6 +11,7 @@ use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::WebSocketUpgrade;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -34,15 +35,24 @@ pub(crate) struct AppState {
     pub replica_path: PathBuf,
     pub snapshot_dir: PathBuf,
     pub ping_interval: Duration,
+    pub peer_auth: super::security::PeerAuth,
+    pub insecure_no_auth: bool,
 }
 
 pub(crate) fn router(state: AppState) -> Router {
+    // Server-to-server endpoints: the replication token is checked before any upgrade.
+    let peers = Router::new()
+        .route("/replication/{version}/{endpoint}", get(replication))
+        .route(SNAPSHOT_PATH, get(replica_snapshot))
+        .route_layer(middleware::from_fn_with_state(
+            state.peer_auth.clone(),
+            super::security::require_token,
+        ));
     Router::new()
         .route("/", get(ok))
         .route("/keepalive", get(ok))
         .route("/health", get(health))
-        .route("/replication/{version}/{endpoint}", get(replication))
-        .route(SNAPSHOT_PATH, get(replica_snapshot))
+        .merge(peers)
         .with_state(state)
 }
 
@@ -60,6 +70,7 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
         "connections": state.hub.connections(),
         // A subscriber's full backlog holds up replication (back-pressure).
         "upstreamPaused": state.hub.inspect(|s| s.is_upstream_paused()),
+        "insecureNoAuth": state.insecure_no_auth,
     }))
 }
 

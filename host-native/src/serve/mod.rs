@@ -22,6 +22,7 @@ mod endpoints;
 mod hub;
 mod ingest;
 mod relay;
+mod security;
 mod snapshot;
 mod source;
 mod startup;
@@ -48,6 +49,10 @@ use hub::{Hub, Positions};
 
 pub use endpoints::SNAPSHOT_PATH;
 pub use relay::RelayError;
+pub use security::{
+    InsecureListen, ReplicationToken, SecurityArgs, TokenError, REPLICATION_TOKEN_ENV,
+    UPSTREAM_TOKEN_ENV,
+};
 pub use snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
 
 /// Zero's change-streamer port when the sync port is 4848 is 4849; highwater serves both
@@ -83,8 +88,9 @@ pub struct ServeArgs {
     /// Port for WebSockets, snapshots and health checks.
     #[arg(long, default_value_t = DEFAULT_PORT)]
     pub port: u16,
-    /// Address to listen on.
-    #[arg(long, default_value = "0.0.0.0")]
+    /// Address to listen on; other than loopback only with a replication token (or
+    /// `--insecure-no-auth`).
+    #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Names the slot (`<app>_slot`), the default publication (`<app>_pub`) and the DDL trigger.
     #[arg(long, default_value = DEFAULT_APP_ID)]
@@ -113,6 +119,8 @@ pub struct ServeArgs {
     /// and sync again instead of stopping with an error.
     #[arg(long)]
     pub auto_reset: bool,
+    #[command(flatten)]
+    pub security: SecurityArgs,
 }
 
 impl ServeArgs {
@@ -123,7 +131,7 @@ impl ServeArgs {
             from: None,
             data: data.into(),
             port: DEFAULT_PORT,
-            host: "0.0.0.0".to_owned(),
+            host: "127.0.0.1".to_owned(),
             app_id: DEFAULT_APP_ID.to_owned(),
             publications: Vec::new(),
             public_url: None,
@@ -132,6 +140,7 @@ impl ServeArgs {
             backlog_high_water_bytes: DEFAULT_BACKLOG_HIGH_WATER_BYTES,
             backlog_full_timeout_ms: DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
             auto_reset: false,
+            security: SecurityArgs::default(),
         }
     }
 
@@ -176,6 +185,10 @@ pub enum ServeError {
         addr: String,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Insecure(#[from] InsecureListen),
+    #[error(transparent)]
+    Token(#[from] TokenError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error("relaying failed: {0}")]
@@ -209,8 +222,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// Serves until `stop` turns true or replication fails: prepares the replica (initial sync
 /// when needed), then runs replication, the storage loop and the endpoints.
 pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), ServeError> {
+    let token = preflight(&args).await?;
     if let Some(from) = args.from.clone() {
-        return relay::serve(args, from, stop).await;
+        return relay::serve(args, from, token, stop).await;
     }
     let handle = tokio::runtime::Handle::current();
     let prepared = {
@@ -220,19 +234,13 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
             .await
             .map_err(|e| ServeError::Task(e.to_string()))??
     };
-    let listen = format!("{}:{}", args.host, args.port);
-    let listener = TcpListener::bind(&listen)
-        .await
-        .map_err(|source| ServeError::Listen {
-            addr: listen.clone(),
-            source,
-        })?;
+    let listener = listen(&args, token.as_ref()).await?;
     let public_url = args.public_url();
-    let mut settings = settings(&args);
+    let mut settings = settings(&args, token);
     settings.backfill_from = Some(prepared.backfill_from);
     let source = source::spawn_postgres(prepared.stream, &args.app_id, stop.clone());
     tracing::info!(
-        address = %listener.local_addr().map(|a| a.to_string()).unwrap_or(listen),
+        address = %listener.local_addr()?,
         %public_url,
         max_protocol = MAX_PROTOCOL_VERSION,
         "serving"
@@ -249,8 +257,45 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     .await
 }
 
-/// How the server runs, from its arguments.
-fn settings(args: &ServeArgs) -> Settings {
+/// The replication token this node requires, once the listen address is known to be safe
+/// with it: checked before any replication or restore work starts.
+async fn preflight(args: &ServeArgs) -> Result<Option<ReplicationToken>, ServeError> {
+    let token = args.security.required_token()?;
+    let listen = format!("{}:{}", args.host, args.port);
+    let addrs = tokio::net::lookup_host(&listen)
+        .await
+        .map_err(|source| ServeError::Listen {
+            addr: listen.clone(),
+            source,
+        })?;
+    for addr in addrs {
+        security::check_listener(addr, token.as_ref(), args.security.insecure_no_auth)?;
+    }
+    Ok(token)
+}
+
+/// Binds `--host:--port`, refusing a non-loopback address without a replication token.
+async fn listen(
+    args: &ServeArgs,
+    token: Option<&ReplicationToken>,
+) -> Result<TcpListener, ServeError> {
+    let listen = format!("{}:{}", args.host, args.port);
+    let listener = TcpListener::bind(&listen)
+        .await
+        .map_err(|source| ServeError::Listen {
+            addr: listen.clone(),
+            source,
+        })?;
+    security::check_listener(
+        listener.local_addr()?,
+        token,
+        args.security.insecure_no_auth,
+    )?;
+    Ok(listener)
+}
+
+/// How the server runs, from its arguments and the replication token it requires.
+fn settings(args: &ServeArgs, token: Option<ReplicationToken>) -> Settings {
     Settings {
         data: args.data.clone(),
         public_url: args.public_url(),
@@ -261,6 +306,8 @@ fn settings(args: &ServeArgs) -> Settings {
         backlog_high_water_bytes: args.backlog_high_water_bytes,
         backlog_full_timeout_ms: args.backlog_full_timeout_ms,
         backfill_from: None,
+        peer_auth: security::PeerAuth { token },
+        insecure_no_auth: args.security.insecure_no_auth,
     }
 }
 
@@ -278,6 +325,10 @@ struct Settings {
     /// Where the replica's pending backfills are read (Postgres); `None` when the change source
     /// streams its own (a relay).
     backfill_from: Option<tokio_postgres::Config>,
+    /// What `/replication/…` and `/replica/snapshot` require.
+    peer_auth: security::PeerAuth,
+    /// Serving without a token beyond loopback: `/health` says so.
+    insecure_no_auth: bool,
 }
 
 /// Runs the storage loop, the endpoints and the timers over a ready replica and a change
@@ -364,6 +415,8 @@ async fn run_server(
         replica_path: db_path,
         snapshot_dir: settings.data.join("snapshots"),
         ping_interval: settings.ping_interval,
+        peer_auth: settings.peer_auth.clone(),
+        insecure_no_auth: settings.insecure_no_auth && settings.peer_auth.token.is_none(),
     };
     snapshot::clear_dir(&state.snapshot_dir)?;
     let app = endpoints::router(state);

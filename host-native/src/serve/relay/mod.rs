@@ -24,7 +24,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use highwater_engine::change_stream::{AckError, DecodeError, MAX_PROTOCOL_VERSION};
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::{owner_address, run_server, ServeArgs, ServeError};
@@ -124,6 +123,14 @@ fn subscribe_url(from: &str, task_id: &str) -> String {
     format!("{base}/replication/v{SUBSCRIBE_VERSION}/subscribe?taskID={task}")
 }
 
+/// The primary's subscribe URL and the token it requires.
+#[derive(Debug, Clone)]
+pub(super) struct Upstream {
+    /// `ws://host:port/replication/v8/subscribe?taskID=…`.
+    pub url: String,
+    pub token: Option<super::ReplicationToken>,
+}
+
 /// A replica ready to stream into, and the socket of its fresh restore, if there was one.
 struct Prepared {
     writer: ReplicaWriter,
@@ -136,26 +143,25 @@ struct Prepared {
 pub(super) async fn serve(
     args: ServeArgs,
     from: String,
+    required: Option<super::ReplicationToken>,
     stop: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
     let public_url = args.public_url();
     let task_id = format!("{}-relay@{}", args.app_id, owner_address(&public_url));
     let url = subscribe_url(&from, &task_id);
+    let upstream = Upstream {
+        url: url.clone(),
+        token: args.security.upstream_token()?,
+    };
     loop {
-        let Some(prepared) = prepare(&args.data, &url, &task_id, stop.clone()).await? else {
+        let Some(prepared) = prepare(&args.data, &upstream, &task_id, stop.clone()).await? else {
             return Ok(());
         };
-        let listen = format!("{}:{}", args.host, args.port);
-        let listener = TcpListener::bind(&listen)
-            .await
-            .map_err(|source| ServeError::Listen {
-                addr: listen.clone(),
-                source,
-            })?;
+        let listener = super::listen(&args, required.as_ref()).await?;
         let restore_required = Arc::new(AtomicBool::new(false));
         let source = upstream::spawn(
             SubscribeTarget {
-                url: url.clone(),
+                upstream: upstream.clone(),
                 task_id: task_id.clone(),
                 replica_version: prepared.log.replica_version.clone(),
                 replica_path: args.data.join(REPLICA_FILE),
@@ -166,7 +172,7 @@ pub(super) async fn serve(
             stop.clone(),
         );
         tracing::info!(
-            address = %listener.local_addr().map(|a| a.to_string()).unwrap_or(listen),
+            address = %listener.local_addr()?,
             primary = %from,
             %public_url,
             max_protocol = MAX_PROTOCOL_VERSION,
@@ -178,7 +184,7 @@ pub(super) async fn serve(
             prepared.log,
             prepared.publications,
             source,
-            super::settings(&args),
+            super::settings(&args, required.clone()),
             stop.clone(),
         )
         .await;
@@ -197,7 +203,7 @@ pub(super) async fn serve(
 /// with backoff). `None` when stopped first.
 async fn prepare(
     data: &Path,
-    url: &str,
+    upstream: &Upstream,
     task_id: &str,
     mut stop: watch::Receiver<bool>,
 ) -> Result<Option<Prepared>, ServeError> {
@@ -232,10 +238,10 @@ async fn prepare(
                 found: "one that cannot be opened with its change log".to_owned(),
             });
         }
-        tracing::info!(primary = %url, "no usable replica: restoring the primary's snapshot");
+        tracing::info!(primary = %upstream.url, "no usable replica: restoring the primary's snapshot");
         let restored = tokio::select! {
             _ = stop.wait_for(|s| *s) => return Ok(None),
-            restored = restore::restore(url, task_id, data) => restored,
+            restored = restore::restore(upstream, task_id, data) => restored,
         };
         match restored {
             Ok(restored) => {
