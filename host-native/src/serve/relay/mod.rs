@@ -34,6 +34,9 @@ use upstream::{SubscribeTarget, UpstreamConnection};
 /// The relay's replica, as in every data directory.
 const REPLICA_FILE: &str = "replica.db";
 
+/// This node's random id, made once per data directory: part of the relay's task id.
+const NODE_ID_FILE: &str = "node-id";
+
 /// The protocol the relay speaks to its primary: `/subscribe` with backfill tracking.
 const SUBSCRIBE_VERSION: u32 = 8;
 
@@ -147,7 +150,19 @@ pub(super) async fn serve(
     stop: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
     let public_url = args.public_url();
-    let task_id = format!("{}-relay@{}", args.app_id, owner_address(&public_url));
+    let node = {
+        let data = args.data.clone();
+        tokio::task::spawn_blocking(move || node_id(&data))
+            .await
+            .map_err(|e| ServeError::Task(e.to_string()))??
+    };
+    // The node id keeps two relays that advertise the same address (both defaulting to
+    // 127.0.0.1:<port>) from taking over each other's reservations.
+    let task_id = format!(
+        "{}-relay-{node}@{}",
+        args.app_id,
+        owner_address(&public_url)
+    );
     let url = subscribe_url(&from, &task_id);
     let upstream = Upstream {
         url: url.clone(),
@@ -260,6 +275,34 @@ async fn prepare(
     }
 }
 
+/// This data directory's node id (16 hex digits), created on first use. Blocking.
+fn node_id(data: &Path) -> Result<String, ServeError> {
+    use std::hash::{BuildHasher, Hasher};
+    std::fs::create_dir_all(data)?;
+    let path = data.join(NODE_ID_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text)
+            if text.trim().len() == 16 && text.trim().bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
+            return Ok(text.trim().to_owned())
+        }
+        Ok(_) | Err(_) => {}
+    }
+    // Unique, not secret: std seeds each RandomState from the operating system's randomness.
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    hasher.write_u32(std::process::id());
+    let id = format!("{:016x}", hasher.finish());
+    let temp = data.join(format!("{NODE_ID_FILE}.tmp"));
+    std::fs::write(&temp, format!("{id}\n"))?;
+    std::fs::rename(&temp, &path)?;
+    Ok(id)
+}
+
 /// The replica and its change log, if both are there and belong together. Blocking.
 fn open(data: &Path) -> Result<Option<(ReplicaWriter, ChangeLogStatus, Vec<String>)>, ServeError> {
     std::fs::create_dir_all(data)?;
@@ -352,6 +395,23 @@ mod tests {
             .err(),
             Some(ErrorKind::ArgumentConflict)
         );
+    }
+
+    #[test]
+    fn a_node_id_is_made_once_per_data_directory() {
+        let base = std::env::temp_dir().join(format!("highwater-node-id-{}", std::process::id()));
+        let (one, two) = (base.join("one"), base.join("two"));
+        let first = node_id(&one).expect("made");
+        assert_eq!(first.len(), 16);
+        assert_eq!(
+            node_id(&one).expect("read back"),
+            first,
+            "stable across restarts"
+        );
+        assert_ne!(node_id(&two).expect("made"), first, "unique per node");
+        std::fs::write(one.join(NODE_ID_FILE), "garbage").expect("write");
+        assert_ne!(node_id(&one).expect("remade"), "garbage");
+        std::fs::remove_dir_all(&base).expect("clean up");
     }
 
     #[test]
