@@ -443,3 +443,42 @@ async fn a_relay_chain_with_replication_tokens_ends_equal_to_postgres() {
     first.stop().await;
     primary.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_sends_the_replication_token_from_the_environment() {
+    use highwater_host::serve::{ReplicationToken, REPLICATION_TOKEN_ENV};
+    const TOKEN: &str = "watch-token-0123456789";
+    let pg = start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client.batch_execute(ITEMS_DDL).await.unwrap();
+    let data = DataDir::new("watch-token");
+    let mut args = serve_args(&pg.url(), data.path(), free_port());
+    args.security.replication_token = Some(ReplicationToken::new(TOKEN).unwrap());
+    let primary = InProcess::start(args).await;
+    // Transactions after the initial sync, so the change log holds commits to watch.
+    churn(&client, 0..5).await;
+    replica_reaches(data.path(), &pg_items(&client).await).await;
+    let url = format!("ws://{}", primary.addr);
+    let watch = move |token: Option<&'static str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_highwater"));
+        command
+            .args(["watch", &url, "--from-start", "--commits", "1"])
+            .env_remove(REPLICATION_TOKEN_ENV);
+        if let Some(token) = token {
+            command.env(REPLICATION_TOKEN_ENV, token);
+        }
+        command.output().unwrap()
+    };
+    let (refused, watched) = tokio::task::spawn_blocking(move || (watch(None), watch(Some(TOKEN))))
+        .await
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("401"));
+    assert!(
+        watched.status.success(),
+        "{}",
+        String::from_utf8_lossy(&watched.stderr)
+    );
+    assert!(String::from_utf8_lossy(&watched.stdout).contains("\"commit\""));
+    primary.stop().await;
+}

@@ -50,7 +50,7 @@ use hub::{Hub, Positions};
 pub use endpoints::SNAPSHOT_PATH;
 pub use relay::RelayError;
 pub use security::{
-    InsecureListen, ReplicationToken, SecurityArgs, TokenError, REPLICATION_TOKEN_ENV,
+    load_token, InsecureListen, ReplicationToken, SecurityArgs, TokenError, REPLICATION_TOKEN_ENV,
     UPSTREAM_TOKEN_ENV,
 };
 pub use snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};

@@ -80,6 +80,12 @@ impl SecurityArgs {
     }
 }
 
+/// The replication token from `file`, else [`REPLICATION_TOKEN_ENV`], else none: what a
+/// client of the peer endpoints (such as `highwater watch`) sends.
+pub fn load_token(file: Option<&Path>) -> Result<Option<ReplicationToken>, TokenError> {
+    resolve(None, file, REPLICATION_TOKEN_ENV)
+}
+
 fn resolve(
     given: Option<&ReplicationToken>,
     file: Option<&Path>,
