@@ -47,7 +47,7 @@ pub(crate) struct Ingest {
 
 /// The backfills this server reads itself.
 pub(crate) struct Backfills {
-    upstream: tokio_postgres::Config,
+    upstream: crate::replication::PgConfig,
     planner: BackfillPlanner,
     /// The one running, and its table.
     running: Option<(BackfillStream, String)>,
@@ -57,7 +57,7 @@ pub(crate) struct Backfills {
 }
 
 impl Backfills {
-    pub fn new(upstream: tokio_postgres::Config) -> Backfills {
+    pub fn new(upstream: crate::replication::PgConfig) -> Backfills {
         Backfills {
             upstream,
             planner: BackfillPlanner::new(),

@@ -324,7 +324,7 @@ struct Settings {
     backlog_full_timeout_ms: u64,
     /// Where the replica's pending backfills are read (Postgres); `None` when the change source
     /// streams its own (a relay).
-    backfill_from: Option<tokio_postgres::Config>,
+    backfill_from: Option<crate::replication::PgConfig>,
     /// What `/replication/…` and `/replica/snapshot` require.
     peer_auth: security::PeerAuth,
     /// Serving without a token beyond loopback: `/health` says so.
