@@ -49,6 +49,11 @@ pub enum SyncError {
     Stopped,
     #[error("expected the converter to return an insert, got {got}")]
     Converter { got: String },
+    #[error(
+        "expected a snapshot of {table} taken after its last rewrite, but it was rewritten \
+         after every snapshot taken"
+    )]
+    Rewritten { table: String },
 }
 
 impl From<rusqlite::Error> for SyncError {
