@@ -13,3 +13,4 @@ pub mod replication;
 pub mod runtime;
 pub mod serve;
 pub mod watch;
+pub mod zero_replica;

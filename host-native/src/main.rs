@@ -26,6 +26,9 @@ enum Command {
     Watch(highwater_host::watch::WatchArgs),
     /// Run a benchmark and print its results table (`highwater bench ingest`).
     Bench(highwater_host::bench::BenchArgs),
+    /// Write a Zero-format replica file from a running Highwater's snapshot, for a stock Zero
+    /// view-syncer to start from (ZERO_REPLICA_FILE).
+    ZeroReplica(highwater_host::zero_replica::ZeroReplicaArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -37,5 +40,6 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(args) => highwater_host::demo::run(args),
         Command::Watch(args) => highwater_host::watch::run(args),
         Command::Bench(args) => highwater_host::bench::run(args),
+        Command::ZeroReplica(args) => highwater_host::zero_replica::run(args),
     }
 }
