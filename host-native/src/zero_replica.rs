@@ -257,7 +257,17 @@ pub fn export(snapshot: &Path, out: &Path) -> Result<Exported, ZeroReplicaError>
         &state.watermark,
         &state.publications,
     )?;
-    let indexes = schema::load_indexes(source.connection())?;
+    // A replica made before Highwater recorded upstream indexes has no such table.
+    let recorded: bool = source.connection().query_row(
+        r#"SELECT count(*) > 0 FROM sqlite_schema WHERE type = 'table' AND name = '_hw_indexes'"#,
+        [],
+        |r| r.get(0),
+    )?;
+    let indexes = if recorded {
+        schema::load_indexes(source.connection())?
+    } else {
+        Vec::new()
+    };
     let mut rows = 0u64;
     let names = source.table_names();
     for name in &names {
@@ -1047,6 +1057,34 @@ mod tests {
     }
 
     #[test]
+    fn a_replica_without_recorded_indexes_exports_its_key_and_sqlite_indexes() {
+        let dir = Scratch::new("unrecorded");
+        let snapshot = dir.0.join("snapshot.db");
+        highwater_replica(&snapshot);
+        let conn = Connection::open(&snapshot).unwrap();
+        conn.execute_batch(r#"DROP TABLE "_hw_indexes""#).unwrap();
+        drop(conn);
+        let out = dir.0.join("zero.db");
+        export(&snapshot, &out).expect("export");
+        let zero = Connection::open(&out).unwrap();
+        let indexes: Vec<String> = zero
+            .prepare("SELECT sql FROM sqlite_schema WHERE type = 'index' AND sql IS NOT NULL ORDER BY name")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            indexes,
+            vec![
+                // SQLite keeps the statement with one space after CREATE.
+                r#"CREATE INDEX "app.issue_title" ON "ticket" ("headline" DESC,"id" ASC)"#,
+                r#"CREATE UNIQUE INDEX "ticket_pkey" ON "ticket" ("id" ASC)"#,
+            ]
+        );
+    }
+
+    #[test]
     fn an_existing_replica_is_never_overwritten() {
         let dir = Scratch::new("exists");
         let snapshot = dir.0.join("snapshot.db");
@@ -1089,6 +1127,22 @@ mod tests {
             "{error}"
         );
         assert!(!out.exists() && !sibling(&out, "tmp").exists());
+    }
+
+    #[test]
+    fn the_token_file_is_read_trimmed_and_an_empty_one_is_refused() {
+        let dir = Scratch::new("token-file");
+        let file = dir.0.join("token");
+        std::fs::write(&file, "  secret-token-0123456789\n").unwrap();
+        let token = read_token(Some(&file)).unwrap().expect("a token");
+        assert_eq!(token.0, "secret-token-0123456789");
+        assert_eq!(format!("{token:?}"), "Token(…)", "never printed");
+        std::fs::write(&file, "\n").unwrap();
+        let error = read_token(Some(&file)).expect_err("empty");
+        assert!(error.to_string().contains("got an empty one"), "{error}");
+        let missing = dir.0.join("missing");
+        let error = read_token(Some(&missing)).expect_err("missing");
+        assert!(error.to_string().contains("cannot read"), "{error}");
     }
 
     #[test]
