@@ -12,5 +12,6 @@ pub mod replicate;
 pub mod replication;
 pub mod runtime;
 pub mod serve;
+pub mod sync_auth;
 pub mod watch;
 pub mod zero_replica;

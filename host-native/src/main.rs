@@ -29,6 +29,8 @@ enum Command {
     /// Write a Zero-format replica file from a running Highwater's snapshot, for a stock Zero
     /// view-syncer to start from (ZERO_REPLICA_FILE).
     ZeroReplica(highwater_host::zero_replica::ZeroReplicaArgs),
+    /// Print a development scope-sync token (HS256) signed with the configured secret.
+    Token(highwater_host::sync_auth::TokenArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -41,5 +43,6 @@ fn main() -> anyhow::Result<()> {
         Command::Watch(args) => highwater_host::watch::run(args),
         Command::Bench(args) => highwater_host::bench::run(args),
         Command::ZeroReplica(args) => highwater_host::zero_replica::run(args),
+        Command::Token(args) => Ok(highwater_host::sync_auth::run_token(args)?),
     }
 }

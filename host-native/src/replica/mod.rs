@@ -12,6 +12,7 @@ pub mod backfill;
 pub mod bootstrap;
 mod copy_text;
 pub mod ddl;
+pub mod feed;
 pub mod initial_sync;
 pub mod schema;
 pub mod value;
@@ -211,6 +212,14 @@ impl Replica {
             out.push(row);
         }
         Ok(out)
+    }
+
+    /// One scope-sync replay page, read in one read transaction (see [`feed::read_scope_page`]).
+    pub fn read_scope_page(
+        &self,
+        query: &feed::ScopeQuery<'_>,
+    ) -> Result<feed::ScopePage, ReplicaError> {
+        feed::read_scope_page(&self.conn, &self.tables, query)
     }
 
     /// Whether any column waits for a backfill (cheap: no allocation).
