@@ -14,3 +14,4 @@ pub mod runtime;
 pub mod serve;
 pub mod sync_auth;
 pub mod watch;
+pub mod zero_replica;

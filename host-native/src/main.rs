@@ -26,6 +26,9 @@ enum Command {
     Watch(highwater_host::watch::WatchArgs),
     /// Run a benchmark and print its results table (`highwater bench ingest`).
     Bench(highwater_host::bench::BenchArgs),
+    /// Write a Zero-format replica file from a running Highwater's snapshot, for a stock Zero
+    /// view-syncer to start from (ZERO_REPLICA_FILE).
+    ZeroReplica(highwater_host::zero_replica::ZeroReplicaArgs),
     /// Print a development scope-sync token (HS256) signed with the configured secret.
     Token(highwater_host::sync_auth::TokenArgs),
 }
@@ -39,6 +42,7 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(args) => highwater_host::demo::run(args),
         Command::Watch(args) => highwater_host::watch::run(args),
         Command::Bench(args) => highwater_host::bench::run(args),
+        Command::ZeroReplica(args) => highwater_host::zero_replica::run(args),
         Command::Token(args) => Ok(highwater_host::sync_auth::run_token(args)?),
     }
 }

@@ -23,6 +23,11 @@ export const {initReplicationState} = await load(
   'zero-cache/src/services/replicator/schema/replication-state.js',
 );
 export const {pgClient} = await load('zero-cache/src/types/pg.js');
+const {getPublicationInfo} = await load('zero-cache/src/services/change-source/pg/schema/published.js');
+const {mapPostgresToLite, mapPostgresToLiteIndex} = await load('zero-cache/src/db/pg-to-lite.js');
+const {createLiteTableStatement, createLiteIndexStatement} = await load('zero-cache/src/db/create.js');
+const {ColumnMetadataStore} = await load('zero-cache/src/services/replicator/schema/column-metadata.js');
+const {liteTableName} = await load('zero-cache/src/types/names.js');
 export const {liteValue} = await load('zero-cache/src/types/lite.js');
 
 const require = createRequire(path.join(zeroRoot, 'package.json'));
@@ -44,6 +49,29 @@ export function quietLog() {
 export async function createEmptyReplica(file, replicaVersion, publications) {
   await initReplica(quietLog(), 'highwater-zero-replica', file, (_lc, tx) => {
     initReplicationState(tx, [...publications], replicaVersion);
+  });
+}
+
+/**
+ * Creates the replica Zero's own initial sync would create for `publications` at
+ * `replicaVersion`, without its rows: the same set-up migration, replication state, tables,
+ * column metadata and indexes (`createLiteTables` and `createLiteIndices` of Zero's
+ * `initial-sync.js`), from the publication as Zero reads it in Postgres now.
+ */
+export async function createReferenceReplica(file, sql, replicaVersion, publications) {
+  const {tables, indexes} = await getPublicationInfo(sql, publications);
+  await initReplica(quietLog(), 'highwater-reference-replica', file, (_lc, tx) => {
+    initReplicationState(tx, [...publications], replicaVersion);
+    const columnMetadata = ColumnMetadataStore.getInstance(tx);
+    for (const t of tables) {
+      tx.exec(createLiteTableStatement(mapPostgresToLite(t, replicaVersion)));
+      for (const [name, spec] of Object.entries(t.columns)) {
+        columnMetadata.insert(liteTableName(t), name, spec);
+      }
+    }
+    for (const index of indexes) {
+      tx.exec(createLiteIndexStatement(mapPostgresToLiteIndex(index)));
+    }
   });
 }
 

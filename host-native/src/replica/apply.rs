@@ -298,7 +298,7 @@ impl ReplicaWriter {
                 let name = replica_index_name(&drop.id.schema, &drop.id.name);
                 ctx.conn
                     .execute_batch(&format!("DROP INDEX IF EXISTS {}", quote_ident(&name)))?;
-                Ok(())
+                schema::forget_index(ctx.conn, &name)
             }
             // Opaque to the replica (the key and columns it needs arrive with the other
             // changes), but kept so that the next schema diff can tell it changed.
@@ -823,6 +823,7 @@ fn create_table(conn: &Connection, table: &ReplicaTable) -> Result<(), ReplicaEr
         conn.execute_batch(&sql)?;
     }
     conn.execute_batch(&table.create_seq_index_sql())?;
+    schema::forget_table_indexes(conn, &table.name)?;
     conn.execute(
         r#"DELETE FROM "_hw_tombstones" WHERE "table_name" = ?1"#,
         [&table.name],
@@ -898,6 +899,7 @@ fn apply_rename_table(
         quote_ident(&table.name)
     ))?;
     rebuild_internal_indexes(conn, &table, &old_name)?;
+    schema::rename_table_indexes(conn, &old_name, &table.name)?;
     schema::forget_table(conn, &old_name)?;
     schema::store_table(conn, &table)?;
     for internal in ["_hw_tombstones", "_hw_backfill_versions"] {
@@ -918,6 +920,7 @@ fn apply_drop_table(
     let name = replica_table_name(&drop.id.schema, &drop.id.name);
     conn.execute_batch(&format!("DROP TABLE IF EXISTS {}", quote_ident(&name)))?;
     schema::forget_table(conn, &name)?;
+    schema::forget_table_indexes(conn, &name)?;
     conn.execute(
         r#"DELETE FROM "_hw_tombstones" WHERE "table_name" = ?1"#,
         [&name],
@@ -1038,6 +1041,7 @@ fn apply_update_column(
         for key in table.key.iter_mut().filter(|k| **k == old.name) {
             *key = new.name.clone();
         }
+        schema::rename_index_column(conn, &table.name, &old.name, &new.name)?;
         conn.execute(
             r#"UPDATE "_hw_backfill_versions" SET "column_name" = ?1
                WHERE "table_name" = ?2 AND "column_name" = ?3"#,
@@ -1107,6 +1111,11 @@ fn apply_create_index(
     let id = Identifier::new(spec.schema.clone(), spec.table_name.clone());
     let table = table_for_mut(tables, &id)?;
     let flag = |key: &str| spec.extra.get(key).and_then(Value::as_bool) == Some(true);
+    schema::record_index(
+        conn,
+        spec,
+        flag("isReplicaIdentity") || flag("isPrimaryKey"),
+    )?;
     if flag("isReplicaIdentity") || (flag("isPrimaryKey") && table.key.is_empty()) {
         let key: Vec<String> = spec.columns.keys().cloned().collect();
         if key != table.key {

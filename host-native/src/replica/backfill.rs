@@ -183,6 +183,44 @@ async fn open_snapshot_seeing(client: &Client, xids: &[u32]) -> Result<(), SyncE
     }
 }
 
+/// Locks `schema.name` for reading in the open snapshot's transaction and tells whether the
+/// snapshot still shows its rows: true when no rewrite committed between the snapshot and the
+/// lock (or the table is gone), false when one did.
+///
+/// A table rewrite (`ADD COLUMN` with a volatile default such as `now()` or `serial`,
+/// `ALTER COLUMN … TYPE`) is not MVCC-safe in Postgres: a snapshot taken before the rewrite
+/// committed sees the rewritten table as empty, and a backfill read in it would complete with
+/// no rows. The lock keeps any later rewrite from committing while the backfill reads; one that
+/// committed earlier shows as a storage file (`pg_relation_filenode`, from the current catalog)
+/// other than the one the snapshot's `pg_class` row names.
+pub async fn lock_unless_rewritten(
+    client: &Client,
+    schema: &str,
+    name: &str,
+) -> Result<bool, SyncError> {
+    let qualified = format!("{}.{}", quote_ident(schema), quote_ident(name));
+    let exists = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
+        .await?
+        .try_get::<_, bool>(0)?;
+    if !exists {
+        return Ok(true);
+    }
+    client
+        .batch_execute(&format!("LOCK TABLE ONLY {qualified} IN ACCESS SHARE MODE"))
+        .await?;
+    let stable: Option<bool> = client
+        .query_opt(
+            "SELECT c.relfilenode = pg_relation_filenode(c.oid) FROM pg_class c \
+             WHERE c.oid = to_regclass($1)",
+            &[&qualified],
+        )
+        .await?
+        .map(|r| r.try_get(0))
+        .transpose()?;
+    Ok(stable.unwrap_or(true))
+}
+
 /// The watermark of the snapshot (§9.8: the backfill's `watermark`).
 async fn snapshot_watermark(client: &Client) -> Result<Watermark, SyncError> {
     let lsn: String = client
@@ -302,7 +340,21 @@ async fn produce(
             tracing::debug!(%error, "backfill connection ended");
         }
     });
-    open_snapshot_seeing(&client, &job.visible_xids).await?;
+    let deadline = Instant::now() + VISIBILITY_WAIT;
+    loop {
+        open_snapshot_seeing(&client, &job.visible_xids).await?;
+        if lock_unless_rewritten(&client, &job.table.schema, &job.table.table).await? {
+            break;
+        }
+        client.batch_execute("ROLLBACK").await?;
+        if Instant::now() > deadline {
+            return Err(SyncError::Rewritten {
+                table: job.table.name.clone(),
+            });
+        }
+        tracing::debug!(table = %job.table.name, "table rewritten after the backfill's snapshot; taking another");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     let snapshot = snapshot_watermark(&client).await?;
     let plan = plan_read(&job, &upstream_columns(&client, &job.table).await?);
     // A closed channel means the consumer stopped listening: nothing more to do.

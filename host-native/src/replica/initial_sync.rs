@@ -49,6 +49,11 @@ pub enum SyncError {
     Stopped,
     #[error("expected the converter to return an insert, got {got}")]
     Converter { got: String },
+    #[error(
+        "expected a snapshot of {table} taken after its last rewrite, but it was rewritten \
+         after every snapshot taken"
+    )]
+    Rewritten { table: String },
 }
 
 impl From<rusqlite::Error> for SyncError {
@@ -330,7 +335,9 @@ fn copy_snapshot(
         tracing::info!(table = %table.name, rows = copied, "initial sync: table copied");
         for spec in published_table.index_specs() {
             let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
-            if !flag("isPrimaryKey") && !flag("isReplicaIdentity") {
+            let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
+            super::schema::record_index(&replica.conn, &spec, is_key)?;
+            if !is_key {
                 replica.conn.execute_batch(&create_index_sql(&spec))?;
             }
         }

@@ -421,6 +421,16 @@ CREATE TABLE IF NOT EXISTS "_hw_tombstones" (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS "_hw_tombstones_key" ON "_hw_tombstones" ("table_name", "row_key");
 CREATE INDEX IF NOT EXISTS "_hw_tombstones_seq" ON "_hw_tombstones" ("seq");
+-- Upstream indexes as the change source announced them (key indexes too, which the replica
+-- keeps as its own `_hw_key` index): name, uniqueness and columns, so that an export in
+-- another replica format can recreate them exactly.
+CREATE TABLE IF NOT EXISTS "_hw_indexes" (
+    "index_name" TEXT PRIMARY KEY,
+    "table_name" TEXT NOT NULL,
+    "is_unique" INTEGER NOT NULL,
+    "is_key" INTEGER NOT NULL,
+    "columns" TEXT NOT NULL
+);
 -- While a column awaits its backfill: the version of the last streamed write to it, per row.
 -- A backfill read in an older snapshot must not overwrite such a value.
 CREATE TABLE IF NOT EXISTS "_hw_backfill_versions" (
@@ -449,7 +459,7 @@ pub fn upgrade_internal_tables(conn: &Connection) -> Result<(), ReplicaError> {
     Ok(())
 }
 
-fn metadata_json(metadata: &TableMetadata) -> Value {
+pub fn metadata_json(metadata: &TableMetadata) -> Value {
     let mut object = metadata.extra.clone();
     object.insert("rowKey".into(), Value::Object(metadata.row_key.clone()));
     Value::Object(object)
@@ -530,6 +540,143 @@ pub fn forget_table(conn: &Connection, table_name: &str) -> Result<(), ReplicaEr
         [table_name],
     )?;
     Ok(())
+}
+
+/// An upstream index as recorded in `_hw_indexes`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamIndex {
+    /// Replica name (`index` in `public`, else `schema.index`).
+    pub name: String,
+    pub table_name: String,
+    pub unique: bool,
+    /// A primary key or replica identity index (kept as the table's `_hw_key` index).
+    pub is_key: bool,
+    /// Columns in index order, with their direction.
+    pub columns: Vec<(String, IndexDirection)>,
+}
+
+/// Records (or replaces) an upstream index the change source announced.
+pub fn record_index(conn: &Connection, spec: &IndexSpec, is_key: bool) -> Result<(), ReplicaError> {
+    let columns: Vec<(&str, &str)> = spec
+        .columns
+        .iter()
+        .map(|(c, dir)| (c.as_str(), direction_str(*dir)))
+        .collect();
+    conn.execute(
+        r#"INSERT OR REPLACE INTO "_hw_indexes" ("index_name","table_name","is_unique","is_key","columns")
+           VALUES (?1, ?2, ?3, ?4, ?5)"#,
+        params![
+            replica_index_name(&spec.schema, &spec.name),
+            replica_table_name(&spec.schema, &spec.table_name),
+            spec.unique,
+            is_key,
+            serde_json::to_string(&columns)?,
+        ],
+    )?;
+    Ok(())
+}
+
+pub fn forget_index(conn: &Connection, index_name: &str) -> Result<(), ReplicaError> {
+    conn.execute(
+        r#"DELETE FROM "_hw_indexes" WHERE "index_name" = ?1"#,
+        [index_name],
+    )?;
+    Ok(())
+}
+
+/// Forgets the indexes of a dropped (or replaced) table.
+pub fn forget_table_indexes(conn: &Connection, table_name: &str) -> Result<(), ReplicaError> {
+    conn.execute(
+        r#"DELETE FROM "_hw_indexes" WHERE "table_name" = ?1"#,
+        [table_name],
+    )?;
+    Ok(())
+}
+
+/// Follows a table rename (index names stay, as upstream and in SQLite).
+pub fn rename_table_indexes(conn: &Connection, old: &str, new: &str) -> Result<(), ReplicaError> {
+    conn.execute(
+        r#"UPDATE "_hw_indexes" SET "table_name" = ?1 WHERE "table_name" = ?2"#,
+        params![new, old],
+    )?;
+    Ok(())
+}
+
+/// Follows a column rename in the recorded index columns.
+pub fn rename_index_column(
+    conn: &Connection,
+    table_name: &str,
+    old: &str,
+    new: &str,
+) -> Result<(), ReplicaError> {
+    for mut index in load_indexes(conn)?
+        .into_iter()
+        .filter(|i| i.table_name == table_name)
+    {
+        if !index.columns.iter().any(|(c, _)| c == old) {
+            continue;
+        }
+        for (c, _) in index.columns.iter_mut().filter(|(c, _)| c == old) {
+            *c = new.to_owned();
+        }
+        let columns: Vec<(&str, &str)> = index
+            .columns
+            .iter()
+            .map(|(c, dir)| (c.as_str(), direction_str(*dir)))
+            .collect();
+        conn.execute(
+            r#"UPDATE "_hw_indexes" SET "columns" = ?1 WHERE "index_name" = ?2"#,
+            params![serde_json::to_string(&columns)?, index.name],
+        )?;
+    }
+    Ok(())
+}
+
+fn direction_str(dir: IndexDirection) -> &'static str {
+    match dir {
+        IndexDirection::Asc => "ASC",
+        IndexDirection::Desc => "DESC",
+    }
+}
+
+/// Every recorded upstream index, by name.
+pub fn load_indexes(conn: &Connection) -> Result<Vec<UpstreamIndex>, ReplicaError> {
+    let mut stmt = conn.prepare(
+        r#"SELECT "index_name","table_name","is_unique","is_key","columns"
+           FROM "_hw_indexes" ORDER BY "index_name""#,
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok((
+            r.get::<_, String>(0)?,
+            r.get::<_, String>(1)?,
+            r.get::<_, bool>(2)?,
+            r.get::<_, bool>(3)?,
+            r.get::<_, String>(4)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (name, table_name, unique, is_key, columns) = row?;
+        let columns: Vec<(String, String)> = serde_json::from_str(&columns)?;
+        out.push(UpstreamIndex {
+            name,
+            table_name,
+            unique,
+            is_key,
+            columns: columns
+                .into_iter()
+                .map(|(c, dir)| {
+                    let dir = if dir == "DESC" {
+                        IndexDirection::Desc
+                    } else {
+                        IndexDirection::Asc
+                    };
+                    (c, dir)
+                })
+                .collect(),
+        });
+    }
+    Ok(out)
 }
 
 /// Reads every table's metadata.
