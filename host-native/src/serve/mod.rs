@@ -26,6 +26,7 @@ mod security;
 mod snapshot;
 mod source;
 mod startup;
+mod tls;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -54,6 +55,7 @@ pub use security::{
     UPSTREAM_TOKEN_ENV,
 };
 pub use snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
+pub use tls::TlsFileError;
 
 /// Zero's change-streamer port when the sync port is 4848 is 4849; highwater serves both
 /// protocols on one port.
@@ -119,8 +121,9 @@ pub struct ServeArgs {
     /// and sync again instead of stopping with an error.
     #[arg(long)]
     pub auto_reset: bool,
+    /// Boxed: the security options would make every `highwater` command as large as `serve`.
     #[command(flatten)]
-    pub security: SecurityArgs,
+    pub security: Box<SecurityArgs>,
 }
 
 impl ServeArgs {
@@ -140,7 +143,7 @@ impl ServeArgs {
             backlog_high_water_bytes: DEFAULT_BACKLOG_HIGH_WATER_BYTES,
             backlog_full_timeout_ms: DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
             auto_reset: false,
-            security: SecurityArgs::default(),
+            security: Box::default(),
         }
     }
 
@@ -153,12 +156,17 @@ impl ServeArgs {
     }
 
     fn public_url(&self) -> String {
+        let scheme = if self.security.tls_cert.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         match &self.public_url {
             Some(url) => url.trim_end_matches('/').to_owned(),
             None if self.host == "0.0.0.0" || self.host == "::" => {
-                format!("http://127.0.0.1:{}", self.port)
+                format!("{scheme}://127.0.0.1:{}", self.port)
             }
-            None => format!("http://{}:{}", self.host, self.port),
+            None => format!("{scheme}://{}:{}", self.host, self.port),
         }
     }
 }
@@ -189,6 +197,8 @@ pub enum ServeError {
     Insecure(#[from] InsecureListen),
     #[error(transparent)]
     Token(#[from] TokenError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsFileError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error("relaying failed: {0}")]
@@ -236,7 +246,7 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     };
     let listener = listen(&args, token.as_ref()).await?;
     let public_url = args.public_url();
-    let mut settings = settings(&args, token);
+    let mut settings = settings(&args, token, args.security.tls_config()?);
     settings.backfill_from = Some(prepared.backfill_from);
     let source = source::spawn_postgres(prepared.stream, &args.app_id, stop.clone());
     tracing::info!(
@@ -261,6 +271,8 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
 /// with it: checked before any replication or restore work starts.
 async fn preflight(args: &ServeArgs) -> Result<Option<ReplicationToken>, ServeError> {
     let token = args.security.required_token()?;
+    // Unusable TLS files stop the server before it replicates anything.
+    args.security.tls_config()?;
     let listen = format!("{}:{}", args.host, args.port);
     let addrs = tokio::net::lookup_host(&listen)
         .await
@@ -295,7 +307,11 @@ async fn listen(
 }
 
 /// How the server runs, from its arguments and the replication token it requires.
-fn settings(args: &ServeArgs, token: Option<ReplicationToken>) -> Settings {
+fn settings(
+    args: &ServeArgs,
+    token: Option<ReplicationToken>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> Settings {
     Settings {
         data: args.data.clone(),
         public_url: args.public_url(),
@@ -308,6 +324,7 @@ fn settings(args: &ServeArgs, token: Option<ReplicationToken>) -> Settings {
         backfill_from: None,
         peer_auth: security::PeerAuth { token },
         insecure_no_auth: args.security.insecure_no_auth,
+        tls,
     }
 }
 
@@ -329,6 +346,8 @@ struct Settings {
     peer_auth: security::PeerAuth,
     /// Serving without a token beyond loopback: `/health` says so.
     insecure_no_auth: bool,
+    /// `--tls-cert`/`--tls-key`: serve https and wss.
+    tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// Runs the storage loop, the endpoints and the timers over a ready replica and a change
@@ -420,19 +439,30 @@ async fn run_server(
     };
     snapshot::clear_dir(&state.snapshot_dir)?;
     let app = endpoints::router(state);
-    let server = {
+    let stopping = {
         let hub = hub.clone();
         let mut shutdown = shutdown.clone();
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move {
+        async move {
             let _ = shutdown.wait_for(|s| *s).await;
             hub.close_all(1001, "server shutting down");
-        })
+        }
     };
-    let served = server.await;
+    let served = match &settings.tls {
+        Some(config) => {
+            let listener = tls::TlsListener::new(listener, config.clone())?;
+            axum::serve(listener, app.into_make_service())
+                .with_graceful_shutdown(stopping)
+                .await
+        }
+        None => {
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .with_graceful_shutdown(stopping)
+            .await
+        }
+    };
     shutdown_tx.send_replace(true);
     let _ = ticker.await;
     let ingested = ingest_task

@@ -199,7 +199,7 @@ pub(super) async fn serve(
             prepared.log,
             prepared.publications,
             source,
-            super::settings(&args, required.clone()),
+            super::settings(&args, required.clone(), args.security.tls_config()?),
             stop.clone(),
         )
         .await;
