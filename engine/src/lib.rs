@@ -5,6 +5,7 @@
 //! server and, compiled to WebAssembly, in browsers and Node.
 
 pub mod backfill;
+pub mod backoff;
 pub mod change_stream;
 pub mod cursor;
 pub mod pgoutput;
@@ -12,6 +13,8 @@ pub mod realtime_bridge;
 pub mod replay;
 pub mod scope;
 pub mod scope_rules;
+pub mod scope_server;
 pub mod scope_sync;
 pub mod streamer;
+pub mod sync_client;
 pub mod watermark;

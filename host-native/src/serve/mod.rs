@@ -1,5 +1,7 @@
 //! `highwater serve`: replicates Postgres into the SQLite replica and change log, and serves
-//! Zero-compatible change-stream subscribers, replica snapshots and health checks.
+//! Zero-compatible change-stream subscribers, replica snapshots, health checks and, with
+//! `--sync-rules`, scope-sync clients on `GET /sync` (`sync.rs`: each commit's feed entries
+//! are routed from the ingest thread once the replica commit is durable).
 //!
 //! ```text
 //!  Postgres ──WalStream──▶ source task ──SourceEvent──▶ ingest thread ◀── storage queue ──┐
@@ -26,6 +28,7 @@ mod security;
 mod snapshot;
 mod source;
 mod startup;
+mod sync;
 mod tls;
 
 use std::net::SocketAddr;
@@ -46,6 +49,7 @@ use crate::replica::initial_sync::SyncError;
 use crate::replica::ReplicaError;
 use crate::replication::setup::DEFAULT_APP_ID;
 use crate::replication::ReplicationError;
+use crate::sync_auth::{AuthConfigError, SyncAuth, SyncSecretArgs};
 use hub::{Hub, Positions};
 
 pub use endpoints::SNAPSHOT_PATH;
@@ -121,10 +125,31 @@ pub struct ServeArgs {
     /// and sync again instead of stopping with an error.
     #[arg(long)]
     pub auto_reset: bool,
+    /// Turns on scope sync (`GET /sync`): the JSON rules saying which tables apps may read,
+    /// which columns a scope may filter on, which are never sent, and which conditions must
+    /// equal a token claim. Without it `/sync` answers 404.
+    #[arg(long, value_name = "FILE")]
+    pub sync_rules: Option<PathBuf>,
+    #[command(flatten)]
+    pub sync_secret: SyncSecretArgs,
+    /// How long exits (deletes, rows leaving a scope) are kept for catch-up; an older cursor
+    /// gets a reset and a full replay.
+    #[arg(long, default_value_t = DEFAULT_SYNC_RETENTION_SECS, value_name = "SECONDS")]
+    pub sync_retention_secs: u64,
+    /// How long a scope-sync socket may stay over its outbound budget before it is closed
+    /// (1013, "slow consumer").
+    #[arg(long, default_value_t = DEFAULT_SLOW_CONSUMER_MS, hide = true)]
+    pub sync_slow_consumer_ms: u64,
     /// Boxed: the security options would make every `highwater` command as large as `serve`.
     #[command(flatten)]
     pub security: Box<SecurityArgs>,
 }
+
+/// A scope-sync client may stay this long over its outbound budget.
+pub const DEFAULT_SLOW_CONSUMER_MS: u64 = 10_000;
+
+/// Exits are kept a week by default.
+pub const DEFAULT_SYNC_RETENTION_SECS: u64 = 7 * 24 * 3600;
 
 impl ServeArgs {
     /// Defaults for everything but the upstream and the data directory.
@@ -143,6 +168,10 @@ impl ServeArgs {
             backlog_high_water_bytes: DEFAULT_BACKLOG_HIGH_WATER_BYTES,
             backlog_full_timeout_ms: DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
             auto_reset: false,
+            sync_rules: None,
+            sync_secret: SyncSecretArgs::default(),
+            sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,
+            sync_slow_consumer_ms: DEFAULT_SLOW_CONSUMER_MS,
             security: Box::default(),
         }
     }
@@ -209,6 +238,16 @@ pub enum ServeError {
     Invariant { expected: String, found: String },
     #[error("a server task failed: {0}")]
     Task(String),
+    #[error("scope sync cannot start")]
+    SyncConfig(#[from] AuthConfigError),
+}
+
+/// The scope-sync rules and secret, when `--sync-rules` is given.
+fn load_sync(args: &ServeArgs) -> Result<Option<Arc<SyncAuth>>, ServeError> {
+    match &args.sync_rules {
+        None => Ok(None),
+        Some(rules) => Ok(Some(Arc::new(SyncAuth::load(rules, &args.sync_secret)?))),
+    }
 }
 
 /// Runs `highwater serve` until Ctrl-C or SIGTERM.
@@ -232,9 +271,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// Serves until `stop` turns true or replication fails: prepares the replica (initial sync
 /// when needed), then runs replication, the storage loop and the endpoints.
 pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), ServeError> {
+    let sync = load_sync(&args)?;
     let token = preflight(&args).await?;
     if let Some(from) = args.from.clone() {
-        return relay::serve(args, from, token, stop).await;
+        return relay::serve(args, from, token, sync, stop).await;
     }
     let handle = tokio::runtime::Handle::current();
     let prepared = {
@@ -246,7 +286,7 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     };
     let listener = listen(&args, token.as_ref()).await?;
     let public_url = args.public_url();
-    let mut settings = settings(&args, token, args.security.tls_config()?);
+    let mut settings = settings(&args, token, sync, args.security.tls_config()?);
     settings.backfill_from = Some(prepared.backfill_from);
     let source = source::spawn_postgres(prepared.stream, &args.app_id, stop.clone());
     tracing::info!(
@@ -310,9 +350,13 @@ async fn listen(
 fn settings(
     args: &ServeArgs,
     token: Option<ReplicationToken>,
+    sync: Option<Arc<SyncAuth>>,
     tls: Option<Arc<rustls::ServerConfig>>,
 ) -> Settings {
     Settings {
+        sync,
+        sync_retention: Duration::from_secs(args.sync_retention_secs),
+        sync_slow_consumer_ms: args.sync_slow_consumer_ms,
         data: args.data.clone(),
         public_url: args.public_url(),
         purge_delay: Duration::from_millis(args.purge_delay_ms),
@@ -331,6 +375,10 @@ fn settings(
 /// How the server runs, once the replica is ready.
 #[derive(Debug, Clone)]
 struct Settings {
+    /// Scope sync's rules and token key; `None`: `/sync` is off.
+    sync: Option<Arc<SyncAuth>>,
+    sync_retention: Duration,
+    sync_slow_consumer_ms: u64,
     data: PathBuf,
     public_url: String,
     purge_delay: Duration,
@@ -354,7 +402,7 @@ struct Settings {
 /// source, until `stop` or a failure.
 async fn run_server(
     listener: TcpListener,
-    writer: crate::replica::ReplicaWriter,
+    mut writer: crate::replica::ReplicaWriter,
     log: crate::change_log::ChangeLogStatus,
     publications: Vec<String>,
     source: source::Source,
@@ -403,6 +451,23 @@ async fn run_server(
         });
     }
 
+    let sync_hub = match &settings.sync {
+        None => None,
+        Some(auth) => {
+            writer.enable_scope_feed(auth.filter_columns().into_iter().collect())?;
+            let sync_hub = sync::SyncHub::new(
+                log.replica_version.as_str(),
+                settings.sync_slow_consumer_ms,
+                auth.clone(),
+                db_path.clone(),
+                handle.clone(),
+                settings.ping_interval,
+            );
+            let floor = crate::replica::feed::retention_floor(writer.replica().connection())?;
+            sync_hub.set_retention_floor(floor);
+            Some(sync_hub)
+        }
+    };
     let ingest = ingest::Ingest::new(
         hub.clone(),
         writer,
@@ -410,6 +475,9 @@ async fn run_server(
         publications,
         handle.clone(),
         settings.backfill_from.clone().map(ingest::Backfills::new),
+        sync_hub
+            .clone()
+            .map(|hub| ingest::SyncFeed::new(hub, settings.sync_retention)),
     );
     let ingest_task = {
         let shutdown_tx = shutdown_tx.clone();
@@ -424,6 +492,7 @@ async fn run_server(
 
     let ticker = tokio::spawn(tick(
         hub.clone(),
+        sync_hub.clone(),
         db_path.clone(),
         settings.backup_interval,
         shutdown.clone(),
@@ -434,6 +503,7 @@ async fn run_server(
         replica_path: db_path,
         snapshot_dir: settings.data.join("snapshots"),
         ping_interval: settings.ping_interval,
+        sync: sync_hub.clone(),
         peer_auth: settings.peer_auth.clone(),
         insecure_no_auth: settings.insecure_no_auth && settings.peer_auth.token.is_none(),
     };
@@ -441,10 +511,14 @@ async fn run_server(
     let app = endpoints::router(state);
     let stopping = {
         let hub = hub.clone();
+        let sync_hub = sync_hub.clone();
         let mut shutdown = shutdown.clone();
         async move {
             let _ = shutdown.wait_for(|s| *s).await;
             hub.close_all(1001, "server shutting down");
+            if let Some(sync_hub) = &sync_hub {
+                sync_hub.close_all(1001, "server shutting down");
+            }
         }
     };
     let served = match &settings.tls {
@@ -496,6 +570,7 @@ fn owner_address(public_url: &str) -> String {
 /// replica is the backup: `/replica/snapshot` serves it at its current position).
 async fn tick(
     hub: Arc<Hub>,
+    sync_hub: Option<Arc<sync::SyncHub>>,
     replica_path: PathBuf,
     backup_interval: Duration,
     mut shutdown: watch::Receiver<bool>,
@@ -525,6 +600,9 @@ async fn tick(
             });
         }
         hub.call(|s, now| s.tick(now));
+        if let Some(sync_hub) = &sync_hub {
+            sync_hub.tick();
+        }
     }
 }
 

@@ -147,6 +147,7 @@ pub(super) async fn serve(
     args: ServeArgs,
     from: String,
     required: Option<super::ReplicationToken>,
+    sync: Option<Arc<crate::sync_auth::SyncAuth>>,
     stop: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
     let public_url = args.public_url();
@@ -199,7 +200,12 @@ pub(super) async fn serve(
             prepared.log,
             prepared.publications,
             source,
-            super::settings(&args, required.clone(), args.security.tls_config()?),
+            super::settings(
+                &args,
+                required.clone(),
+                sync.clone(),
+                args.security.tls_config()?,
+            ),
             stop.clone(),
         )
         .await;
