@@ -241,6 +241,11 @@ struct Subscription {
     pinned: Option<i64>,
     /// Live envelopes that arrived before the pin.
     buffered: Vec<Vec<FeedEntry>>,
+    /// While replaying: the newest seq sent live per resource id. A replay entry of the same
+    /// resource with a lower seq is older than what the client already holds (a row that left
+    /// the scope at or below the pin and came back above it), so it is not sent: the client
+    /// would otherwise apply the stale removal after the live row.
+    sent_live: HashMap<String, i64>,
     /// A page request waiting for room in the outbound budget.
     waiting: Option<PageRequest>,
     done: u64,
@@ -480,6 +485,7 @@ impl ScopeServer {
             start_seq: None,
             pinned: None,
             buffered: Vec::new(),
+            sent_live: HashMap::new(),
             waiting: None,
             done: 0,
             total: None,
@@ -611,6 +617,19 @@ impl ScopeServer {
                         return;
                     };
                     sub.done += envelope.syncs.len() as u64;
+                    if !sub.sent_live.is_empty() {
+                        let sent_live = &sub.sent_live;
+                        envelope.syncs.retain(|entry| {
+                            let newer_live = entry
+                                .resource_id
+                                .as_ref()
+                                .and_then(|key| sent_live.get(key));
+                            match (newer_live, entry.server_sequence) {
+                                (Some(live), Some(seq)) => seq > *live,
+                                _ => true,
+                            }
+                        });
+                    }
                     envelope.extra.insert(
                         "progress".to_owned(),
                         // Removals are not in the first page's count: never report more done than total.
@@ -622,6 +641,7 @@ impl ScopeServer {
                 ReplayEffect::Finished { .. } => {
                     if let Some(sub) = self.subscription_mut(conn, id) {
                         sub.stage = Stage::Live;
+                        sub.sent_live = HashMap::new();
                     }
                     self.send(
                         conn,
@@ -791,6 +811,14 @@ impl ScopeServer {
             .collect();
         if syncs.is_empty() {
             return;
+        }
+        if matches!(sub.stage, Stage::Replaying) {
+            for entry in &syncs {
+                if let (Some(key), Some(seq)) = (&entry.resource_id, entry.server_sequence) {
+                    let newest = sub.sent_live.entry(key.clone()).or_insert(seq);
+                    *newest = (*newest).max(seq);
+                }
+            }
         }
         let envelope = SyncEnvelope::new(None, syncs);
         let _ = sub.planner.handle(ReplayInput::Delivered {
