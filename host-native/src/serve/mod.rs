@@ -113,6 +113,10 @@ pub struct ServeArgs {
     /// and sync again instead of stopping with an error.
     #[arg(long)]
     pub auto_reset: bool,
+    /// Routes served in front of the server's own, for a program that embeds `serve` (the demo
+    /// mounts its page here). A request they do not match falls through to the server's routes.
+    #[arg(skip)]
+    pub extra_routes: Option<axum::Router>,
 }
 
 impl ServeArgs {
@@ -132,6 +136,7 @@ impl ServeArgs {
             backlog_high_water_bytes: DEFAULT_BACKLOG_HIGH_WATER_BYTES,
             backlog_full_timeout_ms: DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
             auto_reset: false,
+            extra_routes: None,
         }
     }
 
@@ -265,6 +270,7 @@ fn settings(args: &ServeArgs) -> Settings {
         backlog_high_water_bytes: args.backlog_high_water_bytes,
         backlog_full_timeout_ms: args.backlog_full_timeout_ms,
         backfill_from: None,
+        extra_routes: args.extra_routes.clone(),
     }
 }
 
@@ -282,6 +288,8 @@ struct Settings {
     /// Where the replica's pending backfills are read (Postgres); `None` when the change source
     /// streams its own (a relay).
     backfill_from: Option<tokio_postgres::Config>,
+    /// Routes matched before the server's own ([`ServeArgs::extra_routes`]).
+    extra_routes: Option<axum::Router>,
 }
 
 /// Runs the storage loop, the endpoints and the timers over a ready replica and a change
@@ -370,7 +378,10 @@ async fn run_server(
         ping_interval: settings.ping_interval,
     };
     snapshot::clear_dir(&state.snapshot_dir)?;
-    let app = endpoints::router(state);
+    let app = match settings.extra_routes {
+        Some(extra) => extra.fallback_service(endpoints::router(state)),
+        None => endpoints::router(state),
+    };
     let server = {
         let hub = hub.clone();
         let mut shutdown = shutdown.clone();

@@ -104,6 +104,7 @@ impl Harness {
             backlog_high_water_bytes: highwater_engine::streamer::DEFAULT_BACKLOG_HIGH_WATER_BYTES,
             backlog_full_timeout_ms: highwater_engine::streamer::DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
             backfill_from: None,
+            extra_routes: None,
         };
         let (stop, stop_rx) = watch::channel(false);
         let server = tokio::spawn(run_server(
