@@ -12,4 +12,5 @@ pub mod replicate;
 pub mod replication;
 pub mod runtime;
 pub mod serve;
+pub mod sync_auth;
 pub mod watch;

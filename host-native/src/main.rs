@@ -26,6 +26,8 @@ enum Command {
     Watch(highwater_host::watch::WatchArgs),
     /// Run a benchmark and print its results table (`highwater bench ingest`).
     Bench(highwater_host::bench::BenchArgs),
+    /// Print a development scope-sync token (HS256) signed with the configured secret.
+    Token(highwater_host::sync_auth::TokenArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -37,5 +39,6 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(args) => highwater_host::demo::run(args),
         Command::Watch(args) => highwater_host::watch::run(args),
         Command::Bench(args) => highwater_host::bench::run(args),
+        Command::Token(args) => Ok(highwater_host::sync_auth::run_token(args)?),
     }
 }

@@ -1,0 +1,397 @@
+//! Scope-sync authorization rules: which tables an app may read, which columns a scope may
+//! filter on, which columns are never sent, and which conditions must equal a token claim.
+//!
+//! Pure: the host reads the rules file and verifies the token; this module parses the rules
+//! ([`SyncRules::from_json`]) and decides a subscription ([`SyncRules::decide`]) from the
+//! verified claims, the `resourceType` and the `conditions`, as a value. The host must:
+//! - on [`Grant`], serve the scope from `grant.table`, strip every column in
+//!   `grant.omit_columns` from each row it sends (replay and live), and end the subscription
+//!   with `auth-expired` once `grant.expires_at_ms` has passed;
+//! - on [`Denial`], answer `channel-error` with `denial.code.as_str()` and the message, and send
+//!   no rows;
+//! - build its scope indexes from [`SyncRules::filter_columns`].
+//!
+//! The rules file (JSON):
+//! ```json
+//! { "tables": { "todos": {
+//!     "filterColumns": ["owner", "done"],
+//!     "omitColumns": ["secret_note"],
+//!     "require": { "owner": "sub" } } } }
+//! ```
+//! Unknown keys are errors, not ignored: a misspelt `require` must not silently open a table.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde_json::{Map, Value};
+
+use crate::scope_sync::coercion::{describe, js_string_form};
+
+/// The parsed rules: one entry per readable table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncRules {
+    tables: BTreeMap<String, TableRules>,
+}
+
+/// What the rules say about one table.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TableRules {
+    filter_columns: Vec<String>,
+    omit_columns: Vec<String>,
+    /// Column → name of the claim its condition must equal.
+    require: BTreeMap<String, String>,
+}
+
+/// A subscription the rules allow.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// The table to serve the scope from.
+    pub table: String,
+    /// Columns to strip from every row sent to this subscription.
+    pub omit_columns: Vec<String>,
+    /// When the token that allowed it expires (its `exp`, in ms); `None` without a token.
+    pub expires_at_ms: Option<u64>,
+}
+
+/// A subscription the rules refuse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct Denial {
+    pub code: DenialCode,
+    pub message: String,
+}
+
+/// The stable `channel-error` code of a [`Denial`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DenialCode {
+    /// The rules do not allow this table, filter column, or claim condition.
+    Forbidden,
+    /// The scope is malformed: no table, or a condition that is not a scalar.
+    InvalidParams,
+}
+
+impl DenialCode {
+    /// The wire code: `forbidden` or `invalid-params`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Forbidden => "forbidden",
+            Self::InvalidParams => "invalid-params",
+        }
+    }
+}
+
+/// Why a rules file was rejected. `path` names the offending place, such as
+/// `tables.todos.filterColumns[1]`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RulesError {
+    #[error("expected the rules to be JSON: {reason}")]
+    NotJson { reason: String },
+    #[error("{path}: expected {expected}, got {found}")]
+    WrongType {
+        path: String,
+        expected: &'static str,
+        found: String,
+    },
+    #[error("{path}: unknown key; expected one of {expected}")]
+    UnknownKey {
+        path: String,
+        expected: &'static str,
+    },
+    #[error("{path}: expected a key \"tables\"")]
+    MissingTables { path: String },
+    #[error("{path}: expected a non-blank name without surrounding spaces, got {found:?}")]
+    BadName { path: String, found: String },
+    #[error("{path}: column {column:?} is listed twice")]
+    Duplicate { path: String, column: String },
+    #[error(
+        "{path}: column {column:?} is in omitColumns and filterColumns; a filter on it would reveal the omitted values"
+    )]
+    OmittedFilter { path: String, column: String },
+    #[error(
+        "{path}: column {column:?} must equal a claim, so it must be listed in filterColumns too"
+    )]
+    RequireNotFilter { path: String, column: String },
+}
+
+impl SyncRules {
+    /// Parses the rules file text.
+    pub fn from_json(text: &str) -> Result<Self, RulesError> {
+        let value: Value = serde_json::from_str(text).map_err(|error| RulesError::NotJson {
+            reason: error.to_string(),
+        })?;
+        Self::from_value(&value)
+    }
+
+    /// Parses rules already read as JSON.
+    pub fn from_value(value: &Value) -> Result<Self, RulesError> {
+        let root = object(value, "the rules")?;
+        check_keys(root, "the rules", &["tables"], "\"tables\"")?;
+        let tables_value = root.get("tables").ok_or(RulesError::MissingTables {
+            path: "the rules".to_owned(),
+        })?;
+        let mut tables = BTreeMap::new();
+        for (name, table) in object(tables_value, "tables")? {
+            let path = format!("tables.{name}");
+            check_name(name, "tables")?;
+            tables.insert(name.clone(), TableRules::from_value(table, &path)?);
+        }
+        Ok(Self { tables })
+    }
+
+    /// The rules of one table, if it is readable.
+    pub fn table(&self, name: &str) -> Option<&TableRules> {
+        self.tables.get(name)
+    }
+
+    /// The readable tables and their rules, by name.
+    pub fn tables(&self) -> impl Iterator<Item = (&str, &TableRules)> {
+        self.tables
+            .iter()
+            .map(|(name, rules)| (name.as_str(), rules))
+    }
+
+    /// The columns a scope may filter on, per table: the server indexes these.
+    pub fn filter_columns(&self) -> BTreeMap<String, Vec<String>> {
+        self.tables
+            .iter()
+            .map(|(name, rules)| (name.clone(), rules.filter_columns.clone()))
+            .collect()
+    }
+
+    /// Decides a subscription to `resource_type` where `conditions`, for a caller holding
+    /// `claims` (already verified; empty without a token). `expires_at_ms` is copied into the
+    /// grant.
+    ///
+    /// Order of checks: a missing table name or a non-scalar condition is `invalid-params`; an
+    /// unlisted table, a condition on a column outside `filterColumns`, or a `require` column
+    /// that is absent from the conditions or differs from its claim is `forbidden`. Values
+    /// compare in JS string form (`5` equals `"5"`), as scope routing does.
+    pub fn decide(
+        &self,
+        claims: &Map<String, Value>,
+        resource_type: &str,
+        conditions: &Map<String, Value>,
+        expires_at_ms: Option<u64>,
+    ) -> Result<Grant, Denial> {
+        if resource_type.trim().is_empty() {
+            return Err(invalid(
+                "expected resourceType to name a table, got nothing",
+            ));
+        }
+        for (column, value) in conditions {
+            if !matches!(value, Value::String(_) | Value::Number(_) | Value::Bool(_)) {
+                return Err(invalid(format!(
+                    "expected condition {column:?} to be a string, number or boolean, got {}",
+                    describe(value)
+                )));
+            }
+        }
+        let Some(rules) = self.tables.get(resource_type) else {
+            return Err(forbidden(format!(
+                "the sync rules do not allow reading table {resource_type:?}"
+            )));
+        };
+        for column in conditions.keys() {
+            if !rules.filter_columns.contains(column) {
+                return Err(forbidden(format!(
+                    "table {resource_type:?} may not be filtered on column {column:?}; allowed: {}",
+                    list(&rules.filter_columns)
+                )));
+            }
+        }
+        for (column, claim) in &rules.require {
+            let Some(condition) = conditions.get(column) else {
+                return Err(forbidden(format!(
+                    "a scope of table {resource_type:?} must have the condition {column:?} equal to the token's {claim:?} claim"
+                )));
+            };
+            let granted = match claims.get(claim) {
+                Some(value @ (Value::String(_) | Value::Number(_) | Value::Bool(_))) => {
+                    js_string_form(value) == js_string_form(condition)
+                }
+                Some(_) | None => {
+                    return Err(forbidden(format!(
+                        "a scope of table {resource_type:?} needs a token with a scalar {claim:?} claim"
+                    )))
+                }
+            };
+            if !granted {
+                return Err(forbidden(format!(
+                    "the condition {column:?} must equal the token's {claim:?} claim"
+                )));
+            }
+        }
+        Ok(Grant {
+            table: resource_type.to_owned(),
+            omit_columns: rules.omit_columns.clone(),
+            expires_at_ms,
+        })
+    }
+}
+
+impl TableRules {
+    fn from_value(value: &Value, path: &str) -> Result<Self, RulesError> {
+        let fields = object(value, path)?;
+        check_keys(
+            fields,
+            path,
+            &["filterColumns", "omitColumns", "require"],
+            "\"filterColumns\", \"omitColumns\", \"require\"",
+        )?;
+        let filter_columns = columns(
+            fields.get("filterColumns"),
+            &format!("{path}.filterColumns"),
+        )?;
+        let omit_path = format!("{path}.omitColumns");
+        let omit_columns = columns(fields.get("omitColumns"), &omit_path)?;
+        if let Some(column) = omit_columns.iter().find(|c| filter_columns.contains(c)) {
+            return Err(RulesError::OmittedFilter {
+                path: omit_path,
+                column: column.clone(),
+            });
+        }
+        let mut require = BTreeMap::new();
+        if let Some(value) = fields.get("require") {
+            let require_path = format!("{path}.require");
+            for (column, claim) in object(value, &require_path)? {
+                check_name(column, &require_path)?;
+                let claim_path = format!("{require_path}.{column}");
+                let Value::String(claim) = claim else {
+                    return Err(RulesError::WrongType {
+                        path: claim_path,
+                        expected: "a claim name (a string)",
+                        found: describe(claim),
+                    });
+                };
+                check_name(claim, &claim_path)?;
+                if !filter_columns.contains(column) {
+                    return Err(RulesError::RequireNotFilter {
+                        path: require_path,
+                        column: column.clone(),
+                    });
+                }
+                require.insert(column.clone(), claim.clone());
+            }
+        }
+        Ok(Self {
+            filter_columns,
+            omit_columns,
+            require,
+        })
+    }
+
+    /// The columns a scope of this table may filter on.
+    pub fn filter_columns(&self) -> &[String] {
+        &self.filter_columns
+    }
+
+    /// The columns never sent.
+    pub fn omit_columns(&self) -> &[String] {
+        &self.omit_columns
+    }
+
+    /// Column → the claim its condition must equal.
+    pub fn require(&self) -> &BTreeMap<String, String> {
+        &self.require
+    }
+
+    /// Whether a subscription to this table needs a token (some condition must equal a claim).
+    pub fn needs_claims(&self) -> bool {
+        !self.require.is_empty()
+    }
+}
+
+fn forbidden(message: impl Into<String>) -> Denial {
+    Denial {
+        code: DenialCode::Forbidden,
+        message: message.into(),
+    }
+}
+
+fn invalid(message: impl Into<String>) -> Denial {
+    Denial {
+        code: DenialCode::InvalidParams,
+        message: message.into(),
+    }
+}
+
+fn list(columns: &[String]) -> String {
+    if columns.is_empty() {
+        "none".to_owned()
+    } else {
+        columns.join(", ")
+    }
+}
+
+fn object<'a>(value: &'a Value, path: &str) -> Result<&'a Map<String, Value>, RulesError> {
+    match value {
+        Value::Object(fields) => Ok(fields),
+        other => Err(RulesError::WrongType {
+            path: path.to_owned(),
+            expected: "an object",
+            found: describe(other),
+        }),
+    }
+}
+
+fn check_keys(
+    fields: &Map<String, Value>,
+    path: &str,
+    known: &[&str],
+    expected: &'static str,
+) -> Result<(), RulesError> {
+    match fields.keys().find(|key| !known.contains(&key.as_str())) {
+        Some(key) => Err(RulesError::UnknownKey {
+            path: format!("{path}.{key}"),
+            expected,
+        }),
+        None => Ok(()),
+    }
+}
+
+fn check_name(name: &str, path: &str) -> Result<(), RulesError> {
+    if name.is_empty() || name.trim() != name {
+        return Err(RulesError::BadName {
+            path: path.to_owned(),
+            found: name.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+fn columns(value: Option<&Value>, path: &str) -> Result<Vec<String>, RulesError> {
+    let items = match value {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(other) => {
+            return Err(RulesError::WrongType {
+                path: path.to_owned(),
+                expected: "an array of column names",
+                found: describe(other),
+            })
+        }
+    };
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::with_capacity(items.len());
+    for (index, item) in items.iter().enumerate() {
+        let item_path = format!("{path}[{index}]");
+        let Value::String(column) = item else {
+            return Err(RulesError::WrongType {
+                path: item_path,
+                expected: "a column name (a string)",
+                found: describe(item),
+            });
+        };
+        check_name(column, &item_path)?;
+        if !seen.insert(column.as_str()) {
+            return Err(RulesError::Duplicate {
+                path: item_path,
+                column: column.clone(),
+            });
+        }
+        out.push(column.clone());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,268 @@
+use serde_json::{json, Map, Value};
+
+use super::*;
+
+const RULES: &str = r#"{
+  "tables": {
+    "todos": {
+      "filterColumns": ["owner", "done"],
+      "omitColumns": ["secret_note"],
+      "require": { "owner": "sub" }
+    },
+    "projects": { "filterColumns": ["org", "id"], "require": { "org": "org" } },
+    "announcements": { "filterColumns": ["lang"] }
+  }
+}"#;
+
+fn rules() -> SyncRules {
+    SyncRules::from_json(RULES).expect("the example rules parse")
+}
+
+fn map(value: Value) -> Map<String, Value> {
+    match value {
+        Value::Object(map) => map,
+        other => panic!("expected an object, got {other}"),
+    }
+}
+
+#[test]
+fn rules_parse_into_tables_filter_columns_and_requirements() {
+    let rules = rules();
+    let todos = rules.table("todos").expect("todos is readable");
+    assert_eq!(todos.filter_columns(), ["owner", "done"]);
+    assert_eq!(todos.omit_columns(), ["secret_note"]);
+    assert_eq!(
+        todos.require().get("owner").map(String::as_str),
+        Some("sub")
+    );
+    assert!(todos.needs_claims());
+    assert!(!rules.table("announcements").expect("listed").needs_claims());
+    assert!(rules.table("users").is_none());
+    let filters = rules.filter_columns();
+    assert_eq!(
+        filters.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["announcements", "projects", "todos"]
+    );
+    assert_eq!(filters["projects"], ["org", "id"]);
+    assert_eq!(filters["announcements"], ["lang"]);
+}
+
+#[test]
+fn bad_rules_files_are_typed_errors_naming_the_path() {
+    let cases: &[(&str, &str)] = &[
+        ("not json", "expected the rules to be JSON"),
+        ("[]", "the rules: expected an object, got an array of 0 items"),
+        ("{}", "the rules: expected a key \"tables\""),
+        (r#"{"tables":{},"extra":1}"#, "the rules.extra: unknown key"),
+        (r#"{"tables":[]}"#, "tables: expected an object, got an array"),
+        (r#"{"tables":{"t":1}}"#, "tables.t: expected an object, got number 1"),
+        (
+            r#"{"tables":{"t":{"requires":{"owner":"sub"}}}}"#,
+            "tables.t.requires: unknown key; expected one of \"filterColumns\"",
+        ),
+        (
+            r#"{"tables":{"t":{"filterColumns":"owner"}}}"#,
+            "tables.t.filterColumns: expected an array of column names, got string \"owner\"",
+        ),
+        (
+            r#"{"tables":{"t":{"filterColumns":["owner",7]}}}"#,
+            "tables.t.filterColumns[1]: expected a column name (a string), got number 7",
+        ),
+        (
+            r#"{"tables":{"t":{"filterColumns":["owner","owner"]}}}"#,
+            "tables.t.filterColumns[1]: column \"owner\" is listed twice",
+        ),
+        (
+            r#"{"tables":{"t":{"filterColumns":[" owner"]}}}"#,
+            "tables.t.filterColumns[0]: expected a non-blank name",
+        ),
+        (
+            r#"{"tables":{"":{}}}"#,
+            "tables: expected a non-blank name without surrounding spaces, got \"\"",
+        ),
+        (
+            r#"{"tables":{"t":{"filterColumns":["a"],"omitColumns":["a"]}}}"#,
+            "tables.t.omitColumns: column \"a\" is in omitColumns and filterColumns",
+        ),
+        (
+            r#"{"tables":{"t":{"filterColumns":["a"],"require":{"owner":"sub"}}}}"#,
+            "tables.t.require: column \"owner\" must equal a claim, so it must be listed in filterColumns",
+        ),
+        (
+            r#"{"tables":{"t":{"filterColumns":["owner"],"require":{"owner":1}}}}"#,
+            "tables.t.require.owner: expected a claim name (a string), got number 1",
+        ),
+        (
+            r#"{"tables":{"t":{"filterColumns":["owner"],"require":{"owner":""}}}}"#,
+            "tables.t.require.owner: expected a non-blank name",
+        ),
+        (
+            r#"{"tables":{"t":{"require":[]}}}"#,
+            "tables.t.require: expected an object, got an array of 0 items",
+        ),
+    ];
+    for (text, expected) in cases {
+        let error = SyncRules::from_json(text).expect_err(text).to_string();
+        assert!(
+            error.starts_with(expected),
+            "rules {text}: expected an error starting {expected:?}, got {error:?}"
+        );
+    }
+}
+
+#[test]
+fn an_empty_table_list_parses_and_allows_nothing() {
+    let rules = SyncRules::from_json(r#"{"tables":{}}"#).expect("parses");
+    let denial = rules
+        .decide(&Map::new(), "todos", &Map::new(), None)
+        .expect_err("nothing is readable");
+    assert_eq!(denial.code, DenialCode::Forbidden);
+}
+
+/// The grant's table, or the denial's code and message prefix.
+type Expected = Result<&'static str, (DenialCode, &'static str)>;
+
+/// One row per decision: claims, table, conditions → the code, or the grant's table.
+#[test]
+fn decisions_follow_the_rules() {
+    let rules = rules();
+    let ada = json!({"sub": "ada", "org": 42});
+    let cases: Vec<(Value, &str, Value, Expected)> = vec![
+        (ada.clone(), "todos", json!({"owner": "ada"}), Ok("todos")),
+        (ada.clone(), "todos", json!({"owner": "ada", "done": false}), Ok("todos")),
+        (
+            ada.clone(),
+            "todos",
+            json!({"owner": "grace"}),
+            Err((DenialCode::Forbidden, "the condition \"owner\" must equal the token's \"sub\" claim")),
+        ),
+        (
+            ada.clone(),
+            "todos",
+            json!({"done": true}),
+            Err((DenialCode::Forbidden, "a scope of table \"todos\" must have the condition \"owner\"")),
+        ),
+        (
+            ada.clone(),
+            "todos",
+            json!({}),
+            Err((DenialCode::Forbidden, "a scope of table \"todos\" must have the condition \"owner\"")),
+        ),
+        (
+            ada.clone(),
+            "todos",
+            json!({"owner": "ada", "secret_note": "x"}),
+            Err((DenialCode::Forbidden, "table \"todos\" may not be filtered on column \"secret_note\"; allowed: owner, done")),
+        ),
+        (
+            ada.clone(),
+            "users",
+            json!({"owner": "ada"}),
+            Err((DenialCode::Forbidden, "the sync rules do not allow reading table \"users\"")),
+        ),
+        (
+            json!({"org": 42}),
+            "todos",
+            json!({"owner": "ada"}),
+            Err((DenialCode::Forbidden, "a scope of table \"todos\" needs a token with a scalar \"sub\" claim")),
+        ),
+        (
+            json!({"sub": ["ada"]}),
+            "todos",
+            json!({"owner": "ada"}),
+            Err((DenialCode::Forbidden, "a scope of table \"todos\" needs a token with a scalar \"sub\" claim")),
+        ),
+        (
+            json!({"sub": null}),
+            "todos",
+            json!({"owner": "null"}),
+            Err((DenialCode::Forbidden, "a scope of table \"todos\" needs a token with a scalar \"sub\" claim")),
+        ),
+        // String-form comparison: a numeric claim matches the same number sent as text.
+        (ada.clone(), "projects", json!({"org": "42"}), Ok("projects")),
+        (ada.clone(), "projects", json!({"org": 42, "id": 7}), Ok("projects")),
+        (
+            ada.clone(),
+            "projects",
+            json!({"org": 43}),
+            Err((DenialCode::Forbidden, "the condition \"org\" must equal the token's \"org\" claim")),
+        ),
+        // A table without `require` needs no claims at all.
+        (json!({}), "announcements", json!({"lang": "en"}), Ok("announcements")),
+        (json!({}), "announcements", json!({}), Ok("announcements")),
+        (
+            ada.clone(),
+            "",
+            json!({}),
+            Err((DenialCode::InvalidParams, "expected resourceType to name a table, got nothing")),
+        ),
+        (
+            ada.clone(),
+            "todos",
+            json!({"owner": ["ada", "grace"]}),
+            Err((DenialCode::InvalidParams, "expected condition \"owner\" to be a string, number or boolean, got an array of 2 items")),
+        ),
+        (
+            ada.clone(),
+            "todos",
+            json!({"owner": null}),
+            Err((DenialCode::InvalidParams, "expected condition \"owner\" to be a string, number or boolean, got null")),
+        ),
+        (
+            ada.clone(),
+            "todos",
+            json!({"owner": {"$ne": "x"}}),
+            Err((DenialCode::InvalidParams, "expected condition \"owner\" to be a string, number or boolean, got an object")),
+        ),
+    ];
+    for (claims, table, conditions, expected) in cases {
+        let got = rules.decide(
+            &map(claims.clone()),
+            table,
+            &map(conditions.clone()),
+            Some(9),
+        );
+        match (&got, &expected) {
+            (Ok(grant), Ok(expected_table)) => {
+                assert_eq!(grant.table, *expected_table);
+                assert_eq!(grant.expires_at_ms, Some(9));
+            }
+            (Err(denial), Err((code, message))) => {
+                assert_eq!(denial.code, *code, "{claims} {table} {conditions}");
+                assert!(
+                    denial.message.starts_with(message),
+                    "{claims} {table} {conditions}: expected {message:?}, got {:?}",
+                    denial.message
+                );
+            }
+            _ => panic!("{claims} {table} {conditions}: expected {expected:?}, got {got:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_grant_lists_the_omitted_columns_of_its_table() {
+    let rules = rules();
+    let claims = map(json!({"sub": "ada"}));
+    let grant = rules
+        .decide(&claims, "todos", &map(json!({"owner": "ada"})), None)
+        .expect("allowed");
+    assert_eq!(
+        grant,
+        Grant {
+            table: "todos".to_owned(),
+            omit_columns: vec!["secret_note".to_owned()],
+            expires_at_ms: None,
+        }
+    );
+    let grant = rules
+        .decide(&claims, "projects", &map(json!({"org": "1"})), None)
+        .expect_err("org claim missing");
+    assert_eq!(grant.code.as_str(), "forbidden");
+}
+
+#[test]
+fn denial_codes_are_the_stable_wire_codes() {
+    assert_eq!(DenialCode::Forbidden.as_str(), "forbidden");
+    assert_eq!(DenialCode::InvalidParams.as_str(), "invalid-params");
+}
