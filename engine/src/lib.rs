@@ -12,6 +12,7 @@ pub mod realtime_bridge;
 pub mod replay;
 pub mod scope;
 pub mod scope_rules;
+pub mod scope_server;
 pub mod scope_sync;
 pub mod streamer;
 pub mod watermark;

@@ -763,7 +763,8 @@ impl ScopeBridge {
     /// A reset batch committed: the host dropped the scope's rows and stored cursor. A
     /// subscription opened for the scope since the batch was handed out asked the server to
     /// resume from the dropped cursor, and would leave the cleared rows missing; it is reopened
-    /// from the whole scope.
+    /// from the whole scope. So is a subscription already caught up: its replay must again end
+    /// with `channel-subscribed` before cursors are persisted.
     fn forget_cursor(&mut self, batch: &InFlight, effects: &mut Vec<BridgeEffect>) {
         let Some(index) = self
             .scopes
@@ -778,7 +779,9 @@ impl ScopeBridge {
         let Some(open) = track.subscription_id.clone() else {
             return;
         };
-        if open != batch.subscription_id {
+        // A reset on a subscription already confirmed would replay with no
+        // `channel-subscribed` to end it (and no P3 guard): reopen it too, so it ends with one.
+        if open != batch.subscription_id || track.caught_up {
             self.subscriptions.remove(&open);
             effects.push(BridgeEffect::SendUnsubscribe {
                 subscription_id: open,
@@ -1758,6 +1761,51 @@ mod tests {
             !params.contains_key("afterUpdatedAt"),
             "the whole scope: {params:?}"
         );
+    }
+
+    #[test]
+    fn a_reset_on_a_caught_up_subscription_reopens_it_and_ends_with_channel_subscribed() {
+        let mut bridge = ScopeBridge::new(config());
+        feed(
+            &mut bridge,
+            BridgeInput::Subscribe {
+                channels: vec![channel("p1", Some(9))],
+            },
+        );
+        let effects = feed(&mut bridge, confirmed("sync-1"));
+        assert!(effects
+            .iter()
+            .any(|e| matches!(e, BridgeEffect::Ready { .. })));
+        let reset = crate::replay::reset_envelope(&cursor(20)).to_value();
+        feed(&mut bridge, message("sync-1", reset));
+        let effects = feed(&mut bridge, ok(1));
+        assert_eq!(
+            effects[0],
+            BridgeEffect::SendUnsubscribe {
+                subscription_id: "sync-1".to_owned()
+            }
+        );
+        let BridgeEffect::SendSubscribe {
+            subscription_id,
+            params,
+            ..
+        } = &effects[1]
+        else {
+            panic!("expected a re-subscribe, got {effects:?}");
+        };
+        assert_eq!(subscription_id, "sync-2");
+        assert!(!params.contains_key("afterServerSequence"), "{params:?}");
+        assert_eq!(bridge.state(), BridgeState::Subscribing);
+        let applied = feed_applying(&mut bridge, message("sync-2", body(&[1, 2])));
+        assert!(
+            saves(&applied).is_empty(),
+            "nothing persisted before the confirmation"
+        );
+        let effects = feed(&mut bridge, confirmed("sync-2"));
+        assert_eq!(saves(&effects), vec![2]);
+        assert!(effects
+            .iter()
+            .any(|e| matches!(e, BridgeEffect::Ready { .. })));
     }
 
     #[test]

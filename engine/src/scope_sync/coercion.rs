@@ -228,7 +228,7 @@ pub(crate) fn json_number_text(number: &Number) -> String {
 
 /// `String(value)` for a JSON value, as a JS peer computes it when comparing routing values.
 /// Numbers print as in [`json_number_text`], so big integers compare exactly.
-pub(crate) fn js_string_form(value: &Value) -> String {
+pub fn js_string_form(value: &Value) -> String {
     match value {
         Value::Null => "null".to_owned(),
         Value::Bool(b) => b.to_string(),

@@ -10,6 +10,7 @@ mod envelope;
 mod frame;
 mod subscribe;
 
+pub use coercion::js_string_form;
 pub use envelope::{EnvelopeError, SyncEntry, SyncEnvelope};
 pub use frame::{ClientFrame, FrameError, ServerFrame, SYNC_CHANNEL_TYPE};
 pub use subscribe::{

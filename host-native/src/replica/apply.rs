@@ -23,6 +23,7 @@ use rusqlite::types::Value as SqlValue;
 use rusqlite::{params, params_from_iter, Connection};
 use serde_json::Value;
 
+use super::feed::{self, Capture, CommittedChanges, FeedTables, Pre};
 use super::schema::{
     self, create_index_sql, quote_ident, replica_index_name, replica_table_name, ReplicaColumn,
     ReplicaTable,
@@ -62,6 +63,8 @@ struct Txn {
     skip: bool,
     json: JsonFormat,
     schema_changed: bool,
+    /// Zero's `commitTime` of the `begin` (Unix microseconds), if the source sent it.
+    begin_time_us: Option<i64>,
 }
 
 /// Applies change-stream messages to a [`Replica`].
@@ -69,6 +72,10 @@ pub struct ReplicaWriter {
     replica: Replica,
     txn: Option<Txn>,
     next_seq: i64,
+    /// Scope-feed capture, when scope sync follows some tables.
+    feed: Option<Capture>,
+    /// The feed entries of the last committed transaction, until taken.
+    committed: Option<CommittedChanges>,
 }
 
 impl ReplicaWriter {
@@ -78,7 +85,25 @@ impl ReplicaWriter {
             replica,
             txn: None,
             next_seq,
+            feed: None,
+            committed: None,
         }
+    }
+
+    /// Follows `tables` (replica name → filter columns) for scope sync: from now on every
+    /// commit records their feed entries (see [`feed`]), taken with
+    /// [`ReplicaWriter::take_committed`]. Creates the feed's tables and indexes.
+    pub fn enable_scope_feed(&mut self, tables: FeedTables) -> Result<(), ReplicaError> {
+        feed::prepare(&self.replica.conn, &self.replica.tables, &tables)?;
+        self.feed = Some(Capture::new(tables));
+        Ok(())
+    }
+
+    /// The scope-feed entries of the transaction committed last (empty when the feed is off or
+    /// it touched no followed table). Route them to scope subscribers only now, after the
+    /// commit: their seqs are durable.
+    pub fn take_committed(&mut self) -> Option<CommittedChanges> {
+        self.committed.take()
     }
 
     pub fn replica(&self) -> &Replica {
@@ -131,11 +156,13 @@ impl ReplicaWriter {
         if !skip {
             self.replica.conn.execute_batch("BEGIN IMMEDIATE")?;
         }
+        self.committed = None;
         self.txn = Some(Txn {
             watermark: begin.commit_watermark.clone(),
             skip,
             json: begin.json.unwrap_or(JsonFormat::Parsed),
             schema_changed: false,
+            begin_time_us: begin.extra.get("commitTime").and_then(Value::as_i64),
         });
         Ok(Applied::Pending)
     }
@@ -157,6 +184,19 @@ impl ReplicaWriter {
             self.txn = None;
             return Ok(Applied::Skipped { watermark, lsn });
         }
+        if let Some(capture) = self.feed.as_mut() {
+            // Deterministic: the upstream commit time, the same on the primary and relays.
+            let ms = commit
+                .commit_time_ms
+                .as_ref()
+                .and_then(|n| n.to_string().parse::<f64>().ok())
+                .map(|ms| ms as i64)
+                .or(txn.begin_time_us.map(|us| us.div_euclid(1000)));
+            let updated_at =
+                ms.map_or_else(|| feed::UNKNOWN_COMMIT_TIME.to_owned(), feed::iso_from_ms);
+            let changes = capture.commit(&self.replica.conn, &self.replica.tables, &updated_at)?;
+            self.committed = Some(changes);
+        }
         self.replica.conn.execute(
             r#"UPDATE "_hw_state" SET "watermark" = ?1, "lsn" = ?2, "next_seq" = ?3 WHERE "lock" = 1"#,
             params![watermark.as_str(), lsn.to_string(), self.next_seq],
@@ -175,6 +215,10 @@ impl ReplicaWriter {
         let Some(txn) = self.txn.take() else {
             return Ok(Applied::RolledBack);
         };
+        if let Some(capture) = self.feed.as_mut() {
+            capture.discard();
+        }
+        self.committed = None;
         if !txn.skip {
             self.replica.conn.execute_batch("ROLLBACK")?;
             self.next_seq = self.state()?.next_seq;
@@ -203,10 +247,36 @@ impl ReplicaWriter {
         }
         let json = txn.json;
         let version = txn.watermark.as_str().to_owned();
+        let pre = match &self.feed {
+            Some(capture) => {
+                capture.before(&self.replica.conn, &self.replica.tables, change, json)?
+            }
+            None => Pre::None,
+        };
+        let seq_before = self.next_seq;
+        self.apply_change(change, json, &version)?;
+        if let Some(capture) = self.feed.as_mut() {
+            capture.after(
+                &self.replica.conn,
+                &self.replica.tables,
+                pre,
+                seq_before,
+                self.next_seq,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn apply_change(
+        &mut self,
+        change: &Change,
+        json: JsonFormat,
+        version: &str,
+    ) -> Result<(), ReplicaError> {
         let mut ctx = RowContext {
             conn: &self.replica.conn,
             json,
-            version: &version,
+            version,
             next_seq: &mut self.next_seq,
         };
         let tables = &mut self.replica.tables;
@@ -1912,6 +1982,203 @@ mod tests {
                 .unwrap();
             proptest::prop_assert_eq!(distinct as usize, model.len());
             proptest::prop_assert!(max.unwrap_or(0) < w.replica().state().unwrap().next_seq);
+        }
+    }
+
+    fn feed_writer() -> ReplicaWriter {
+        let mut w = writer();
+        w.enable_scope_feed(
+            [("issue".to_owned(), vec!["title".to_owned()])]
+                .into_iter()
+                .collect(),
+        )
+        .unwrap();
+        w
+    }
+
+    fn seqs(w: &ReplicaWriter) -> (Vec<(i64, i64)>, Vec<(String, Option<String>, i64)>, i64) {
+        let conn = &w.replica().conn;
+        let mut stmt = conn
+            .prepare(r#"SELECT "id", "_hw_seq" FROM "issue" ORDER BY "id""#)
+            .unwrap();
+        let rows = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        (rows, tombstones(w), w.replica().state().unwrap().next_seq)
+    }
+
+    /// The scope `title = t` as a client rebuilds it: from `start` (its rows at a cursor),
+    /// replaying pages of `limit` from `after`, starting over on a truncate reset.
+    fn replay_scope(
+        w: &ReplicaWriter,
+        title: &str,
+        start: std::collections::BTreeMap<i64, String>,
+        after: Option<i64>,
+        limit: u32,
+    ) -> std::collections::BTreeMap<i64, String> {
+        use super::feed::{read_scope_page, FeedKind, ScopePage, ScopeQuery};
+        let conditions = row(json!({ "title": title }));
+        let mut client = start;
+        let mut after = after;
+        let mut up_to = None;
+        loop {
+            let page = read_scope_page(
+                &w.replica().conn,
+                &w.replica().tables,
+                &ScopeQuery {
+                    table: "issue",
+                    conditions: &conditions,
+                    after,
+                    up_to,
+                    limit,
+                    count_total: up_to.is_none(),
+                },
+            )
+            .unwrap();
+            let (pinned, rows) = match page {
+                ScopePage::Rows { up_to, rows, .. } => (up_to, rows),
+                ScopePage::Truncated => {
+                    client.clear();
+                    after = None;
+                    up_to = None;
+                    continue;
+                }
+                other => panic!("unexpected page {other:?}"),
+            };
+            up_to = Some(pinned);
+            let mut last = after;
+            for feed_row in &rows {
+                assert!(Some(feed_row.seq) > last, "rows ascend strictly");
+                assert!(
+                    feed_row.seq <= pinned,
+                    "rows stay at or below the high-water"
+                );
+                last = Some(feed_row.seq);
+                let id: i64 = feed_row.resource_id.parse().unwrap();
+                match &feed_row.kind {
+                    FeedKind::Upsert { data } => {
+                        assert_eq!(data["title"], json!(title));
+                        client.insert(id, title.to_owned());
+                    }
+                    FeedKind::Exit { .. } => {
+                        client.remove(&id);
+                    }
+                }
+            }
+            after = last.or(Some(after.unwrap_or(0)));
+            if rows.len() < limit as usize {
+                return client;
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_moved_out_of_a_scope_is_an_exit_there_and_a_write_in_the_new_scope() {
+        let mut w = feed_writer();
+        let mut commit_time = Commit::new(Lsn(0x200).to_watermark());
+        commit_time.commit_time_ms = Some(Number::from(1_796_126_400_123_i64));
+        let wm = Lsn(0x200).to_watermark();
+        w.apply(&DownstreamMessage::Begin(Begin::new(wm))).unwrap();
+        w.apply(&DownstreamMessage::Data(insert(1, "ada"))).unwrap();
+        w.apply(&DownstreamMessage::Commit(commit_time)).unwrap();
+        let first = w.take_committed().unwrap();
+        assert_eq!(first.rows.len(), 1);
+        assert_eq!(first.rows[0].updated_at, "2026-12-01T12:00:00.123Z");
+        let moved = Change::Update(Update {
+            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            key: None,
+            new: row(json!({"id": 1, "title": "grace", "meta": null})),
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x300, vec![moved]);
+        let second = w.take_committed().unwrap();
+        use super::feed::FeedKind;
+        assert_eq!(second.rows.len(), 2, "{second:?}");
+        assert!(
+            matches!(&second.rows[0].kind, FeedKind::Upsert { data } if data["title"] == "grace")
+        );
+        assert!(matches!(
+            &second.rows[1].kind,
+            FeedKind::Exit { old, new: Some(new) } if old["title"] == "ada" && new["title"] == "grace"
+        ));
+        assert_eq!(second.rows[0].seq, second.rows[1].seq);
+        let ada = replay_scope(&w, "ada", [(1, "ada".to_owned())].into(), Some(1), 10);
+        assert!(ada.is_empty(), "{ada:?}");
+        let grace = replay_scope(&w, "grace", Default::default(), Some(1), 10);
+        assert_eq!(grace, [(1, "grace".to_owned())].into());
+    }
+
+    #[test]
+    fn pruning_exits_raises_the_retention_floor() {
+        let mut w = feed_writer();
+        txn(&mut w, 0x200, vec![insert(1, "ada"), insert(2, "ada")]);
+        let delete = Change::Delete(Delete {
+            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            key: row(json!({"id": 1})),
+            extra: Default::default(),
+        });
+        txn(&mut w, 0x300, vec![delete]);
+        let conn = &w.replica().conn;
+        assert_eq!(super::feed::retention_floor(conn).unwrap(), None);
+        assert_eq!(
+            super::feed::prune_exits(conn, "1970-01-01T00:00:00.000Z").unwrap(),
+            None,
+            "nothing is older than the epoch"
+        );
+        assert_eq!(
+            super::feed::prune_exits(conn, "2100-01-01T00:00:00.000Z").unwrap(),
+            Some(3)
+        );
+    }
+
+    proptest::proptest! {
+        /// With the scope feed on, seqs are exactly those without it (a relay with other rules
+        /// assigns the same), and every scope replayed from any cursor of the history lands on
+        /// the upstream rows of that scope.
+        #[test]
+        fn the_scope_feed_keeps_seqs_and_replays_every_scope_from_any_cursor(
+            txns in proptest::collection::vec(proptest::collection::vec(op(), 1..6), 1..10),
+            cut in 0usize..10,
+            limit in 1u32..4,
+        ) {
+            let mut plain = writer();
+            let mut fed = feed_writer();
+            let mut model = std::collections::BTreeMap::new();
+            let mut history = vec![(None, model.clone())];
+            let mut titles = std::collections::BTreeSet::new();
+            for (i, ops) in txns.iter().enumerate() {
+                let mut changes = Vec::new();
+                for op in ops {
+                    if let Some(change) = change_of(op, &model) {
+                        changes.push(change);
+                        model_apply(&mut model, op);
+                    }
+                }
+                titles.extend(model.values().cloned());
+                let lsn = 0x1000 + i as u64 * 0x10;
+                txn(&mut plain, lsn, changes.clone());
+                txn(&mut fed, lsn, changes);
+                let seq = fed.replica().state().unwrap().next_seq - 1;
+                history.push((Some(seq), model.clone()));
+            }
+            proptest::prop_assert_eq!(seqs(&plain), seqs(&fed));
+            let (after, at_cursor) = history[cut % history.len()].clone();
+            for title in &titles {
+                let start = at_cursor
+                    .iter()
+                    .filter(|(_, t)| *t == title)
+                    .map(|(id, t)| (*id, t.clone()))
+                    .collect();
+                let want: std::collections::BTreeMap<i64, String> = model
+                    .iter()
+                    .filter(|(_, t)| *t == title)
+                    .map(|(id, t)| (*id, t.clone()))
+                    .collect();
+                let got = replay_scope(&fed, title, start, after, limit);
+                proptest::prop_assert_eq!(got, want, "scope title = {:?} after {:?}", title, after);
+            }
         }
     }
 }

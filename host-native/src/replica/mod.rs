@@ -12,6 +12,7 @@ pub mod backfill;
 pub mod bootstrap;
 mod copy_text;
 pub mod ddl;
+pub mod feed;
 pub mod initial_sync;
 pub mod schema;
 pub mod value;

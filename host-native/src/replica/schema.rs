@@ -279,7 +279,10 @@ impl ReplicaTable {
             sql.push_str(&quote_ident(&col.declared_type()));
             sql.push_str(", ");
         }
-        sql.push_str("\"_hw_version\" TEXT NOT NULL, \"_hw_seq\" INTEGER NOT NULL)");
+        // `_hw_updated_at`: the commit time of the last write, kept for scope-sync tables only.
+        sql.push_str(
+            "\"_hw_version\" TEXT NOT NULL, \"_hw_seq\" INTEGER NOT NULL, \"_hw_updated_at\" TEXT)",
+        );
         sql
     }
 

@@ -1,0 +1,1100 @@
+//! The server side of the scope-sync channel (`reference/velocious-sync.md` §4, §5), sans-IO.
+//!
+//! [`ScopeServer`] holds every scope-sync socket of a serving node: its subscriptions, their
+//! catch-up replays (each driven by a [`ReplayPlanner`]), and a live routing index keyed by
+//! `(table, column, value)`. The host turns socket events, authorization results, replica reads
+//! and replica commits into [`ServerInput`]s and carries out the returned [`ServerEffect`]s in
+//! order:
+//!
+//! - [`ServerEffect::Send`]: write the text frame to that socket, then report
+//!   [`ServerInput::Written`] with its length once it is flushed (the outbound budget).
+//! - [`ServerEffect::Authorize`]: check the token against the rules, answer
+//!   [`ServerInput::Authorized`] with the decision as a value.
+//! - [`ServerEffect::FetchPage`]: read one replay page from the replica in one read transaction
+//!   and answer [`ServerInput::PageFetched`]. Never hold the read open while a socket is slow:
+//!   the page is read, then handed over.
+//! - [`ServerEffect::Close`]: close the socket with that code and reason, then report
+//!   [`ServerInput::Closed`].
+//!
+//! Feed [`ServerInput::Committed`] with the feed entries of every upstream transaction, in
+//! commit order and only after the replica commit that gave them their seqs (a client must
+//! never hold a seq a crash could reassign).
+//!
+//! Rules carried here: a subscription replays rows up to a high-water pinned on its first page
+//! and gets rows above it live, each once (live entries at or below the pin, or at or below its
+//! start cursor, are dropped: the replay has them); a replay page is only requested while the
+//! socket's unflushed bytes are under its budget (P15), and a socket whose budget stays full
+//! longer than a bound is closed 1013 "slow consumer"; a cursor of another epoch, without an
+//! epoch, below the retention floor, or before a truncate of its table gets a reset marker and
+//! a full replay; delivered cursors only move forwards; a subscription whose token expires is
+//! ended with `auth-expired`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use serde_json::{json, Map, Value};
+
+use crate::cursor::SyncCursor;
+use crate::replay::{
+    reset_envelope, FetchedPage, PageRequest, ReplayEffect, ReplayInput, ReplayKind, ReplayPlanner,
+    RESET_KEY,
+};
+use crate::scope_sync::{
+    js_string_form, ClientFrame, ServerFrame, SubscribeParams, SyncEntry, SyncEnvelope,
+    SYNC_CHANNEL_TYPE,
+};
+
+#[cfg(test)]
+mod tests;
+
+/// One socket, as the host numbers them.
+pub type ConnId = u64;
+
+/// Stable `channel-error` codes.
+pub mod codes {
+    pub const AUTH_REQUIRED: &str = "auth-required";
+    pub const AUTH_INVALID: &str = "auth-invalid";
+    pub const AUTH_EXPIRED: &str = "auth-expired";
+    pub const FORBIDDEN: &str = "forbidden";
+    pub const INVALID_PARAMS: &str = "invalid-params";
+    pub const SUBSCRIPTION_IN_USE: &str = "subscription-in-use";
+    pub const UNKNOWN_CHANNEL: &str = "unknown-channel";
+    pub const TOO_MANY_SUBSCRIPTIONS: &str = "too-many-subscriptions";
+    /// `error` frame code of a frame that could not be decoded.
+    pub const BAD_FRAME: &str = "bad-frame";
+    /// `error` frame code of a replay the server could not read.
+    pub const INTERNAL: &str = "internal";
+}
+
+/// WebSocket close code for a client that does not keep up (try again later).
+pub const SLOW_CONSUMER_CLOSE_CODE: u16 = 1013;
+/// Close reason of a slow consumer.
+pub const SLOW_CONSUMER_REASON: &str = "slow consumer";
+
+/// How a [`ScopeServer`] behaves; fixed for its lifetime.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// The replica version: every entry id and cursor carries it (`"<epoch>:<seq>"`).
+    pub epoch: String,
+    pub max_subscriptions_per_connection: usize,
+    /// Unflushed bytes a socket may hold before replay pauses.
+    pub outbound_budget_bytes: usize,
+    /// How long a socket may stay over its budget before it is closed.
+    pub slow_consumer_timeout_ms: u64,
+    /// Unflushed bytes beyond which a socket is closed at once.
+    pub outbound_hard_limit_bytes: usize,
+    /// Live envelopes kept for a subscription whose high-water is not pinned yet.
+    pub max_buffered_live: usize,
+}
+
+impl ServerConfig {
+    pub fn new(epoch: impl Into<String>) -> Self {
+        Self {
+            epoch: epoch.into(),
+            max_subscriptions_per_connection: 256,
+            outbound_budget_bytes: 1 << 20,
+            slow_consumer_timeout_ms: 10_000,
+            outbound_hard_limit_bytes: 16 << 20,
+            max_buffered_live: 10_000,
+        }
+    }
+}
+
+pub use crate::scope_rules::Grant;
+
+/// The authorization decision for one subscribe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    Granted(Grant),
+    Denied { code: String, message: String },
+}
+
+/// One scope-feed entry: a row as written, or a row leaving the scopes it matched.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FeedEntry {
+    pub table: String,
+    pub resource_id: String,
+    pub seq: i64,
+    /// ISO-8601 commit time.
+    pub updated_at: String,
+    pub change: FeedChange,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum FeedChange {
+    /// The row as it now is.
+    Upsert { data: Map<String, Value> },
+    /// The row left every scope matching `old` and not `new` (`None`: gone under this key).
+    Exit {
+        old: Map<String, Value>,
+        new: Option<Map<String, Value>>,
+    },
+}
+
+/// The replica's answer to a [`ServerEffect::FetchPage`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum PageResult {
+    Rows {
+        /// The high-water used (the last seq assigned when the page was read).
+        up_to: i64,
+        rows: Vec<FeedEntry>,
+        /// The scope's row count in the replay range, when asked for.
+        total: Option<u64>,
+    },
+    /// The table was truncated after the cursor: the scope starts over.
+    Truncated,
+    /// The read failed; the subscription ends with this message.
+    Failed { message: String },
+}
+
+/// What the host tells the server.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ServerInput {
+    /// A socket opened; `session_id` is the host's (random) id for it.
+    Opened { conn: ConnId, session_id: String },
+    /// A text frame arrived.
+    Frame { conn: ConnId, text: String },
+    /// The answer to [`ServerEffect::Authorize`].
+    Authorized {
+        conn: ConnId,
+        ticket: u64,
+        decision: Decision,
+    },
+    /// The answer to [`ServerEffect::FetchPage`].
+    PageFetched {
+        conn: ConnId,
+        ticket: u64,
+        pass: u64,
+        result: PageResult,
+    },
+    /// The feed entries of one committed upstream transaction, ascending by seq.
+    Committed { entries: Vec<FeedEntry> },
+    /// `bytes` of frames sent to `conn` were flushed to its socket.
+    Written { conn: ConnId, bytes: usize },
+    /// The socket is gone.
+    Closed { conn: ConnId },
+    /// Time passed (expiry and slow-consumer checks).
+    Tick,
+    /// Seqs at or below this may have lost their exits to retention.
+    RetentionFloor(Option<i64>),
+}
+
+/// Something the host must do, in the order given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServerEffect {
+    Send {
+        conn: ConnId,
+        text: String,
+    },
+    Authorize {
+        conn: ConnId,
+        ticket: u64,
+        token: Option<String>,
+        resource_type: String,
+        conditions: Map<String, Value>,
+    },
+    FetchPage {
+        conn: ConnId,
+        ticket: u64,
+        pass: u64,
+        table: String,
+        conditions: Map<String, Value>,
+        after: Option<i64>,
+        up_to: Option<i64>,
+        limit: u32,
+        count_total: bool,
+    },
+    Close {
+        conn: ConnId,
+        code: u16,
+        reason: String,
+    },
+}
+
+/// Where a subscription stands.
+#[derive(Debug)]
+enum Stage {
+    /// Waiting for the authorization decision.
+    Authorizing {
+        after: Option<SyncCursor>,
+        limit: u32,
+    },
+    /// Replaying; live entries wait in `buffered` until the high-water is pinned.
+    Replaying,
+    /// Caught up: entries arrive live.
+    Live,
+}
+
+#[derive(Debug)]
+struct Subscription {
+    /// Unique across the server: late answers for a retired subscription are ignored.
+    ticket: u64,
+    resource_type: String,
+    conditions: Map<String, Value>,
+    table: String,
+    omit_columns: Vec<String>,
+    expires_at_ms: Option<u64>,
+    stage: Stage,
+    planner: ReplayPlanner,
+    /// The start cursor's seq: live entries at or below it are not sent.
+    start_seq: Option<i64>,
+    /// The pinned high-water, once the first page came back.
+    pinned: Option<i64>,
+    /// Live envelopes that arrived before the pin.
+    buffered: Vec<Vec<FeedEntry>>,
+    /// A page request waiting for room in the outbound budget.
+    waiting: Option<PageRequest>,
+    done: u64,
+    total: Option<u64>,
+    indexed: bool,
+}
+
+#[derive(Debug, Default)]
+struct Connection {
+    subscriptions: BTreeMap<String, Subscription>,
+    unflushed: usize,
+    over_budget_since: Option<u64>,
+    closing: bool,
+}
+
+type SubRef = (ConnId, String);
+
+/// Every scope-sync socket of a serving node. See the module docs.
+#[derive(Debug)]
+pub struct ScopeServer {
+    config: ServerConfig,
+    connections: HashMap<ConnId, Connection>,
+    /// `(table, column, value)` → subscriptions indexed under that condition.
+    index: HashMap<(String, String, String), HashSet<SubRef>>,
+    /// Per table: subscriptions without conditions.
+    whole_table: HashMap<String, HashSet<SubRef>>,
+    /// Per table: the columns subscriptions are indexed under, with counts.
+    indexed_columns: HashMap<String, BTreeMap<String, usize>>,
+    retention_floor: Option<i64>,
+    tickets: u64,
+}
+
+impl ScopeServer {
+    pub fn new(config: ServerConfig) -> Self {
+        Self {
+            config,
+            connections: HashMap::new(),
+            index: HashMap::new(),
+            whole_table: HashMap::new(),
+            indexed_columns: HashMap::new(),
+            retention_floor: None,
+            tickets: 0,
+        }
+    }
+
+    pub fn config(&self) -> &ServerConfig {
+        &self.config
+    }
+
+    /// Open sockets.
+    pub fn connections(&self) -> usize {
+        self.connections.len()
+    }
+
+    /// Subscriptions over all sockets.
+    pub fn subscriptions(&self) -> usize {
+        self.connections
+            .values()
+            .map(|c| c.subscriptions.len())
+            .sum()
+    }
+
+    /// The highest cursor sent to a subscription, if any.
+    pub fn delivered_cursor(&self, conn: ConnId, subscription_id: &str) -> Option<&SyncCursor> {
+        self.connections
+            .get(&conn)?
+            .subscriptions
+            .get(subscription_id)?
+            .planner
+            .delivered_cursor()
+    }
+
+    /// Feeds one input; returns the effects to carry out, in order.
+    pub fn handle(&mut self, input: ServerInput, now_ms: u64) -> Vec<ServerEffect> {
+        let mut out = Vec::new();
+        match input {
+            ServerInput::Opened { conn, session_id } => {
+                self.connections.insert(conn, Connection::default());
+                self.send(
+                    conn,
+                    &ServerFrame::SessionEstablished {
+                        session_id,
+                        grace_seconds: 0,
+                    },
+                    &mut out,
+                );
+            }
+            ServerInput::Frame { conn, text } => self.frame(conn, &text, &mut out),
+            ServerInput::Authorized {
+                conn,
+                ticket,
+                decision,
+            } => self.authorized(conn, ticket, decision, &mut out),
+            ServerInput::PageFetched {
+                conn,
+                ticket,
+                pass,
+                result,
+            } => self.page_fetched(conn, ticket, pass, result, &mut out),
+            ServerInput::Committed { entries } => self.committed(&entries, &mut out),
+            ServerInput::Written { conn, bytes } => {
+                if let Some(c) = self.connections.get_mut(&conn) {
+                    c.unflushed = c.unflushed.saturating_sub(bytes);
+                    if c.unflushed < self.config.outbound_budget_bytes {
+                        c.over_budget_since = None;
+                    }
+                }
+                self.resume_waiting(conn, &mut out);
+            }
+            ServerInput::Closed { conn } => self.drop_connection(conn),
+            ServerInput::Tick => self.tick(now_ms, &mut out),
+            ServerInput::RetentionFloor(floor) => self.retention_floor = floor,
+        }
+        self.check_budgets(now_ms, &mut out);
+        out
+    }
+
+    fn frame(&mut self, conn: ConnId, text: &str, out: &mut Vec<ServerEffect>) {
+        if !self.connections.contains_key(&conn) {
+            return;
+        }
+        let frame = match ClientFrame::from_json(text) {
+            Ok(frame) => frame,
+            Err(error) => {
+                let frame = ServerFrame::Error {
+                    error: error.to_string(),
+                    code: Some(codes::BAD_FRAME.to_owned()),
+                    retry_after_ms: None,
+                };
+                self.send(conn, &frame, out);
+                return;
+            }
+        };
+        match frame {
+            ClientFrame::Ping => self.send(conn, &ServerFrame::Pong, out),
+            // No state survives a socket: the client re-subscribes with its own cursors.
+            ClientFrame::SessionResume { .. } => self.send(conn, &ServerFrame::SessionGone, out),
+            ClientFrame::Metadata { .. } => {}
+            ClientFrame::ChannelUnsubscribe { subscription_id } => {
+                self.remove_subscription(conn, &subscription_id);
+                self.send(
+                    conn,
+                    &ServerFrame::ChannelUnsubscribed { subscription_id },
+                    out,
+                );
+            }
+            ClientFrame::ChannelSubscribe {
+                subscription_id,
+                channel_type,
+                params,
+                ..
+            } => self.subscribe(conn, subscription_id, &channel_type, &params, out),
+        }
+    }
+
+    fn subscribe(
+        &mut self,
+        conn: ConnId,
+        subscription_id: String,
+        channel_type: &str,
+        params: &Map<String, Value>,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let refuse = |this: &mut Self, out: &mut Vec<ServerEffect>, code: &str, message: String| {
+            this.send(
+                conn,
+                &ServerFrame::ChannelError {
+                    subscription_id: subscription_id.clone(),
+                    message,
+                    code: Some(code.to_owned()),
+                },
+                out,
+            );
+        };
+        if channel_type != SYNC_CHANNEL_TYPE {
+            let message =
+                format!("expected channelType {SYNC_CHANNEL_TYPE:?}, got {channel_type:?}");
+            return refuse(self, out, codes::UNKNOWN_CHANNEL, message);
+        }
+        let Some(connection) = self.connections.get(&conn) else {
+            return;
+        };
+        if connection.subscriptions.contains_key(&subscription_id) {
+            let message = format!(
+                "expected a subscriptionId not in use on this socket, got {subscription_id:?} again"
+            );
+            return refuse(self, out, codes::SUBSCRIPTION_IN_USE, message);
+        }
+        if connection.subscriptions.len() >= self.config.max_subscriptions_per_connection {
+            let message = format!(
+                "expected at most {} subscriptions on one socket, got one more",
+                self.config.max_subscriptions_per_connection
+            );
+            return refuse(self, out, codes::TOO_MANY_SUBSCRIPTIONS, message);
+        }
+        let params = match SubscribeParams::from_params(params) {
+            Ok(params) => params,
+            Err(error) => return refuse(self, out, codes::INVALID_PARAMS, error.to_string()),
+        };
+        let Some(resource_type) = params.scope.resource_type.clone() else {
+            let message = "expected a resourceType (a table name), got none".to_owned();
+            return refuse(self, out, codes::INVALID_PARAMS, message);
+        };
+        if let Some((key, _)) = params
+            .scope
+            .conditions
+            .iter()
+            .find(|(_, value)| value.is_array())
+        {
+            let message =
+                format!("expected condition {key:?} to be a scalar, got a list of values");
+            return refuse(self, out, codes::INVALID_PARAMS, message);
+        }
+        self.tickets += 1;
+        let ticket = self.tickets;
+        let limit = params.page_limit();
+        let conditions = params.scope.conditions.clone();
+        out.push(ServerEffect::Authorize {
+            conn,
+            ticket,
+            token: params.authentication_token.clone(),
+            resource_type: resource_type.clone(),
+            conditions: conditions.clone(),
+        });
+        let subscription = Subscription {
+            ticket,
+            resource_type,
+            conditions,
+            table: String::new(),
+            omit_columns: Vec::new(),
+            expires_at_ms: None,
+            stage: Stage::Authorizing {
+                after: params.after.clone(),
+                limit,
+            },
+            planner: ReplayPlanner::new(None, limit),
+            start_seq: None,
+            pinned: None,
+            buffered: Vec::new(),
+            waiting: None,
+            done: 0,
+            total: None,
+            indexed: false,
+        };
+        if let Some(connection) = self.connections.get_mut(&conn) {
+            connection
+                .subscriptions
+                .insert(subscription_id, subscription);
+        }
+    }
+
+    fn find(&self, conn: ConnId, ticket: u64) -> Option<String> {
+        self.connections
+            .get(&conn)?
+            .subscriptions
+            .iter()
+            .find(|(_, s)| s.ticket == ticket)
+            .map(|(id, _)| id.clone())
+    }
+
+    fn authorized(
+        &mut self,
+        conn: ConnId,
+        ticket: u64,
+        decision: Decision,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let Some(id) = self.find(conn, ticket) else {
+            return;
+        };
+        let grant = match decision {
+            Decision::Granted(grant) => grant,
+            Decision::Denied { code, message } => {
+                self.remove_subscription(conn, &id);
+                self.send(
+                    conn,
+                    &ServerFrame::ChannelError {
+                        subscription_id: id,
+                        message,
+                        code: Some(code),
+                    },
+                    out,
+                );
+                return;
+            }
+        };
+        let epoch = self.config.epoch.clone();
+        let floor = self
+            .retention_floor
+            .map(|seq| feed_cursor(&epoch, seq, None));
+        let Some(sub) = self.subscription_mut(conn, &id) else {
+            return;
+        };
+        let Stage::Authorizing { after, limit } =
+            std::mem::replace(&mut sub.stage, Stage::Replaying)
+        else {
+            return;
+        };
+        sub.table = grant.table;
+        sub.omit_columns = grant.omit_columns;
+        sub.expires_at_ms = grant.expires_at_ms;
+        let mut reset = None;
+        let start = match after {
+            None => None,
+            Some(cursor) => match cursor_seq(&epoch, &cursor) {
+                Ok(seq) => Some(feed_cursor(&epoch, seq, Some(cursor.updated_at.clone()))),
+                Err(reason) => {
+                    reset = Some(reason);
+                    None
+                }
+            },
+        };
+        sub.start_seq = start.as_ref().and_then(|c| c.server_sequence);
+        sub.planner = ReplayPlanner::new(start, limit);
+        self.index_subscription(conn, &id);
+        if let Some(reason) = reset {
+            self.send_reset(conn, &id, reason, None, out);
+        }
+        self.begin_pass(conn, &id, floor, out);
+    }
+
+    /// Starts the subscribe pass and carries out its first effects.
+    fn begin_pass(
+        &mut self,
+        conn: ConnId,
+        id: &str,
+        floor: Option<SyncCursor>,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let Some(sub) = self.subscription_mut(conn, id) else {
+            return;
+        };
+        let effects = sub.planner.handle(ReplayInput::Begin {
+            kind: ReplayKind::Subscribe,
+            retention_floor: floor,
+        });
+        self.replay_effects(conn, id, effects, out);
+    }
+
+    fn replay_effects(
+        &mut self,
+        conn: ConnId,
+        id: &str,
+        effects: Result<Vec<ReplayEffect>, crate::replay::ReplayError>,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let effects = match effects {
+            Ok(effects) => effects,
+            Err(error) => return self.fail(conn, id, codes::INTERNAL, error.to_string(), out),
+        };
+        for effect in effects {
+            match effect {
+                ReplayEffect::Reset { envelope, .. } => {
+                    if let Some(sub) = self.subscription_mut(conn, id) {
+                        sub.start_seq = None;
+                    }
+                    let text = message_text(id, &envelope);
+                    self.send_text(conn, text, out);
+                }
+                ReplayEffect::FetchPage(request) => {
+                    if let Some(sub) = self.subscription_mut(conn, id) {
+                        sub.waiting = Some(request);
+                    }
+                    self.resume_waiting(conn, out);
+                }
+                ReplayEffect::SendEnvelope { mut envelope, .. } => {
+                    let Some(sub) = self.subscription_mut(conn, id) else {
+                        return;
+                    };
+                    sub.done += envelope.syncs.len() as u64;
+                    envelope.extra.insert(
+                        "progress".to_owned(),
+                        json!({"done": sub.done, "total": sub.total.unwrap_or(sub.done)}),
+                    );
+                    let text = message_text(id, &envelope);
+                    self.send_text(conn, text, out);
+                }
+                ReplayEffect::Finished { .. } => {
+                    if let Some(sub) = self.subscription_mut(conn, id) {
+                        sub.stage = Stage::Live;
+                    }
+                    self.send(
+                        conn,
+                        &ServerFrame::ChannelSubscribed {
+                            subscription_id: id.to_owned(),
+                        },
+                        out,
+                    );
+                }
+            }
+        }
+    }
+
+    /// Requests the waiting replay pages of `conn` while its socket has room.
+    fn resume_waiting(&mut self, conn: ConnId, out: &mut Vec<ServerEffect>) {
+        let budget = self.config.outbound_budget_bytes;
+        let Some(connection) = self.connections.get_mut(&conn) else {
+            return;
+        };
+        if connection.closing || connection.unflushed >= budget {
+            return;
+        }
+        for sub in connection.subscriptions.values_mut() {
+            let Some(request) = sub.waiting.take() else {
+                continue;
+            };
+            out.push(ServerEffect::FetchPage {
+                conn,
+                ticket: sub.ticket,
+                pass: request.pass,
+                table: sub.table.clone(),
+                conditions: sub.conditions.clone(),
+                after: request.after.as_ref().and_then(|c| c.server_sequence),
+                up_to: request.up_to.as_ref().and_then(|c| c.server_sequence),
+                limit: request.limit,
+                count_total: request.up_to.is_none() && sub.pinned.is_none(),
+            });
+        }
+    }
+
+    fn page_fetched(
+        &mut self,
+        conn: ConnId,
+        ticket: u64,
+        pass: u64,
+        result: PageResult,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let Some(id) = self.find(conn, ticket) else {
+            return;
+        };
+        let epoch = self.config.epoch.clone();
+        match result {
+            PageResult::Failed { message } => self.fail(conn, &id, codes::INTERNAL, message, out),
+            PageResult::Truncated => {
+                let Some(sub) = self.subscription_mut(conn, &id) else {
+                    return;
+                };
+                let limit = sub.planner.limit();
+                sub.planner = ReplayPlanner::new(None, limit);
+                sub.start_seq = None;
+                sub.pinned = None;
+                sub.done = 0;
+                sub.total = None;
+                self.send_reset(conn, &id, "table-truncated", None, out);
+                self.begin_pass(conn, &id, None, out);
+            }
+            PageResult::Rows { up_to, rows, total } => {
+                let Some(sub) = self.subscription_mut(conn, &id) else {
+                    return;
+                };
+                let first = sub.pinned.is_none();
+                if first {
+                    sub.pinned = Some(up_to);
+                    sub.total = total;
+                }
+                let entries = rows
+                    .iter()
+                    .filter_map(|row| entry_for(&epoch, sub, row))
+                    .collect();
+                let page = FetchedPage {
+                    pass,
+                    up_to: (up_to > 0).then(|| feed_cursor(&epoch, up_to, None)),
+                    rows: entries,
+                };
+                let effects = sub.planner.handle(ReplayInput::PageFetched(page));
+                let buffered = if first {
+                    std::mem::take(&mut sub.buffered)
+                } else {
+                    Vec::new()
+                };
+                self.replay_effects(conn, &id, effects, out);
+                for entries in buffered {
+                    self.deliver_live(conn, &id, &entries, out);
+                }
+            }
+        }
+    }
+
+    /// Routes one committed transaction to the subscriptions it reaches.
+    fn committed(&mut self, entries: &[FeedEntry], out: &mut Vec<ServerEffect>) {
+        let mut reached: BTreeMap<SubRef, Vec<FeedEntry>> = BTreeMap::new();
+        for entry in entries {
+            for target in self.candidates(entry) {
+                reached.entry(target).or_default().push(entry.clone());
+            }
+        }
+        for ((conn, id), entries) in reached {
+            self.deliver_live(conn, &id, &entries, out);
+        }
+    }
+
+    /// Subscriptions an entry may reach: looked up by its routing values, one index probe per
+    /// indexed column of its table.
+    fn candidates(&self, entry: &FeedEntry) -> Vec<SubRef> {
+        let values = match &entry.change {
+            FeedChange::Upsert { data } => data,
+            FeedChange::Exit { old, .. } => old,
+        };
+        let mut found: Vec<SubRef> = Vec::new();
+        if let Some(subs) = self.whole_table.get(&entry.table) {
+            found.extend(subs.iter().cloned());
+        }
+        if let Some(columns) = self.indexed_columns.get(&entry.table) {
+            for column in columns.keys() {
+                let Some(value) = values.get(column) else {
+                    continue;
+                };
+                let key = (entry.table.clone(), column.clone(), js_string_form(value));
+                if let Some(subs) = self.index.get(&key) {
+                    found.extend(subs.iter().cloned());
+                }
+            }
+        }
+        found
+    }
+
+    /// Sends the entries of one transaction that belong to a subscription's scope as one live
+    /// envelope, unless its replay covers them.
+    fn deliver_live(
+        &mut self,
+        conn: ConnId,
+        id: &str,
+        entries: &[FeedEntry],
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let epoch = self.config.epoch.clone();
+        let max_buffered = self.config.max_buffered_live;
+        let Some(sub) = self.subscription_mut(conn, id) else {
+            return;
+        };
+        if matches!(sub.stage, Stage::Authorizing { .. }) {
+            return;
+        }
+        let Some(pinned) = sub.pinned else {
+            if sub.buffered.len() >= max_buffered {
+                return self.close(conn, SLOW_CONSUMER_CLOSE_CODE, SLOW_CONSUMER_REASON, out);
+            }
+            sub.buffered.push(entries.to_vec());
+            return;
+        };
+        let floor = pinned.max(sub.start_seq.unwrap_or(0));
+        let syncs: Vec<SyncEntry> = entries
+            .iter()
+            .filter(|entry| entry.seq > floor)
+            .filter_map(|entry| entry_for(&epoch, sub, entry))
+            .collect();
+        if syncs.is_empty() {
+            return;
+        }
+        let envelope = SyncEnvelope::new(None, syncs);
+        let _ = sub.planner.handle(ReplayInput::Delivered {
+            envelope: envelope.clone(),
+        });
+        let text = message_text(id, &envelope);
+        self.send_text(conn, text, out);
+    }
+
+    fn send_reset(
+        &mut self,
+        conn: ConnId,
+        id: &str,
+        reason: &str,
+        floor: Option<i64>,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let epoch = self.config.epoch.clone();
+        let mut envelope = reset_envelope(&feed_cursor(&epoch, floor.unwrap_or(0), None));
+        envelope.extra.insert(
+            RESET_KEY.to_owned(),
+            json!({"reason": reason, "epoch": epoch}),
+        );
+        let text = message_text(id, &envelope);
+        self.send_text(conn, text, out);
+    }
+
+    fn fail(
+        &mut self,
+        conn: ConnId,
+        id: &str,
+        code: &str,
+        message: String,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        self.remove_subscription(conn, id);
+        self.send(
+            conn,
+            &ServerFrame::ChannelError {
+                subscription_id: id.to_owned(),
+                message,
+                code: Some(code.to_owned()),
+            },
+            out,
+        );
+    }
+
+    fn tick(&mut self, now_ms: u64, out: &mut Vec<ServerEffect>) {
+        let mut expired = Vec::new();
+        for (conn, connection) in &self.connections {
+            for (id, sub) in &connection.subscriptions {
+                if sub.expires_at_ms.is_some_and(|at| at <= now_ms) {
+                    expired.push((*conn, id.clone()));
+                }
+            }
+        }
+        for (conn, id) in expired {
+            let message = "expected a token valid now, got one that expired".to_owned();
+            self.fail(conn, &id, codes::AUTH_EXPIRED, message, out);
+        }
+    }
+
+    /// Closes sockets over their hard limit, or over their budget for too long.
+    fn check_budgets(&mut self, now_ms: u64, out: &mut Vec<ServerEffect>) {
+        let mut slow = Vec::new();
+        for (conn, c) in &mut self.connections {
+            if c.closing {
+                continue;
+            }
+            if c.unflushed >= self.config.outbound_budget_bytes {
+                let since = *c.over_budget_since.get_or_insert(now_ms);
+                if c.unflushed >= self.config.outbound_hard_limit_bytes
+                    || now_ms.saturating_sub(since) >= self.config.slow_consumer_timeout_ms
+                {
+                    slow.push(*conn);
+                }
+            }
+        }
+        for conn in slow {
+            self.close(conn, SLOW_CONSUMER_CLOSE_CODE, SLOW_CONSUMER_REASON, out);
+        }
+    }
+
+    fn close(&mut self, conn: ConnId, code: u16, reason: &str, out: &mut Vec<ServerEffect>) {
+        let Some(c) = self.connections.get_mut(&conn) else {
+            return;
+        };
+        if c.closing {
+            return;
+        }
+        c.closing = true;
+        out.push(ServerEffect::Close {
+            conn,
+            code,
+            reason: reason.to_owned(),
+        });
+        self.drop_connection(conn);
+    }
+
+    fn drop_connection(&mut self, conn: ConnId) {
+        let ids: Vec<String> = self
+            .connections
+            .get(&conn)
+            .map(|c| c.subscriptions.keys().cloned().collect())
+            .unwrap_or_default();
+        for id in ids {
+            self.remove_subscription(conn, &id);
+        }
+        self.connections.remove(&conn);
+    }
+
+    fn subscription_mut(&mut self, conn: ConnId, id: &str) -> Option<&mut Subscription> {
+        self.connections.get_mut(&conn)?.subscriptions.get_mut(id)
+    }
+
+    fn index_subscription(&mut self, conn: ConnId, id: &str) {
+        let Some(sub) = self.subscription_mut(conn, id) else {
+            return;
+        };
+        sub.indexed = true;
+        let table = sub.table.clone();
+        let key = sub
+            .conditions
+            .iter()
+            .min_by(|a, b| a.0.cmp(b.0))
+            .map(|(k, v)| (k.clone(), js_string_form(v)));
+        let target = (conn, id.to_owned());
+        match key {
+            None => {
+                self.whole_table.entry(table).or_default().insert(target);
+            }
+            Some((column, value)) => {
+                *self
+                    .indexed_columns
+                    .entry(table.clone())
+                    .or_default()
+                    .entry(column.clone())
+                    .or_default() += 1;
+                self.index
+                    .entry((table, column, value))
+                    .or_default()
+                    .insert(target);
+            }
+        }
+    }
+
+    fn remove_subscription(&mut self, conn: ConnId, id: &str) {
+        let Some(sub) = self
+            .connections
+            .get_mut(&conn)
+            .and_then(|c| c.subscriptions.remove(id))
+        else {
+            return;
+        };
+        if !sub.indexed {
+            return;
+        }
+        let target = (conn, id.to_owned());
+        let key = sub
+            .conditions
+            .iter()
+            .min_by(|a, b| a.0.cmp(b.0))
+            .map(|(k, v)| (k.clone(), js_string_form(v)));
+        match key {
+            None => {
+                if let Some(set) = self.whole_table.get_mut(&sub.table) {
+                    set.remove(&target);
+                    if set.is_empty() {
+                        self.whole_table.remove(&sub.table);
+                    }
+                }
+            }
+            Some((column, value)) => {
+                let index_key = (sub.table.clone(), column.clone(), value);
+                if let Some(set) = self.index.get_mut(&index_key) {
+                    set.remove(&target);
+                    if set.is_empty() {
+                        self.index.remove(&index_key);
+                    }
+                }
+                if let Some(columns) = self.indexed_columns.get_mut(&sub.table) {
+                    if let Some(count) = columns.get_mut(&column) {
+                        *count -= 1;
+                        if *count == 0 {
+                            columns.remove(&column);
+                        }
+                    }
+                    if columns.is_empty() {
+                        self.indexed_columns.remove(&sub.table);
+                    }
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, conn: ConnId, frame: &ServerFrame, out: &mut Vec<ServerEffect>) {
+        self.send_text(conn, frame.to_json(), out);
+    }
+
+    fn send_text(&mut self, conn: ConnId, text: String, out: &mut Vec<ServerEffect>) {
+        let Some(c) = self.connections.get_mut(&conn) else {
+            return;
+        };
+        if c.closing {
+            return;
+        }
+        c.unflushed += text.len();
+        out.push(ServerEffect::Send { conn, text });
+    }
+}
+
+/// The `channel-message` text of an envelope.
+fn message_text(id: &str, envelope: &SyncEnvelope) -> String {
+    ServerFrame::ChannelMessage {
+        subscription_id: id.to_owned(),
+        body: envelope.to_value(),
+        event_id: None,
+    }
+    .to_json()
+}
+
+/// A feed position as a cursor: id `"<epoch>:<seq>"`.
+fn feed_cursor(epoch: &str, seq: i64, updated_at: Option<String>) -> SyncCursor {
+    SyncCursor::new(
+        Some(format!("{epoch}:{seq}")),
+        Some(seq),
+        updated_at.unwrap_or_else(|| "1970-01-01T00:00:00.000Z".to_owned()),
+    )
+}
+
+/// The seq a client cursor resumes after, or why it cannot be resumed (a reset reason).
+fn cursor_seq(epoch: &str, cursor: &SyncCursor) -> Result<i64, &'static str> {
+    let Some((cursor_epoch, seq)) = cursor.id.as_deref().and_then(|id| id.rsplit_once(':')) else {
+        return Err("cursor-without-epoch");
+    };
+    if cursor_epoch != epoch {
+        return Err("replica-version-changed");
+    }
+    let seq: i64 = seq.parse().map_err(|_| "cursor-without-epoch")?;
+    match cursor.server_sequence {
+        Some(sequence) if sequence != seq => Err("cursor-without-epoch"),
+        _ if seq < 0 => Err("cursor-without-epoch"),
+        _ => Ok(seq),
+    }
+}
+
+/// Whether every condition matches `values` by JS string form (§4.6).
+fn matches(conditions: &Map<String, Value>, values: &Map<String, Value>) -> bool {
+    conditions.iter().all(|(key, condition)| {
+        values
+            .get(key)
+            .is_some_and(|value| js_string_form(value) == js_string_form(condition))
+    })
+}
+
+/// The wire entry of a feed entry for one subscription, if it belongs to its scope: an upsert
+/// matching the conditions, or an exit from them. Omitted columns are left out of `data`.
+fn entry_for(epoch: &str, sub: &Subscription, entry: &FeedEntry) -> Option<SyncEntry> {
+    if entry.table != sub.table {
+        return None;
+    }
+    let (sync_type, data, scope_values) = match &entry.change {
+        FeedChange::Upsert { data } => {
+            if !matches(&sub.conditions, data) {
+                return None;
+            }
+            let mut sent = data.clone();
+            sent.retain(|key, _| !sub.omit_columns.contains(key));
+            ("update", Value::Object(sent), data)
+        }
+        FeedChange::Exit { old, new } => {
+            let still_in = new
+                .as_ref()
+                .is_some_and(|new| matches(&sub.conditions, new));
+            if !matches(&sub.conditions, old) || still_in {
+                return None;
+            }
+            ("delete", Value::Null, old)
+        }
+    };
+    let mut object = Map::new();
+    object.insert(
+        "id".to_owned(),
+        Value::String(format!("{epoch}:{}", entry.seq)),
+    );
+    object.insert(
+        "resourceType".to_owned(),
+        Value::String(sub.resource_type.clone()),
+    );
+    object.insert(
+        "resourceId".to_owned(),
+        Value::String(entry.resource_id.clone()),
+    );
+    object.insert("serverSequence".to_owned(), Value::from(entry.seq));
+    object.insert("syncType".to_owned(), Value::String(sync_type.to_owned()));
+    object.insert(
+        "updatedAt".to_owned(),
+        Value::String(entry.updated_at.clone()),
+    );
+    object.insert("data".to_owned(), data);
+    for key in sub.conditions.keys() {
+        if let Some(value) = scope_values.get(key) {
+            // A scope column named like an entry key stays in `data` only.
+            object.entry(key.clone()).or_insert_with(|| value.clone());
+        }
+    }
+    SyncEntry::from_object(0, &object).ok()
+}

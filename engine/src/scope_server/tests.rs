@@ -1,0 +1,723 @@
+//! Transcripts of the scope server: inputs in, effects out, with plain values.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+use serde_json::{json, Map, Value};
+
+use super::*;
+
+const EPOCH: &str = "v1";
+const C: ConnId = 7;
+
+fn server() -> ScopeServer {
+    let mut server = ScopeServer::new(ServerConfig::new(EPOCH));
+    server.handle(
+        ServerInput::Opened {
+            conn: C,
+            session_id: "s".into(),
+        },
+        0,
+    );
+    server
+}
+
+fn object(value: Value) -> Map<String, Value> {
+    match value {
+        Value::Object(map) => map,
+        _ => panic!("not an object"),
+    }
+}
+
+fn upsert(seq: i64, id: i64, owner: &str) -> FeedEntry {
+    FeedEntry {
+        table: "todos".into(),
+        resource_id: id.to_string(),
+        seq,
+        updated_at: "2026-12-01T12:00:00.000Z".into(),
+        change: FeedChange::Upsert {
+            data: object(json!({"id": id, "owner": owner, "title": "t", "secret": "x"})),
+        },
+    }
+}
+
+fn exit(seq: i64, id: i64, old: &str, new: Option<&str>) -> FeedEntry {
+    FeedEntry {
+        table: "todos".into(),
+        resource_id: id.to_string(),
+        seq,
+        updated_at: "2026-12-01T12:00:00.000Z".into(),
+        change: FeedChange::Exit {
+            old: object(json!({"owner": old})),
+            new: new.map(|n| object(json!({"owner": n}))),
+        },
+    }
+}
+
+fn subscribe_text(id: &str, owner: &str, extra: Value) -> String {
+    let mut params = object(json!({"resourceType": "todos", "conditions": {"owner": owner}}));
+    params.extend(object(extra));
+    json!({"type": "channel-subscribe", "subscriptionId": id, "channelType": "velocious-sync", "params": params}).to_string()
+}
+
+fn frame(server: &mut ScopeServer, text: &str) -> Vec<ServerEffect> {
+    server.handle(
+        ServerInput::Frame {
+            conn: C,
+            text: text.to_owned(),
+        },
+        0,
+    )
+}
+
+fn grant() -> Decision {
+    Decision::Granted(Grant {
+        table: "todos".into(),
+        omit_columns: vec!["secret".into()],
+        expires_at_ms: None,
+    })
+}
+
+/// Sent frames as JSON values.
+fn sent(effects: &[ServerEffect]) -> Vec<Value> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            ServerEffect::Send { text, .. } => Some(serde_json::from_str(text).unwrap()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn fetch(effects: &[ServerEffect]) -> Option<(u64, u64, Option<i64>, Option<i64>, bool)> {
+    effects.iter().find_map(|e| match e {
+        ServerEffect::FetchPage {
+            ticket,
+            pass,
+            after,
+            up_to,
+            count_total,
+            ..
+        } => Some((*ticket, *pass, *after, *up_to, *count_total)),
+        _ => None,
+    })
+}
+
+fn ticket_of(effects: &[ServerEffect]) -> u64 {
+    effects
+        .iter()
+        .find_map(|e| match e {
+            ServerEffect::Authorize { ticket, .. } => Some(*ticket),
+            _ => None,
+        })
+        .expect("an Authorize effect")
+}
+
+fn page(
+    server: &mut ScopeServer,
+    ticket: u64,
+    pass: u64,
+    up_to: i64,
+    rows: Vec<FeedEntry>,
+) -> Vec<ServerEffect> {
+    server.handle(
+        ServerInput::PageFetched {
+            conn: C,
+            ticket,
+            pass,
+            result: PageResult::Rows {
+                up_to,
+                rows,
+                total: Some(3),
+            },
+        },
+        0,
+    )
+}
+
+/// Subscribes `id` to owner `owner` and grants it; returns the ticket and the effects.
+fn granted(
+    server: &mut ScopeServer,
+    id: &str,
+    owner: &str,
+    extra: Value,
+) -> (u64, Vec<ServerEffect>) {
+    let effects = frame(server, &subscribe_text(id, owner, extra));
+    let ticket = ticket_of(&effects);
+    let effects = server.handle(
+        ServerInput::Authorized {
+            conn: C,
+            ticket,
+            decision: grant(),
+        },
+        0,
+    );
+    (ticket, effects)
+}
+
+#[test]
+fn a_socket_opens_with_session_established_and_answers_ping_and_resume() {
+    let mut server = ScopeServer::new(ServerConfig::new(EPOCH));
+    let effects = server.handle(
+        ServerInput::Opened {
+            conn: C,
+            session_id: "abc".into(),
+        },
+        0,
+    );
+    assert_eq!(
+        sent(&effects),
+        vec![json!({"type": "session-established", "sessionId": "abc", "graceSeconds": 0})]
+    );
+    assert_eq!(
+        sent(&frame(&mut server, r#"{"type":"ping"}"#)),
+        vec![json!({"type": "pong"})]
+    );
+    assert_eq!(
+        sent(&frame(
+            &mut server,
+            r#"{"type":"session-resume","sessionId":"abc"}"#
+        )),
+        vec![json!({"type": "session-gone"})]
+    );
+}
+
+#[test]
+fn a_fresh_subscribe_replays_pages_in_order_then_confirms() {
+    let mut server = server();
+    let (ticket, effects) = granted(&mut server, "s1", "ada", json!({"limit": 2}));
+    let (t, pass, after, up_to, count) = fetch(&effects).expect("first page requested");
+    assert_eq!((t, after, up_to, count), (ticket, None, None, true));
+    let effects = page(
+        &mut server,
+        ticket,
+        pass,
+        9,
+        vec![upsert(2, 1, "ada"), upsert(5, 2, "ada")],
+    );
+    let frames = sent(&effects);
+    assert_eq!(frames.len(), 1);
+    let body = &frames[0]["body"];
+    assert_eq!(body["progress"], json!({"done": 2, "total": 3}));
+    assert_eq!(body["syncs"][0]["id"], json!("v1:2"));
+    assert_eq!(body["syncs"][0]["owner"], json!("ada"));
+    assert_eq!(
+        body["syncs"][0]["data"],
+        json!({"id": 1, "owner": "ada", "title": "t"}),
+        "secret omitted"
+    );
+    assert_eq!(
+        fetch(&effects).map(|f| (f.2, f.3, f.4)),
+        Some((Some(5), Some(9), false))
+    );
+    let effects = page(&mut server, ticket, pass, 9, vec![upsert(8, 3, "ada")]);
+    let frames = sent(&effects);
+    assert_eq!(frames.len(), 2);
+    assert_eq!(
+        frames[0]["body"]["progress"],
+        json!({"done": 3, "total": 3})
+    );
+    assert_eq!(
+        frames[1],
+        json!({"type": "channel-subscribed", "subscriptionId": "s1"})
+    );
+    assert_eq!(
+        server
+            .delivered_cursor(C, "s1")
+            .and_then(|c| c.server_sequence),
+        Some(8)
+    );
+}
+
+#[test]
+fn live_rows_above_the_pin_arrive_once_and_rows_at_or_below_come_by_replay() {
+    let mut server = server();
+    let (ticket, effects) = granted(&mut server, "s1", "ada", json!({"limit": 1}));
+    let pass = fetch(&effects).unwrap().1;
+    // Committed while the first page is read: which side of the pin is not known yet.
+    let early = server.handle(
+        ServerInput::Committed {
+            entries: vec![upsert(4, 1, "ada")],
+        },
+        0,
+    );
+    let late = server.handle(
+        ServerInput::Committed {
+            entries: vec![upsert(6, 2, "ada")],
+        },
+        0,
+    );
+    assert!(
+        sent(&early).is_empty() && sent(&late).is_empty(),
+        "buffered until the pin"
+    );
+    // The page saw seq 4 (pin 5); seq 6 committed after the read.
+    let effects = page(&mut server, ticket, pass, 5, vec![upsert(4, 1, "ada")]);
+    let frames = sent(&effects);
+    let seqs: Vec<Value> = frames
+        .iter()
+        .filter(|f| f["type"] == "channel-message")
+        .map(|f| f["body"]["syncs"][0]["serverSequence"].clone())
+        .collect();
+    assert_eq!(
+        seqs,
+        vec![json!(4), json!(6)],
+        "seq 4 by replay, seq 6 live, each once"
+    );
+    assert!(
+        frames[1]["body"].get("progress").is_none(),
+        "live envelopes carry no progress"
+    );
+    let effects = page(&mut server, ticket, pass, 5, vec![]);
+    assert_eq!(
+        sent(&effects),
+        vec![json!({"type": "channel-subscribed", "subscriptionId": "s1"})]
+    );
+    let again = server.handle(
+        ServerInput::Committed {
+            entries: vec![upsert(5, 9, "ada")],
+        },
+        0,
+    );
+    assert!(
+        sent(&again).is_empty(),
+        "at or below the pin: the replay had it"
+    );
+}
+
+#[test]
+fn one_transaction_is_one_envelope_and_moves_route_removals_to_the_old_scope() {
+    let mut server = server();
+    let (ta, ea) = granted(&mut server, "ada", "ada", json!({}));
+    page(&mut server, ta, fetch(&ea).unwrap().1, 1, vec![]);
+    let (tg, eg) = granted(&mut server, "grace", "grace", json!({}));
+    page(&mut server, tg, fetch(&eg).unwrap().1, 1, vec![]);
+    let (tz, ez) = granted(&mut server, "zed", "zed", json!({}));
+    page(&mut server, tz, fetch(&ez).unwrap().1, 1, vec![]);
+    let effects = server.handle(
+        ServerInput::Committed {
+            entries: vec![
+                upsert(2, 1, "ada"),
+                upsert(3, 2, "grace"),
+                exit(3, 2, "ada", Some("grace")),
+            ],
+        },
+        0,
+    );
+    let frames = sent(&effects);
+    assert_eq!(frames.len(), 2, "zed is not reached: {frames:?}");
+    let ada = frames
+        .iter()
+        .find(|f| f["subscriptionId"] == "ada")
+        .unwrap();
+    let types: Vec<&Value> = ada["body"]["syncs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| &e["syncType"])
+        .collect();
+    assert_eq!(types, vec!["update", "delete"]);
+    assert_eq!(
+        ada["body"]["syncs"][1]["owner"],
+        json!("ada"),
+        "old scope values"
+    );
+    assert_eq!(ada["body"]["syncs"][1]["data"], Value::Null);
+    let grace = frames
+        .iter()
+        .find(|f| f["subscriptionId"] == "grace")
+        .unwrap();
+    assert_eq!(grace["body"]["syncs"].as_array().unwrap().len(), 1);
+    assert_eq!(grace["body"]["syncs"][0]["syncType"], json!("update"));
+}
+
+#[test]
+fn refusals_are_typed_and_deliver_nothing() {
+    let mut server = server();
+    let code = |effects: &[ServerEffect]| sent(effects)[0]["code"].clone();
+    let other =
+        r#"{"type":"channel-subscribe","subscriptionId":"x","channelType":"chat","params":{}}"#;
+    assert_eq!(code(&frame(&mut server, other)), json!("unknown-channel"));
+    assert_eq!(code(&frame(&mut server, "{nope")), json!("bad-frame"));
+    assert_eq!(
+        code(&frame(&mut server, r#"{"type":"channel-subscribe"}"#)),
+        json!("bad-frame")
+    );
+    let bad_limit = subscribe_text("l", "ada", json!({"limit": 0}));
+    assert_eq!(
+        code(&frame(&mut server, &bad_limit)),
+        json!("invalid-params")
+    );
+    let no_type = r#"{"type":"channel-subscribe","subscriptionId":"n","channelType":"velocious-sync","params":{"conditions":{}}}"#;
+    assert_eq!(code(&frame(&mut server, no_type)), json!("invalid-params"));
+    let first = frame(&mut server, &subscribe_text("s1", "ada", json!({})));
+    assert!(sent(&first).is_empty());
+    let twice = frame(&mut server, &subscribe_text("s1", "ada", json!({})));
+    assert_eq!(code(&twice), json!("subscription-in-use"));
+    let denied = server.handle(
+        ServerInput::Authorized {
+            conn: C,
+            ticket: ticket_of(&first),
+            decision: Decision::Denied {
+                code: "forbidden".into(),
+                message: "no".into(),
+            },
+        },
+        0,
+    );
+    assert_eq!(
+        sent(&denied),
+        vec![
+            json!({"type": "channel-error", "subscriptionId": "s1", "message": "no", "code": "forbidden"})
+        ]
+    );
+    assert!(fetch(&denied).is_none());
+    let live = server.handle(
+        ServerInput::Committed {
+            entries: vec![upsert(2, 1, "ada")],
+        },
+        0,
+    );
+    assert!(live.is_empty(), "a refused subscription gets nothing");
+    assert_eq!(server.subscriptions(), 0);
+}
+
+#[test]
+fn the_subscription_cap_is_per_socket() {
+    let mut config = ServerConfig::new(EPOCH);
+    config.max_subscriptions_per_connection = 1;
+    let mut server = ScopeServer::new(config);
+    server.handle(
+        ServerInput::Opened {
+            conn: C,
+            session_id: "s".into(),
+        },
+        0,
+    );
+    frame(&mut server, &subscribe_text("a", "ada", json!({})));
+    let effects = frame(&mut server, &subscribe_text("b", "ada", json!({})));
+    assert_eq!(sent(&effects)[0]["code"], json!("too-many-subscriptions"));
+}
+
+#[test]
+fn cursors_of_another_epoch_or_without_one_get_a_reset_and_a_full_replay() {
+    for (after_id, reason) in [
+        ("v0:5", "replica-version-changed"),
+        ("5", "cursor-without-epoch"),
+    ] {
+        let mut server = server();
+        let cursor = json!({"afterId": after_id, "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z"});
+        let (_, effects) = granted(&mut server, "s1", "ada", cursor);
+        let frames = sent(&effects);
+        assert_eq!(frames[0]["body"]["reset"]["reason"], json!(reason));
+        assert_eq!(frames[0]["body"]["syncs"], json!([]));
+        assert_eq!(fetch(&effects).map(|f| f.2), Some(None), "the whole scope");
+    }
+}
+
+#[test]
+fn a_resume_in_the_epoch_starts_after_the_cursor_unless_retention_or_a_truncate_says_reset() {
+    let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z"});
+    let mut server = server();
+    let (ticket, effects) = granted(&mut server, "s1", "ada", cursor.clone());
+    assert!(sent(&effects).is_empty());
+    let (_, pass, after, ..) = fetch(&effects).unwrap();
+    assert_eq!(after, Some(5));
+    let truncated = server.handle(
+        ServerInput::PageFetched {
+            conn: C,
+            ticket,
+            pass,
+            result: PageResult::Truncated,
+        },
+        0,
+    );
+    assert_eq!(
+        sent(&truncated)[0]["body"]["reset"]["reason"],
+        json!("table-truncated")
+    );
+    assert_eq!(fetch(&truncated).map(|f| f.2), Some(None));
+
+    let mut server = self::server();
+    server.handle(ServerInput::RetentionFloor(Some(9)), 0);
+    let (_, effects) = granted(&mut server, "s1", "ada", cursor);
+    assert_eq!(
+        sent(&effects)[0]["body"]["reset"]["reason"],
+        json!("cursor-before-retention")
+    );
+    assert_eq!(fetch(&effects).map(|f| f.2), Some(None));
+}
+
+#[test]
+fn replay_pages_wait_for_room_and_a_socket_that_stays_full_is_closed() {
+    let mut config = ServerConfig::new(EPOCH);
+    config.outbound_budget_bytes = 200;
+    config.slow_consumer_timeout_ms = 1_000;
+    let mut server = ScopeServer::new(config);
+    server.handle(
+        ServerInput::Opened {
+            conn: C,
+            session_id: "s".into(),
+        },
+        0,
+    );
+    let (ticket, effects) = granted(&mut server, "s1", "ada", json!({"limit": 1}));
+    let pass = fetch(&effects).unwrap().1;
+    let effects = page(&mut server, ticket, pass, 9, vec![upsert(2, 1, "ada")]);
+    assert!(
+        fetch(&effects).is_none(),
+        "the socket is over its budget: no page read"
+    );
+    let unflushed: usize = 400;
+    let effects = server.handle(
+        ServerInput::Written {
+            conn: C,
+            bytes: unflushed,
+        },
+        10,
+    );
+    assert!(
+        fetch(&effects).is_some(),
+        "room again: the next page is read"
+    );
+    // Live rows keep coming while nothing is flushed.
+    let mut closed = Vec::new();
+    for (i, now) in [100, 600, 1_200].into_iter().enumerate() {
+        let effects = server.handle(
+            ServerInput::Committed {
+                entries: vec![upsert(20 + i as i64, 1, "ada")],
+            },
+            now,
+        );
+        closed.extend(
+            effects
+                .into_iter()
+                .filter(|e| matches!(e, ServerEffect::Close { .. })),
+        );
+    }
+    assert_eq!(
+        closed,
+        vec![ServerEffect::Close {
+            conn: C,
+            code: 1013,
+            reason: "slow consumer".into()
+        }]
+    );
+    assert_eq!(server.connections(), 0);
+}
+
+#[test]
+fn an_expired_token_ends_its_subscription_with_auth_expired() {
+    let mut server = server();
+    let effects = frame(&mut server, &subscribe_text("s1", "ada", json!({})));
+    server.handle(
+        ServerInput::Authorized {
+            conn: C,
+            ticket: ticket_of(&effects),
+            decision: Decision::Granted(Grant {
+                table: "todos".into(),
+                omit_columns: vec![],
+                expires_at_ms: Some(5_000),
+            }),
+        },
+        0,
+    );
+    assert!(sent(&server.handle(ServerInput::Tick, 4_999)).is_empty());
+    let effects = server.handle(ServerInput::Tick, 5_000);
+    assert_eq!(sent(&effects)[0]["code"], json!("auth-expired"));
+    assert_eq!(server.subscriptions(), 0);
+}
+
+#[test]
+fn unsubscribe_stops_delivery_and_frees_the_id() {
+    let mut server = server();
+    let (t, e) = granted(&mut server, "s1", "ada", json!({}));
+    page(&mut server, t, fetch(&e).unwrap().1, 1, vec![]);
+    let effects = frame(
+        &mut server,
+        r#"{"type":"channel-unsubscribe","subscriptionId":"s1"}"#,
+    );
+    assert_eq!(
+        sent(&effects),
+        vec![json!({"type": "channel-unsubscribed", "subscriptionId": "s1"})]
+    );
+    assert!(server
+        .handle(
+            ServerInput::Committed {
+                entries: vec![upsert(2, 1, "ada")]
+            },
+            0
+        )
+        .is_empty());
+    let (_, e) = granted(&mut server, "s1", "ada", json!({}));
+    assert!(fetch(&e).is_some(), "the id can be used again");
+}
+
+/// A replica of one table in memory: rows by id with their seq and owner, and exits.
+#[derive(Default)]
+struct Feed {
+    rows: BTreeMap<i64, (i64, String)>,
+    exits: Vec<(i64, i64, String, Option<String>)>,
+    seq: i64,
+}
+
+impl Feed {
+    /// Applies a write; returns its feed entries.
+    fn write(&mut self, id: i64, owner: Option<String>) -> Vec<FeedEntry> {
+        self.seq += 1;
+        let seq = self.seq;
+        let old = self.rows.get(&id).map(|(_, o)| o.clone());
+        let mut entries = Vec::new();
+        match &owner {
+            Some(owner) => {
+                self.rows.insert(id, (seq, owner.clone()));
+                entries.push(upsert(seq, id, owner));
+            }
+            None => {
+                self.rows.remove(&id);
+            }
+        }
+        if let Some(old) = old {
+            if owner.as_ref() != Some(&old) {
+                self.exits.push((seq, id, old.clone(), owner.clone()));
+                entries.push(exit(seq, id, &old, owner.as_deref()));
+            }
+        }
+        entries
+    }
+
+    fn page(
+        &self,
+        owner: &str,
+        after: Option<i64>,
+        up_to: Option<i64>,
+        limit: u32,
+    ) -> (i64, Vec<FeedEntry>) {
+        let up_to = up_to.unwrap_or(self.seq);
+        let after_seq = after.unwrap_or(0);
+        let mut found: Vec<FeedEntry> = self
+            .rows
+            .iter()
+            .filter(|(_, (seq, o))| o == owner && *seq > after_seq && *seq <= up_to)
+            .map(|(id, (seq, o))| upsert(*seq, *id, o))
+            .collect();
+        if after.is_some() {
+            found.extend(
+                self.exits
+                    .iter()
+                    .filter(|(seq, _, old, new)| {
+                        old == owner
+                            && new.as_deref() != Some(owner)
+                            && *seq > after_seq
+                            && *seq <= up_to
+                    })
+                    .map(|(seq, id, old, new)| exit(*seq, *id, old, new.as_deref())),
+            );
+        }
+        found.sort_by_key(|e| e.seq);
+        found.truncate(limit as usize);
+        (up_to, found)
+    }
+}
+
+/// A client applying what it receives: rows by id, cursor never moving back.
+#[derive(Default, Debug)]
+struct Client {
+    rows: BTreeMap<i64, String>,
+    cursor: Option<i64>,
+    subscribed: bool,
+}
+
+impl Client {
+    fn receive(&mut self, frames: Vec<Value>) {
+        for frame in frames {
+            match frame["type"].as_str() {
+                Some("channel-subscribed") => self.subscribed = true,
+                Some("channel-message") => {
+                    for entry in frame["body"]["syncs"].as_array().unwrap() {
+                        let id: i64 = entry["resourceId"].as_str().unwrap().parse().unwrap();
+                        if entry["syncType"] == "delete" {
+                            self.rows.remove(&id);
+                        } else {
+                            self.rows
+                                .insert(id, entry["data"]["owner"].as_str().unwrap().to_owned());
+                        }
+                        let seq = entry["serverSequence"].as_i64().unwrap();
+                        self.cursor = Some(self.cursor.map_or(seq, |c| c.max(seq)));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Write { id: i64, owner: Option<u8> },
+    Page,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        3 => (0i64..6, proptest::option::weighted(0.8, 0u8..3)).prop_map(|(id, owner)| Step::Write { id, owner }),
+        2 => Just(Step::Page),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Writes interleaved with replay pages in any order, from a fresh or a resumed cursor:
+    /// the client ends equal to the scope, and its cursor never moves back.
+    #[test]
+    fn a_subscriber_ends_equal_to_its_scope_whatever_interleaves_with_its_replay(
+        before in proptest::collection::vec((0i64..6, proptest::option::weighted(0.8, 0u8..3)), 0..12),
+        resume_at in 0usize..12,
+        steps in proptest::collection::vec(step(), 0..30),
+        limit in 1u32..4,
+    ) {
+        let owners = ["ada", "grace", "zed"];
+        let mut feed = Feed::default();
+        let mut client = Client::default();
+        for (i, (id, owner)) in before.iter().enumerate() {
+            feed.write(*id, owner.map(|o| owners[o as usize].to_owned()));
+            if i + 1 == resume_at {
+                client.rows = feed.rows.iter().filter(|(_, (_, o))| o == "ada").map(|(id, (_, o))| (*id, o.clone())).collect();
+                client.cursor = Some(feed.seq);
+            }
+        }
+        let mut server = server();
+        let extra = match client.cursor {
+            Some(seq) => json!({"limit": limit, "afterId": format!("v1:{seq}"), "afterServerSequence": seq, "afterUpdatedAt": "2026-12-01T12:00:00.000Z"}),
+            None => json!({"limit": limit}),
+        };
+        let (ticket, effects) = granted(&mut server, "s1", "ada", extra);
+        let mut pending = fetch(&effects);
+        client.receive(sent(&effects));
+        let mut steps = steps;
+        // Finish the replay in the end.
+        steps.extend(std::iter::repeat_n(Step::Page, 40));
+        for step in steps {
+            let previous = client.cursor;
+            match step {
+                Step::Write { id, owner } => {
+                    let entries = feed.write(id, owner.map(|o| owners[o as usize].to_owned()));
+                    let effects = server.handle(ServerInput::Committed { entries }, 0);
+                    client.receive(sent(&effects));
+                }
+                Step::Page => {
+                    let Some((_, pass, after, up_to, _)) = pending.take() else { continue };
+                    let (pin, rows) = feed.page("ada", after, up_to, limit);
+                    let effects = page(&mut server, ticket, pass, pin, rows);
+                    pending = fetch(&effects);
+                    client.receive(sent(&effects));
+                }
+            }
+            prop_assert!(client.cursor >= previous, "the cursor moved back");
+        }
+        prop_assert!(client.subscribed);
+        let want: BTreeMap<i64, String> = feed.rows.iter().filter(|(_, (_, o))| o == "ada").map(|(id, (_, o))| (*id, o.clone())).collect();
+        prop_assert_eq!(&client.rows, &want);
+    }
+}

@@ -1,0 +1,934 @@
+//! The scope feed: what the replica keeps so scope-sync subscribers can catch up and be routed
+//! live (`reference/velocious-sync.md` §4.4, §4.5).
+//!
+//! For the tables a rules file opens to scope sync, the writer records, per upstream
+//! transaction:
+//! - the rows it wrote, with their `_hw_seq` and the transaction's commit time in
+//!   `_hw_updated_at` (the entries' `updatedAt`);
+//! - an **exit** for every row that left some scope: deleted, its key changed, or updated so a
+//!   scope column changed. An exit keeps the old (and new) scope-column values, so a removal can
+//!   be routed to the scopes the row was in; it shares the seq of the write that caused it, and
+//!   is journalled in `_hw_exits` for catch-up. Rows removed by a truncate are routed live; in
+//!   catch-up the table's truncate marker answers an older cursor with a reset.
+//!
+//! Seqs stay exactly those the writer assigns without a rules file: exits never take one, so a
+//! relay with other rules (or none) assigns the same seqs as its primary.
+//!
+//! [`read_scope_page`] answers one replay page in one read transaction: rows of a scope after a
+//! cursor up to a high-water, by index range scans (`(column, _hw_seq)` for every filter
+//! column, an expression index on `_hw_exits` for old values). [`prune_exits`] drops exits older
+//! than the retention window and raises the retention floor.
+
+use std::collections::{BTreeMap, HashMap};
+
+use highwater_engine::change_stream::{Change, JsonFormat};
+use highwater_engine::scope_sync::js_string_form;
+use rusqlite::types::Value as SqlValue;
+use rusqlite::{params, params_from_iter, Connection, OptionalExtension};
+use serde_json::{Map, Value};
+
+use super::schema::{quote_ident, replica_table_name, ReplicaColumn, ReplicaTable, ValueKind};
+use super::value::from_sql;
+use super::ReplicaError;
+
+/// Internal tables of the scope feed.
+pub(super) const FEED_TABLES_SQL: &str = r#"
+-- Rows that left a scope: old (and, for an update, new) scope-column values, at the seq of the
+-- write that moved or removed them.
+CREATE TABLE IF NOT EXISTS "_hw_exits" (
+    "table_name" TEXT NOT NULL,
+    "resource_id" TEXT NOT NULL,
+    "seq" INTEGER NOT NULL,
+    "old_values" TEXT NOT NULL,
+    "new_values" TEXT,
+    "updated_at" TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS "_hw_exits_seq" ON "_hw_exits" ("table_name", "seq");
+CREATE INDEX IF NOT EXISTS "_hw_exits_age" ON "_hw_exits" ("updated_at");
+-- Single row: seqs at or below `floor` may have lost their exits to retention.
+CREATE TABLE IF NOT EXISTS "_hw_feed_state" (
+    "lock" INTEGER PRIMARY KEY CHECK ("lock" = 1),
+    "floor" INTEGER NOT NULL
+);
+"#;
+
+/// The `updatedAt` of rows written before the feed knew their commit time (initial sync).
+pub const UNKNOWN_COMMIT_TIME: &str = "1970-01-01T00:00:00.000Z";
+
+/// Tables open to scope sync, with the columns a scope may filter on.
+pub type FeedTables = HashMap<String, Vec<String>>;
+
+/// One entry of the scope feed: a row as written, or a row leaving scopes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FeedRow {
+    /// Replica table name.
+    pub table: String,
+    /// The key as text: the value for a one-column key, else the JSON array of key values.
+    pub resource_id: String,
+    pub seq: i64,
+    /// The upstream commit time, ISO-8601 with milliseconds.
+    pub updated_at: String,
+    pub kind: FeedKind,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum FeedKind {
+    /// The row as it now is (every column).
+    Upsert { data: Map<String, Value> },
+    /// The row left every scope matching `old` but not `new` (`new` is `None` when the row is
+    /// gone under this key).
+    Exit {
+        old: Map<String, Value>,
+        new: Option<Map<String, Value>>,
+    },
+}
+
+impl FeedRow {
+    /// The scope-column values that route this entry: the row's, or for an exit the old ones.
+    pub fn routing_values(&self) -> &Map<String, Value> {
+        match &self.kind {
+            FeedKind::Upsert { data } => data,
+            FeedKind::Exit { old, .. } => old,
+        }
+    }
+}
+
+/// The feed entries of one committed upstream transaction, ascending by seq.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CommittedChanges {
+    pub rows: Vec<FeedRow>,
+}
+
+/// What the writer captures for the feed.
+#[derive(Debug, Default)]
+pub(super) struct Capture {
+    tables: FeedTables,
+    /// Per table written in the open transaction: the first seq it took.
+    touched: BTreeMap<String, i64>,
+    exits: Vec<PendingExit>,
+}
+
+#[derive(Debug)]
+struct PendingExit {
+    table: String,
+    resource_id: String,
+    seq: i64,
+    old: Map<String, Value>,
+    new: Option<Map<String, Value>>,
+    /// Journalled for catch-up (not for truncates: their marker resets older cursors).
+    journal: bool,
+}
+
+/// A row's key and scope values, read before a change.
+#[derive(Debug)]
+pub(super) struct Before {
+    resource_id: String,
+    scope: Map<String, Value>,
+}
+
+/// What a change needs remembered from before it is applied.
+#[derive(Debug)]
+pub(super) enum Pre {
+    None,
+    Touch(String),
+    Update {
+        table: String,
+        before: Option<Before>,
+        new_key: Vec<(String, SqlValue)>,
+    },
+    Delete {
+        table: String,
+        before: Option<Before>,
+    },
+    Truncate(Vec<(String, Vec<Before>)>),
+}
+
+impl Capture {
+    pub fn new(tables: FeedTables) -> Capture {
+        Capture {
+            tables,
+            ..Capture::default()
+        }
+    }
+
+    fn scope_columns(&self, table: &str) -> Option<&[String]> {
+        self.tables.get(table).map(Vec::as_slice)
+    }
+
+    /// Reads what `change` will overwrite, for the tables the feed follows.
+    pub fn before(
+        &self,
+        conn: &Connection,
+        tables: &HashMap<String, ReplicaTable>,
+        change: &Change,
+        json: JsonFormat,
+    ) -> Result<Pre, ReplicaError> {
+        let followed = |schema: &str, name: &str| {
+            let name = replica_table_name(schema, name);
+            self.tables
+                .contains_key(&name)
+                .then(|| tables.get(&name))
+                .flatten()
+        };
+        Ok(match change {
+            Change::Insert(insert) => {
+                match followed(&insert.relation.schema, &insert.relation.name) {
+                    Some(table) => Pre::Touch(table.name.clone()),
+                    None => Pre::None,
+                }
+            }
+            Change::Backfill(backfill) => {
+                match followed(&backfill.relation.schema, &backfill.relation.name) {
+                    Some(table) => Pre::Touch(table.name.clone()),
+                    None => Pre::None,
+                }
+            }
+            Change::Update(update) => {
+                let Some(table) = followed(&update.relation.schema, &update.relation.name) else {
+                    return Ok(Pre::None);
+                };
+                let scope = self.scope_columns(&table.name).unwrap_or_default();
+                let new_key = key_of(table, &update.new, json);
+                let old_key = update.key.as_ref().map(|k| key_of(table, k, json));
+                let target = match (&old_key, &new_key) {
+                    (Some(Some(old)), _) => Some(old.clone()),
+                    (_, Some(new)) => Some(new.clone()),
+                    _ => None,
+                };
+                let before = match &target {
+                    Some(key) => read_before(conn, table, scope, key)?,
+                    None => None,
+                };
+                let new_key = new_key.or_else(|| old_key.flatten()).unwrap_or_default();
+                Pre::Update {
+                    table: table.name.clone(),
+                    before,
+                    new_key,
+                }
+            }
+            Change::Delete(delete) => {
+                let Some(table) = followed(&delete.relation.schema, &delete.relation.name) else {
+                    return Ok(Pre::None);
+                };
+                let scope = self.scope_columns(&table.name).unwrap_or_default();
+                let before = match key_of(table, &delete.key, json) {
+                    Some(key) => read_before(conn, table, scope, &key)?,
+                    None => None,
+                };
+                Pre::Delete {
+                    table: table.name.clone(),
+                    before,
+                }
+            }
+            Change::Truncate(truncate) => {
+                let mut all = Vec::new();
+                for relation in &truncate.relations {
+                    if let Some(table) = followed(&relation.schema, &relation.name) {
+                        let scope = self.scope_columns(&table.name).unwrap_or_default();
+                        all.push((table.name.clone(), read_all(conn, table, scope)?));
+                    }
+                }
+                if all.is_empty() {
+                    Pre::None
+                } else {
+                    Pre::Truncate(all)
+                }
+            }
+            _ => Pre::None,
+        })
+    }
+
+    /// Records what `change` did, given what was read before it and the seqs it took
+    /// (`seq_before..seq_after`).
+    pub fn after(
+        &mut self,
+        conn: &Connection,
+        tables: &HashMap<String, ReplicaTable>,
+        pre: Pre,
+        seq_before: i64,
+        seq_after: i64,
+    ) -> Result<(), ReplicaError> {
+        if seq_after == seq_before {
+            return Ok(());
+        }
+        match pre {
+            Pre::None => {}
+            Pre::Touch(table) => self.touch(table, seq_before),
+            Pre::Update {
+                table,
+                before,
+                new_key,
+            } => {
+                self.touch(table.clone(), seq_before);
+                let (Some(before), Some(replica_table)) = (before, tables.get(&table)) else {
+                    return Ok(());
+                };
+                let scope = self.scope_columns(&table).unwrap_or_default().to_vec();
+                let now = read_before(conn, replica_table, &scope, &new_key)?;
+                let now_seq = read_seq(conn, replica_table, &new_key)?;
+                match (now, now_seq) {
+                    (Some(now), Some(seq)) if now.resource_id == before.resource_id => {
+                        if now.scope != before.scope {
+                            self.exits.push(PendingExit {
+                                table,
+                                resource_id: before.resource_id,
+                                seq,
+                                old: before.scope,
+                                new: Some(now.scope),
+                                journal: true,
+                            });
+                        }
+                    }
+                    _ => {
+                        // The key changed: the old key's tombstone took the last seq.
+                        self.exits.push(PendingExit {
+                            table,
+                            resource_id: before.resource_id,
+                            seq: seq_after - 1,
+                            old: before.scope,
+                            new: None,
+                            journal: true,
+                        });
+                    }
+                }
+            }
+            Pre::Delete { table, before } => {
+                if let Some(before) = before {
+                    self.exits.push(PendingExit {
+                        table,
+                        resource_id: before.resource_id,
+                        seq: seq_after - 1,
+                        old: before.scope,
+                        new: None,
+                        journal: true,
+                    });
+                }
+            }
+            Pre::Truncate(all) => {
+                // Each truncated table takes one seq, in order (`apply_truncate`); unfollowed
+                // tables in the same message take theirs too, so the marker seq is read back.
+                for (table, rows) in all {
+                    let seq = truncate_seq(conn, &table)?.unwrap_or(seq_after - 1);
+                    self.touch(table.clone(), seq);
+                    for before in rows {
+                        self.exits.push(PendingExit {
+                            table: table.clone(),
+                            resource_id: before.resource_id,
+                            seq,
+                            old: before.scope,
+                            new: None,
+                            journal: false,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn touch(&mut self, table: String, seq: i64) {
+        self.touched.entry(table).or_insert(seq);
+    }
+
+    /// Forgets the open transaction (rolled back).
+    pub fn discard(&mut self) {
+        self.touched.clear();
+        self.exits.clear();
+    }
+
+    /// Inside the transaction, just before its COMMIT: stamps the commit time on the rows it
+    /// wrote, journals its exits, and returns its feed entries.
+    pub fn commit(
+        &mut self,
+        conn: &Connection,
+        tables: &HashMap<String, ReplicaTable>,
+        updated_at: &str,
+    ) -> Result<CommittedChanges, ReplicaError> {
+        let mut rows = Vec::new();
+        for (name, first_seq) in std::mem::take(&mut self.touched) {
+            let Some(table) = tables.get(&name) else {
+                continue;
+            };
+            let cols = select_list(table);
+            let sql = format!(
+                r#"UPDATE {} SET "_hw_updated_at" = ?1 WHERE "_hw_seq" >= ?2 RETURNING {cols}, "_hw_seq""#,
+                quote_ident(&table.name)
+            );
+            let mut stmt = conn.prepare_cached(&sql)?;
+            let mut result = stmt.query(params![updated_at, first_seq])?;
+            while let Some(r) = result.next()? {
+                let data = row_data(table, r)?;
+                let seq: i64 = r.get(table.columns.len())?;
+                rows.push(FeedRow {
+                    table: table.name.clone(),
+                    resource_id: resource_id(table, &data),
+                    seq,
+                    updated_at: updated_at.to_owned(),
+                    kind: FeedKind::Upsert { data },
+                });
+            }
+        }
+        let mut journal = conn.prepare_cached(
+            r#"INSERT INTO "_hw_exits"
+                 ("table_name","resource_id","seq","old_values","new_values","updated_at")
+               VALUES (?1, ?2, ?3, ?4, ?5, ?6)"#,
+        )?;
+        for exit in std::mem::take(&mut self.exits) {
+            if exit.journal {
+                journal.execute(params![
+                    exit.table,
+                    exit.resource_id,
+                    exit.seq,
+                    Value::Object(exit.old.clone()).to_string(),
+                    exit.new.clone().map(|n| Value::Object(n).to_string()),
+                    updated_at,
+                ])?;
+            }
+            rows.push(FeedRow {
+                table: exit.table,
+                resource_id: exit.resource_id,
+                seq: exit.seq,
+                updated_at: updated_at.to_owned(),
+                kind: FeedKind::Exit {
+                    old: exit.old,
+                    new: exit.new,
+                },
+            });
+        }
+        // Stable: an exit sorts after the row write of the same seq.
+        rows.sort_by_key(|row| row.seq);
+        Ok(CommittedChanges { rows })
+    }
+}
+
+/// Creates the feed's tables, the commit-time column and the scope indexes of `tables`.
+pub(super) fn prepare(
+    conn: &Connection,
+    replica_tables: &HashMap<String, ReplicaTable>,
+    tables: &FeedTables,
+) -> Result<(), ReplicaError> {
+    conn.execute_batch(FEED_TABLES_SQL)?;
+    for (name, columns) in tables {
+        let Some(table) = replica_tables.get(name) else {
+            continue;
+        };
+        ensure_updated_at(conn, &table.name)?;
+        for column in columns {
+            if table.column(column).is_none() {
+                continue;
+            }
+            conn.execute_batch(&format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {} ({}, \"_hw_seq\");
+                 CREATE INDEX IF NOT EXISTS {} ON \"_hw_exits\" (\"table_name\", {}, \"seq\");",
+                quote_ident(&format!("{}_hw_scope_{}", table.name, column)),
+                quote_ident(&table.name),
+                quote_ident(column),
+                quote_ident(&format!("_hw_exits_{}_{}", table.name, column)),
+                json_path_expr("old_values", column),
+            ))?;
+        }
+    }
+    Ok(())
+}
+
+/// Adds `_hw_updated_at` to a replica table created before the column existed.
+pub(super) fn ensure_updated_at(conn: &Connection, table: &str) -> Result<(), ReplicaError> {
+    let has: bool = conn
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM pragma_table_info(?1) WHERE name = '_hw_updated_at')",
+        )?
+        .query_row([table], |r| r.get(0))?;
+    if !has {
+        conn.execute_batch(&format!(
+            "ALTER TABLE {} ADD COLUMN \"_hw_updated_at\" TEXT",
+            quote_ident(table)
+        ))?;
+    }
+    Ok(())
+}
+
+/// `json_extract(<col>, '$."<column>"')`, written the same way everywhere so the expression
+/// indexes are usable.
+fn json_path_expr(json_col: &str, column: &str) -> String {
+    let path = format!("$.\"{}\"", column.replace('"', "\\\""));
+    format!(
+        "json_extract({}, '{}')",
+        quote_ident(json_col),
+        path.replace('\'', "''")
+    )
+}
+
+fn select_list(table: &ReplicaTable) -> String {
+    if table.columns.is_empty() {
+        return "NULL".to_owned();
+    }
+    table
+        .columns
+        .iter()
+        .map(|c| quote_ident(&c.name))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn row_data(
+    table: &ReplicaTable,
+    r: &rusqlite::Row<'_>,
+) -> Result<Map<String, Value>, ReplicaError> {
+    let mut data = Map::new();
+    for (i, col) in table.columns.iter().enumerate() {
+        data.insert(
+            col.name.clone(),
+            from_sql(col, r.get_ref(i)?, JsonFormat::Parsed),
+        );
+    }
+    Ok(data)
+}
+
+/// The key of a row as text: the value of a one-column key, else the JSON array of the values.
+pub fn resource_id(table: &ReplicaTable, data: &Map<String, Value>) -> String {
+    let key = table.match_columns();
+    if key.len() == 1 {
+        return js_string_form(data.get(&key[0]).unwrap_or(&Value::Null));
+    }
+    Value::Array(
+        key.iter()
+            .map(|k| data.get(k).cloned().unwrap_or(Value::Null))
+            .collect(),
+    )
+    .to_string()
+}
+
+/// The key values of a change row, bound for SQLite; `None` when a key column is missing.
+fn key_of(
+    table: &ReplicaTable,
+    row: &highwater_engine::change_stream::Row,
+    json: JsonFormat,
+) -> Option<Vec<(String, SqlValue)>> {
+    table
+        .match_columns()
+        .iter()
+        .map(|name| {
+            let col = table.column(name)?;
+            let value = row.get(name)?;
+            Some((name.clone(), super::value::to_sql(col, value, json)))
+        })
+        .collect()
+}
+
+fn where_key(key: &[(String, SqlValue)], first: usize) -> String {
+    if key.is_empty() {
+        return "0".to_owned();
+    }
+    key.iter()
+        .enumerate()
+        .map(|(i, (name, _))| format!("{} = ?{}", quote_ident(name), first + i))
+        .collect::<Vec<_>>()
+        .join(" AND ")
+}
+
+/// Key and scope values of the row at `key`, if it exists.
+fn read_before(
+    conn: &Connection,
+    table: &ReplicaTable,
+    scope: &[String],
+    key: &[(String, SqlValue)],
+) -> Result<Option<Before>, ReplicaError> {
+    let cols = feed_columns(table, scope);
+    let sql = format!(
+        "SELECT {} FROM {} WHERE {} LIMIT 1",
+        cols.iter()
+            .map(|c| quote_ident(&c.name))
+            .collect::<Vec<_>>()
+            .join(", "),
+        quote_ident(&table.name),
+        where_key(key, 1)
+    );
+    let mut stmt = conn.prepare_cached(&sql)?;
+    let mut rows = stmt.query(params_from_iter(key.iter().map(|(_, v)| v)))?;
+    let Some(r) = rows.next()? else {
+        return Ok(None);
+    };
+    Ok(Some(before_of(table, scope, &cols, r)?))
+}
+
+fn read_seq(
+    conn: &Connection,
+    table: &ReplicaTable,
+    key: &[(String, SqlValue)],
+) -> Result<Option<i64>, ReplicaError> {
+    let sql = format!(
+        "SELECT \"_hw_seq\" FROM {} WHERE {} LIMIT 1",
+        quote_ident(&table.name),
+        where_key(key, 1)
+    );
+    Ok(conn
+        .prepare_cached(&sql)?
+        .query_row(params_from_iter(key.iter().map(|(_, v)| v)), |r| r.get(0))
+        .optional()?)
+}
+
+fn read_all(
+    conn: &Connection,
+    table: &ReplicaTable,
+    scope: &[String],
+) -> Result<Vec<Before>, ReplicaError> {
+    let cols = feed_columns(table, scope);
+    let sql = format!(
+        "SELECT {} FROM {}",
+        cols.iter()
+            .map(|c| quote_ident(&c.name))
+            .collect::<Vec<_>>()
+            .join(", "),
+        quote_ident(&table.name),
+    );
+    let mut stmt = conn.prepare(&sql)?;
+    let mut rows = stmt.query([])?;
+    let mut out = Vec::new();
+    while let Some(r) = rows.next()? {
+        out.push(before_of(table, scope, &cols, r)?);
+    }
+    Ok(out)
+}
+
+fn truncate_seq(conn: &Connection, table: &str) -> Result<Option<i64>, ReplicaError> {
+    Ok(conn
+        .prepare_cached(
+            r#"SELECT max("seq") FROM "_hw_tombstones" WHERE "table_name" = ?1 AND "row_key" IS NULL"#,
+        )?
+        .query_row([table], |r| r.get(0))?)
+}
+
+/// Key columns, then scope columns (each once).
+fn feed_columns<'t>(table: &'t ReplicaTable, scope: &[String]) -> Vec<&'t ReplicaColumn> {
+    let mut cols: Vec<&ReplicaColumn> = Vec::new();
+    for name in table.match_columns().iter().chain(scope) {
+        if let Some(col) = table.column(name) {
+            if !cols.iter().any(|c| c.name == col.name) {
+                cols.push(col);
+            }
+        }
+    }
+    cols
+}
+
+fn before_of(
+    table: &ReplicaTable,
+    scope: &[String],
+    cols: &[&ReplicaColumn],
+    r: &rusqlite::Row<'_>,
+) -> Result<Before, ReplicaError> {
+    let mut values = Map::new();
+    for (i, col) in cols.iter().enumerate() {
+        values.insert(
+            col.name.clone(),
+            from_sql(col, r.get_ref(i)?, JsonFormat::Parsed),
+        );
+    }
+    let resource_id = resource_id(table, &values);
+    values.retain(|name, _| scope.contains(name));
+    Ok(Before {
+        resource_id,
+        scope: values,
+    })
+}
+
+/// One replay page of a scope.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScopeQuery<'a> {
+    pub table: &'a str,
+    /// Equality conditions on filter columns.
+    pub conditions: &'a Map<String, Value>,
+    /// Rows strictly after this seq; `None` replays the whole scope (no exits needed).
+    pub after: Option<i64>,
+    /// The pinned high-water; `None` on the first page (then read in the same transaction).
+    pub up_to: Option<i64>,
+    pub limit: u32,
+    /// Count the scope's rows in `(after, up_to]` (the first page's progress total).
+    pub count_total: bool,
+}
+
+/// The answer to a [`ScopeQuery`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScopePage {
+    Rows {
+        /// The high-water the page used: the last seq assigned when it was read.
+        up_to: i64,
+        rows: Vec<FeedRow>,
+        total: Option<u64>,
+    },
+    /// The cursor cannot be resumed: the table was truncated after it.
+    Truncated,
+    /// The table is not in the replica.
+    UnknownTable,
+    /// A condition names a column the table does not have.
+    UnknownColumn(String),
+}
+
+/// Reads one replay page in one read transaction (ended before returning, so no read
+/// transaction outlives the call while a socket is slow).
+pub fn read_scope_page(
+    conn: &Connection,
+    tables: &HashMap<String, ReplicaTable>,
+    query: &ScopeQuery<'_>,
+) -> Result<ScopePage, ReplicaError> {
+    let Some(table) = tables.get(query.table) else {
+        return Ok(ScopePage::UnknownTable);
+    };
+    let mut bound = Vec::new();
+    for (name, value) in query.conditions {
+        let Some(col) = table.column(name) else {
+            return Ok(ScopePage::UnknownColumn(name.clone()));
+        };
+        bound.push((col, condition_value(col, value)));
+    }
+    conn.execute_batch("BEGIN DEFERRED")?;
+    let result = read_in_transaction(conn, table, &bound, query);
+    let end = conn.execute_batch("COMMIT");
+    let page = result?;
+    end?;
+    Ok(page)
+}
+
+fn read_in_transaction(
+    conn: &Connection,
+    table: &ReplicaTable,
+    bound: &[(&ReplicaColumn, SqlValue)],
+    query: &ScopeQuery<'_>,
+) -> Result<ScopePage, ReplicaError> {
+    let up_to = match query.up_to {
+        Some(up_to) => up_to,
+        None => {
+            let next: i64 = conn.query_row(
+                r#"SELECT "next_seq" FROM "_hw_state" WHERE "lock" = 1"#,
+                [],
+                |r| r.get(0),
+            )?;
+            next - 1
+        }
+    };
+    let after = query.after.unwrap_or(0);
+    if query.after.is_some() {
+        if let Some(truncated) = truncate_seq(conn, &table.name)? {
+            if truncated > after {
+                return Ok(ScopePage::Truncated);
+            }
+        }
+    }
+    ensure_updated_at(conn, &table.name).ok();
+    let conds: Vec<String> = bound
+        .iter()
+        .enumerate()
+        .map(|(i, (col, _))| format!("{} = ?{}", quote_ident(&col.name), i + 4))
+        .collect();
+    let where_conds = if conds.is_empty() {
+        String::new()
+    } else {
+        format!(" AND {}", conds.join(" AND "))
+    };
+    let sql = format!(
+        r#"SELECT {}, "_hw_seq", "_hw_updated_at" FROM {} WHERE "_hw_seq" > ?1 AND "_hw_seq" <= ?2{where_conds} ORDER BY "_hw_seq" LIMIT ?3"#,
+        select_list(table),
+        quote_ident(&table.name),
+    );
+    let params_of = |limit: i64| {
+        let mut p: Vec<SqlValue> = vec![
+            SqlValue::Integer(after),
+            SqlValue::Integer(up_to),
+            SqlValue::Integer(limit),
+        ];
+        p.extend(bound.iter().map(|(_, v)| v.clone()));
+        p
+    };
+    let mut rows = Vec::new();
+    {
+        let mut stmt = conn.prepare_cached(&sql)?;
+        let mut result = stmt.query(params_from_iter(params_of(i64::from(query.limit))))?;
+        let n = table.columns.len();
+        while let Some(r) = result.next()? {
+            let data = row_data(table, r)?;
+            rows.push(FeedRow {
+                table: table.name.clone(),
+                resource_id: resource_id(table, &data),
+                seq: r.get(n)?,
+                updated_at: r
+                    .get::<_, Option<String>>(n + 1)?
+                    .unwrap_or_else(|| UNKNOWN_COMMIT_TIME.to_owned()),
+                kind: FeedKind::Upsert { data },
+            });
+        }
+    }
+    if query.after.is_some() {
+        let old: Vec<String> = bound
+            .iter()
+            .enumerate()
+            .map(|(i, (col, _))| {
+                format!("{} = ?{}", json_path_expr("old_values", &col.name), i + 4)
+            })
+            .collect();
+        let new: Vec<String> = bound
+            .iter()
+            .enumerate()
+            .map(|(i, (col, _))| {
+                format!("{} = ?{}", json_path_expr("new_values", &col.name), i + 4)
+            })
+            .collect();
+        let (old, still_in) = if old.is_empty() {
+            // A scope of the whole table: only rows gone under their key left it.
+            (String::new(), r#" AND "new_values" IS NULL"#.to_owned())
+        } else {
+            (
+                format!(" AND {}", old.join(" AND ")),
+                format!(
+                    r#" AND NOT ("new_values" IS NOT NULL AND {})"#,
+                    new.join(" AND ")
+                ),
+            )
+        };
+        let table_param = bound.len() + 4;
+        let sql = format!(
+            r#"SELECT "resource_id", "seq", "old_values", "new_values", "updated_at" FROM "_hw_exits"
+               WHERE "table_name" = ?{table_param} AND "seq" > ?1 AND "seq" <= ?2{old}{still_in}
+               ORDER BY "seq" LIMIT ?3"#
+        );
+        let mut params = params_of(i64::from(query.limit));
+        params.push(SqlValue::Text(table.name.clone()));
+        let mut stmt = conn.prepare_cached(&sql)?;
+        let mut result = stmt.query(params_from_iter(params))?;
+        let mut exits = Vec::new();
+        while let Some(r) = result.next()? {
+            let old: String = r.get(2)?;
+            let new: Option<String> = r.get(3)?;
+            exits.push(FeedRow {
+                table: table.name.clone(),
+                resource_id: r.get(0)?,
+                seq: r.get(1)?,
+                updated_at: r.get(4)?,
+                kind: FeedKind::Exit {
+                    old: object(&old)?,
+                    new: new.as_deref().map(object).transpose()?,
+                },
+            });
+        }
+        rows.extend(exits);
+        rows.sort_by_key(|row| row.seq);
+        rows.truncate(query.limit as usize);
+    }
+    let total = if query.count_total {
+        let sql = format!(
+            r#"SELECT count(*) FROM {} WHERE "_hw_seq" > ?1 AND "_hw_seq" <= ?2 AND ?3 >= 0{where_conds}"#,
+            quote_ident(&table.name),
+        );
+        let count: i64 = conn
+            .prepare_cached(&sql)?
+            .query_row(params_from_iter(params_of(0)), |r| r.get(0))?;
+        Some(u64::try_from(count).unwrap_or(0))
+    } else {
+        None
+    };
+    Ok(ScopePage::Rows { up_to, rows, total })
+}
+
+fn object(text: &str) -> Result<Map<String, Value>, ReplicaError> {
+    match serde_json::from_str(text)? {
+        Value::Object(map) => Ok(map),
+        _ => Ok(Map::new()),
+    }
+}
+
+/// A condition value bound as the column stores it, so `5` and `"5"` match alike (§4.6).
+fn condition_value(column: &ReplicaColumn, value: &Value) -> SqlValue {
+    let text = js_string_form(value);
+    match column.kind {
+        ValueKind::Bool => match text.as_str() {
+            "true" | "1" => SqlValue::Integer(1),
+            "false" | "0" => SqlValue::Integer(0),
+            _ => SqlValue::Text(text),
+        },
+        ValueKind::Number => {
+            if let Ok(i) = text.parse::<i64>() {
+                SqlValue::Integer(i)
+            } else if let Ok(f) = text.parse::<f64>() {
+                SqlValue::Real(f)
+            } else {
+                SqlValue::Text(text)
+            }
+        }
+        _ => SqlValue::Text(text),
+    }
+}
+
+/// Drops exits journalled before `older_than` (ISO-8601, same format as `updated_at`) and
+/// raises the retention floor to the highest seq dropped. Returns the floor.
+pub fn prune_exits(conn: &Connection, older_than: &str) -> Result<Option<i64>, ReplicaError> {
+    conn.execute_batch(FEED_TABLES_SQL)?;
+    let pruned: Option<i64> = conn
+        .prepare_cached(r#"SELECT max("seq") FROM "_hw_exits" WHERE "updated_at" < ?1"#)?
+        .query_row([older_than], |r| r.get(0))?;
+    if let Some(seq) = pruned {
+        conn.execute(
+            r#"DELETE FROM "_hw_exits" WHERE "updated_at" < ?1"#,
+            [older_than],
+        )?;
+        conn.execute(
+            r#"INSERT INTO "_hw_feed_state" ("lock","floor") VALUES (1, ?1)
+               ON CONFLICT ("lock") DO UPDATE SET "floor" = max("floor", excluded."floor")"#,
+            [seq],
+        )?;
+    }
+    retention_floor(conn)
+}
+
+/// Seqs at or below the floor may have lost their exits; `None` when nothing was pruned.
+pub fn retention_floor(conn: &Connection) -> Result<Option<i64>, ReplicaError> {
+    let exists: bool = conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_schema WHERE name = '_hw_feed_state')",
+        [],
+        |r| r.get(0),
+    )?;
+    if !exists {
+        return Ok(None);
+    }
+    Ok(conn
+        .query_row(
+            r#"SELECT "floor" FROM "_hw_feed_state" WHERE "lock" = 1"#,
+            [],
+            |r| r.get(0),
+        )
+        .optional()?)
+}
+
+/// Milliseconds since the Unix epoch as ISO-8601 UTC with milliseconds
+/// (`2026-12-01T12:00:00.123Z`), the form of `updatedAt`.
+pub fn iso_from_ms(ms: i64) -> String {
+    let days = ms.div_euclid(86_400_000);
+    let rem = ms.rem_euclid(86_400_000);
+    // Howard Hinnant's civil-from-days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3_600_000,
+        rem / 60_000 % 60,
+        rem / 1000 % 60,
+        rem % 1000
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn iso_from_ms_formats_utc_with_milliseconds() {
+        assert_eq!(iso_from_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(iso_from_ms(1_796_126_400_123), "2026-12-01T12:00:00.123Z");
+        assert_eq!(iso_from_ms(951_782_400_000), "2000-02-29T00:00:00.000Z");
+    }
+}
