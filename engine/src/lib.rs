@@ -5,6 +5,7 @@
 //! server and, compiled to WebAssembly, in browsers and Node.
 
 pub mod backfill;
+pub mod backoff;
 pub mod change_stream;
 pub mod cursor;
 pub mod pgoutput;
@@ -15,4 +16,5 @@ pub mod scope_rules;
 pub mod scope_server;
 pub mod scope_sync;
 pub mod streamer;
+pub mod sync_client;
 pub mod watermark;

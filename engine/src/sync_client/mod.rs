@@ -1,0 +1,1285 @@
+//! The scope-sync client: one socket for every scope, reconnects, heartbeats, tokens, and each
+//! scope's rows and cursor (`reference/velocious-sync.md` §3, §5, §7 "Client").
+//!
+//! [`SyncClient`] is sans-IO. The host (the WASM `HighwaterClient`) feeds it [`ClientInput`]s
+//! with the current time and carries out the returned [`ClientEffect`]s, in order:
+//!
+//! - [`ClientEffect::RequestToken`]: call the app's token source, answer [`ClientInput::Token`]
+//!   with the same `request`. Asked on every connect and when a subscription's token expired.
+//! - [`ClientEffect::OpenSocket`]: open a WebSocket to the sync URL; report its life with
+//!   `SocketOpened`, `SocketFrame` and `SocketClosed` (an error without a close is a close),
+//!   all naming this `socket`. Events of other sockets are ignored, so a late event of an old
+//!   socket is harmless.
+//! - [`ClientEffect::Send`]: send the text frame on that socket if it is still open.
+//! - [`ClientEffect::CloseSocket`]: close it and forget it; its later events change nothing.
+//! - [`ClientEffect::SetTimer`]: keep one timer; replace it; fire [`ClientInput::Tick`] at
+//!   `at_ms` (none: cancel). Ticks that come early or twice do no harm.
+//! - [`ClientEffect::Changed`]: the scope's rows changed by one server transaction (or by a
+//!   restore or reset); tell the app, once.
+//! - [`ClientEffect::Persist`]: write this to the scope's store in ONE storage transaction, in
+//!   the order given (rows, deletions and the cursor together; `reset` first clears the scope).
+//! - [`ClientEffect::Progress`], [`ClientEffect::Ready`], [`ClientEffect::ScopeFailed`],
+//!   [`ClientEffect::Error`], [`ClientEffect::Status`]: report to the app.
+//!
+//! Rules held here and nowhere else:
+//! - One connect in flight at a time; a lost socket waits a capped exponential delay with full
+//!   jitter ([`crate::backoff`]), at least the server's `retryAfterMs`; the window resets once a
+//!   socket has stayed up `healthy_after_ms`. The browser's `online` event retries at once; while
+//!   the browser says offline, no reconnect is started.
+//! - Heartbeat: an app-level `ping` every `ping_interval_ms`; a socket silent for
+//!   `silence_limit_ms` is half-open and is closed and replaced.
+//! - Every new socket re-subscribes every scope from its persisted cursor: the server keeps no
+//!   session state, so a fresh connect, `session-gone` and `session-resumed` end the same way.
+//! - A scope's cursor is persisted only after its rows were applied and its subscription was
+//!   confirmed (`channel-subscribed` passed through the apply queue, P3), and never moves
+//!   backwards; a reset marker replaces the scope's rows and drops its cursor.
+//! - Each envelope is applied at once: one [`ClientEffect::Changed`] with the net change per
+//!   row; an entry older than the row held (by `serverSequence`) is skipped, a repeated entry
+//!   changes nothing.
+//! - `auth-expired` fetches a fresh token and re-subscribes that scope once; a second auth
+//!   rejection in a row, `auth-invalid`, `auth-required` and every other `channel-error` code
+//!   fail the scope, reported once and never retried; other scopes go on.
+//!
+//! The per-scope subscription rules (apply queue, P3 cursor guard, fresh ids on re-subscribe)
+//! are [`crate::realtime_bridge::ScopeBridge`]'s: each scope drives one bridge.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use indexmap::IndexMap;
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use crate::backoff::{Backoff, BackoffPolicy};
+use crate::cursor::{is_cursor_after, SyncCursor};
+use crate::realtime_bridge::{
+    BridgeConfig, BridgeEffect, BridgeInput, RemoteChange, ScopeBridge, ScopeChannel,
+};
+use crate::scope::{Scope, ScopeDigest};
+use crate::scope_sync::{ClientFrame, ServerFrame, SubscribeParams};
+
+#[cfg(test)]
+mod tests;
+
+/// The host's name for one subscription of the app (a handle), chosen by the host.
+pub type ScopeKey = u32;
+/// Names one socket the client asked for.
+pub type SocketId = u32;
+
+/// Channel-error codes that mean the token was refused.
+const AUTH_CODES: [&str; 3] = ["auth-invalid", "auth-required", "auth-expired"];
+
+/// Timings and limits; fixed for the client's lifetime.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientConfig {
+    pub backoff: BackoffPolicy,
+    /// How often an open socket sends `ping`.
+    pub ping_interval_ms: u64,
+    /// An open socket that heard nothing for this long is closed as half-open.
+    pub silence_limit_ms: u64,
+    /// How long a token request or a socket open may take before the attempt counts as failed.
+    pub connect_timeout_ms: u64,
+    /// A socket up this long resets the backoff window.
+    pub healthy_after_ms: u64,
+    /// Replay page size sent as `limit`; `None` leaves it to the server.
+    pub page_limit: Option<u32>,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self {
+            backoff: BackoffPolicy::default(),
+            ping_interval_ms: 4_000,
+            silence_limit_ms: 9_000,
+            connect_timeout_ms: 10_000,
+            healthy_after_ms: 30_000,
+            page_limit: None,
+        }
+    }
+}
+
+/// The connection's state as the app sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ConnectionState {
+    Connecting,
+    Open,
+    Reconnecting,
+    Offline,
+    Closed,
+}
+
+/// The state with why it is so (the last disconnect, for example).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConnectionStatus {
+    pub state: ConnectionState,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// One row of a scope as held and stored: the entry's `resourceId`, its `serverSequence` and
+/// the replicated columns.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredRow {
+    pub id: String,
+    pub server_sequence: Option<i64>,
+    pub data: Map<String, Value>,
+}
+
+/// What a store held for a scope when the app subscribed it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoredScope {
+    pub rows: Vec<StoredRow>,
+    pub cursor: Option<SyncCursor>,
+}
+
+/// One storage transaction for a scope.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PersistWrite {
+    /// Clear the scope's rows and cursor first.
+    pub reset: bool,
+    pub upserts: Vec<StoredRow>,
+    /// `resourceId`s to delete.
+    pub deletes: Vec<String>,
+    /// The new cursor; `None` keeps the stored one (or none, after `reset`).
+    pub cursor: Option<SyncCursor>,
+}
+
+impl PersistWrite {
+    fn is_empty(&self) -> bool {
+        !self.reset && self.upserts.is_empty() && self.deletes.is_empty() && self.cursor.is_none()
+    }
+}
+
+/// The net change of one applied envelope, as rows (`data` objects).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RowChange {
+    pub inserted: Vec<Map<String, Value>>,
+    pub updated: Vec<Map<String, Value>>,
+    /// The rows as they were before removal.
+    pub removed: Vec<Map<String, Value>>,
+}
+
+impl RowChange {
+    fn is_empty(&self) -> bool {
+        self.inserted.is_empty() && self.updated.is_empty() && self.removed.is_empty()
+    }
+}
+
+/// What the host tells the client. Every input comes with `now_ms` (see [`SyncClient::handle`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ClientInput {
+    /// Begin connecting.
+    Start,
+    /// The app subscribed a scope: `params` carry `resourceType` and `conditions` (no cursor or
+    /// token; the client adds those), `stored` what the store held for it.
+    Subscribe {
+        scope: ScopeKey,
+        params: Box<SubscribeParams>,
+        stored: StoredScope,
+    },
+    Unsubscribe {
+        scope: ScopeKey,
+    },
+    SocketOpened {
+        socket: SocketId,
+    },
+    SocketFrame {
+        socket: SocketId,
+        text: String,
+    },
+    /// The socket closed or failed.
+    SocketClosed {
+        socket: SocketId,
+        reason: String,
+    },
+    /// The answer to [`ClientEffect::RequestToken`]: a token, none (no auth), or why it failed.
+    Token {
+        request: u64,
+        result: Result<Option<String>, String>,
+    },
+    /// The timer set by [`ClientEffect::SetTimer`] fired.
+    Tick,
+    /// The browser's `online` event.
+    BrowserOnline,
+    /// The browser's `offline` event.
+    BrowserOffline,
+    /// The app asked to go offline: close the socket and stay disconnected.
+    GoOffline,
+    /// The app asked to reconnect now.
+    GoOnline,
+    /// Close for good.
+    Close,
+}
+
+/// Something the host must do or report, in order. See the module docs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "type", rename_all = "camelCase")]
+pub enum ClientEffect {
+    #[serde(rename_all = "camelCase")]
+    RequestToken {
+        request: u64,
+    },
+    #[serde(rename_all = "camelCase")]
+    OpenSocket {
+        socket: SocketId,
+    },
+    #[serde(rename_all = "camelCase")]
+    Send {
+        socket: SocketId,
+        text: String,
+    },
+    #[serde(rename_all = "camelCase")]
+    CloseSocket {
+        socket: SocketId,
+        code: u16,
+        reason: String,
+    },
+    #[serde(rename_all = "camelCase")]
+    SetTimer {
+        at_ms: Option<u64>,
+    },
+    /// `reset`: the rows were replaced after a server reset (the removed rows are listed).
+    #[serde(rename_all = "camelCase")]
+    Changed {
+        scope: ScopeKey,
+        reset: bool,
+        change: RowChange,
+    },
+    #[serde(rename_all = "camelCase")]
+    Persist {
+        scope: ScopeKey,
+        write: PersistWrite,
+    },
+    /// Catch-up replay progress: `done` of `total` rows after the cursor.
+    #[serde(rename_all = "camelCase")]
+    Progress {
+        scope: ScopeKey,
+        done: u64,
+        total: u64,
+    },
+    /// The scope is caught up (again); `replayed` rows came by this catch-up replay.
+    #[serde(rename_all = "camelCase")]
+    Ready {
+        scope: ScopeKey,
+        replayed: u64,
+    },
+    /// The server refused or ended the scope's subscription for good (`code` as sent).
+    #[serde(rename_all = "camelCase")]
+    ScopeFailed {
+        scope: ScopeKey,
+        code: String,
+        message: String,
+    },
+    /// Something went wrong that the client survives: a server `error` frame, a frame or
+    /// message it could not read (skipped).
+    #[serde(rename_all = "camelCase")]
+    Error {
+        scope: Option<ScopeKey>,
+        code: String,
+        message: String,
+    },
+    Status(ConnectionStatus),
+}
+
+/// Where the one connection stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Link {
+    /// Not connecting: not started, offline by request, or closed.
+    Idle,
+    Token {
+        request: u64,
+        since_ms: u64,
+    },
+    Opening {
+        socket: SocketId,
+        since_ms: u64,
+    },
+    Open {
+        socket: SocketId,
+        opened_ms: u64,
+        heard_ms: u64,
+        pinged_ms: u64,
+    },
+    /// Waiting out a backoff delay.
+    Waiting {
+        until_ms: u64,
+    },
+}
+
+/// Where one scope's subscription stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    /// Not subscribed on the current socket (there may be none).
+    Idle,
+    Subscribing,
+    Live,
+    /// Its token expired; waiting for a fresh one to re-subscribe.
+    AwaitingToken,
+    /// Refused for good.
+    Failed,
+}
+
+#[derive(Debug, Clone)]
+struct HeldRow {
+    server_sequence: Option<i64>,
+    data: Map<String, Value>,
+}
+
+#[derive(Debug, Clone)]
+struct ScopeSlot {
+    params: SubscribeParams,
+    digest: ScopeDigest,
+    bridge: ScopeBridge,
+    rows: BTreeMap<String, HeldRow>,
+    /// The persisted cursor.
+    cursor: Option<SyncCursor>,
+    phase: Phase,
+    /// Entries applied by the current catch-up replay.
+    replaying: u64,
+    /// Entries applied by the last finished catch-up replay.
+    replayed: u64,
+    /// `auth-expired` answers since the scope was last live.
+    expired_in_a_row: u32,
+    /// While a replay from no cursor runs over rows already held: the ids it delivered. The
+    /// rest are gone on the server and are removed when it is confirmed.
+    sweep: Option<BTreeSet<String>>,
+}
+
+/// The client state machine. See the module docs.
+#[derive(Debug, Clone)]
+pub struct SyncClient {
+    config: ClientConfig,
+    backoff: Backoff,
+    link: Link,
+    started: bool,
+    closed: bool,
+    user_offline: bool,
+    browser_offline: bool,
+    /// Whether any socket ever opened (so the state says reconnecting, not connecting).
+    ever_opened: bool,
+    /// The least delay before the next reconnect, from the server's `retryAfterMs`.
+    retry_floor_ms: u64,
+    reason: Option<String>,
+    /// The token of the current connection.
+    token: Option<String>,
+    /// A token request for expired subscriptions, on the open socket.
+    refresh: Option<u64>,
+    sockets_issued: SocketId,
+    requests_issued: u64,
+    scopes: BTreeMap<ScopeKey, ScopeSlot>,
+    /// Subscription id → scope, for every subscription out on the socket.
+    routes: BTreeMap<String, ScopeKey>,
+    status: ConnectionStatus,
+    timer: Option<u64>,
+}
+
+impl SyncClient {
+    /// `seed` drives the backoff jitter; hosts pass fresh randomness.
+    pub fn new(config: ClientConfig, seed: u64) -> Self {
+        Self {
+            backoff: Backoff::new(config.backoff, seed),
+            config,
+            link: Link::Idle,
+            started: false,
+            closed: false,
+            user_offline: false,
+            browser_offline: false,
+            ever_opened: false,
+            retry_floor_ms: 0,
+            reason: None,
+            token: None,
+            refresh: None,
+            sockets_issued: 0,
+            requests_issued: 0,
+            scopes: BTreeMap::new(),
+            routes: BTreeMap::new(),
+            status: ConnectionStatus {
+                state: ConnectionState::Connecting,
+                reason: None,
+            },
+            timer: None,
+        }
+    }
+
+    pub fn status(&self) -> &ConnectionStatus {
+        &self.status
+    }
+
+    /// The scope's rows, in `resourceId` order.
+    pub fn rows(&self, scope: ScopeKey) -> Vec<&Map<String, Value>> {
+        self.scopes
+            .get(&scope)
+            .map(|slot| slot.rows.values().map(|row| &row.data).collect())
+            .unwrap_or_default()
+    }
+
+    /// The scope's persisted cursor.
+    pub fn cursor(&self, scope: ScopeKey) -> Option<&SyncCursor> {
+        self.scopes
+            .get(&scope)
+            .and_then(|slot| slot.cursor.as_ref())
+    }
+
+    /// Rows applied by the scope's last finished catch-up replay.
+    pub fn replayed(&self, scope: ScopeKey) -> u64 {
+        self.scopes.get(&scope).map_or(0, |slot| slot.replayed)
+    }
+
+    /// Whether the scope is caught up and live.
+    pub fn is_live(&self, scope: ScopeKey) -> bool {
+        self.scopes
+            .get(&scope)
+            .is_some_and(|slot| slot.phase == Phase::Live)
+    }
+
+    /// Feeds one input at `now_ms` (any monotonic clock in milliseconds); returns the effects.
+    pub fn handle(&mut self, now_ms: u64, input: ClientInput) -> Vec<ClientEffect> {
+        let mut out = Vec::new();
+        if self.closed {
+            return out;
+        }
+        match input {
+            ClientInput::Start => {
+                self.started = true;
+                if self.link == Link::Idle && !self.user_offline {
+                    self.connect(now_ms, &mut out);
+                }
+            }
+            ClientInput::Subscribe {
+                scope,
+                params,
+                stored,
+            } => self.subscribe(scope, *params, stored, &mut out),
+            ClientInput::Unsubscribe { scope } => self.unsubscribe(scope, &mut out),
+            ClientInput::SocketOpened { socket } => self.opened(now_ms, socket, &mut out),
+            ClientInput::SocketFrame { socket, text } => match self.link {
+                Link::Open {
+                    socket: open,
+                    opened_ms,
+                    pinged_ms,
+                    ..
+                } if open == socket => {
+                    self.link = Link::Open {
+                        socket,
+                        opened_ms,
+                        heard_ms: now_ms,
+                        pinged_ms,
+                    };
+                    self.frame(&text, &mut out);
+                }
+                _ => {}
+            },
+            ClientInput::SocketClosed { socket, reason } => match self.link {
+                Link::Opening {
+                    socket: current, ..
+                }
+                | Link::Open {
+                    socket: current, ..
+                } if current == socket => self.lost(now_ms, reason, &mut out),
+                _ => {}
+            },
+            ClientInput::Token { request, result } => self.token(now_ms, request, result, &mut out),
+            ClientInput::Tick => self.tick(now_ms, &mut out),
+            ClientInput::BrowserOnline => {
+                self.browser_offline = false;
+                if matches!(self.link, Link::Waiting { .. }) {
+                    self.connect(now_ms, &mut out);
+                }
+            }
+            ClientInput::BrowserOffline => self.browser_offline = true,
+            ClientInput::GoOffline => {
+                self.user_offline = true;
+                self.drop_link(1000, "going offline", &mut out);
+                self.reason = Some("offline by request".to_owned());
+            }
+            ClientInput::GoOnline => {
+                self.user_offline = false;
+                if self.started && matches!(self.link, Link::Idle | Link::Waiting { .. }) {
+                    self.backoff.reset();
+                    self.connect(now_ms, &mut out);
+                }
+            }
+            ClientInput::Close => {
+                self.drop_link(1000, "client closed", &mut out);
+                self.closed = true;
+                self.reason = None;
+            }
+        }
+        self.report(now_ms, &mut out);
+        out
+    }
+
+    fn connect(&mut self, now_ms: u64, out: &mut Vec<ClientEffect>) {
+        debug_assert!(matches!(self.link, Link::Idle | Link::Waiting { .. }));
+        self.requests_issued += 1;
+        let request = self.requests_issued;
+        // A refresh in flight belongs to the socket being replaced.
+        self.refresh = None;
+        self.link = Link::Token {
+            request,
+            since_ms: now_ms,
+        };
+        out.push(ClientEffect::RequestToken { request });
+    }
+
+    fn token(
+        &mut self,
+        now_ms: u64,
+        request: u64,
+        result: Result<Option<String>, String>,
+        out: &mut Vec<ClientEffect>,
+    ) {
+        if let Link::Token {
+            request: wanted, ..
+        } = self.link
+        {
+            if wanted == request {
+                match result {
+                    Ok(token) => {
+                        self.token = token;
+                        self.sockets_issued += 1;
+                        let socket = self.sockets_issued;
+                        self.link = Link::Opening {
+                            socket,
+                            since_ms: now_ms,
+                        };
+                        out.push(ClientEffect::OpenSocket { socket });
+                    }
+                    Err(message) => {
+                        self.lost(now_ms, format!("the token source failed: {message}"), out)
+                    }
+                }
+                return;
+            }
+        }
+        if self.refresh != Some(request) {
+            return;
+        }
+        self.refresh = None;
+        let waiting: Vec<ScopeKey> = self
+            .scopes
+            .iter()
+            .filter(|(_, slot)| slot.phase == Phase::AwaitingToken)
+            .map(|(key, _)| *key)
+            .collect();
+        match result {
+            Ok(token) => {
+                self.token = token;
+                for key in waiting {
+                    self.subscribe_scope(key, out);
+                }
+            }
+            Err(message) => {
+                for key in waiting {
+                    self.fail_scope(
+                        key,
+                        "auth-expired",
+                        format!("the token expired and the token source failed: {message}"),
+                        out,
+                    );
+                }
+            }
+        }
+    }
+
+    fn opened(&mut self, now_ms: u64, socket: SocketId, out: &mut Vec<ClientEffect>) {
+        let Link::Opening {
+            socket: opening, ..
+        } = self.link
+        else {
+            return;
+        };
+        if opening != socket {
+            return;
+        }
+        self.link = Link::Open {
+            socket,
+            opened_ms: now_ms,
+            heard_ms: now_ms,
+            pinged_ms: now_ms,
+        };
+        self.ever_opened = true;
+        self.reason = None;
+        let keys: Vec<ScopeKey> = self.scopes.keys().copied().collect();
+        for key in keys {
+            if self
+                .scopes
+                .get(&key)
+                .is_some_and(|slot| slot.phase == Phase::Idle)
+            {
+                self.subscribe_scope(key, out);
+            }
+        }
+    }
+
+    /// The socket is gone (or never came up): retire every subscription and wait to retry.
+    fn lost(&mut self, now_ms: u64, reason: String, out: &mut Vec<ClientEffect>) {
+        if let Link::Open { opened_ms, .. } = self.link {
+            if now_ms.saturating_sub(opened_ms) >= self.config.healthy_after_ms {
+                self.backoff.reset();
+            }
+        }
+        self.retire_subscriptions(out);
+        let delay = self.backoff.next_delay_ms(self.retry_floor_ms);
+        self.retry_floor_ms = 0;
+        self.link = Link::Waiting {
+            until_ms: now_ms.saturating_add(delay),
+        };
+        self.reason = Some(reason);
+    }
+
+    /// Closes the socket, if any, and stops connecting.
+    fn drop_link(&mut self, code: u16, reason: &str, out: &mut Vec<ClientEffect>) {
+        if let Link::Opening { socket, .. } | Link::Open { socket, .. } = self.link {
+            out.push(ClientEffect::CloseSocket {
+                socket,
+                code,
+                reason: reason.to_owned(),
+            });
+        }
+        self.retire_subscriptions(out);
+        self.refresh = None;
+        self.link = Link::Idle;
+    }
+
+    /// Every subscription on the socket is gone with it; scopes not failed wait for the next.
+    fn retire_subscriptions(&mut self, out: &mut Vec<ClientEffect>) {
+        self.routes.clear();
+        let keys: Vec<ScopeKey> = self.scopes.keys().copied().collect();
+        for key in keys {
+            let Some(slot) = self.scopes.get_mut(&key) else {
+                continue;
+            };
+            if slot.phase != Phase::Failed {
+                slot.phase = Phase::Idle;
+            }
+            // The bridge's unsubscribe frames would go to a dead socket: dropped.
+            let effects = slot
+                .bridge
+                .handle(BridgeInput::Unsubscribe)
+                .unwrap_or_default();
+            let kept = effects
+                .into_iter()
+                .filter(|effect| !matches!(effect, BridgeEffect::SendUnsubscribe { .. }))
+                .collect();
+            self.drive(key, kept, out);
+        }
+    }
+
+    fn tick(&mut self, now_ms: u64, out: &mut Vec<ClientEffect>) {
+        match self.link {
+            Link::Idle => {}
+            Link::Waiting { until_ms } => {
+                if now_ms >= until_ms && !self.browser_offline {
+                    self.connect(now_ms, out);
+                }
+            }
+            Link::Token { since_ms, .. } => {
+                if now_ms.saturating_sub(since_ms) >= self.config.connect_timeout_ms {
+                    self.lost(
+                        now_ms,
+                        "the token source did not answer in time".to_owned(),
+                        out,
+                    );
+                }
+            }
+            Link::Opening { socket, since_ms } => {
+                if now_ms.saturating_sub(since_ms) >= self.config.connect_timeout_ms {
+                    out.push(ClientEffect::CloseSocket {
+                        socket,
+                        code: 4000,
+                        reason: "connect timeout".to_owned(),
+                    });
+                    self.lost(now_ms, "the socket did not open in time".to_owned(), out);
+                }
+            }
+            Link::Open {
+                socket,
+                opened_ms,
+                heard_ms,
+                pinged_ms,
+            } => {
+                if now_ms.saturating_sub(heard_ms) >= self.config.silence_limit_ms {
+                    out.push(ClientEffect::CloseSocket {
+                        socket,
+                        code: 4000,
+                        reason: "heartbeat timeout".to_owned(),
+                    });
+                    self.lost(
+                        now_ms,
+                        format!(
+                            "the server was silent for {} ms",
+                            now_ms.saturating_sub(heard_ms)
+                        ),
+                        out,
+                    );
+                } else if now_ms.saturating_sub(pinged_ms) >= self.config.ping_interval_ms {
+                    out.push(ClientEffect::Send {
+                        socket,
+                        text: ClientFrame::Ping.to_json(),
+                    });
+                    self.link = Link::Open {
+                        socket,
+                        opened_ms,
+                        heard_ms,
+                        pinged_ms: now_ms,
+                    };
+                }
+            }
+        }
+    }
+
+    fn subscribe(
+        &mut self,
+        key: ScopeKey,
+        params: SubscribeParams,
+        stored: StoredScope,
+        out: &mut Vec<ClientEffect>,
+    ) {
+        if self.scopes.contains_key(&key) {
+            self.unsubscribe(key, out);
+        }
+        let resource_type = params.scope.resource_type.clone().unwrap_or_default();
+        let digest =
+            Scope::of_type(resource_type.clone(), params.scope.conditions.clone()).digest();
+        let bridge = ScopeBridge::new(BridgeConfig {
+            local_origin: None,
+            resource_types: [resource_type].into_iter().collect(),
+            subscription_id_prefix: format!("s{key}."),
+            reopen_on_resume: true,
+        });
+        let mut rows = BTreeMap::new();
+        let mut inserted = Vec::new();
+        for row in stored.rows {
+            inserted.push(row.data.clone());
+            rows.insert(
+                row.id,
+                HeldRow {
+                    server_sequence: row.server_sequence,
+                    data: row.data,
+                },
+            );
+        }
+        self.scopes.insert(
+            key,
+            ScopeSlot {
+                params,
+                digest,
+                bridge,
+                rows,
+                cursor: stored.cursor,
+                phase: Phase::Idle,
+                replaying: 0,
+                replayed: 0,
+                expired_in_a_row: 0,
+                sweep: None,
+            },
+        );
+        if !inserted.is_empty() {
+            out.push(ClientEffect::Changed {
+                scope: key,
+                reset: false,
+                change: RowChange {
+                    inserted,
+                    ..RowChange::default()
+                },
+            });
+        }
+        if matches!(self.link, Link::Open { .. }) {
+            self.subscribe_scope(key, out);
+        }
+    }
+
+    fn unsubscribe(&mut self, key: ScopeKey, out: &mut Vec<ClientEffect>) {
+        let Some(mut slot) = self.scopes.remove(&key) else {
+            return;
+        };
+        let effects = slot
+            .bridge
+            .handle(BridgeInput::Unsubscribe)
+            .unwrap_or_default();
+        for effect in effects {
+            if let (BridgeEffect::SendUnsubscribe { subscription_id }, Some(frame)) =
+                (&effect, effect.client_frame())
+            {
+                self.routes.remove(subscription_id);
+                self.send(frame, out);
+            }
+        }
+    }
+
+    /// Subscribes a scope on the open socket from its persisted cursor, with the current token.
+    fn subscribe_scope(&mut self, key: ScopeKey, out: &mut Vec<ClientEffect>) {
+        let token = self.token.clone();
+        let limit = self.config.page_limit;
+        let Some(slot) = self.scopes.get_mut(&key) else {
+            return;
+        };
+        let mut params = slot.params.clone();
+        params.after = slot.cursor.clone();
+        params.authentication_token = token;
+        if limit.is_some() {
+            params.limit = limit;
+        }
+        slot.phase = Phase::Subscribing;
+        slot.replaying = 0;
+        if slot.cursor.is_none() && !slot.rows.is_empty() {
+            // A full replay follows, possibly of another epoch: the rows held are replaced by
+            // it, and their sequences say nothing about its entries.
+            for row in slot.rows.values_mut() {
+                row.server_sequence = None;
+            }
+            slot.sweep = Some(BTreeSet::new());
+        }
+        let channel = ScopeChannel {
+            scope: slot.digest,
+            params,
+        };
+        let effects = slot
+            .bridge
+            .handle(BridgeInput::Subscribe {
+                channels: vec![channel],
+            })
+            .unwrap_or_default();
+        self.drive(key, effects, out);
+    }
+
+    fn send(&self, frame: ClientFrame, out: &mut Vec<ClientEffect>) {
+        if let Link::Open { socket, .. } = self.link {
+            out.push(ClientEffect::Send {
+                socket,
+                text: frame.to_json(),
+            });
+        }
+    }
+
+    fn frame(&mut self, text: &str, out: &mut Vec<ClientEffect>) {
+        let frame = match ServerFrame::from_json(text) {
+            Ok(frame) => frame,
+            Err(error) => {
+                out.push(ClientEffect::Error {
+                    scope: None,
+                    code: "bad-server-frame".to_owned(),
+                    message: error.to_string(),
+                });
+                return;
+            }
+        };
+        match frame {
+            ServerFrame::SessionEstablished { .. }
+            | ServerFrame::Pong
+            | ServerFrame::ChannelUnsubscribed { .. }
+            | ServerFrame::ChannelReplayGap { .. } => {}
+            ServerFrame::SessionGone | ServerFrame::SessionResumed { .. } => {
+                let keys: Vec<ScopeKey> = self.scopes.keys().copied().collect();
+                for key in keys {
+                    if let Some(slot) = self.scopes.get_mut(&key) {
+                        if matches!(slot.phase, Phase::Subscribing | Phase::Live) {
+                            slot.phase = Phase::Subscribing;
+                            slot.replaying = 0;
+                            let effects = slot
+                                .bridge
+                                .handle(BridgeInput::SessionGone)
+                                .unwrap_or_default();
+                            self.drive(key, effects, out);
+                        }
+                    }
+                }
+            }
+            ServerFrame::Error {
+                error,
+                code,
+                retry_after_ms,
+            } => {
+                if let Some(hint) = retry_after_ms {
+                    self.retry_floor_ms = self.retry_floor_ms.max(hint);
+                }
+                out.push(ClientEffect::Error {
+                    scope: None,
+                    code: code.unwrap_or_else(|| "server-error".to_owned()),
+                    message: error,
+                });
+            }
+            ServerFrame::ChannelError {
+                subscription_id,
+                message,
+                code,
+            } => self.channel_error(subscription_id, message, code, out),
+            ServerFrame::ChannelMessage {
+                subscription_id,
+                body,
+                ..
+            } => {
+                let Some(&key) = self.routes.get(&subscription_id) else {
+                    return;
+                };
+                let progress = replay_progress(&body);
+                self.feed(
+                    key,
+                    BridgeInput::ChannelMessage {
+                        subscription_id,
+                        body,
+                    },
+                    out,
+                );
+                if let Some((done, total)) = progress {
+                    out.push(ClientEffect::Progress {
+                        scope: key,
+                        done,
+                        total,
+                    });
+                }
+            }
+            ServerFrame::ChannelSubscribed { subscription_id } => {
+                if let Some(&key) = self.routes.get(&subscription_id) {
+                    self.feed(key, BridgeInput::ChannelSubscribed { subscription_id }, out);
+                }
+            }
+        }
+    }
+
+    fn channel_error(
+        &mut self,
+        subscription_id: String,
+        message: String,
+        code: Option<String>,
+        out: &mut Vec<ClientEffect>,
+    ) {
+        let Some(key) = self.routes.remove(&subscription_id) else {
+            return;
+        };
+        self.feed(
+            key,
+            BridgeInput::ChannelError {
+                subscription_id,
+                message: message.clone(),
+            },
+            out,
+        );
+        let code = code.unwrap_or_else(|| "channel-error".to_owned());
+        let Some(slot) = self.scopes.get_mut(&key) else {
+            return;
+        };
+        if code == "auth-expired" && slot.expired_in_a_row == 0 {
+            slot.expired_in_a_row = 1;
+            slot.phase = Phase::AwaitingToken;
+            if self.refresh.is_none() {
+                self.requests_issued += 1;
+                self.refresh = Some(self.requests_issued);
+                out.push(ClientEffect::RequestToken {
+                    request: self.requests_issued,
+                });
+            }
+        } else {
+            let message = if AUTH_CODES.contains(&code.as_str()) && slot.expired_in_a_row > 0 {
+                format!("{message} (again, after a fresh token)")
+            } else {
+                message
+            };
+            self.fail_scope(key, &code, message, out);
+        }
+    }
+
+    fn fail_scope(
+        &mut self,
+        key: ScopeKey,
+        code: &str,
+        message: String,
+        out: &mut Vec<ClientEffect>,
+    ) {
+        if let Some(slot) = self.scopes.get_mut(&key) {
+            slot.phase = Phase::Failed;
+            out.push(ClientEffect::ScopeFailed {
+                scope: key,
+                code: code.to_owned(),
+                message,
+            });
+        }
+    }
+
+    fn feed(&mut self, key: ScopeKey, input: BridgeInput, out: &mut Vec<ClientEffect>) {
+        let Some(slot) = self.scopes.get_mut(&key) else {
+            return;
+        };
+        let effects = slot.bridge.handle(input).unwrap_or_default();
+        self.drive(key, effects, out);
+    }
+
+    /// Carries out a scope bridge's effects: rows are applied here at once, so each batch is
+    /// answered before the next is taken, and the rows and cursor it yields go out as one write.
+    fn drive(&mut self, key: ScopeKey, effects: Vec<BridgeEffect>, out: &mut Vec<ClientEffect>) {
+        let mut queue: VecDeque<BridgeEffect> = effects.into();
+        let mut pending: Option<PersistWrite> = None;
+        while let Some(effect) = queue.pop_front() {
+            match effect {
+                BridgeEffect::SendSubscribe { .. } | BridgeEffect::SendUnsubscribe { .. } => {
+                    match &effect {
+                        BridgeEffect::SendSubscribe {
+                            subscription_id, ..
+                        } => {
+                            self.routes.insert(subscription_id.clone(), key);
+                        }
+                        BridgeEffect::SendUnsubscribe { subscription_id } => {
+                            self.routes.remove(subscription_id);
+                        }
+                        _ => {}
+                    }
+                    if let Some(frame) = effect.client_frame() {
+                        self.send(frame, out);
+                    }
+                }
+                BridgeEffect::ApplyBatch {
+                    ticket,
+                    reset,
+                    changes,
+                    ..
+                } => {
+                    flush(key, pending.take(), out);
+                    let Some(slot) = self.scopes.get_mut(&key) else {
+                        return;
+                    };
+                    if slot.phase == Phase::Subscribing {
+                        slot.replaying += changes.len() as u64;
+                    }
+                    let (change, write) = slot.apply(reset, changes);
+                    if reset || !change.is_empty() {
+                        out.push(ClientEffect::Changed {
+                            scope: key,
+                            reset,
+                            change,
+                        });
+                    }
+                    pending = Some(write);
+                    let more = slot
+                        .bridge
+                        .handle(BridgeInput::Applied {
+                            ticket,
+                            result: Ok(()),
+                        })
+                        .unwrap_or_default();
+                    queue.extend(more);
+                }
+                BridgeEffect::SaveCursor { cursor, .. } => {
+                    let Some(slot) = self.scopes.get_mut(&key) else {
+                        return;
+                    };
+                    if is_cursor_after(Some(&cursor), slot.cursor.as_ref()) {
+                        if let Some((change, write)) = slot.sweep() {
+                            flush(key, pending.take(), out);
+                            out.push(ClientEffect::Changed {
+                                scope: key,
+                                reset: false,
+                                change,
+                            });
+                            pending = Some(write);
+                        }
+                        slot.cursor = Some(cursor.clone());
+                        pending.get_or_insert_with(PersistWrite::default).cursor = Some(cursor);
+                        flush(key, pending.take(), out);
+                    }
+                }
+                BridgeEffect::Ready { .. } => {
+                    let Some(slot) = self.scopes.get_mut(&key) else {
+                        return;
+                    };
+                    if slot.phase == Phase::Subscribing {
+                        if let Some((change, write)) = slot.sweep() {
+                            flush(key, pending.take(), out);
+                            out.push(ClientEffect::Changed {
+                                scope: key,
+                                reset: false,
+                                change,
+                            });
+                            pending = Some(write);
+                        }
+                        slot.phase = Phase::Live;
+                        slot.expired_in_a_row = 0;
+                        slot.replayed = slot.replaying;
+                        out.push(ClientEffect::Ready {
+                            scope: key,
+                            replayed: slot.replayed,
+                        });
+                    }
+                }
+                BridgeEffect::MessageRejected { error, .. } => out.push(ClientEffect::Error {
+                    scope: Some(key),
+                    code: error.code().to_owned(),
+                    message: error.to_string(),
+                }),
+                // Rows are applied in memory and cannot fail; the other two are reported by
+                // `channel_error` with the server's code.
+                BridgeEffect::ApplyFailed { .. }
+                | BridgeEffect::Dropped { .. }
+                | BridgeEffect::ChannelFailed { .. }
+                | BridgeEffect::SubscribeFailed { .. } => {}
+            }
+        }
+        flush(key, pending, out);
+    }
+
+    /// Emits the status and the timer when they changed.
+    fn report(&mut self, _now_ms: u64, out: &mut Vec<ClientEffect>) {
+        let state = if self.closed {
+            ConnectionState::Closed
+        } else if self.user_offline {
+            ConnectionState::Offline
+        } else {
+            match self.link {
+                Link::Open { .. } => ConnectionState::Open,
+                _ if self.browser_offline => ConnectionState::Offline,
+                Link::Waiting { .. } => ConnectionState::Reconnecting,
+                _ if self.ever_opened || self.backoff.failures() > 0 => {
+                    ConnectionState::Reconnecting
+                }
+                _ => ConnectionState::Connecting,
+            }
+        };
+        let status = ConnectionStatus {
+            state,
+            reason: if state == ConnectionState::Open {
+                None
+            } else {
+                self.reason.clone()
+            },
+        };
+        if status != self.status {
+            self.status = status.clone();
+            out.push(ClientEffect::Status(status));
+        }
+        let timer = match self.link {
+            Link::Idle => None,
+            Link::Waiting { until_ms } => (!self.browser_offline).then_some(until_ms),
+            Link::Token { since_ms, .. } | Link::Opening { since_ms, .. } => {
+                Some(since_ms.saturating_add(self.config.connect_timeout_ms))
+            }
+            Link::Open {
+                heard_ms,
+                pinged_ms,
+                ..
+            } => Some(
+                heard_ms
+                    .saturating_add(self.config.silence_limit_ms)
+                    .min(pinged_ms.saturating_add(self.config.ping_interval_ms)),
+            ),
+        };
+        if timer != self.timer {
+            self.timer = timer;
+            out.push(ClientEffect::SetTimer { at_ms: timer });
+        }
+    }
+}
+
+impl ScopeSlot {
+    /// Applies one batch to the rows: the net change per row and the write that stores it.
+    fn apply(&mut self, reset: bool, changes: Vec<RemoteChange>) -> (RowChange, PersistWrite) {
+        let mut change = RowChange::default();
+        let mut write = PersistWrite {
+            reset,
+            ..PersistWrite::default()
+        };
+        if reset {
+            change.removed = std::mem::take(&mut self.rows)
+                .into_values()
+                .map(|row| row.data)
+                .collect();
+            self.cursor = None;
+            self.sweep = None;
+        }
+        // Each touched row's state before the batch, in first-touch order.
+        let mut before: IndexMap<String, Option<Map<String, Value>>> = IndexMap::new();
+        for remote in changes {
+            let Some(id) = remote.resource_id.clone() else {
+                continue;
+            };
+            let sequence = remote.entry.server_sequence;
+            let held = self.rows.get(&id);
+            if let (Some(held), Some(new)) = (held, sequence) {
+                if held.server_sequence.is_some_and(|old| new < old) {
+                    continue;
+                }
+            }
+            if let Some(touched) = &mut self.sweep {
+                touched.insert(id.clone());
+            }
+            before
+                .entry(id.clone())
+                .or_insert_with(|| held.map(|row| row.data.clone()));
+            if remote.is_delete() {
+                self.rows.remove(&id);
+            } else {
+                self.rows.insert(
+                    id,
+                    HeldRow {
+                        server_sequence: sequence,
+                        data: remote.data.unwrap_or_default(),
+                    },
+                );
+            }
+        }
+        for (id, was) in before {
+            match (was, self.rows.get(&id)) {
+                (None, Some(now)) => change.inserted.push(now.data.clone()),
+                (Some(was), Some(now)) if was != now.data => change.updated.push(now.data.clone()),
+                (Some(was), None) => change.removed.push(was),
+                _ => {}
+            }
+            match self.rows.get(&id) {
+                Some(now) => write.upserts.push(StoredRow {
+                    id,
+                    server_sequence: now.server_sequence,
+                    data: now.data.clone(),
+                }),
+                None => write.deletes.push(id),
+            }
+        }
+        (change, write)
+    }
+}
+
+impl ScopeSlot {
+    /// Ends a sweep: removes the held rows the replay did not deliver.
+    fn sweep(&mut self) -> Option<(RowChange, PersistWrite)> {
+        let touched = self.sweep.take()?;
+        let gone: Vec<String> = self
+            .rows
+            .keys()
+            .filter(|id| !touched.contains(*id))
+            .cloned()
+            .collect();
+        if gone.is_empty() {
+            return None;
+        }
+        let mut change = RowChange::default();
+        for id in &gone {
+            if let Some(row) = self.rows.remove(id) {
+                change.removed.push(row.data);
+            }
+        }
+        Some((
+            change,
+            PersistWrite {
+                deletes: gone,
+                ..PersistWrite::default()
+            },
+        ))
+    }
+}
+
+fn flush(key: ScopeKey, write: Option<PersistWrite>, out: &mut Vec<ClientEffect>) {
+    if let Some(write) = write.filter(|write| !write.is_empty()) {
+        out.push(ClientEffect::Persist { scope: key, write });
+    }
+}
+
+/// `progress: {done, total}` of a replay page envelope.
+fn replay_progress(body: &Value) -> Option<(u64, u64)> {
+    let progress = body.get("progress")?;
+    Some((
+        progress.get("done")?.as_u64()?,
+        progress.get("total")?.as_u64()?,
+    ))
+}
