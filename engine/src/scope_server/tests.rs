@@ -89,7 +89,10 @@ fn sent(effects: &[ServerEffect]) -> Vec<Value> {
         .collect()
 }
 
-fn fetch(effects: &[ServerEffect]) -> Option<(u64, u64, Option<i64>, Option<i64>, bool)> {
+/// A page request: ticket, pass, after, up to, count the total.
+type Fetch = (u64, u64, Option<i64>, Option<i64>, bool);
+
+fn fetch(effects: &[ServerEffect]) -> Option<Fetch> {
     effects.iter().find_map(|e| match e {
         ServerEffect::FetchPage {
             ticket,

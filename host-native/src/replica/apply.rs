@@ -1996,7 +1996,10 @@ mod tests {
         w
     }
 
-    fn seqs(w: &ReplicaWriter) -> (Vec<(i64, i64)>, Vec<(String, Option<String>, i64)>, i64) {
+    /// Row seqs by id, tombstones, and the next seq.
+    type Seqs = (Vec<(i64, i64)>, Vec<(String, Option<String>, i64)>, i64);
+
+    fn seqs(w: &ReplicaWriter) -> Seqs {
         let conn = &w.replica().conn;
         let mut stmt = conn
             .prepare(r#"SELECT "id", "_hw_seq" FROM "issue" ORDER BY "id""#)
@@ -2121,15 +2124,41 @@ mod tests {
         });
         txn(&mut w, 0x300, vec![delete]);
         let conn = &w.replica().conn;
-        assert_eq!(super::feed::retention_floor(conn).unwrap(), None);
+        assert_eq!(
+            super::feed::retention_floor(conn).unwrap(),
+            Some(0),
+            "followed from the start"
+        );
         assert_eq!(
             super::feed::prune_exits(conn, "1970-01-01T00:00:00.000Z").unwrap(),
-            None,
+            Some(0),
             "nothing is older than the epoch"
         );
         assert_eq!(
             super::feed::prune_exits(conn, "2100-01-01T00:00:00.000Z").unwrap(),
             Some(3)
+        );
+    }
+
+    #[test]
+    fn following_a_new_filter_column_raises_the_floor_to_now() {
+        let mut w = feed_writer();
+        txn(&mut w, 0x200, vec![insert(1, "ada"), insert(2, "ada")]);
+        let same = [("issue".to_owned(), vec!["title".to_owned()])];
+        w.enable_scope_feed(same.into_iter().collect()).unwrap();
+        assert_eq!(
+            super::feed::retention_floor(&w.replica().conn).unwrap(),
+            Some(0)
+        );
+        let more = [(
+            "issue".to_owned(),
+            vec!["title".to_owned(), "meta".to_owned()],
+        )];
+        w.enable_scope_feed(more.into_iter().collect()).unwrap();
+        assert_eq!(
+            super::feed::retention_floor(&w.replica().conn).unwrap(),
+            Some(2),
+            "moves on `meta` before now were never journalled"
         );
     }
 

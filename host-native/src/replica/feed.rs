@@ -45,10 +45,12 @@ CREATE TABLE IF NOT EXISTS "_hw_exits" (
 );
 CREATE INDEX IF NOT EXISTS "_hw_exits_seq" ON "_hw_exits" ("table_name", "seq");
 CREATE INDEX IF NOT EXISTS "_hw_exits_age" ON "_hw_exits" ("updated_at");
--- Single row: seqs at or below `floor` may have lost their exits to retention.
+-- Single row: seqs at or below `floor` may have lost their exits (to retention, or because
+-- they happened before the feed followed the tables and columns in `config`).
 CREATE TABLE IF NOT EXISTS "_hw_feed_state" (
     "lock" INTEGER PRIMARY KEY CHECK ("lock" = 1),
-    "floor" INTEGER NOT NULL
+    "floor" INTEGER NOT NULL,
+    "config" TEXT
 );
 "#;
 
@@ -408,6 +410,32 @@ pub(super) fn prepare(
     tables: &FeedTables,
 ) -> Result<(), ReplicaError> {
     conn.execute_batch(FEED_TABLES_SQL)?;
+    // Exits were only journalled for what the feed followed: a table or filter column newly
+    // followed has no exits before now, so older cursors must reset.
+    let config = serde_json::to_string(&tables.iter().collect::<BTreeMap<_, _>>())?;
+    let stored: Option<Option<String>> = conn
+        .query_row(
+            r#"SELECT "config" FROM "_hw_feed_state" WHERE "lock" = 1"#,
+            [],
+            |r| r.get(0),
+        )
+        .optional()?;
+    if stored.flatten().as_deref() != Some(config.as_str()) {
+        let last_seq: i64 = conn
+            .query_row(
+                r#"SELECT "next_seq" - 1 FROM "_hw_state" WHERE "lock" = 1"#,
+                [],
+                |r| r.get(0),
+            )
+            .optional()?
+            .unwrap_or(0);
+        conn.execute(
+            r#"INSERT INTO "_hw_feed_state" ("lock","floor","config") VALUES (1, ?1, ?2)
+               ON CONFLICT ("lock") DO UPDATE
+               SET "floor" = max("floor", excluded."floor"), "config" = excluded."config""#,
+            params![last_seq, config],
+        )?;
+    }
     for (name, columns) in tables {
         let Some(table) = replica_tables.get(name) else {
             continue;
@@ -714,7 +742,6 @@ fn read_in_transaction(
             }
         }
     }
-    ensure_updated_at(conn, &table.name).ok();
     let conds: Vec<String> = bound
         .iter()
         .enumerate()
@@ -860,7 +887,20 @@ fn condition_value(column: &ReplicaColumn, value: &Value) -> SqlValue {
 /// Drops exits journalled before `older_than` (ISO-8601, same format as `updated_at`) and
 /// raises the retention floor to the highest seq dropped. Returns the floor.
 pub fn prune_exits(conn: &Connection, older_than: &str) -> Result<Option<i64>, ReplicaError> {
-    conn.execute_batch(FEED_TABLES_SQL)?;
+    // One transaction: the floor is never below an exit already gone.
+    conn.execute_batch("BEGIN IMMEDIATE")?;
+    let result = prune_in_transaction(conn, older_than);
+    match result {
+        Ok(()) => conn.execute_batch("COMMIT")?,
+        Err(error) => {
+            let _ = conn.execute_batch("ROLLBACK");
+            return Err(error);
+        }
+    }
+    retention_floor(conn)
+}
+
+fn prune_in_transaction(conn: &Connection, older_than: &str) -> Result<(), ReplicaError> {
     let pruned: Option<i64> = conn
         .prepare_cached(r#"SELECT max("seq") FROM "_hw_exits" WHERE "updated_at" < ?1"#)?
         .query_row([older_than], |r| r.get(0))?;
@@ -875,7 +915,7 @@ pub fn prune_exits(conn: &Connection, older_than: &str) -> Result<Option<i64>, R
             [seq],
         )?;
     }
-    retention_floor(conn)
+    Ok(())
 }
 
 /// Seqs at or below the floor may have lost their exits; `None` when nothing was pruned.

@@ -213,6 +213,14 @@ impl Replica {
         Ok(out)
     }
 
+    /// One scope-sync replay page, read in one read transaction (see [`feed::read_scope_page`]).
+    pub fn read_scope_page(
+        &self,
+        query: &feed::ScopeQuery<'_>,
+    ) -> Result<feed::ScopePage, ReplicaError> {
+        feed::read_scope_page(&self.conn, &self.tables, query)
+    }
+
     /// Whether any column waits for a backfill (cheap: no allocation).
     pub fn has_pending_backfills(&self) -> bool {
         self.tables

@@ -23,7 +23,7 @@ use highwater_engine::watermark::Watermark;
 use serde_json::json;
 
 use super::hub::Hub;
-use super::{connection, snapshot};
+use super::{connection, snapshot, sync};
 
 /// Where a consistent copy of the replica is served (the reservations' `backupURL`).
 pub const SNAPSHOT_PATH: &str = "/replica/snapshot";
@@ -34,6 +34,8 @@ pub(crate) struct AppState {
     pub replica_path: PathBuf,
     pub snapshot_dir: PathBuf,
     pub ping_interval: Duration,
+    /// Scope sync, when `--sync-rules` turned it on.
+    pub sync: Option<Arc<sync::SyncHub>>,
 }
 
 pub(crate) fn router(state: AppState) -> Router {
@@ -43,6 +45,7 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/health", get(health))
         .route("/replication/{version}/{endpoint}", get(replication))
         .route(SNAPSHOT_PATH, get(replica_snapshot))
+        .route("/sync", get(scope_sync))
         .with_state(state)
 }
 
@@ -58,6 +61,7 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
         "lastWatermark": positions.last_watermark,
         "minWatermark": positions.min_watermark,
         "connections": state.hub.connections(),
+        "syncConnections": state.sync.as_ref().map(|sync| sync.connections()),
         // A subscriber's full backlog holds up replication (back-pressure).
         "upstreamPaused": state.hub.inspect(|s| s.is_upstream_paused()),
     }))
@@ -204,6 +208,24 @@ async fn replication(
             }
         }
     })
+}
+
+/// `GET /sync`: the scope-sync WebSocket; 404 without `--sync-rules`.
+async fn scope_sync(
+    State(state): State<AppState>,
+    upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    let Some(hub) = state.sync.clone() else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    let upgrade = match upgrade {
+        Ok(upgrade) => upgrade,
+        Err(rejection) => return rejection.into_response(),
+    };
+    upgrade
+        .max_message_size(sync::MAX_CLIENT_FRAME_BYTES)
+        .max_frame_size(sync::MAX_CLIENT_FRAME_BYTES)
+        .on_upgrade(move |socket| hub.run_socket(socket))
 }
 
 /// `GET /replica/snapshot`: a consistent copy of the replica, without the change log. The

@@ -43,6 +43,29 @@ pub(crate) struct Ingest {
     catchup_limits: CatchupLimits,
     /// Backfills read from Postgres; `None` when the source streams its own (a relay).
     backfills: Option<Backfills>,
+    /// Scope sync: where committed feed entries go; `None` when `/sync` is off.
+    sync: Option<SyncFeed>,
+}
+
+/// Scope sync's side of the ingest thread: route each commit's feed entries after the commit,
+/// and prune exits older than the retention window now and then.
+pub(crate) struct SyncFeed {
+    hub: Arc<super::sync::SyncHub>,
+    retention: std::time::Duration,
+    last_prune: Option<std::time::Instant>,
+}
+
+/// How often exits are pruned.
+const PRUNE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
+
+impl SyncFeed {
+    pub fn new(hub: Arc<super::sync::SyncHub>, retention: std::time::Duration) -> SyncFeed {
+        SyncFeed {
+            hub,
+            retention,
+            last_prune: None,
+        }
+    }
 }
 
 /// The backfills this server reads itself.
@@ -93,6 +116,7 @@ impl Ingest {
         publications: Vec<String>,
         handle: Handle,
         backfills: Option<Backfills>,
+        sync: Option<SyncFeed>,
     ) -> Ingest {
         Ingest {
             hub,
@@ -104,7 +128,35 @@ impl Ingest {
             pending_purge: None,
             catchup_limits: CatchupLimits::default(),
             backfills,
+            sync,
         }
+    }
+
+    /// Hands the committed transaction's feed entries to scope sync, and prunes when due.
+    fn route_committed(&mut self) -> Result<(), ServeError> {
+        let changes = self.writer.take_committed();
+        let Some(sync) = self.sync.as_mut() else {
+            return Ok(());
+        };
+        if let Some(changes) = changes {
+            sync.hub.committed(changes);
+        }
+        if sync
+            .last_prune
+            .is_none_or(|at| at.elapsed() >= PRUNE_INTERVAL)
+        {
+            sync.last_prune = Some(std::time::Instant::now());
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            let cutoff = now.saturating_sub(sync.retention);
+            let cutoff =
+                crate::replica::feed::iso_from_ms(i64::try_from(cutoff.as_millis()).unwrap_or(0));
+            let floor =
+                crate::replica::feed::prune_exits(self.writer.replica().connection(), &cutoff)?;
+            sync.hub.set_retention_floor(floor);
+        }
+        Ok(())
     }
 
     fn conn(&self) -> &Connection {
@@ -425,6 +477,8 @@ impl Ingest {
                         })
                     }
                 }
+                // Only now, durable, may the seqs reach scope subscribers.
+                self.route_committed()?;
                 let watermark = row.watermark().clone();
                 self.hub.set_last_watermark(watermark.clone());
                 self.hub.call(|s, _| s.on_stored(watermark));

@@ -25,6 +25,7 @@ mod relay;
 mod snapshot;
 mod source;
 mod startup;
+mod sync;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -44,6 +45,7 @@ use crate::replica::initial_sync::SyncError;
 use crate::replica::ReplicaError;
 use crate::replication::setup::DEFAULT_APP_ID;
 use crate::replication::ReplicationError;
+use crate::sync_auth::{AuthConfigError, SyncAuth, SyncSecretArgs};
 use hub::{Hub, Positions};
 
 pub use endpoints::SNAPSHOT_PATH;
@@ -113,11 +115,25 @@ pub struct ServeArgs {
     /// and sync again instead of stopping with an error.
     #[arg(long)]
     pub auto_reset: bool,
+    /// Turns on scope sync (`GET /sync`): the JSON rules saying which tables apps may read,
+    /// which columns a scope may filter on, which are never sent, and which conditions must
+    /// equal a token claim. Without it `/sync` answers 404.
+    #[arg(long, value_name = "FILE")]
+    pub sync_rules: Option<PathBuf>,
+    #[command(flatten)]
+    pub sync_secret: SyncSecretArgs,
+    /// How long exits (deletes, rows leaving a scope) are kept for catch-up; an older cursor
+    /// gets a reset and a full replay.
+    #[arg(long, default_value_t = DEFAULT_SYNC_RETENTION_SECS, value_name = "SECONDS")]
+    pub sync_retention_secs: u64,
     /// Routes served in front of the server's own, for a program that embeds `serve` (the demo
     /// mounts its page here). A request they do not match falls through to the server's routes.
     #[arg(skip)]
     pub extra_routes: Option<axum::Router>,
 }
+
+/// Exits are kept a week by default.
+pub const DEFAULT_SYNC_RETENTION_SECS: u64 = 7 * 24 * 3600;
 
 impl ServeArgs {
     /// Defaults for everything but the upstream and the data directory.
@@ -136,6 +152,9 @@ impl ServeArgs {
             backlog_high_water_bytes: DEFAULT_BACKLOG_HIGH_WATER_BYTES,
             backlog_full_timeout_ms: DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
             auto_reset: false,
+            sync_rules: None,
+            sync_secret: SyncSecretArgs::default(),
+            sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,
             extra_routes: None,
         }
     }
@@ -195,6 +214,16 @@ pub enum ServeError {
     Invariant { expected: String, found: String },
     #[error("a server task failed: {0}")]
     Task(String),
+    #[error("scope sync cannot start")]
+    SyncConfig(#[from] AuthConfigError),
+}
+
+/// The scope-sync rules and secret, when `--sync-rules` is given.
+fn load_sync(args: &ServeArgs) -> Result<Option<Arc<SyncAuth>>, ServeError> {
+    match &args.sync_rules {
+        None => Ok(None),
+        Some(rules) => Ok(Some(Arc::new(SyncAuth::load(rules, &args.sync_secret)?))),
+    }
 }
 
 /// Runs `highwater serve` until Ctrl-C or SIGTERM.
@@ -218,8 +247,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// Serves until `stop` turns true or replication fails: prepares the replica (initial sync
 /// when needed), then runs replication, the storage loop and the endpoints.
 pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), ServeError> {
+    let sync = load_sync(&args)?;
     if let Some(from) = args.from.clone() {
-        return relay::serve(args, from, stop).await;
+        return relay::serve(args, from, sync, stop).await;
     }
     let handle = tokio::runtime::Handle::current();
     let prepared = {
@@ -237,7 +267,7 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
             source,
         })?;
     let public_url = args.public_url();
-    let mut settings = settings(&args);
+    let mut settings = settings(&args, sync);
     settings.backfill_from = Some(prepared.backfill_from);
     let source = source::spawn_postgres(prepared.stream, &args.app_id, stop.clone());
     tracing::info!(
@@ -259,8 +289,10 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
 }
 
 /// How the server runs, from its arguments.
-fn settings(args: &ServeArgs) -> Settings {
+fn settings(args: &ServeArgs, sync: Option<Arc<SyncAuth>>) -> Settings {
     Settings {
+        sync,
+        sync_retention: Duration::from_secs(args.sync_retention_secs),
         data: args.data.clone(),
         public_url: args.public_url(),
         purge_delay: Duration::from_millis(args.purge_delay_ms),
@@ -277,6 +309,9 @@ fn settings(args: &ServeArgs) -> Settings {
 /// How the server runs, once the replica is ready.
 #[derive(Debug, Clone)]
 struct Settings {
+    /// Scope sync's rules and token key; `None`: `/sync` is off.
+    sync: Option<Arc<SyncAuth>>,
+    sync_retention: Duration,
     data: PathBuf,
     public_url: String,
     purge_delay: Duration,
@@ -296,7 +331,7 @@ struct Settings {
 /// source, until `stop` or a failure.
 async fn run_server(
     listener: TcpListener,
-    writer: crate::replica::ReplicaWriter,
+    mut writer: crate::replica::ReplicaWriter,
     log: crate::change_log::ChangeLogStatus,
     publications: Vec<String>,
     source: source::Source,
@@ -345,6 +380,22 @@ async fn run_server(
         });
     }
 
+    let sync_hub = match &settings.sync {
+        None => None,
+        Some(auth) => {
+            writer.enable_scope_feed(auth.filter_columns().into_iter().collect())?;
+            let sync_hub = sync::SyncHub::new(
+                log.replica_version.as_str(),
+                auth.clone(),
+                db_path.clone(),
+                handle.clone(),
+                settings.ping_interval,
+            );
+            let floor = crate::replica::feed::retention_floor(writer.replica().connection())?;
+            sync_hub.set_retention_floor(floor);
+            Some(sync_hub)
+        }
+    };
     let ingest = ingest::Ingest::new(
         hub.clone(),
         writer,
@@ -352,6 +403,9 @@ async fn run_server(
         publications,
         handle.clone(),
         settings.backfill_from.clone().map(ingest::Backfills::new),
+        sync_hub
+            .clone()
+            .map(|hub| ingest::SyncFeed::new(hub, settings.sync_retention)),
     );
     let ingest_task = {
         let shutdown_tx = shutdown_tx.clone();
@@ -366,6 +420,7 @@ async fn run_server(
 
     let ticker = tokio::spawn(tick(
         hub.clone(),
+        sync_hub.clone(),
         db_path.clone(),
         settings.backup_interval,
         shutdown.clone(),
@@ -376,6 +431,7 @@ async fn run_server(
         replica_path: db_path,
         snapshot_dir: settings.data.join("snapshots"),
         ping_interval: settings.ping_interval,
+        sync: sync_hub.clone(),
     };
     snapshot::clear_dir(&state.snapshot_dir)?;
     let app = match settings.extra_routes {
@@ -384,6 +440,7 @@ async fn run_server(
     };
     let server = {
         let hub = hub.clone();
+        let sync_hub = sync_hub.clone();
         let mut shutdown = shutdown.clone();
         axum::serve(
             listener,
@@ -392,6 +449,9 @@ async fn run_server(
         .with_graceful_shutdown(async move {
             let _ = shutdown.wait_for(|s| *s).await;
             hub.close_all(1001, "server shutting down");
+            if let Some(sync_hub) = &sync_hub {
+                sync_hub.close_all(1001, "server shutting down");
+            }
         })
     };
     let served = server.await;
@@ -428,6 +488,7 @@ fn owner_address(public_url: &str) -> String {
 /// replica is the backup: `/replica/snapshot` serves it at its current position).
 async fn tick(
     hub: Arc<Hub>,
+    sync_hub: Option<Arc<sync::SyncHub>>,
     replica_path: PathBuf,
     backup_interval: Duration,
     mut shutdown: watch::Receiver<bool>,
@@ -457,6 +518,9 @@ async fn tick(
             });
         }
         hub.call(|s, now| s.tick(now));
+        if let Some(sync_hub) = &sync_hub {
+            sync_hub.tick();
+        }
     }
 }
 

@@ -95,6 +95,8 @@ impl Harness {
         let acks = Arc::new(Mutex::new(Vec::new()));
         let sink = acks.clone();
         let settings = Settings {
+            sync: None,
+            sync_retention: Duration::from_secs(super::DEFAULT_SYNC_RETENTION_SECS),
             data: dir.0.clone(),
             public_url: format!("http://{addr}"),
             purge_delay,

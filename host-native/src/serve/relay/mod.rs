@@ -136,6 +136,7 @@ struct Prepared {
 pub(super) async fn serve(
     args: ServeArgs,
     from: String,
+    sync: Option<Arc<crate::sync_auth::SyncAuth>>,
     stop: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
     let public_url = args.public_url();
@@ -178,7 +179,7 @@ pub(super) async fn serve(
             prepared.log,
             prepared.publications,
             source,
-            super::settings(&args),
+            super::settings(&args, sync.clone()),
             stop.clone(),
         )
         .await;

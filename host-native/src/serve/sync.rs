@@ -1,0 +1,455 @@
+//! `GET /sync`: the scope-sync WebSocket (`reference/velocious-sync.md` §5), on the primary and
+//! on relays, on when `serve --sync-rules FILE` is given.
+//!
+//! The engine's [`ScopeServer`] holds every rule; this module carries out its effects:
+//! - `Send` goes to the socket's writer queue (in effect order: effects are queued while the
+//!   server lock is held, so two callers never reorder one socket's frames); the writer reports
+//!   `Written` after each flush, which is the outbound budget the engine paces replay by;
+//! - `Authorize` is answered with [`SyncAuth::authorize`] (the token is checked here, the
+//!   decision is a value);
+//! - `FetchPage` reads one replay page on a blocking thread, in one read transaction that ends
+//!   before the page is handed back, so no read transaction waits on a slow socket;
+//! - `Close` ends the socket with that code, even when its writer is stuck on a full socket.
+//!
+//! Commits reach [`SyncHub::committed`] from the ingest thread after the replica commit.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket};
+use futures::{SinkExt, StreamExt};
+use highwater_engine::scope_server::{
+    codes, ConnId, Decision, FeedChange, FeedEntry, PageResult, ScopeServer, ServerConfig,
+    ServerEffect, ServerInput,
+};
+use highwater_engine::scope_sync::ServerFrame;
+use tokio::sync::{mpsc, watch};
+
+use crate::replica::feed::{CommittedChanges, FeedKind, FeedRow, ScopePage, ScopeQuery};
+use crate::replica::Replica;
+use crate::sync_auth::SyncAuth;
+
+/// Largest client frame accepted; a larger one closes the socket with 1009.
+pub const MAX_CLIENT_FRAME_BYTES: usize = 1 << 20;
+/// WebSocket close code for a frame over [`MAX_CLIENT_FRAME_BYTES`].
+const TOO_BIG_CLOSE_CODE: u16 = 1009;
+/// How long a close frame may take to get through before the socket is dropped.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// Read-only replica connections kept for replay reads.
+const READER_POOL: usize = 4;
+
+enum Outbound {
+    Text(String),
+}
+
+struct Peer {
+    outbound: mpsc::UnboundedSender<Outbound>,
+    close: watch::Sender<Option<(u16, String)>>,
+}
+
+/// The scope server of a serving node and the sockets it talks to.
+pub(crate) struct SyncHub {
+    server: Mutex<ScopeServer>,
+    peers: Mutex<HashMap<ConnId, Peer>>,
+    next_conn: AtomicU64,
+    auth: Arc<SyncAuth>,
+    replica_path: PathBuf,
+    readers: Mutex<Vec<Replica>>,
+    handle: tokio::runtime::Handle,
+    ping_interval: Duration,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl SyncHub {
+    pub fn new(
+        epoch: &str,
+        auth: Arc<SyncAuth>,
+        replica_path: PathBuf,
+        handle: tokio::runtime::Handle,
+        ping_interval: Duration,
+    ) -> Arc<SyncHub> {
+        Arc::new(SyncHub {
+            server: Mutex::new(ScopeServer::new(ServerConfig::new(epoch))),
+            peers: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+            auth,
+            replica_path,
+            readers: Mutex::new(Vec::new()),
+            handle,
+            ping_interval,
+        })
+    }
+
+    /// Feeds inputs to the scope server and carries out the effects, until none are left.
+    pub fn call(self: &Arc<Self>, input: ServerInput) {
+        let mut inputs = vec![input];
+        while let Some(input) = inputs.pop() {
+            let effects = {
+                let mut server = self.server.lock().unwrap_or_else(|e| e.into_inner());
+                let effects = server.handle(input, now_ms());
+                // Sends and closes are queued under the lock: one socket's frames keep the
+                // order the server produced them in.
+                let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+                let mut rest = Vec::new();
+                for effect in effects {
+                    match effect {
+                        ServerEffect::Send { conn, text } => {
+                            if let Some(peer) = peers.get(&conn) {
+                                let _ = peer.outbound.send(Outbound::Text(text));
+                            }
+                        }
+                        ServerEffect::Close { conn, code, reason } => {
+                            if let Some(peer) = peers.get(&conn) {
+                                tracing::info!(conn, code, %reason, "closing a scope-sync socket");
+                                peer.close.send_replace(Some((code, reason)));
+                            }
+                        }
+                        other => rest.push(other),
+                    }
+                }
+                rest
+            };
+            for effect in effects {
+                match effect {
+                    ServerEffect::Authorize {
+                        conn,
+                        ticket,
+                        token,
+                        resource_type,
+                        conditions,
+                    } => {
+                        let decision = match self.auth.authorize(
+                            token.as_deref(),
+                            &resource_type,
+                            &conditions,
+                            now_ms(),
+                        ) {
+                            Ok(grant) => Decision::Granted(grant),
+                            Err(denied) => Decision::Denied {
+                                code: denied.code.to_owned(),
+                                message: denied.message,
+                            },
+                        };
+                        inputs.push(ServerInput::Authorized {
+                            conn,
+                            ticket,
+                            decision,
+                        });
+                    }
+                    ServerEffect::FetchPage {
+                        conn,
+                        ticket,
+                        pass,
+                        table,
+                        conditions,
+                        after,
+                        up_to,
+                        limit,
+                        count_total,
+                    } => {
+                        let hub = self.clone();
+                        self.handle.spawn_blocking(move || {
+                            let result = hub.read_page(&ScopeQuery {
+                                table: &table,
+                                conditions: &conditions,
+                                after,
+                                up_to,
+                                limit,
+                                count_total,
+                            });
+                            hub.call(ServerInput::PageFetched {
+                                conn,
+                                ticket,
+                                pass,
+                                result,
+                            });
+                        });
+                    }
+                    ServerEffect::Send { .. } | ServerEffect::Close { .. } => {}
+                }
+            }
+        }
+    }
+
+    /// Reads one replay page with a pooled read-only connection. Blocking.
+    fn read_page(&self, query: &ScopeQuery<'_>) -> PageResult {
+        let pooled = self.readers.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let reader = match pooled {
+            Some(mut reader) => reader.refresh().map(|()| reader),
+            None => Replica::open_read_only(&self.replica_path),
+        };
+        let mut reader = match reader {
+            Ok(reader) => reader,
+            Err(error) => {
+                return PageResult::Failed {
+                    message: format!("could not read the replica: {error}"),
+                }
+            }
+        };
+        let page = reader.read_scope_page(query);
+        let result = match page {
+            Ok(ScopePage::Rows { up_to, rows, total }) => PageResult::Rows {
+                up_to,
+                rows: rows.into_iter().map(feed_entry).collect(),
+                total,
+            },
+            Ok(ScopePage::Truncated) => PageResult::Truncated,
+            Ok(ScopePage::UnknownTable) => PageResult::Failed {
+                message: format!(
+                    "expected table {:?} in the replica, but it is not replicated",
+                    query.table
+                ),
+            },
+            Ok(ScopePage::UnknownColumn(column)) => PageResult::Failed {
+                message: format!(
+                    "expected column {column:?} in table {:?}, but the replica has none",
+                    query.table
+                ),
+            },
+            Err(error) => PageResult::Failed {
+                message: format!("could not read the replica: {error}"),
+            },
+        };
+        let _ = reader.refresh();
+        let mut readers = self.readers.lock().unwrap_or_else(|e| e.into_inner());
+        if readers.len() < READER_POOL {
+            readers.push(reader);
+        }
+        result
+    }
+
+    /// Routes the feed entries of one committed transaction (call after the replica commit).
+    pub fn committed(self: &Arc<Self>, changes: CommittedChanges) {
+        if changes.rows.is_empty() {
+            return;
+        }
+        self.call(ServerInput::Committed {
+            entries: changes.rows.into_iter().map(feed_entry).collect(),
+        });
+    }
+
+    pub fn set_retention_floor(self: &Arc<Self>, floor: Option<i64>) {
+        self.call(ServerInput::RetentionFloor(floor));
+    }
+
+    pub fn tick(self: &Arc<Self>) {
+        self.call(ServerInput::Tick);
+    }
+
+    /// Open scope-sync sockets.
+    pub fn connections(&self) -> usize {
+        self.server
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .connections()
+    }
+
+    /// Closes every socket (shutdown).
+    pub fn close_all(&self, code: u16, reason: &str) {
+        let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        for peer in peers.values() {
+            peer.close.send_replace(Some((code, reason.to_owned())));
+        }
+    }
+
+    /// Runs one socket until either side ends it.
+    pub async fn run_socket(self: Arc<Self>, socket: WebSocket) {
+        let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let (outbound_tx, mut outbound) = mpsc::unbounded_channel();
+        let (close_tx, close_rx) = watch::channel(None);
+        self.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            conn,
+            Peer {
+                outbound: outbound_tx,
+                close: close_tx,
+            },
+        );
+        let session_id = format!(
+            "{:x}-{conn}",
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        );
+        self.call(ServerInput::Opened { conn, session_id });
+        let (mut sink, mut stream) = socket.split();
+        let last_seen = Arc::new(AtomicU64::new(now_ms()));
+
+        let writer = {
+            let hub = self.clone();
+            let close = close_rx.clone();
+            let last_seen = last_seen.clone();
+            let ping_interval = self.ping_interval;
+            async move {
+                let mut ping = tokio::time::interval(ping_interval);
+                ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                ping.tick().await;
+                let frame = loop {
+                    tokio::select! {
+                        biased;
+                        frame = close_signal(close.clone()) => break frame,
+                        next = outbound.recv() => {
+                            let Some(Outbound::Text(first)) = next else { break None };
+                            let mut bytes = first.len();
+                            let mut batch = vec![first];
+                            while batch.len() < 256 {
+                                match outbound.try_recv() {
+                                    Ok(Outbound::Text(text)) => {
+                                        bytes += text.len();
+                                        batch.push(text);
+                                    }
+                                    Err(_) => break,
+                                }
+                            }
+                            let write = async {
+                                for text in batch {
+                                    sink.feed(Message::Text(text.into())).await?;
+                                }
+                                sink.flush().await
+                            };
+                            tokio::select! {
+                                biased;
+                                frame = close_signal(close.clone()) => break frame,
+                                written = write => {
+                                    if written.is_err() { break None }
+                                    hub.call(ServerInput::Written { conn, bytes });
+                                }
+                            }
+                        }
+                        _ = ping.tick() => {
+                            let silent = now_ms().saturating_sub(last_seen.load(Ordering::Relaxed));
+                            if silent > 2 * u64::try_from(ping_interval.as_millis()).unwrap_or(u64::MAX) {
+                                tracing::info!(conn, "scope-sync peer silent for two ping intervals: closing");
+                                break None;
+                            }
+                            if sink.send(Message::Ping(Default::default())).await.is_err() {
+                                break None;
+                            }
+                        }
+                    }
+                };
+                if let Some((code, reason)) = frame {
+                    let close = sink.send(Message::Close(Some(CloseFrame {
+                        code,
+                        reason: reason.into(),
+                    })));
+                    let _ = tokio::time::timeout(CLOSE_GRACE, close).await;
+                }
+            }
+        };
+
+        let reader = {
+            let hub = self.clone();
+            async move {
+                while let Some(message) = stream.next().await {
+                    last_seen.store(now_ms(), Ordering::Relaxed);
+                    match message {
+                        Ok(Message::Text(text)) => hub.call(ServerInput::Frame {
+                            conn,
+                            text: text.as_str().to_owned(),
+                        }),
+                        Ok(Message::Binary(_)) => hub.send_error(
+                            conn,
+                            "expected a text frame holding JSON, got a binary frame",
+                        ),
+                        Ok(Message::Ping(_) | Message::Pong(_)) => {}
+                        Ok(Message::Close(_)) => break,
+                        Err(error) => {
+                            if too_big(&error) {
+                                hub.close(
+                                    conn,
+                                    TOO_BIG_CLOSE_CODE,
+                                    "expected frames of at most 1 MiB, got a larger one",
+                                );
+                                // Let the writer send the close frame.
+                                tokio::time::sleep(CLOSE_GRACE).await;
+                            }
+                            break;
+                        }
+                    }
+                }
+            }
+        };
+
+        let mut close_seen = close_rx;
+        tokio::select! {
+            _ = writer => {}
+            _ = reader => {
+                // The writer may still owe a close frame.
+                if close_seen.borrow_and_update().is_some() {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&conn);
+        self.call(ServerInput::Closed { conn });
+    }
+
+    fn send_error(&self, conn: ConnId, message: &str) {
+        let frame = ServerFrame::Error {
+            error: message.to_owned(),
+            code: Some(codes::BAD_FRAME.to_owned()),
+            retry_after_ms: None,
+        };
+        if let Some(peer) = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&conn)
+        {
+            let _ = peer.outbound.send(Outbound::Text(frame.to_json()));
+        }
+    }
+
+    fn close(&self, conn: ConnId, code: u16, reason: &str) {
+        if let Some(peer) = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&conn)
+        {
+            peer.close.send_replace(Some((code, reason.to_owned())));
+        }
+    }
+}
+
+/// The close the server asked for, once it does.
+async fn close_signal(mut close: watch::Receiver<Option<(u16, String)>>) -> Option<(u16, String)> {
+    let frame = match close.wait_for(Option::is_some).await {
+        Ok(frame) => frame.clone(),
+        Err(_) => None,
+    };
+    match frame {
+        Some(frame) => Some(frame),
+        None => std::future::pending().await,
+    }
+}
+
+/// Whether a read failed because the frame was over the size limit.
+fn too_big(error: &axum::Error) -> bool {
+    let text = error.to_string();
+    text.contains("too long") || text.contains("Space limit") || text.contains("too big")
+}
+
+fn feed_entry(row: FeedRow) -> FeedEntry {
+    FeedEntry {
+        table: row.table,
+        resource_id: row.resource_id,
+        seq: row.seq,
+        updated_at: row.updated_at,
+        change: match row.kind {
+            FeedKind::Upsert { data } => FeedChange::Upsert { data },
+            FeedKind::Exit { old, new } => FeedChange::Exit { old, new },
+        },
+    }
+}

@@ -1,0 +1,719 @@
+//! Scope sync end to end: a real Postgres, `highwater serve --sync-rules` (in this process or
+//! the binary), and real WebSocket clients on `/sync` that apply what they receive and must end
+//! equal to `SELECT … WHERE owner = …` in Postgres.
+
+// Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
+#![allow(clippy::unwrap_used)]
+
+mod serve_support;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use futures::{SinkExt, StreamExt};
+use highwater_host::serve::ServeArgs;
+use highwater_host::sync_auth::{mint_token, unix_now_ms, SyncSecret};
+use serde_json::{json, Value};
+use serve_support::*;
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+const SECRET: &str = "a scope-sync test secret of more than 32 bytes";
+const RULES: &str = r#"{"tables":{"todos":{"filterColumns":["owner","done"],"omitColumns":["secret_note"],"require":{"owner":"sub"}}}}"#;
+const TODOS_DDL: &str = "CREATE TABLE todos (id int8 PRIMARY KEY, owner text, title text, done bool NOT NULL DEFAULT false, secret_note text)";
+
+/// Rules and secret files for `serve --sync-rules`.
+struct SyncFiles {
+    _dir: DataDir,
+    rules: PathBuf,
+    secret: PathBuf,
+}
+
+impl SyncFiles {
+    fn new() -> SyncFiles {
+        let dir = DataDir::new("sync-files");
+        let rules = dir.path().join("rules.json");
+        let secret = dir.path().join("secret");
+        std::fs::write(&rules, RULES).unwrap();
+        std::fs::write(&secret, SECRET).unwrap();
+        SyncFiles {
+            _dir: dir,
+            rules,
+            secret,
+        }
+    }
+
+    fn apply(&self, args: &mut ServeArgs) {
+        args.sync_rules = Some(self.rules.clone());
+        args.sync_secret.sync_secret_file = Some(self.secret.clone());
+    }
+}
+
+fn token(sub: &str) -> String {
+    let secret = SyncSecret::from_bytes(SECRET).unwrap();
+    mint_token(&secret, sub, Duration::from_secs(3600), &[], unix_now_ms()).unwrap()
+}
+
+type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+/// One scope as a client keeps it: rows by resourceId, and its cursor.
+#[derive(Debug, Default, Clone)]
+struct Scope {
+    rows: BTreeMap<String, Value>,
+    cursor: Option<(String, i64, String)>,
+    subscribed: bool,
+    /// Entries applied by the last replay (before `channel-subscribed`).
+    replayed: usize,
+    resets: usize,
+    /// Every (resourceId, serverSequence) applied since the last reset: each change once.
+    seen: std::collections::BTreeSet<(String, i64)>,
+}
+
+impl Scope {
+    fn apply(&mut self, body: &Value) {
+        if body.get("reset").is_some_and(|r| !r.is_null()) {
+            self.rows.clear();
+            self.cursor = None;
+            self.resets += 1;
+            self.seen.clear();
+        }
+        for entry in body["syncs"].as_array().unwrap() {
+            let id = entry["resourceId"].as_str().unwrap().to_owned();
+            if entry["syncType"] == "delete" {
+                self.rows.remove(&id);
+            } else {
+                assert!(
+                    entry["data"].get("secret_note").is_none(),
+                    "an omitted column was sent: {entry}"
+                );
+                self.rows.insert(id, entry["data"].clone());
+            }
+            let seq = entry["serverSequence"].as_i64().unwrap();
+            assert!(
+                self.seen.insert((id_of(entry), seq)),
+                "a change arrived twice: {entry}"
+            );
+            if self.cursor.as_ref().is_none_or(|c| seq > c.1) {
+                self.cursor = Some((
+                    entry["id"].as_str().unwrap().to_owned(),
+                    seq,
+                    entry["updatedAt"].as_str().unwrap().to_owned(),
+                ));
+            }
+            if !self.subscribed {
+                self.replayed += 1;
+            }
+        }
+    }
+
+    fn cursor_params(&self) -> Value {
+        match &self.cursor {
+            None => json!({}),
+            Some((id, seq, at)) => {
+                json!({"afterId": id, "afterServerSequence": seq, "afterUpdatedAt": at})
+            }
+        }
+    }
+}
+
+fn id_of(entry: &Value) -> String {
+    entry["resourceId"].as_str().unwrap().to_owned()
+}
+
+/// A `/sync` client with scopes by subscription id.
+struct Client {
+    socket: Socket,
+    scopes: BTreeMap<String, Scope>,
+    /// Every non-message frame received, in order.
+    others: Vec<Value>,
+}
+
+impl Client {
+    async fn connect(addr: SocketAddr) -> Client {
+        let (socket, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/sync"))
+            .await
+            .expect("connect to /sync");
+        let mut client = Client {
+            socket,
+            scopes: BTreeMap::new(),
+            others: Vec::new(),
+        };
+        let first = client.next().await.expect("a first frame");
+        assert_eq!(first["type"], "session-established", "{first}");
+        client
+    }
+
+    async fn send(&mut self, frame: Value) {
+        self.socket
+            .send(Message::Text(frame.to_string().into()))
+            .await
+            .unwrap();
+    }
+
+    async fn subscribe(&mut self, id: &str, owner: &str, token: Option<&str>, extra: Value) {
+        let scope = self.scopes.entry(id.to_owned()).or_default();
+        scope.subscribed = false;
+        scope.replayed = 0;
+        let mut params = json!({"resourceType": "todos", "conditions": {"owner": owner}});
+        for (k, v) in scope.cursor_params().as_object().unwrap() {
+            params[k] = v.clone();
+        }
+        if let Some(token) = token {
+            params["authenticationToken"] = json!(token);
+        }
+        for (k, v) in extra.as_object().unwrap() {
+            params[k] = v.clone();
+        }
+        self.send(json!({"type": "channel-subscribe", "subscriptionId": id, "channelType": "velocious-sync", "params": params})).await;
+    }
+
+    /// The next frame, applied to its scope if it is a message; `None` on close or timeout.
+    async fn next(&mut self) -> Option<Value> {
+        loop {
+            let message = tokio::time::timeout(PROMPT, self.socket.next())
+                .await
+                .ok()??;
+            match message.ok()? {
+                Message::Text(text) => {
+                    let frame: Value = serde_json::from_str(text.as_str()).unwrap();
+                    if let Some(id) = frame["subscriptionId"].as_str() {
+                        if let Some(scope) = self.scopes.get_mut(id) {
+                            match frame["type"].as_str() {
+                                Some("channel-message") => scope.apply(&frame["body"]),
+                                Some("channel-subscribed") => scope.subscribed = true,
+                                _ => {}
+                            }
+                        }
+                    }
+                    if frame["type"] != "channel-message" {
+                        self.others.push(frame.clone());
+                    }
+                    return Some(frame);
+                }
+                Message::Close(frame) => {
+                    self.others
+                        .push(json!({"close": frame.map(|f| u16::from(f.code))}));
+                    return None;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    async fn until_subscribed(&mut self, id: &str) {
+        while !self.scopes[id].subscribed {
+            let frame = self.next().await;
+            assert!(
+                frame.is_some(),
+                "the socket ended before {id} was subscribed"
+            );
+            if let Some(frame) = frame {
+                assert_ne!(frame["type"], "channel-error", "{frame}");
+            }
+        }
+    }
+
+    /// The next frame that is not a channel message.
+    async fn next_other(&mut self) -> Value {
+        loop {
+            let frame = self.next().await.expect("a frame");
+            if frame["type"] != "channel-message" {
+                return frame;
+            }
+        }
+    }
+
+    /// Reads until the scope equals `want` (or the wait runs out).
+    async fn until_equal(&mut self, id: &str, want: &BTreeMap<String, Value>) {
+        let deadline = tokio::time::Instant::now() + PROMPT;
+        while &self.scopes[id].rows != want {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "scope {id} did not converge: {} rows, expected {}",
+                self.scopes[id].rows.len(),
+                want.len()
+            );
+            let _ = tokio::time::timeout(Duration::from_millis(200), self.next()).await;
+        }
+    }
+}
+
+/// `SELECT … WHERE owner = $1` as the client should hold it.
+async fn pg_scope(pg: &tokio_postgres::Client, owner: &str) -> BTreeMap<String, Value> {
+    pg.query(
+        "SELECT id, owner, title, done FROM todos WHERE owner = $1",
+        &[&owner],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| {
+        let id: i64 = r.get(0);
+        let owner: Option<String> = r.get(1);
+        let title: Option<String> = r.get(2);
+        let done: bool = r.get(3);
+        (
+            id.to_string(),
+            json!({"id": id, "owner": owner, "title": title, "done": done}),
+        )
+    })
+    .collect()
+}
+
+/// Waits until the replica in `data` holds exactly Postgres's `todos` (so a subscribe sees
+/// everything by replay, not partly live).
+async fn replica_caught_up(pg: &tokio_postgres::Client, data: &Path) {
+    let want: Vec<(i64, Option<String>, Option<String>)> = pg
+        .query("SELECT id, owner, title FROM todos ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    loop {
+        let db = rusqlite::Connection::open_with_flags(
+            data.join("replica.db"),
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+        )
+        .unwrap();
+        db.busy_timeout(Duration::from_secs(5)).unwrap();
+        let got: Vec<(i64, Option<String>, Option<String>)> = db
+            .prepare("SELECT id, owner, title FROM todos ORDER BY id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        if got == want {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replica did not catch up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn start_server(pg_url: &str, data: &Path, files: &SyncFiles) -> InProcess {
+    let mut args = serve_args(pg_url, data, free_port());
+    files.apply(&mut args);
+    InProcess::start(args).await
+}
+
+/// A thousand writes of every kind to ada's and grace's rows, with owner changes moving rows
+/// in and out of both scopes; with `truncate`, a truncate near the end.
+async fn churn(pg: &tokio_postgres::Client, base: i64, truncate: bool) {
+    let owners = ["ada", "grace"];
+    for i in 0..1000_i64 {
+        let id = base + i % 40;
+        let owner = owners[(i % 3 % 2) as usize];
+        let sql = match i % 5 {
+            0 | 1 => format!("INSERT INTO todos (id, owner, title) VALUES ({id}, '{owner}', 't{i}') ON CONFLICT (id) DO UPDATE SET title = excluded.title"),
+            2 => format!("UPDATE todos SET owner = CASE owner WHEN 'ada' THEN 'grace' ELSE 'ada' END WHERE id = {id}"),
+            3 => format!("UPDATE todos SET done = NOT done, secret_note = 's{i}' WHERE id = {id}"),
+            _ => format!("DELETE FROM todos WHERE id = {id}"),
+        };
+        if truncate && i == 990 {
+            pg.batch_execute("TRUNCATE todos").await.unwrap();
+        }
+        pg.batch_execute(&sql).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scope_sync_replays_routes_live_resumes_and_refuses_with_typed_errors() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    for i in 1..=7_i64 {
+        let owner = if i % 3 == 0 { "grace" } else { "ada" };
+        db.execute(
+            "INSERT INTO todos (id, owner, title, secret_note) VALUES ($1, $2, $3, 'hidden')",
+            &[&i, &owner, &format!("t{i}")],
+        )
+        .await
+        .unwrap();
+    }
+    let files = SyncFiles::new();
+    let data = DataDir::new("scope-sync");
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    let ada = token("ada");
+
+    // Fresh subscribe, pages of 2: the whole scope in seq order, then channel-subscribed.
+    let mut client = Client::connect(server.addr).await;
+    client
+        .subscribe("s1", "ada", Some(&ada), json!({"limit": 2}))
+        .await;
+    let mut seqs = Vec::new();
+    let mut pages = 0;
+    loop {
+        let frame = client.next().await.expect("replay frames");
+        match frame["type"].as_str().unwrap() {
+            "channel-message" => {
+                pages += 1;
+                assert!(frame["body"]["progress"]["total"] == json!(5), "{frame}");
+                for entry in frame["body"]["syncs"].as_array().unwrap() {
+                    seqs.push(entry["serverSequence"].as_i64().unwrap());
+                    assert_eq!(entry["owner"], "ada");
+                    assert!(entry["id"].as_str().unwrap().contains(':'), "epoch:seq id");
+                }
+            }
+            "channel-subscribed" => break,
+            other => panic!("unexpected {other}: {frame}"),
+        }
+    }
+    assert_eq!(pages, 3, "5 rows in pages of 2");
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "seq order: {seqs:?}");
+    assert_eq!(client.scopes["s1"].rows, pg_scope(&db, "ada").await);
+
+    // Live: ada's row arrives, grace's does not; a move out is a delete for ada.
+    db.batch_execute(
+        "INSERT INTO todos (id, owner, title) VALUES (100, 'grace', 'g'), (101, 'ada', 'a')",
+    )
+    .await
+    .unwrap();
+    db.batch_execute("UPDATE todos SET owner = 'grace' WHERE id = 1")
+        .await
+        .unwrap();
+    client.until_equal("s1", &pg_scope(&db, "ada").await).await;
+    assert!(!client.scopes["s1"].rows.contains_key("100"));
+
+    // Refusals on the same socket: typed, nothing delivered, the socket stays usable.
+    let tampered = {
+        let mut t = token("ada");
+        let last = t.pop().unwrap();
+        t.push(if last == 'A' { 'B' } else { 'A' });
+        t
+    };
+    let expired = mint_token(
+        &SyncSecret::from_bytes(SECRET).unwrap(),
+        "ada",
+        Duration::from_secs(1),
+        &[],
+        unix_now_ms() - 3_600_000,
+    )
+    .unwrap();
+    let cases: Vec<(&str, Option<String>, Value, &str)> = vec![
+        ("e1", None, json!({}), "auth-required"),
+        ("e2", Some(token("grace")), json!({}), "forbidden"),
+        ("e3", Some(tampered), json!({}), "auth-invalid"),
+        ("e4", Some(expired), json!({}), "auth-expired"),
+        (
+            "e5",
+            Some(ada.clone()),
+            json!({"conditions": {"owner": "ada", "title": "t1"}}),
+            "forbidden",
+        ),
+        (
+            "e6",
+            Some(ada.clone()),
+            json!({"limit": "abc"}),
+            "invalid-params",
+        ),
+        ("s1", Some(ada.clone()), json!({}), "subscription-in-use"),
+    ];
+    for (id, token, extra, code) in cases {
+        client.subscribe(id, "ada", token.as_deref(), extra).await;
+        let frame = client.next_other().await;
+        assert_eq!(frame["type"], "channel-error", "{id}: {frame}");
+        assert_eq!(frame["code"], code, "{id}: {frame}");
+        assert_eq!(frame["subscriptionId"], id);
+        if id != "s1" {
+            assert!(client.scopes[id].rows.is_empty());
+        }
+    }
+    client
+        .send(json!({"type": "channel-subscribe", "channelType": "chat"}))
+        .await;
+    assert_eq!(client.next_other().await["code"], "bad-frame");
+    client
+        .socket
+        .send(Message::Text("{not json".into()))
+        .await
+        .unwrap();
+    assert_eq!(client.next_other().await["code"], "bad-frame");
+    client.send(json!({"type": "channel-subscribe", "subscriptionId": "c1", "channelType": "chat", "params": {}})).await;
+    assert_eq!(client.next_other().await["code"], "unknown-channel");
+    client.send(json!({"type": "ping"})).await;
+    assert_eq!(client.next_other().await, json!({"type": "pong"}));
+
+    // An oversized frame closes that socket with 1009; the server stays healthy.
+    let mut big = Client::connect(server.addr).await;
+    let huge = "x".repeat(1_100_000);
+    let _ = big.socket.send(Message::Text(huge.into())).await;
+    while big.next().await.is_some() {}
+    assert_eq!(
+        big.others.last(),
+        Some(&json!({"close": 1009})),
+        "{:?}",
+        big.others
+    );
+    db.batch_execute("INSERT INTO todos (id, owner, title) VALUES (102, 'ada', 'after')")
+        .await
+        .unwrap();
+    client.until_equal("s1", &pg_scope(&db, "ada").await).await;
+
+    // Unsubscribe and subscribe again without reconnecting: only rows after the cursor.
+    client
+        .send(json!({"type": "channel-unsubscribe", "subscriptionId": "s1"}))
+        .await;
+    assert_eq!(client.next_other().await["type"], "channel-unsubscribed");
+    client.subscribe("s1", "ada", Some(&ada), json!({})).await;
+    client.until_subscribed("s1").await;
+    assert_eq!(
+        client.scopes["s1"].replayed, 0,
+        "nothing newer than the cursor"
+    );
+
+    // Disconnected through a thousand writes of every kind, then resumed from the cursor.
+    let scope = client.scopes["s1"].clone();
+    drop(client);
+    churn(&db, 200, false).await;
+    replica_caught_up(&db, data.path()).await;
+    let mut client = Client::connect(server.addr).await;
+    client.scopes.insert("s1".into(), scope.clone());
+    client
+        .subscribe("s1", "ada", Some(&ada), json!({"limit": 50}))
+        .await;
+    client.until_subscribed("s1").await;
+    client.until_equal("s1", &pg_scope(&db, "ada").await).await;
+    assert!(client.scopes["s1"].cursor.as_ref().unwrap().1 > scope.cursor.as_ref().unwrap().1);
+    assert_eq!(
+        client.scopes["s1"].resets, 0,
+        "deletes and moves out replay as removals"
+    );
+
+    // The same with a truncate in the middle: the older cursor gets a reset and a full replay.
+    let scope = client.scopes["s1"].clone();
+    drop(client);
+    churn(&db, 300, true).await;
+    replica_caught_up(&db, data.path()).await;
+    let mut client = Client::connect(server.addr).await;
+    client.scopes.insert("s1".into(), scope);
+    client
+        .subscribe("s1", "ada", Some(&ada), json!({"limit": 50}))
+        .await;
+    client.until_subscribed("s1").await;
+    let want = pg_scope(&db, "ada").await;
+    client.until_equal("s1", &want).await;
+    assert_eq!(
+        client.scopes["s1"].resets, 1,
+        "the truncate resets the older cursor"
+    );
+
+    // A second resume right after: nothing to replay.
+    let scope = client.scopes["s1"].clone();
+    drop(client);
+    let mut client = Client::connect(server.addr).await;
+    client.scopes.insert("s1".into(), scope);
+    client.subscribe("s1", "ada", Some(&ada), json!({})).await;
+    client.until_subscribed("s1").await;
+    assert_eq!(client.scopes["s1"].replayed, 0);
+    assert_eq!(client.scopes["s1"].rows, want);
+
+    // Rows written while a fresh replay runs in pages of one: above the pin they arrive live,
+    // each change once (the client asserts it), and the scope ends equal.
+    let writer = {
+        let url = pg.url();
+        tokio::spawn(async move {
+            let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            insert_ada(&db, 1000..1030).await;
+        })
+    };
+    client
+        .subscribe("r1", "ada", Some(&ada), json!({"limit": 1}))
+        .await;
+    client.until_subscribed("r1").await;
+    writer.await.unwrap();
+    client.until_equal("r1", &pg_scope(&db, "ada").await).await;
+    server.stop().await;
+}
+
+/// `highwater serve --sync-rules …` as a process, so it can be killed with -9.
+fn spawn_primary(url: &str, data: &Path, port: u16, files: &SyncFiles, app_id: &str) -> Binary {
+    let child = Command::new(env!("CARGO_BIN_EXE_highwater"))
+        .arg("serve")
+        .args(["--upstream", url, "--app-id", app_id])
+        .arg("--data")
+        .arg(data)
+        .args(["--port", &port.to_string(), "--host", "127.0.0.1"])
+        .arg("--sync-rules")
+        .arg(&files.rules)
+        .arg("--sync-secret-file")
+        .arg(&files.secret)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn highwater serve");
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    Binary { child, addr }
+}
+
+async fn insert_ada(db: &tokio_postgres::Client, ids: std::ops::Range<i64>) {
+    for id in ids {
+        db.execute(
+            "INSERT INTO todos (id, owner, title) VALUES ($1, 'ada', $2)",
+            &[&id, &format!("t{id}")],
+        )
+        .await
+        .unwrap();
+    }
+}
+
+/// Subscribes a fresh socket to ada's scope from `scope`'s cursor; returns the client once
+/// caught up.
+async fn resume(addr: SocketAddr, scope: &Scope) -> Client {
+    let mut client = Client::connect(addr).await;
+    client.scopes.insert("s1".into(), scope.clone());
+    client
+        .subscribe("s1", "ada", Some(&token("ada")), json!({}))
+        .await;
+    client.until_subscribed("s1").await;
+    client
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cursors_are_portable_across_relays_survive_kill_9_and_reset_on_a_new_replica() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    insert_ada(&db, 1..6).await;
+    let files = SyncFiles::new();
+    let primary_data = DataDir::new("sync-primary");
+    let port = free_port();
+    let primary = spawn_primary(&pg.url(), primary_data.path(), port, &files, "highwater");
+    wait_ready(primary.addr).await;
+    let relay_data = DataDir::new("sync-relay");
+    let mut relay_args = ServeArgs::relay(format!("ws://{}", primary.addr), relay_data.path());
+    relay_args.port = free_port();
+    relay_args.host = "127.0.0.1".to_owned();
+    files.apply(&mut relay_args);
+    let relay = InProcess::start(relay_args).await;
+
+    // Subscribe on the relay, then present its cursor to the primary: nothing to replay.
+    replica_caught_up(&db, relay_data.path()).await;
+    let client = resume(relay.addr, &Scope::default()).await;
+    let on_relay = client.scopes["s1"].clone();
+    assert_eq!(on_relay.rows, pg_scope(&db, "ada").await);
+    drop(client);
+    let client = resume(primary.addr, &on_relay).await;
+    assert_eq!(client.scopes["s1"].replayed, 0, "nothing twice");
+    assert_eq!(client.scopes["s1"].resets, 0);
+    drop(client);
+
+    // Ten more rows; a primary cursor from before them, presented to the relay, replays
+    // exactly those ten.
+    insert_ada(&db, 6..16).await;
+    replica_caught_up(&db, primary_data.path()).await;
+    replica_caught_up(&db, relay_data.path()).await;
+    let client = resume(relay.addr, &on_relay).await;
+    assert_eq!(
+        client.scopes["s1"].replayed, 10,
+        "nothing missing, nothing twice"
+    );
+    assert_eq!(client.scopes["s1"].rows, pg_scope(&db, "ada").await);
+    let from_relay = client.scopes["s1"].clone();
+    drop(client);
+    let client = resume(primary.addr, &from_relay).await;
+    assert_eq!(client.scopes["s1"].replayed, 0);
+    drop(client);
+
+    // kill -9 of the primary in the middle of a stream of writes; restart, resume, equal.
+    let mut live = resume(primary.addr, &from_relay).await;
+    let writer = {
+        let url = pg.url();
+        tokio::spawn(async move {
+            let (db, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            insert_ada(&db, 100..300).await;
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    primary.kill9();
+    while live.next().await.is_some() {}
+    let scope = live.scopes["s1"].clone();
+    writer.await.unwrap();
+    let primary = spawn_primary(&pg.url(), primary_data.path(), port, &files, "highwater");
+    wait_ready(primary.addr).await;
+    replica_caught_up(&db, primary_data.path()).await;
+    let client = resume(primary.addr, &scope).await;
+    assert_eq!(client.scopes["s1"].resets, 0);
+    assert_eq!(client.scopes["s1"].rows, pg_scope(&db, "ada").await);
+    drop(client);
+    // The relay follows the restarted primary; its cursors stay valid there too.
+    replica_caught_up(&db, relay_data.path()).await;
+    let client = resume(relay.addr, &scope).await;
+    assert_eq!(client.scopes["s1"].rows, pg_scope(&db, "ada").await);
+    drop(client);
+
+    // A new replica (new data directory, new slot): another epoch, so a reset and a full replay.
+    let fresh_data = DataDir::new("sync-fresh");
+    let fresh = spawn_primary(&pg.url(), fresh_data.path(), free_port(), &files, "fresh");
+    wait_ready(fresh.addr).await;
+    let client = resume(fresh.addr, &scope).await;
+    assert_eq!(client.scopes["s1"].resets, 1);
+    assert_eq!(client.scopes["s1"].rows, pg_scope(&db, "ada").await);
+    drop(client);
+    relay.stop().await;
+    primary.kill9();
+    fresh.kill9();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_subscribers_each_to_its_own_scope_all_end_equal() {
+    const N: usize = 1000;
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    let files = SyncFiles::new();
+    let data = DataDir::new("sync-many");
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    let mut clients = Vec::with_capacity(N);
+    for i in 0..N {
+        let mut client = Client::connect(server.addr).await;
+        let owner = format!("u{i}");
+        client
+            .subscribe("s", &owner, Some(&token(&owner)), json!({}))
+            .await;
+        clients.push(client);
+    }
+    for client in &mut clients {
+        client.until_subscribed("s").await;
+    }
+    // Two rows per owner, in transactions of a hundred rows each.
+    for batch in 0..(2 * N / 100) {
+        let values: Vec<String> = (0..100)
+            .map(|k| {
+                let n = batch * 100 + k;
+                format!("({n}, 'u{}', 't{n}')", n % N)
+            })
+            .collect();
+        db.batch_execute(&format!(
+            "INSERT INTO todos (id, owner, title) VALUES {}",
+            values.join(", ")
+        ))
+        .await
+        .unwrap();
+    }
+    for (i, client) in clients.iter_mut().enumerate() {
+        let want = pg_scope(&db, &format!("u{i}")).await;
+        assert_eq!(want.len(), 2);
+        client.until_equal("s", &want).await;
+    }
+    let health = health(server.addr).await;
+    assert_eq!(health["syncConnections"], json!(N));
+    drop(clients);
+    server.stop().await;
+}
