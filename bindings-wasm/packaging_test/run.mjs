@@ -25,12 +25,16 @@ try {
   const files = packed.files.map((file) => file.path).sort();
   assert.deepEqual(files, [
     "README.md",
+    "dist/client.d.ts",
+    "dist/client.js",
     "dist/index.d.ts",
     "dist/index.js",
     "dist/node-init.d.ts",
     "dist/node-init.js",
     "dist/node.d.ts",
     "dist/node.js",
+    "dist/stores.d.ts",
+    "dist/stores.js",
     "dist/wasm/api.d.ts",
     "dist/wasm/api.js",
     "dist/wasm/highwater_wasm.d.ts",

@@ -1,6 +1,10 @@
 // Type-checks the published declarations the way a TypeScript user consumes them.
 import {
   BackfillTracker,
+  HighwaterClient,
+  MemoryStore,
+  type ConnectionStatus,
+  type Row,
   ScopeBridge,
   compareCursors,
   encodeChangeStreamMessage,
@@ -28,3 +32,19 @@ try {
   if (isHighwaterError(error)) console.log(error.code, error.path ?? "");
 }
 console.log(order, text, ignored);
+
+// The client API as the README shows it (never connected here: the type check is the test).
+export async function liveRows(url: string): Promise<Row[]> {
+  const client = new HighwaterClient({ url, token: async () => "jwt", store: new MemoryStore() });
+  const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  todos.on("change", ({ inserted, updated, removed }) => console.log(inserted.length, updated.length, removed.length));
+  todos.on("progress", ({ done, total }) => console.log(done, total));
+  client.on("status", (status: ConnectionStatus) => console.log(status.state, status.reason ?? ""));
+  await todos.ready;
+  const cursor = todos.cursor;
+  console.log(cursor?.serverSequence, todos.replayedOnLastResume);
+  const rows = todos.rows();
+  todos.unsubscribe();
+  await client.close();
+  return rows;
+}

@@ -7,6 +7,7 @@
 mod backfill;
 mod bridge;
 mod change_stream;
+mod client;
 mod cursor;
 mod error;
 mod json;

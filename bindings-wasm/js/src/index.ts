@@ -15,6 +15,7 @@ export {
   parseChangeStreamMessage,
   ScopeBridge,
   scopeDigest,
+  SyncClientCore,
   scopeMatches,
   watermarkToLsn,
 } from "./wasm/api.js";
@@ -41,6 +42,31 @@ export type {
   SubscribedScope,
   SyncCursor,
   SyncScope,
+} from "./wasm/api.js";
+
+export { HighwaterClient, Subscription } from "./client.js";
+export type {
+  ClientEvents,
+  HighwaterClientOptions,
+  ProgressEvent,
+  Row,
+  RowChangeEvent,
+  ScopeError,
+  ScopeParams,
+  SubscriptionEvents,
+  SyncProblem,
+  TokenSource,
+} from "./client.js";
+export { IndexedDbStore, MemoryStore } from "./stores.js";
+export type { ScopeStore } from "./stores.js";
+export type {
+  ClientEvent,
+  ConnectionState,
+  ConnectionStatus,
+  PersistWrite,
+  RowChange,
+  StoredRow,
+  StoredScopeData,
 } from "./wasm/api.js";
 
 /** True for errors thrown by this package; narrow further with `code`. */

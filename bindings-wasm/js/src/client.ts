@@ -1,0 +1,343 @@
+// HighwaterClient: live rows of scopes over one socket. The rules (reconnect, heartbeat,
+// tokens, resume, cursors) run in the WebAssembly core; this file keeps handles, events and
+// store writes.
+import { SyncClientCore, scopeDigest } from "./wasm/api.js";
+import type { ClientEvent, ConnectionStatus, JsonValue, PersistWrite, ScopeCondition, SyncCursor } from "./wasm/api.js";
+import { MemoryStore, type ScopeStore } from "./stores.js";
+
+/** A row: the replicated columns. */
+export type Row = Record<string, JsonValue>;
+
+/** One applied server transaction (or a restore from the store, or a reset). */
+export interface RowChangeEvent {
+  inserted: Row[];
+  updated: Row[];
+  removed: Row[];
+}
+
+export interface ProgressEvent {
+  done: number;
+  total: number;
+}
+
+/** Why a scope or the client reported a problem; `code` is the server's stable code. */
+export interface SyncProblem {
+  code: string;
+  message: string;
+}
+
+export type TokenSource = string | null | (() => string | null | undefined | Promise<string | null | undefined>);
+
+export interface HighwaterClientOptions {
+  /** The server's sync endpoint, e.g. `ws://localhost:4848/sync`. */
+  url: string;
+  /** A token, or a function called on every connect (and when a token expired). */
+  token?: TokenSource;
+  /** Where rows and cursors are kept; default a new `MemoryStore`. */
+  store?: ScopeStore;
+}
+
+export interface ScopeParams {
+  resourceType: string;
+  /** Equality conditions on the rules' filter columns, e.g. `{ owner: "ada" }`. */
+  conditions?: Record<string, ScopeCondition>;
+}
+
+/** Thrown by `ready` when the server refused the scope. */
+export interface ScopeError extends Error {
+  name: "HighwaterScopeError";
+  code: string;
+}
+
+type Listener<T> = (value: T) => void;
+
+class Emitter<Events> {
+  #listeners = new Map<keyof Events, Set<Listener<never>>>();
+
+  on<K extends keyof Events>(event: K, listener: Listener<Events[K]>): () => void {
+    let set = this.#listeners.get(event);
+    if (set === undefined) this.#listeners.set(event, (set = new Set()));
+    set.add(listener as Listener<never>);
+    return () => this.off(event, listener);
+  }
+
+  off<K extends keyof Events>(event: K, listener: Listener<Events[K]>): void {
+    this.#listeners.get(event)?.delete(listener as Listener<never>);
+  }
+
+  protected emit<K extends keyof Events>(event: K, value: Events[K]): void {
+    for (const listener of [...(this.#listeners.get(event) ?? [])]) {
+      try {
+        (listener as Listener<Events[K]>)(value);
+      } catch (error) {
+        // A failing listener must not stop the others or the client.
+        queueMicrotask(() => {
+          throw error;
+        });
+      }
+    }
+  }
+}
+
+export interface SubscriptionEvents {
+  change: RowChangeEvent;
+  progress: ProgressEvent;
+  reset: void;
+  ready: { replayed: number };
+  error: SyncProblem;
+}
+
+/** A live scope. `ready` resolves once the scope is caught up. */
+export class Subscription extends Emitter<SubscriptionEvents> {
+  readonly params: ScopeParams;
+  /** Caught up: the catch-up replay was applied (`channel-subscribed`). Rejects with a
+   * `HighwaterScopeError` (its `code`, e.g. `forbidden`) if the server refuses the scope. */
+  readonly ready: Promise<void>;
+  /** The last problem the scope reported. */
+  error: SyncProblem | null = null;
+  #client: HighwaterClient;
+  #key: number;
+  #resolve!: () => void;
+  #reject!: (error: Error) => void;
+  #settled = false;
+  #closed = false;
+
+  /** @internal */
+  constructor(client: HighwaterClient, key: number, params: ScopeParams) {
+    super();
+    this.#client = client;
+    this.#key = key;
+    this.params = params;
+    this.ready = new Promise<void>((resolve, reject) => {
+      this.#resolve = resolve;
+      this.#reject = reject;
+    });
+    // Nobody has to await `ready`: an unobserved refusal is still reported through "error".
+    this.ready.catch(() => undefined);
+  }
+
+  /** The scope's current rows. */
+  rows(): Row[] {
+    return this.#closed ? [] : (this.#client.core().rows(this.#key) as Row[]);
+  }
+
+  /** The persisted cursor: `{id, serverSequence, updatedAt}`, or `null` before the first sync. */
+  get cursor(): SyncCursor | null {
+    return this.#closed ? null : (this.#client.core().cursor(this.#key) as SyncCursor | null);
+  }
+
+  /** Rows applied by the last catch-up replay (after a connect or reconnect). */
+  get replayedOnLastResume(): number {
+    return this.#closed ? 0 : this.#client.core().replayed(this.#key);
+  }
+
+  /** Stops syncing the scope; the socket stays open for the others. */
+  unsubscribe(): void {
+    if (this.#closed) return;
+    this.#closed = true;
+    this.#client.release(this.#key);
+  }
+
+  /** @internal */
+  deliver(event: ClientEvent): void {
+    switch (event.type) {
+      case "changed":
+        if (event.reset) this.emit("reset", undefined);
+        this.emit("change", event.change);
+        break;
+      case "progress":
+        this.emit("progress", { done: event.done, total: event.total });
+        break;
+      case "ready":
+        this.error = null;
+        if (!this.#settled) {
+          this.#settled = true;
+          this.#resolve();
+        }
+        this.emit("ready", { replayed: event.replayed });
+        break;
+      case "scopeFailed": {
+        this.error = { code: event.code, message: event.message };
+        if (!this.#settled) {
+          this.#settled = true;
+          const error = new Error(event.message) as ScopeError;
+          error.name = "HighwaterScopeError";
+          error.code = event.code;
+          this.#reject(error);
+        }
+        this.emit("error", this.error);
+        break;
+      }
+      case "error":
+        this.emit("error", { code: event.code, message: event.message });
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+export interface ClientEvents {
+  status: ConnectionStatus;
+  error: SyncProblem;
+}
+
+/** The scope-sync client: one socket for every subscription, reconnecting on its own. */
+export class HighwaterClient extends Emitter<ClientEvents> {
+  #core: SyncClientCore;
+  #store: ScopeStore;
+  #subscriptions = new Map<number, Subscription>();
+  #storeKeys = new Map<number, string>();
+  #writes = new Map<string, Promise<void>>();
+  #nextKey = 1;
+  #status: ConnectionStatus = { state: "connecting" };
+  #loading = new Set<Promise<void>>();
+  #closed = false;
+  #detach: () => void = () => undefined;
+
+  constructor(options: HighwaterClientOptions) {
+    super();
+    if (typeof globalThis.WebSocket !== "function") {
+      throw new Error(
+        "HighwaterClient needs a global WebSocket: browsers and Node 22+ have one; on Node 20 run with --experimental-websocket",
+      );
+    }
+    this.#store = options.store ?? new MemoryStore();
+    const token = options.token;
+    const source = async (): Promise<string | null> =>
+      typeof token === "function" ? ((await token()) ?? null) : (token ?? null);
+    this.#core = new SyncClientCore(options.url, source, (event: ClientEvent) => this.#deliver(event));
+    this.#listen();
+    // Subscriptions made right after construction load from the store before the socket opens,
+    // so stored rows show at once.
+    void Promise.resolve()
+      .then(() => Promise.allSettled([...this.#loading]))
+      .then(() => {
+        if (!this.#closed) this.#core.start();
+      });
+  }
+
+  /** `{state, reason?}`: "connecting" | "open" | "reconnecting" | "offline" | "closed". */
+  get status(): ConnectionStatus {
+    return this.#status;
+  }
+
+  /** Subscribes a scope; its stored rows show as soon as the store has read them. */
+  subscribe(params: ScopeParams): Subscription {
+    if (this.#closed) throw new Error("the client is closed");
+    const scope = { resourceType: params.resourceType, conditions: params.conditions ?? {} };
+    const key = this.#nextKey++;
+    const storeKey = scopeDigest({ resourceType: scope.resourceType, conditions: scope.conditions });
+    const subscription = new Subscription(this, key, scope);
+    this.#subscriptions.set(key, subscription);
+    this.#storeKeys.set(key, storeKey);
+    const loading: Promise<void> = this.#afterWrites(storeKey)
+      .then(() => this.#store.load(storeKey))
+      .catch((error: unknown) => {
+        subscription.deliver({ type: "error", scope: key, code: "store-failed", message: describe(error) });
+        return null;
+      })
+      .then((stored) => {
+        if (this.#closed || !this.#subscriptions.has(key)) return;
+        this.#core.subscribe(key, scope, stored);
+      })
+      .finally(() => this.#loading.delete(loading));
+    this.#loading.add(loading);
+    return subscription;
+  }
+
+  /** Closes the socket and stays offline until `goOnline()`. */
+  goOffline(): void {
+    this.#core.goOffline();
+  }
+
+  /** Reconnects now (also after `goOffline()`). */
+  goOnline(): void {
+    this.#core.goOnline();
+  }
+
+  /** Closes the socket for good; resolves once every store write has finished. */
+  async close(): Promise<void> {
+    if (!this.#closed) {
+      this.#closed = true;
+      this.#detach();
+      this.#core.close();
+    }
+    await Promise.allSettled([...this.#writes.values()]);
+  }
+
+  /** @internal */
+  core(): SyncClientCore {
+    return this.#core;
+  }
+
+  /** @internal */
+  release(key: number): void {
+    this.#subscriptions.delete(key);
+    this.#storeKeys.delete(key);
+    this.#core.unsubscribe(key);
+  }
+
+  #afterWrites(storeKey: string): Promise<void> {
+    return this.#writes.get(storeKey) ?? Promise.resolve();
+  }
+
+  #persist(key: number, write: PersistWrite): void {
+    const storeKey = this.#storeKeys.get(key);
+    if (storeKey === undefined) return;
+    const next = this.#afterWrites(storeKey)
+      .then(() => this.#store.write(storeKey, write))
+      .catch((error: unknown) => {
+        this.#subscriptions.get(key)?.deliver({ type: "error", scope: key, code: "store-failed", message: describe(error) });
+      });
+    this.#writes.set(storeKey, next);
+    void next.then(() => {
+      if (this.#writes.get(storeKey) === next) this.#writes.delete(storeKey);
+    });
+  }
+
+  #deliver(event: ClientEvent): void {
+    switch (event.type) {
+      case "status": {
+        this.#status = event.reason === undefined ? { state: event.state } : { state: event.state, reason: event.reason };
+        this.emit("status", this.#status);
+        return;
+      }
+      case "persist":
+        this.#persist(event.scope, event.write);
+        return;
+      case "error":
+        if (event.scope === null || event.scope === undefined) {
+          this.emit("error", { code: event.code, message: event.message });
+        } else {
+          this.#subscriptions.get(event.scope)?.deliver(event);
+        }
+        return;
+      default:
+        this.#subscriptions.get(event.scope)?.deliver(event);
+    }
+  }
+
+  /** The browser's online/offline events (none in Node). */
+  #listen(): void {
+    const target = globalThis as unknown as {
+      addEventListener?: (type: string, listener: () => void) => void;
+      removeEventListener?: (type: string, listener: () => void) => void;
+    };
+    if (typeof target.addEventListener !== "function" || typeof target.removeEventListener !== "function") return;
+    const online = () => this.#core.browserOnline();
+    const offline = () => this.#core.browserOffline();
+    target.addEventListener("online", online);
+    target.addEventListener("offline", offline);
+    const nav = (globalThis as { navigator?: { onLine?: boolean } }).navigator;
+    if (nav?.onLine === false) this.#core.browserOffline();
+    this.#detach = () => {
+      target.removeEventListener?.("online", online);
+      target.removeEventListener?.("offline", offline);
+    };
+  }
+}
+
+function describe(error: unknown): string {
+  return error instanceof Error ? error.message : String(error);
+}

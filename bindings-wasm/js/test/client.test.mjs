@@ -1,0 +1,166 @@
+// HighwaterClient against a scripted contract server: the WebAssembly core's socket, timer and
+// token handling, handles, events and stores. Needs a global WebSocket (Node 22+, or Node 20
+// with --experimental-websocket).
+import assert from "node:assert/strict";
+import { test } from "node:test";
+import { HighwaterClient, MemoryStore } from "highwater";
+import { ContractServer, byId, until } from "./support/contract-server.mjs";
+
+async function withServer(fn) {
+  const server = new ContractServer();
+  const url = await server.start();
+  try {
+    await fn(server, url);
+  } finally {
+    await server.stop();
+  }
+}
+
+test("a fresh subscribe equals the server and live changes arrive one event per transaction", () =>
+  withServer(async (server, url) => {
+    for (let i = 0; i < 250; i++) server.write(`r${i}`, i % 2 ? "ada" : "bob", { n: i });
+    const client = new HighwaterClient({ url, token: "t" });
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    const progress = [];
+    todos.on("progress", (p) => progress.push(p));
+    await todos.ready;
+    assert.deepEqual(byId(todos.rows()), byId(server.scopeRows("ada")));
+    assert.equal(todos.rows().length, 125);
+    assert.deepEqual(progress.at(-1), { done: 125, total: 125 });
+    assert.equal(todos.replayedOnLastResume, 125);
+    assert.equal(typeof todos.cursor.serverSequence, "number");
+    assert.equal(client.status.state, "open");
+    assert.equal(server.subscribes[0].authenticationToken, "t");
+
+    const changes = [];
+    todos.on("change", (c) => changes.push(c));
+    server.write("r1", "ada", { n: 1000 });
+    server.write("new", "ada", {});
+    server.write("r3", "bob", {});
+    server.write("r5", null);
+    await until(() => changes.length === 4, "four change events");
+    assert.deepEqual(changes.map((c) => [c.inserted.length, c.updated.length, c.removed.length]), [
+      [0, 1, 0],
+      [1, 0, 0],
+      [0, 0, 1],
+      [0, 0, 1],
+    ]);
+    assert.deepEqual(byId(todos.rows()), byId(server.scopeRows("ada")));
+    await client.close();
+    assert.equal(client.status.state, "closed");
+  }));
+
+test("a killed connection reconnects, resumes from the cursor and applies each change once", () =>
+  withServer(async (server, url) => {
+    const tokens = [];
+    const client = new HighwaterClient({ url, token: async () => `t${tokens.push(1)}` });
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    const seen = new Map();
+    todos.on("change", (c) => {
+      for (const row of [...c.inserted, ...c.updated]) {
+        assert.ok((seen.get(row.id) ?? -1) < row.v, `row ${row.id} version ${row.v} applied twice or out of order`);
+        seen.set(row.id, row.v);
+      }
+    });
+    for (let v = 0; v < 300; v++) {
+      server.write(`r${v % 40}`, v % 7 === 0 ? "bob" : "ada", { v });
+      if (v % 100 === 50) server.cut();
+      if (v % 10 === 0) await new Promise((resolve) => setTimeout(resolve, 5));
+    }
+    await until(() => client.status.state === "open" && server.sockets.size === 1, "the reconnect");
+    await until(
+      () => JSON.stringify(byId(todos.rows())) === JSON.stringify(byId(server.scopeRows("ada"))),
+      "equality after reconnects",
+    );
+    assert.ok(server.connections >= 2);
+    assert.ok(tokens.length >= server.connections, "the token source runs on every connect");
+    const resumed = server.subscribes.slice(1);
+    assert.ok(resumed.every((p) => typeof p.afterServerSequence === "number"), "every resume names the cursor");
+    await client.close();
+  }));
+
+test("an expired token is replaced once; a refused scope fails with its code and the others go on", () =>
+  withServer(async (server, url) => {
+    server.write("a1", "ada");
+    server.write("b1", "bob");
+    server.refuse.set("eve", "forbidden");
+    server.expired.add("old");
+    const handed = [];
+    const client = new HighwaterClient({ url, token: () => (handed.push(handed.length ? "new" : "old"), handed.at(-1)) });
+    const ada = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    const bob = client.subscribe({ resourceType: "todos", conditions: { owner: "bob" } });
+    const eve = client.subscribe({ resourceType: "todos", conditions: { owner: "eve" } });
+    await assert.rejects(eve.ready, (error) => error.code === "forbidden" && error.name === "HighwaterScopeError");
+    await Promise.all([ada.ready, bob.ready]);
+    assert.deepEqual(handed, ["old", "new"]);
+    assert.equal(server.connections, 1, "three scopes, one socket, no reconnect for the token");
+    assert.deepEqual(ada.rows().map((r) => r.id), ["a1"]);
+    assert.deepEqual(bob.rows().map((r) => r.id), ["b1"]);
+    // Expired again: reported once, no loop.
+    server.expired.add("new");
+    const errors = [];
+    const mallory = client.subscribe({ resourceType: "todos", conditions: { owner: "ada", x: 1 } });
+    mallory.on("error", (e) => errors.push(e.code));
+    await assert.rejects(mallory.ready, (error) => error.code === "auth-expired");
+    await new Promise((resolve) => setTimeout(resolve, 200));
+    assert.deepEqual(errors, ["auth-expired"]);
+    assert.equal(handed.length, 3);
+    await client.close();
+  }));
+
+test("a resync gives a reset, then rows equal the server again", () =>
+  withServer(async (server, url) => {
+    for (let i = 0; i < 20; i++) server.write(`r${i}`, "ada", { i });
+    const client = new HighwaterClient({ url });
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    let resets = 0;
+    todos.on("reset", () => resets++);
+    server.write("r0", null);
+    server.resync();
+    server.write("late", "ada");
+    await until(() => resets === 1, "the reset");
+    await until(
+      () => JSON.stringify(byId(todos.rows())) === JSON.stringify(byId(server.scopeRows("ada"))),
+      "equality after the reset",
+    );
+    assert.ok(todos.cursor.id.startsWith("2:"));
+    await client.close();
+  }));
+
+test("a new client shows stored rows before its socket opens and resumes from the stored cursor", () =>
+  withServer(async (server, url) => {
+    for (let i = 0; i < 30; i++) server.write(`r${i}`, "ada", { i });
+    const store = new MemoryStore();
+    const first = new HighwaterClient({ url, store });
+    const todos = first.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    await first.close();
+    server.write("r31", "ada");
+    const second = new HighwaterClient({ url, store });
+    const again = second.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    const shown = [];
+    again.on("change", (c) => shown.push([second.status.state, c.inserted.length]));
+    await again.ready;
+    assert.deepEqual(shown[0], ["connecting", 30], "stored rows first, before the socket opened");
+    assert.equal(again.replayedOnLastResume, 1, "only the newer row is replayed");
+    assert.equal(again.rows().length, 31);
+    await second.close();
+  }));
+
+test("goOffline closes the socket and goOnline reconnects at once", () =>
+  withServer(async (server, url) => {
+    const client = new HighwaterClient({ url });
+    const states = [];
+    client.on("status", (s) => states.push(s.state));
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    client.goOffline();
+    await until(() => server.sockets.size === 0, "the socket to close");
+    server.write("while-offline", "ada");
+    client.goOnline();
+    await until(() => todos.rows().length === 1, "the row written while offline");
+    assert.deepEqual(states, ["open", "offline", "reconnecting", "open"]);
+    await client.close();
+  }));

@@ -1,0 +1,637 @@
+//! `SyncClientCore`: the engine's scope-sync client driven over gloo-net's WebSocket and
+//! `setTimeout`. The TypeScript `HighwaterClient` wraps it with handles and stores.
+//!
+//! This module only carries out effects and converts types: every connect, retry, heartbeat,
+//! token and cursor rule is `highwater_engine::sync_client`'s. The effects it does not carry out
+//! itself (rows changed, what to persist, progress, ready, failures, status) go to the `emit`
+//! callback as plain objects tagged by `type` (`ClientEvent`).
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, VecDeque};
+use std::pin::{pin, Pin};
+use std::rc::Rc;
+
+use futures::channel::mpsc::{unbounded, UnboundedReceiver, UnboundedSender};
+use futures::future::{poll_fn, select, Either};
+use futures::{Sink, SinkExt, StreamExt};
+use gloo_net::websocket::futures::WebSocket;
+use gloo_net::websocket::{Message, State, WebSocketError};
+use gloo_timers::callback::Timeout;
+use highwater_engine::cursor::SyncCursor as EngineCursor;
+use highwater_engine::scope_sync::SubscribeParams;
+use highwater_engine::sync_client::{
+    ClientConfig, ClientEffect, ClientInput, SocketId, StoredRow as EngineRow, StoredScope,
+    SyncClient,
+};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use tsify::Tsify;
+use wasm_bindgen::prelude::*;
+use wasm_bindgen_futures::{spawn_local, JsFuture};
+
+use crate::cursor::{cursor_arg, cursor_to_js, SyncCursor};
+use crate::error::{ErrorCode, Failure};
+use crate::json::{from_js, to_js};
+
+/// One row as a store keeps it.
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+struct StoredRow {
+    /// The entry's `resourceId`.
+    id: String,
+    #[tsify(type = "number | bigint | null")]
+    server_sequence: Option<i64>,
+    /// The replicated columns.
+    #[tsify(type = "Record<string, JsonValue>")]
+    data: Map<String, Value>,
+}
+
+/// What a store holds for a scope.
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+struct StoredScopeData {
+    rows: Vec<StoredRow>,
+    #[tsify(type = "SyncCursor | null")]
+    cursor: Option<SyncCursor>,
+}
+
+/// One storage transaction for a scope: apply all of it or none.
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+struct PersistWrite {
+    /// Clear the scope's rows and cursor first.
+    reset: bool,
+    upserts: Vec<StoredRow>,
+    /// `resourceId`s to delete.
+    deletes: Vec<String>,
+    /// The new cursor; `null` keeps the stored one.
+    #[tsify(type = "SyncCursor | null")]
+    cursor: Option<SyncCursor>,
+}
+
+/// The net change of one applied server transaction.
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+struct RowChange {
+    #[tsify(type = "Record<string, JsonValue>[]")]
+    inserted: Vec<Map<String, Value>>,
+    #[tsify(type = "Record<string, JsonValue>[]")]
+    updated: Vec<Map<String, Value>>,
+    /// The rows as they were before removal.
+    #[tsify(type = "Record<string, JsonValue>[]")]
+    removed: Vec<Map<String, Value>>,
+}
+
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+enum ConnectionState {
+    Connecting,
+    Open,
+    Reconnecting,
+    Offline,
+    Closed,
+}
+
+/// The connection's state, with why (the last disconnect, for example).
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+struct ConnectionStatus {
+    state: ConnectionState,
+    #[tsify(optional)]
+    reason: Option<String>,
+}
+
+/// What the client reports, in order. `scope` is the key given to `subscribe`.
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+enum ClientEvent {
+    /// The scope's rows changed by one server transaction, a restore, or a reset (`reset`).
+    #[serde(rename_all = "camelCase")]
+    Changed {
+        scope: u32,
+        reset: bool,
+        change: RowChange,
+    },
+    /// Write this to the scope's store in one transaction, in order.
+    #[serde(rename_all = "camelCase")]
+    Persist { scope: u32, write: PersistWrite },
+    /// Catch-up replay progress.
+    #[serde(rename_all = "camelCase")]
+    Progress { scope: u32, done: u32, total: u32 },
+    /// The scope is caught up; `replayed` rows came by this catch-up.
+    #[serde(rename_all = "camelCase")]
+    Ready { scope: u32, replayed: u32 },
+    /// The server refused the scope for good, with its stable `code`.
+    #[serde(rename_all = "camelCase")]
+    ScopeFailed {
+        scope: u32,
+        code: String,
+        message: String,
+    },
+    /// A survivable problem: a server `error` frame or a frame the client could not read.
+    #[serde(rename_all = "camelCase")]
+    Error {
+        #[tsify(type = "number | null")]
+        scope: Option<u32>,
+        code: String,
+        message: String,
+    },
+    /// The connection state changed.
+    #[serde(rename_all = "camelCase")]
+    Status {
+        state: ConnectionState,
+        #[tsify(optional)]
+        reason: Option<String>,
+    },
+}
+
+/// What the socket task is told to do.
+enum Outbound {
+    Text(String),
+    Close(u16, String),
+}
+
+/// Everything the callbacks share.
+struct Host {
+    machine: RefCell<SyncClient>,
+    url: String,
+    token: js_sys::Function,
+    emit: js_sys::Function,
+    sockets: RefCell<BTreeMap<SocketId, UnboundedSender<Outbound>>>,
+    timer: RefCell<Option<Timeout>>,
+    /// Inputs that arrived while effects were being carried out (a callback re-entered).
+    queue: RefCell<VecDeque<ClientInput>>,
+    busy: Cell<bool>,
+}
+
+/// The scope-sync client core: one socket for every scope, reconnecting and resuming on its
+/// own. Use `HighwaterClient`, which wraps it.
+#[wasm_bindgen]
+pub struct SyncClientCore {
+    host: Rc<Host>,
+}
+
+#[wasm_bindgen]
+impl SyncClientCore {
+    /// `token` is called on every connect (and when a token expired) and resolves to a token
+    /// or `null`; `emit` receives every `ClientEvent`.
+    #[wasm_bindgen(constructor)]
+    pub fn new(
+        url: String,
+        #[wasm_bindgen(unchecked_param_type = "() => Promise<string | null>")]
+        token: js_sys::Function,
+        #[wasm_bindgen(unchecked_param_type = "(event: ClientEvent) => void")]
+        emit: js_sys::Function,
+    ) -> SyncClientCore {
+        let seed = (js_sys::Math::random() * 9_007_199_254_740_991.0) as u64;
+        SyncClientCore {
+            host: Rc::new(Host {
+                machine: RefCell::new(SyncClient::new(ClientConfig::default(), seed)),
+                url,
+                token,
+                emit,
+                sockets: RefCell::new(BTreeMap::new()),
+                timer: RefCell::new(None),
+                queue: RefCell::new(VecDeque::new()),
+                busy: Cell::new(false),
+            }),
+        }
+    }
+
+    /// Starts connecting.
+    pub fn start(&self) {
+        dispatch(&self.host, ClientInput::Start);
+    }
+
+    /// Subscribes a scope under `key` (`{resourceType, conditions}`), starting from what the
+    /// store held. Throws `HW_INVALID_SCOPE` or `HW_INVALID_ARGUMENT` for malformed params,
+    /// `HW_INVALID_CURSOR` for a malformed stored cursor.
+    pub fn subscribe(
+        &self,
+        key: u32,
+        #[wasm_bindgen(
+            unchecked_param_type = "{ resourceType: string; conditions?: Record<string, JsonValue> }"
+        )]
+        params: JsValue,
+        #[wasm_bindgen(unchecked_param_type = "StoredScopeData | null")] stored: JsValue,
+    ) -> Result<(), Failure> {
+        let mut params = match from_js(&params)? {
+            Value::Object(params) => params,
+            _ => {
+                return Err(Failure::new(
+                    ErrorCode::InvalidArgument,
+                    "expected subscribe params to be an object",
+                ))
+            }
+        };
+        params
+            .entry("conditions")
+            .or_insert_with(|| Value::Object(Map::new()));
+        let params = SubscribeParams::from_params(&params)?;
+        if params.scope.resource_type.is_none() {
+            return Err(Failure::new(
+                ErrorCode::InvalidScope,
+                "expected a resourceType to subscribe, got none",
+            ));
+        }
+        let stored = stored_scope(&stored)?;
+        dispatch(
+            &self.host,
+            ClientInput::Subscribe {
+                scope: key,
+                params: Box::new(params),
+                stored,
+            },
+        );
+        Ok(())
+    }
+
+    pub fn unsubscribe(&self, key: u32) {
+        dispatch(&self.host, ClientInput::Unsubscribe { scope: key });
+    }
+
+    /// The scope's rows (the replicated columns of each).
+    #[wasm_bindgen(unchecked_return_type = "Record<string, JsonValue>[]")]
+    pub fn rows(&self, key: u32) -> Result<JsValue, JsValue> {
+        let machine = self.host.machine.borrow();
+        let array = js_sys::Array::new();
+        for row in machine.rows(key) {
+            array.push(&to_js(&Value::Object(row.clone()))?);
+        }
+        Ok(array.into())
+    }
+
+    /// The scope's persisted cursor.
+    #[wasm_bindgen(unchecked_return_type = "SyncCursor | null")]
+    pub fn cursor(&self, key: u32) -> Result<JsValue, JsValue> {
+        cursor_to_js(self.host.machine.borrow().cursor(key))
+    }
+
+    /// Rows applied by the scope's last finished catch-up replay.
+    pub fn replayed(&self, key: u32) -> f64 {
+        self.host.machine.borrow().replayed(key) as f64
+    }
+
+    #[wasm_bindgen(unchecked_return_type = "ConnectionStatus")]
+    pub fn status(&self) -> Result<JsValue, JsValue> {
+        let status = serde_json::to_value(self.host.machine.borrow().status())
+            .map_err(|e| Failure::new(ErrorCode::InvalidArgument, e))?;
+        to_js(&status)
+    }
+
+    #[wasm_bindgen(js_name = browserOnline)]
+    pub fn browser_online(&self) {
+        dispatch(&self.host, ClientInput::BrowserOnline);
+    }
+
+    #[wasm_bindgen(js_name = browserOffline)]
+    pub fn browser_offline(&self) {
+        dispatch(&self.host, ClientInput::BrowserOffline);
+    }
+
+    #[wasm_bindgen(js_name = goOffline)]
+    pub fn go_offline(&self) {
+        dispatch(&self.host, ClientInput::GoOffline);
+    }
+
+    #[wasm_bindgen(js_name = goOnline)]
+    pub fn go_online(&self) {
+        dispatch(&self.host, ClientInput::GoOnline);
+    }
+
+    /// Closes the socket for good; nothing is reported after the `closed` status.
+    pub fn close(&self) {
+        dispatch(&self.host, ClientInput::Close);
+    }
+}
+
+/// `{rows, cursor}` from a store, or nothing.
+fn stored_scope(value: &JsValue) -> Result<StoredScope, Failure> {
+    if value.is_null() || value.is_undefined() {
+        return Ok(StoredScope::default());
+    }
+    let invalid = |what: &str| {
+        Failure::new(
+            ErrorCode::InvalidArgument,
+            format!("expected stored scope data {{rows, cursor}}, got {what}"),
+        )
+    };
+    let cursor = js_sys::Reflect::get(value, &"cursor".into()).map_err(|_| invalid("no object"))?;
+    let cursor: Option<EngineCursor> = cursor_arg(&cursor)?;
+    let rows = match from_js(
+        &js_sys::Reflect::get(value, &"rows".into()).map_err(|_| invalid("no object"))?,
+    )? {
+        Value::Array(rows) => rows,
+        Value::Null => Vec::new(),
+        _ => return Err(invalid("rows that are not an array")),
+    };
+    let rows = rows
+        .into_iter()
+        .map(|row| {
+            let Value::Object(mut row) = row else {
+                return Err(invalid("a row that is not an object"));
+            };
+            let id = match row.remove("id") {
+                Some(Value::String(id)) => id,
+                _ => return Err(invalid("a row without a string id")),
+            };
+            let server_sequence = row.get("serverSequence").and_then(Value::as_i64);
+            let data = match row.remove("data") {
+                Some(Value::Object(data)) => data,
+                _ => return Err(invalid("a row without a data object")),
+            };
+            Ok(EngineRow {
+                id,
+                server_sequence,
+                data,
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(StoredScope { rows, cursor })
+}
+
+fn now_ms() -> u64 {
+    js_sys::Date::now() as u64
+}
+
+/// Feeds an input and carries out its effects; inputs from re-entrant callbacks wait their turn.
+fn dispatch(host: &Rc<Host>, input: ClientInput) {
+    host.queue.borrow_mut().push_back(input);
+    if host.busy.replace(true) {
+        return;
+    }
+    loop {
+        let next = host.queue.borrow_mut().pop_front();
+        let Some(input) = next else {
+            break;
+        };
+        let effects = host.machine.borrow_mut().handle(now_ms(), input);
+        for effect in effects {
+            carry_out(host, effect);
+        }
+    }
+    host.busy.set(false);
+}
+
+fn carry_out(host: &Rc<Host>, effect: ClientEffect) {
+    match effect {
+        ClientEffect::RequestToken { request } => {
+            let called = host.token.call0(&JsValue::NULL);
+            let host = Rc::clone(host);
+            spawn_local(async move {
+                let answer = match called {
+                    Ok(value) => JsFuture::from(js_sys::Promise::resolve(&value)).await,
+                    Err(error) => Err(error),
+                };
+                let result = match answer {
+                    Ok(value) if value.is_null() || value.is_undefined() => Ok(None),
+                    Ok(value) => value.as_string().map(Some).ok_or_else(|| {
+                        "expected the token source to give a string or null".to_owned()
+                    }),
+                    Err(error) => Err(error_text(&error)),
+                };
+                dispatch(&host, ClientInput::Token { request, result });
+            });
+        }
+        ClientEffect::OpenSocket { socket } => {
+            let opened = web_sys::WebSocket::new(&host.url).map_err(|e| error_text(&e));
+            match opened.and_then(|raw| {
+                WebSocket::try_from(raw.clone())
+                    .map(|ws| (raw, ws))
+                    .map_err(|e| e.to_string())
+            }) {
+                Ok((raw, ws)) => {
+                    let (sender, receiver) = unbounded();
+                    host.sockets.borrow_mut().insert(socket, sender);
+                    spawn_local(run_socket(Rc::clone(host), socket, raw, ws, receiver));
+                }
+                Err(reason) => host
+                    .queue
+                    .borrow_mut()
+                    .push_back(ClientInput::SocketClosed {
+                        socket,
+                        reason: format!("could not open the socket: {reason}"),
+                    }),
+            }
+        }
+        ClientEffect::Send { socket, text } => {
+            if let Some(sender) = host.sockets.borrow().get(&socket) {
+                let _ = sender.unbounded_send(Outbound::Text(text));
+            }
+        }
+        ClientEffect::CloseSocket {
+            socket,
+            code,
+            reason,
+        } => {
+            if let Some(sender) = host.sockets.borrow_mut().remove(&socket) {
+                let _ = sender.unbounded_send(Outbound::Close(code, reason));
+            }
+        }
+        ClientEffect::SetTimer { at_ms } => {
+            // Dropping a gloo timeout cancels it.
+            let replaced = host.timer.borrow_mut().take();
+            drop(replaced);
+            if let Some(at_ms) = at_ms {
+                let delay = at_ms.saturating_sub(now_ms()).min(u32::MAX as u64) as u32;
+                let weak = Rc::downgrade(host);
+                let timeout = Timeout::new(delay, move || {
+                    if let Some(host) = weak.upgrade() {
+                        dispatch(&host, ClientInput::Tick);
+                    }
+                });
+                *host.timer.borrow_mut() = Some(timeout);
+            }
+        }
+        report => {
+            if let Ok(value) = serde_json::to_value(&report) {
+                if let Ok(event) = to_js(&value) {
+                    // A throwing listener must not stop the client.
+                    let _ = host.emit.call1(&JsValue::NULL, &event);
+                }
+            }
+        }
+    }
+}
+
+/// One socket's life: wait for it to open, then pass frames both ways until it closes or the
+/// client closes it. The gloo socket is dropped only after its close event, so none of its
+/// listeners outlives it.
+async fn run_socket(
+    host: Rc<Host>,
+    socket: SocketId,
+    raw: web_sys::WebSocket,
+    mut ws: WebSocket,
+    mut outbound: UnboundedReceiver<Outbound>,
+) {
+    let opened = {
+        let ready = pin!(poll_fn(|cx| Pin::new(&mut ws).poll_ready(cx)));
+        match select(ready, outbound.next()).await {
+            Either::Left(_) => None,
+            Either::Right((request, _)) => Some(request),
+        }
+    };
+    if let Some(request) = opened {
+        close_raw(&raw, request);
+        drain(&mut ws).await;
+        return;
+    }
+    if !matches!(ws.state(), State::Open) {
+        drain(&mut ws).await;
+        host.sockets.borrow_mut().remove(&socket);
+        dispatch(
+            &host,
+            ClientInput::SocketClosed {
+                socket,
+                reason: "could not connect".to_owned(),
+            },
+        );
+        return;
+    }
+    dispatch(&host, ClientInput::SocketOpened { socket });
+    loop {
+        match select(ws.next(), outbound.next()).await {
+            Either::Left((Some(Ok(Message::Text(text))), _)) => {
+                dispatch(&host, ClientInput::SocketFrame { socket, text })
+            }
+            Either::Left((Some(Ok(Message::Bytes(_))), _))
+            | Either::Left((Some(Err(WebSocketError::ConnectionError)), _)) => {}
+            Either::Left((Some(Err(WebSocketError::ConnectionClose(event))), _)) => {
+                drain(&mut ws).await;
+                host.sockets.borrow_mut().remove(&socket);
+                let reason = if event.reason.is_empty() {
+                    format!("the socket closed (code {})", event.code)
+                } else {
+                    format!("the socket closed (code {}: {})", event.code, event.reason)
+                };
+                dispatch(&host, ClientInput::SocketClosed { socket, reason });
+                return;
+            }
+            Either::Left((Some(Err(_)), _)) => {}
+            Either::Left((None, _)) => {
+                host.sockets.borrow_mut().remove(&socket);
+                dispatch(
+                    &host,
+                    ClientInput::SocketClosed {
+                        socket,
+                        reason: "the socket closed".to_owned(),
+                    },
+                );
+                return;
+            }
+            Either::Right((Some(Outbound::Text(text)), _)) => {
+                // A failed send means the socket is closing; its close event follows.
+                let _ = ws.send(Message::Text(text)).await;
+            }
+            Either::Right((request, _)) => {
+                close_raw(&raw, request);
+                drain(&mut ws).await;
+                return;
+            }
+        }
+    }
+}
+
+fn close_raw(raw: &web_sys::WebSocket, request: Option<Outbound>) {
+    let _ = match request {
+        Some(Outbound::Close(code, reason)) => raw.close_with_code_and_reason(code, &reason),
+        _ => raw.close(),
+    };
+}
+
+/// Reads the socket until its close event has passed.
+async fn drain(ws: &mut WebSocket) {
+    while ws.next().await.is_some() {}
+}
+
+fn error_text(error: &JsValue) -> String {
+    if let Some(error) = error.dyn_ref::<js_sys::Error>() {
+        return String::from(error.message());
+    }
+    error
+        .as_string()
+        .unwrap_or_else(|| "an unknown error".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use highwater_engine::sync_client::{
+        ConnectionState as EngineState, ConnectionStatus as EngineStatus, PersistWrite as Write,
+        RowChange as Change,
+    };
+    use serde_json::json;
+
+    /// The declared `ClientEvent` type reads every event the engine reports, key for key.
+    #[test]
+    fn the_declared_events_match_the_engine_json() {
+        let Value::Object(data) = json!({"id": "1", "owner": "ada"}) else {
+            panic!("an object");
+        };
+        let cursor = EngineCursor::new(
+            Some("1:2".into()),
+            Some(2),
+            "2026-12-01T12:00:00.000Z".into(),
+        );
+        let events = [
+            ClientEffect::Changed {
+                scope: 1,
+                reset: true,
+                change: Change {
+                    inserted: vec![data.clone()],
+                    updated: vec![],
+                    removed: vec![data.clone()],
+                },
+            },
+            ClientEffect::Persist {
+                scope: 1,
+                write: Write {
+                    reset: false,
+                    upserts: vec![EngineRow {
+                        id: "1".into(),
+                        server_sequence: Some(2),
+                        data,
+                    }],
+                    deletes: vec!["2".into()],
+                    cursor: Some(cursor),
+                },
+            },
+            ClientEffect::Progress {
+                scope: 1,
+                done: 1,
+                total: 2,
+            },
+            ClientEffect::Ready {
+                scope: 1,
+                replayed: 3,
+            },
+            ClientEffect::ScopeFailed {
+                scope: 1,
+                code: "forbidden".into(),
+                message: "no".into(),
+            },
+            ClientEffect::Error {
+                scope: None,
+                code: "bad-server-frame".into(),
+                message: "x".into(),
+            },
+            ClientEffect::Status(EngineStatus {
+                state: EngineState::Reconnecting,
+                reason: Some("cut".into()),
+            }),
+        ];
+        for event in events {
+            let value = serde_json::to_value(&event).unwrap();
+            let declared: ClientEvent = serde_json::from_value(value.clone())
+                .unwrap_or_else(|e| panic!("{value} does not match ClientEvent: {e}"));
+            assert_eq!(serde_json::to_value(declared).unwrap(), value);
+        }
+    }
+}
