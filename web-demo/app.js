@@ -98,14 +98,13 @@ function start() {
       scope.replay = p;
       refresh(scope);
     });
-    sub.ready.then(
-      () => {
-        scope.subscribed = true;
-        scope.replay = null;
-        refresh(scope);
-      },
-      (error) => scopeError(scope, error),
-    );
+    // "ready" comes after every catch-up: the first subscribe and each resume.
+    sub.on("ready", () => {
+      scope.subscribed = true;
+      scope.replay = null;
+      refresh(scope);
+    });
+    sub.on("error", (problem) => scopeError(scope, problem));
     return scope;
   });
   window.demo = { client, scopes: state.scopes, state };
@@ -121,10 +120,13 @@ function stop() {
 }
 
 function scopeError(scope, error) {
-  const badge = $(".origin", scope.el);
-  badge.textContent = error?.code ?? "error";
-  badge.dataset.kind = "error";
-  badge.title = error?.message ?? String(error);
+  // A failed scope (refused by the server) is marked; other problems are only logged.
+  if (scope.sub.error) {
+    const badge = $(".origin", scope.el);
+    badge.textContent = error?.code ?? "error";
+    badge.dataset.kind = "error";
+    badge.title = error?.message ?? String(error);
+  }
   logLine(`Scope ${scope.title}: ${error?.message ?? error}`, "error");
 }
 
@@ -165,7 +167,7 @@ function refresh(scope) {
     cursorEl.textContent = "none yet";
     delete el.dataset.cursorSeq;
   }
-  const replayed = scope.sub.replayedOnLastResume;
+  const replayed = scope.subscribed ? scope.sub.replayedOnLastResume : null;
   $(".stat-replayed", el).textContent = replayed == null ? "–" : `${replayed} replayed`;
   el.dataset.replayed = replayed ?? "";
 
