@@ -148,10 +148,18 @@ function refresh(scope) {
     let item = list.querySelector(`li[data-id="${CSS.escape(id)}"]`);
     if (item && item.dataset.json === json) return item;
     const fresh = renderRow(row, scope);
-    if (scope.seen.size > 0 || scope.subscribed) fresh.classList.add("flash");
+    if (scope.seen.size > 0 || scope.subscribed) {
+      fresh.classList.add("flash");
+      // Once only: re-inserting the node on the next render must not replay the animation.
+      fresh.addEventListener("animationend", () => fresh.classList.remove("flash"), { once: true });
+    }
     return fresh;
   });
-  list.replaceChildren(...items);
+  // Touch only nodes that moved or changed, so a running animation is not restarted.
+  items.forEach((item, i) => {
+    if (list.children[i] !== item) list.insertBefore(item, list.children[i] ?? null);
+  });
+  while (list.children.length > items.length) list.lastElementChild.remove();
   scope.seen = next;
   $(".empty-rows", el).hidden = rows.length > 0;
 
@@ -408,8 +416,8 @@ function renderBackfill() {
   el.dataset.complete = String(column.arrivedMs !== null);
   el.textContent =
     column.arrivedMs === null
-      ? `Backfilling ${column.name}: ${have} of ${rows.length} rows`
-      : `${column.name} backfilled in ${rows.length} rows, ${column.arrivedMs} ms`;
+      ? `${column.name}: ${have} of ${rows.length} rows…`
+      : `${column.name}: in all ${rows.length} rows, ${column.arrivedMs} ms`;
 }
 
 // ---- wiring ------------------------------------------------------------------------------

@@ -65,11 +65,12 @@ function psqlBinary() {
   return "psql";
 }
 
-/** `highwater demo` with its own private Postgres, no writes of its own, on a free port. */
+/** `highwater demo` with its own private Postgres on a free port; by default it writes nothing on its own. */
 export class Demo {
-  static async start() {
+  static async start({ writesPerSecond = 0 } = {}) {
     const port = await freePort();
-    const child = spawn(highwaterBinary(), ["demo", "--port", String(port), "--writes-per-second", "0"], {
+    const args = ["demo", "--port", String(port), "--writes-per-second", String(writesPerSecond)];
+    const child = spawn(highwaterBinary(), args, {
       cwd: repo,
       stdio: ["ignore", "pipe", "pipe"],
       env: { ...process.env, RUST_LOG: process.env.RUST_LOG ?? "warn" },
