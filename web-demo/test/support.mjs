@@ -65,11 +65,14 @@ function psqlBinary() {
   return "psql";
 }
 
-/** `highwater demo` with its own private Postgres on a free port; by default it writes nothing on its own. */
+/** `highwater demo` on a free port (or `port`), with its own private Postgres unless `upstream`
+ * is given; by default it writes nothing on its own. */
 export class Demo {
-  static async start({ writesPerSecond = 0 } = {}) {
-    const port = await freePort();
+  static async start({ writesPerSecond = 0, port, upstream, data } = {}) {
+    port ??= await freePort();
     const args = ["demo", "--port", String(port), "--writes-per-second", String(writesPerSecond)];
+    if (upstream) args.push("--upstream", upstream);
+    if (data) args.push("--data", data);
     const child = spawn(highwaterBinary(), args, {
       cwd: repo,
       stdio: ["ignore", "pipe", "pipe"],
@@ -132,4 +135,14 @@ export async function launchBrowser() {
 export function screenshotPath(name) {
   mkdirSync(resultsDir, { recursive: true });
   return join(resultsDir, name);
+}
+
+/** A private Postgres in `dir` that outlives demo restarts (scripts/pg-start); its URL. */
+export function startPostgres(dir) {
+  const out = execFileSync(join(repo, "scripts", "pg-start"), [dir], { encoding: "utf8" });
+  return out.trim().split("\n").at(-1);
+}
+
+export function stopPostgres(dir) {
+  execFileSync(join(repo, "scripts", "pg-stop"), [dir, "--rm"], { stdio: "ignore" });
 }
