@@ -7,7 +7,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use serde_json::Value;
+use futures::{SinkExt as _, StreamExt as _};
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::Message;
 
 const BIN: &str = env!("CARGO_BIN_EXE_highwater");
 
@@ -126,6 +128,42 @@ impl Demo {
         (status, serde_json::from_str(&body).unwrap_or(Value::Null))
     }
 
+    /// Subscribes `todos` where `owner` with `token` on a new `/sync` socket; the first frame
+    /// that ends the subscribe (`channel-subscribed` or `channel-error`).
+    fn subscribe(&self, owner: &str, token: &str) -> Value {
+        let url = format!("ws://127.0.0.1:{}/sync", self.port);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let (mut socket, _) = tokio_tungstenite::connect_async(url).await.expect("/sync");
+            let subscribe = json!({
+                "type": "channel-subscribe", "subscriptionId": "s1", "channelType": "velocious-sync",
+                "params": {"resourceType": "todos", "conditions": {"owner": owner},
+                           "authenticationToken": token}});
+            socket
+                .send(Message::Text(subscribe.to_string().into()))
+                .await
+                .expect("send");
+            loop {
+                let frame = tokio::time::timeout(Duration::from_secs(20), socket.next())
+                    .await
+                    .expect("an answer in time")
+                    .expect("an open socket")
+                    .expect("a frame");
+                let Message::Text(text) = frame else { continue };
+                let frame: Value = serde_json::from_str(text.as_str()).expect("JSON");
+                if matches!(
+                    frame["type"].as_str(),
+                    Some("channel-subscribed" | "channel-error")
+                ) {
+                    return frame;
+                }
+            }
+        })
+    }
+
     fn sql(&self, query: &str) -> Vec<tokio_postgres::Row> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -173,6 +211,19 @@ fn demo_serves_the_page_tokens_and_writes_into_postgres() {
     assert_eq!(claims["sub"], "grace");
     assert!(claims["exp"].as_u64() > claims["iat"].as_u64(), "{claims}");
     assert_eq!(demo.json("GET", "/demo/token?sub=eve", None).0, 400);
+
+    // Scope sync is on with the demo rules: the token opens its own user's todos only.
+    assert_eq!(demo.subscribe("grace", jwt)["type"], "channel-subscribed");
+    let refused = demo.subscribe("ada", jwt);
+    assert_eq!(
+        (refused["type"].as_str(), refused["code"].as_str()),
+        (Some("channel-error"), Some("forbidden")),
+        "{refused}"
+    );
+    assert_eq!(
+        demo.subscribe("grace", "not-a-token")["code"],
+        "auth-invalid"
+    );
 
     // Add, complete, rename, reassign, delete: each lands in Postgres.
     let (status, added) = demo.json(
