@@ -31,7 +31,7 @@ use wasm_bindgen_futures::{spawn_local, JsFuture};
 
 use crate::cursor::{cursor_arg, cursor_to_js, SyncCursor};
 use crate::error::{ErrorCode, Failure};
-use crate::json::{from_js, to_js};
+use crate::json::{from_js, to_js, to_js_bulk};
 
 /// One row as a store keeps it.
 #[derive(Tsify, Serialize, Deserialize)]
@@ -261,11 +261,12 @@ impl SyncClientCore {
     #[wasm_bindgen(unchecked_return_type = "Record<string, JsonValue>[]")]
     pub fn rows(&self, key: u32) -> Result<JsValue, JsValue> {
         let machine = self.host.machine.borrow();
-        let array = js_sys::Array::new();
-        for row in machine.rows(key) {
-            array.push(&to_js(&Value::Object(row.clone()))?);
-        }
-        Ok(array.into())
+        let rows = machine
+            .rows(key)
+            .into_iter()
+            .map(|row| Value::Object(row.clone()))
+            .collect();
+        to_js_bulk(&Value::Array(rows))
     }
 
     /// The scope's persisted cursor.
@@ -452,7 +453,7 @@ fn carry_out(host: &Rc<Host>, effect: ClientEffect) {
         }
         report => {
             if let Ok(value) = serde_json::to_value(&report) {
-                if let Ok(event) = to_js(&value) {
+                if let Ok(event) = to_js_bulk(&value) {
                     // A throwing listener must not stop the client.
                     let _ = host.emit.call1(&JsValue::NULL, &event);
                 }

@@ -52,6 +52,40 @@ pub(crate) fn to_js(value: &Value) -> Result<JsValue, JsValue> {
     })
 }
 
+/// [`to_js`] for large values: one `JSON.parse` of the text instead of a call across the
+/// boundary per property, when that gives the same value (no integer beyond the safe range, no
+/// negative zero); otherwise [`to_js`].
+pub(crate) fn to_js_bulk(value: &Value) -> Result<JsValue, JsValue> {
+    if !parses_exactly(value) {
+        return to_js(value);
+    }
+    let text = serde_json::to_string(value).map_err(|e| {
+        Failure::new(
+            ErrorCode::InvalidValue,
+            format!("unserializable value: {e}"),
+        )
+    })?;
+    js_sys::JSON::parse(&text)
+}
+
+fn parses_exactly(value: &Value) -> bool {
+    match value {
+        Value::Null | Value::Bool(_) | Value::String(_) => true,
+        Value::Number(n) => {
+            let text = n.to_string();
+            if !is_integer_text(&text) {
+                return true;
+            }
+            text != "-0"
+                && text
+                    .parse::<i64>()
+                    .is_ok_and(|i| i.abs() <= MAX_SAFE_INTEGER)
+        }
+        Value::Array(items) => items.iter().all(parses_exactly),
+        Value::Object(map) => map.values().all(parses_exactly),
+    }
+}
+
 fn number_to_js(n: &Number) -> Result<JsValue, JsValue> {
     let text = n.to_string();
     if is_integer_text(&text) {

@@ -118,24 +118,24 @@ export class Subscription extends Emitter<SubscriptionEvents> {
 
   /** The scope's current rows. */
   rows(): Row[] {
-    return this.#closed ? [] : (this.#client.core().rows(this.#key) as Row[]);
+    return this.#closed || this.#client.closed ? [] : (this.#client.core().rows(this.#key) as Row[]);
   }
 
   /** The persisted cursor: `{id, serverSequence, updatedAt}`, or `null` before the first sync. */
   get cursor(): SyncCursor | null {
-    return this.#closed ? null : (this.#client.core().cursor(this.#key) as SyncCursor | null);
+    return this.#closed || this.#client.closed ? null : (this.#client.core().cursor(this.#key) as SyncCursor | null);
   }
 
   /** Rows applied by the last catch-up replay (after a connect or reconnect). */
   get replayedOnLastResume(): number {
-    return this.#closed ? 0 : this.#client.core().replayed(this.#key);
+    return this.#closed || this.#client.closed ? 0 : this.#client.core().replayed(this.#key);
   }
 
   /** Stops syncing the scope; the socket stays open for the others. */
   unsubscribe(): void {
     if (this.#closed) return;
     this.#closed = true;
-    this.#client.release(this.#key);
+    if (!this.#client.closed) this.#client.release(this.#key);
   }
 
   /** @internal */
@@ -222,7 +222,11 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     return this.#status;
   }
 
-  /** Subscribes a scope; its stored rows show as soon as the store has read them. */
+  /**
+   * Subscribes a scope; its stored rows show as soon as the store has read them. Throws
+   * `HW_INVALID_SCOPE` for conditions that are not equality on scalars; `ready` rejects for
+   * params the server or the client refuses.
+   */
   subscribe(params: ScopeParams): Subscription {
     if (this.#closed) throw new Error("the client is closed");
     const scope = { resourceType: params.resourceType, conditions: params.conditions ?? {} };
@@ -241,6 +245,16 @@ export class HighwaterClient extends Emitter<ClientEvents> {
         if (this.#closed || !this.#subscriptions.has(key)) return;
         this.#core.subscribe(key, scope, stored);
       })
+      .catch((error: unknown) => {
+        // Params the core refuses (a blank resourceType, say): the scope fails, `ready` rejects.
+        const code = (error as { code?: unknown }).code;
+        subscription.deliver({
+          type: "scopeFailed",
+          scope: key,
+          code: typeof code === "string" ? code : "invalid-params",
+          message: describe(error),
+        });
+      })
       .finally(() => this.#loading.delete(loading));
     this.#loading.add(loading);
     return subscription;
@@ -248,12 +262,12 @@ export class HighwaterClient extends Emitter<ClientEvents> {
 
   /** Closes the socket and stays offline until `goOnline()`. */
   goOffline(): void {
-    this.#core.goOffline();
+    if (!this.#closed) this.#core.goOffline();
   }
 
   /** Reconnects now (also after `goOffline()`). */
   goOnline(): void {
-    this.#core.goOnline();
+    if (!this.#closed) this.#core.goOnline();
   }
 
   /** Closes the socket for good; resolves once every store write has finished. */
@@ -262,8 +276,17 @@ export class HighwaterClient extends Emitter<ClientEvents> {
       this.#closed = true;
       this.#detach();
       this.#core.close();
+      // The core holds the emit callback, which holds this client: free it explicitly (later,
+      // so a close from inside an event handler does not free the core under its own call).
+      const core = this.#core;
+      setTimeout(() => core.free(), 0);
     }
     await Promise.allSettled([...this.#writes.values()]);
+  }
+
+  /** Whether `close()` was called. */
+  get closed(): boolean {
+    return this.#closed;
   }
 
   /** @internal */

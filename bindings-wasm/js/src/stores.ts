@@ -91,20 +91,28 @@ export class IndexedDbStore implements ScopeStore {
   async write(scope: string, write: PersistWrite): Promise<void> {
     const db = await this.#open();
     const tx = db.transaction([ROWS, CURSORS], "readwrite");
-    const rows = tx.objectStore(ROWS);
-    const cursors = tx.objectStore(CURSORS);
-    if (write.reset) {
-      rows.delete(scopeRange(scope));
-      cursors.delete(scope);
-    }
-    for (const row of write.upserts) rows.put({ scope, id: row.id, serverSequence: row.serverSequence, data: row.data });
-    for (const id of write.deletes) rows.delete([scope, id]);
-    if (write.cursor) cursors.put({ scope, cursor: write.cursor });
-    await new Promise<void>((resolve, reject) => {
+    const done = new Promise<void>((resolve, reject) => {
       tx.oncomplete = () => resolve();
       tx.onabort = () => reject(tx.error ?? new Error("the IndexedDB transaction was aborted"));
-      tx.onerror = () => reject(tx.error ?? new Error("the IndexedDB transaction failed"));
     });
+    try {
+      const rows = tx.objectStore(ROWS);
+      const cursors = tx.objectStore(CURSORS);
+      if (write.reset) {
+        rows.delete(scopeRange(scope));
+        cursors.delete(scope);
+      }
+      for (const row of write.upserts) rows.put({ scope, id: row.id, serverSequence: row.serverSequence, data: row.data });
+      for (const id of write.deletes) rows.delete([scope, id]);
+      if (write.cursor) cursors.put({ scope, cursor: write.cursor });
+    } catch (error) {
+      // A request that throws (a value IndexedDB cannot clone) must not leave the ones before it
+      // to commit on their own: all of the write or none.
+      done.catch(() => undefined);
+      tx.abort();
+      throw error;
+    }
+    await done;
   }
 
   /** Closes the database connection (a later call opens it again). */

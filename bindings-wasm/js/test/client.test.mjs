@@ -164,3 +164,62 @@ test("goOffline closes the socket and goOnline reconnects at once", () =>
     assert.deepEqual(states, ["open", "offline", "reconnecting", "open"]);
     await client.close();
   }));
+
+test("row values cross exactly: integers beyond 2^53 as bigint, a __proto__ column as an own key", () =>
+  withServer(async (server, url) => {
+    server.write("plain", "ada", { n: 1.5, big: 1 });
+    const client = new HighwaterClient({ url });
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    const raw = '{"type":"channel-message","subscriptionId":"SUB","body":{"echoOrigin":null,"syncs":[{"id":"1:9","resourceType":"todos","resourceId":"big","serverSequence":9,"syncType":"update","updatedAt":"2026-12-01T12:00:00.000Z","data":{"id":"big","owner":"ada","big":12345678901234567890,"__proto__":{"x":1}}}]}}';
+    const [socket] = server.sockets;
+    const [sub] = socket.subs.keys();
+    const changes = [];
+    todos.on("change", (c) => changes.push(c));
+    socket.send(raw.replace("SUB", sub));
+    // Without a wide integer the event takes the JSON.parse path: the same values.
+    socket.send(raw.replace("SUB", sub).replace('"big","owner"', '"proto","owner"').replace('"resourceId":"big"', '"resourceId":"proto"').replace("12345678901234567890", "7").replace('"1:9"', '"1:10"').replace('"serverSequence":9', '"serverSequence":10'));
+    await until(() => changes.length === 2, "the changes");
+    const proto = todos.rows().find((row) => row.id === "proto");
+    assert.ok(Object.hasOwn(proto, "__proto__"));
+    assert.equal(Object.getPrototypeOf(proto), Object.prototype);
+    assert.deepEqual(proto.__proto__, { x: 1 });
+    const big = todos.rows().find((row) => row.id === "big");
+    assert.equal(big.big, 12345678901234567890n);
+    assert.ok(Object.hasOwn(big, "__proto__"));
+    assert.equal(Object.getPrototypeOf(big), Object.prototype);
+    assert.equal(changes[0].inserted[0].big, 12345678901234567890n);
+    assert.equal(todos.rows().find((row) => row.id === "plain").n, 1.5);
+    await client.close();
+  }));
+
+test("a half-open socket is found by the heartbeat within 10 s and replaced", () =>
+  withServer(async (server, url) => {
+    const client = new HighwaterClient({ url });
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    server.freeze();
+    const frozenAt = Date.now();
+    await until(() => client.status.state === "reconnecting", "the heartbeat to give up", 12_000);
+    const noticed = Date.now() - frozenAt;
+    assert.ok(noticed <= 10_000, `noticed after ${noticed} ms`);
+    assert.match(client.status.reason, /silent/);
+    await until(() => client.status.state === "open" && server.connections === 2, "the new socket");
+    server.write("after", "ada");
+    await until(() => todos.rows().length === 1, "a row on the new socket");
+    await client.close();
+  }));
+
+test("malformed scopes are refused with a code, never an unhandled rejection", () =>
+  withServer(async (server, url) => {
+    const client = new HighwaterClient({ url });
+    assert.throws(
+      () => client.subscribe({ resourceType: "todos", conditions: { owner: { nested: 1 } } }),
+      (error) => error.code === "HW_INVALID_SCOPE",
+    );
+    const blank = client.subscribe({ resourceType: " ", conditions: {} });
+    await assert.rejects(blank.ready, (error) => error.code === "HW_INVALID_SCOPE");
+    const fine = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await fine.ready;
+    await client.close();
+  }));

@@ -4,9 +4,11 @@ import { spawnSync } from "node:child_process";
 import { readdirSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 
-const here = fileURLToPath(new URL(".", import.meta.url));
+// `node js/test/run.mjs serve` runs the end-to-end tests against `highwater serve` instead.
+const suite = process.argv[2] === "serve" ? "../test-serve/" : "./";
+const here = fileURLToPath(new URL(suite, import.meta.url));
 const files = readdirSync(here).filter((name) => name.endsWith(".test.mjs")).sort().map((name) => here + name);
 const major = Number(process.versions.node.split(".")[0]);
 const flags = major < 22 ? ["--experimental-websocket", "--no-warnings=ExperimentalWarning"] : [];
-const { status } = spawnSync(process.execPath, [...flags, "--test", ...files], { stdio: "inherit" });
+const { status } = spawnSync(process.execPath, [...flags, "--test", "--test-concurrency=1", ...files], { stdio: "inherit" });
 process.exit(status ?? 1);

@@ -24,7 +24,8 @@
 //! Rules held here and nowhere else:
 //! - One connect in flight at a time; a lost socket waits a capped exponential delay with full
 //!   jitter ([`crate::backoff`]), at least the server's `retryAfterMs`; the window resets once a
-//!   socket has stayed up `healthy_after_ms`. The browser's `online` event retries at once; while
+//!   subscription on the socket is confirmed and caught up, or the socket stayed up
+//!   `healthy_after_ms` (a server that accepts and drops at once keeps the window growing). The browser's `online` event retries at once; while
 //!   the browser says offline, no reconnect is started.
 //! - Heartbeat: an app-level `ping` every `ping_interval_ms`; a socket silent for
 //!   `silence_limit_ms` is half-open and is closed and replaced.
@@ -52,7 +53,7 @@ use serde_json::{Map, Value};
 use crate::backoff::{Backoff, BackoffPolicy};
 use crate::cursor::{is_cursor_after, SyncCursor};
 use crate::realtime_bridge::{
-    BridgeConfig, BridgeEffect, BridgeInput, RemoteChange, ScopeBridge, ScopeChannel,
+    BridgeConfig, BridgeEffect, BridgeError, BridgeInput, RemoteChange, ScopeBridge, ScopeChannel,
 };
 use crate::scope::{Scope, ScopeDigest};
 use crate::scope_sync::{ClientFrame, ServerFrame, SubscribeParams};
@@ -507,6 +508,8 @@ impl SyncClient {
                 self.drop_link(1000, "client closed", &mut out);
                 self.closed = true;
                 self.reason = None;
+                // Nothing is reported after close: the rows go now, not with the host.
+                self.scopes.clear();
             }
         }
         self.report(now_ms, &mut out);
@@ -661,7 +664,7 @@ impl SyncClient {
             let effects = slot
                 .bridge
                 .handle(BridgeInput::Unsubscribe)
-                .unwrap_or_default();
+                .unwrap_or_else(|error| refused(error, &mut *out));
             let kept = effects
                 .into_iter()
                 .filter(|effect| !matches!(effect, BridgeEffect::SendUnsubscribe { .. }))
@@ -801,7 +804,7 @@ impl SyncClient {
         let effects = slot
             .bridge
             .handle(BridgeInput::Unsubscribe)
-            .unwrap_or_default();
+            .unwrap_or_else(|error| refused(error, &mut *out));
         for effect in effects {
             if let (BridgeEffect::SendUnsubscribe { subscription_id }, Some(frame)) =
                 (&effect, effect.client_frame())
@@ -844,7 +847,7 @@ impl SyncClient {
             .handle(BridgeInput::Subscribe {
                 channels: vec![channel],
             })
-            .unwrap_or_default();
+            .unwrap_or_else(|error| refused(error, &mut *out));
         self.drive(key, effects, out);
     }
 
@@ -884,7 +887,7 @@ impl SyncClient {
                             let effects = slot
                                 .bridge
                                 .handle(BridgeInput::SessionGone)
-                                .unwrap_or_default();
+                                .unwrap_or_else(|error| refused(error, &mut *out));
                             self.drive(key, effects, out);
                         }
                     }
@@ -1005,7 +1008,10 @@ impl SyncClient {
         let Some(slot) = self.scopes.get_mut(&key) else {
             return;
         };
-        let effects = slot.bridge.handle(input).unwrap_or_default();
+        let effects = slot
+            .bridge
+            .handle(input)
+            .unwrap_or_else(|error| refused(error, &mut *out));
         self.drive(key, effects, out);
     }
 
@@ -1060,7 +1066,7 @@ impl SyncClient {
                             ticket,
                             result: Ok(()),
                         })
-                        .unwrap_or_default();
+                        .unwrap_or_else(|error| refused(error, &mut *out));
                     queue.extend(more);
                 }
                 BridgeEffect::SaveCursor { cursor, .. } => {
@@ -1098,6 +1104,8 @@ impl SyncClient {
                         }
                         slot.phase = Phase::Live;
                         slot.expired_in_a_row = 0;
+                        // The server answered a subscription in full: this connection works.
+                        self.backoff.reset();
                         slot.replayed = slot.replaying;
                         out.push(ClientEffect::Ready {
                             scope: key,
@@ -1267,6 +1275,16 @@ impl ScopeSlot {
             },
         ))
     }
+}
+
+/// A bridge refused an input: a broken rule inside this client, reported rather than hidden.
+fn refused(error: BridgeError, out: &mut Vec<ClientEffect>) -> Vec<BridgeEffect> {
+    out.push(ClientEffect::Error {
+        scope: None,
+        code: error.code().to_owned(),
+        message: error.to_string(),
+    });
+    Vec::new()
 }
 
 fn flush(key: ScopeKey, write: Option<PersistWrite>, out: &mut Vec<ClientEffect>) {

@@ -601,6 +601,7 @@ fn offline_by_request_closes_and_online_reconnects_now() {
     assert_eq!(token_request(&effects), Some(2));
     let effects = client.handle(100_000, ClientInput::Close);
     assert_eq!(states(&effects), [ConnectionState::Closed]);
+    assert!(client.rows(1).is_empty(), "a closed client holds no rows");
     assert!(client
         .handle(
             100_001,
@@ -1227,4 +1228,60 @@ fn a_cursorless_replay_over_held_rows_of_an_old_epoch_replaces_them() {
         as_map(harness.client.rows(harness.key(1))),
         harness.server.rows_of(1)
     );
+}
+
+#[test]
+fn the_backoff_window_resets_once_a_subscription_is_confirmed_not_on_open() {
+    let config = ClientConfig {
+        backoff: BackoffPolicy {
+            initial_ms: 1_000,
+            max_ms: 1_000_000,
+        },
+        ..ClientConfig::default()
+    };
+    let mut client = SyncClient::new(config, 3);
+    client.handle(
+        0,
+        ClientInput::Subscribe {
+            scope: 1,
+            params: Box::new(params("ada")),
+            stored: StoredScope::default(),
+        },
+    );
+    let mut now = 0;
+    let mut request = token_request(&client.handle(now, ClientInput::Start)).unwrap();
+    // A server that accepts and drops at once: the window keeps growing.
+    for _ in 0..6 {
+        let socket = opened_socket(&client.handle(
+            now,
+            ClientInput::Token {
+                request,
+                result: Ok(None),
+            },
+        ))
+        .unwrap();
+        client.handle(now, ClientInput::SocketOpened { socket });
+        client.handle(
+            now,
+            ClientInput::SocketClosed {
+                socket,
+                reason: "dropped".into(),
+            },
+        );
+        now += 1_000_000;
+        request = token_request(&client.handle(now, ClientInput::Tick)).unwrap();
+    }
+    assert_eq!(client.backoff.failures(), 6);
+    let socket = opened_socket(&client.handle(
+        now,
+        ClientInput::Token {
+            request,
+            result: Ok(None),
+        },
+    ))
+    .unwrap();
+    let effects = client.handle(now, ClientInput::SocketOpened { socket });
+    let sub = subscribes(&effects)[0].0.clone();
+    frame(&mut client, now, subscribed(&sub));
+    assert_eq!(client.backoff.failures(), 0);
 }

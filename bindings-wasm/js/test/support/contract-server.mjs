@@ -28,6 +28,14 @@ export class ContractServer {
     await new Promise((resolve) => this.wss.close(resolve));
   }
 
+  /** Makes every connection half-open: the server stops reading and sending, the TCP stays up. */
+  freeze() {
+    for (const ws of this.sockets) {
+      ws.frozen = true;
+      ws._socket.pause();
+    }
+  }
+
   /** Kills every connection without a close handshake (the client sees 1006). */
   cut() {
     for (const ws of this.sockets) ws.terminate();
@@ -73,6 +81,7 @@ export class ContractServer {
   }
 
   #send(ws, sub, syncs, extra = {}) {
+    if (ws.frozen) return;
     ws.send(JSON.stringify({ type: "channel-message", subscriptionId: sub, body: { echoOrigin: null, syncs, ...extra } }));
   }
 

@@ -1,0 +1,196 @@
+// HighwaterClient end to end: the built package against a real `highwater serve --sync-rules`
+// on a private Postgres, through a TCP proxy the tests sever. Needs the `highwater` binary
+// (HIGHWATER_BIN, default <target>/debug/highwater) and a global WebSocket.
+import assert from "node:assert/strict";
+import { after, before, test } from "node:test";
+import { HighwaterClient, MemoryStore } from "highwater";
+import { Postgres, Proxy, Serve, TODOS_DDL, mintToken, normalise, sleep, until, scratch } from "./support.mjs";
+
+let pg;
+let serve;
+let proxy;
+let url;
+
+before(async () => {
+  pg = new Postgres();
+  pg.query(TODOS_DDL);
+  pg.query(
+    "INSERT INTO todos (id, owner, title, done, secret_note) SELECT i, CASE WHEN i % 3 = 0 THEN 'grace' ELSE 'ada' END, 't' || i, i % 2 = 0, 'hidden' FROM generate_series(1, 60) AS i",
+  );
+  serve = new Serve(pg);
+  await serve.start();
+  proxy = new Proxy();
+  url = await proxy.start(serve.port);
+});
+
+after(async () => {
+  await proxy?.stop();
+  await serve?.stop();
+  pg?.stop();
+});
+
+/** Waits until the subscription's rows equal Postgres for `where`. */
+async function converges(subscription, where, what) {
+  let expected;
+  await until(() => {
+    expected = normalise(pg.rows(where));
+    return JSON.stringify(normalise(subscription.rows())) === JSON.stringify(expected);
+  }, what, 30_000).catch((error) => {
+    assert.deepEqual(normalise(subscription.rows()), expected, error.message);
+  });
+}
+
+/** Records per row the `v` of every insert/update event; fails on a repeat or a step back. */
+function appliedOnce(subscription) {
+  const seen = new Map();
+  const problems = [];
+  subscription.on("change", ({ inserted, updated }) => {
+    for (const row of [...inserted, ...updated]) {
+      const last = seen.get(row.id);
+      if (last !== undefined && row.v <= last) problems.push(`row ${row.id}: v ${row.v} after ${last}`);
+      seen.set(row.id, row.v);
+    }
+  });
+  subscription.on("reset", () => seen.clear());
+  return problems;
+}
+
+test("three scopes on one socket: a fresh subscribe equals Postgres; omitted columns never arrive", async () => {
+  const connections = proxy.connections;
+  const client = new HighwaterClient({ url, token: () => serve.token("ada") });
+  const all = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  const done = client.subscribe({ resourceType: "todos", conditions: { owner: "ada", done: true } });
+  const open = client.subscribe({ resourceType: "todos", conditions: { owner: "ada", done: false } });
+  await Promise.all([all.ready, done.ready, open.ready]);
+  assert.deepEqual(normalise(all.rows()), normalise(pg.rows("owner = 'ada'")));
+  assert.deepEqual(normalise(done.rows()), normalise(pg.rows("owner = 'ada' AND done")));
+  assert.deepEqual(normalise(open.rows()), normalise(pg.rows("owner = 'ada' AND NOT done")));
+  assert.equal(all.rows().length, 40);
+  assert.ok(all.rows().every((row) => !("secret_note" in row)));
+  assert.equal(all.replayedOnLastResume, 40);
+  assert.ok(all.cursor && typeof all.cursor.id === "string");
+  assert.equal(proxy.connections - connections, 1, "one socket for every scope");
+  pg.query("UPDATE todos SET done = NOT done WHERE id = 1");
+  await converges(done, "owner = 'ada' AND done", "a row moving between the done scopes");
+  await converges(open, "owner = 'ada' AND NOT done", "a row moving between the done scopes");
+  await client.close();
+});
+
+test("an unauthorized scope is refused with its code while the other scopes go on", async () => {
+  const client = new HighwaterClient({ url, token: () => serve.token("ada") });
+  const mine = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  const theirs = client.subscribe({ resourceType: "todos", conditions: { owner: "grace" } });
+  const errors = [];
+  theirs.on("error", (e) => errors.push(e.code));
+  await assert.rejects(theirs.ready, (error) => error.code === "forbidden");
+  await mine.ready;
+  pg.query("INSERT INTO todos (id, owner, title) VALUES (1000, 'ada', 'after the refusal')");
+  await converges(mine, "owner = 'ada'", "the live row after another scope was refused");
+  assert.deepEqual(theirs.rows(), []);
+  assert.deepEqual(errors, ["forbidden"]);
+  pg.query("DELETE FROM todos WHERE id = 1000");
+  await converges(mine, "owner = 'ada'", "the delete");
+  await client.close();
+});
+
+test("the TCP connection severed during 1,000 writes: reconnect, equal, each change applied once", async (t) => {
+  const store = new MemoryStore();
+  const tokens = [];
+  const client = new HighwaterClient({ url, store, token: () => (tokens.push(1), serve.token("ada")) });
+  const ada = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  const grace = new HighwaterClient({ url, token: () => serve.token("grace") });
+  const theirs = grace.subscribe({ resourceType: "todos", conditions: { owner: "grace" } });
+  t.after(() => Promise.all([client.close(), grace.close()]));
+  await Promise.all([ada.ready, theirs.ready]);
+  const problems = [...[ada, theirs].map(appliedOnce)];
+  const connections = proxy.connections;
+  // Inserts, updates, owner changes (rows moving between the two scopes) and deletes.
+  const statements = [];
+  for (let i = 0; i < 1000; i++) {
+    const id = 2000 + (i % 50);
+    const owner = i % 3 === 0 ? "grace" : "ada";
+    const v = i + 1;
+    statements.push(
+      [
+        `INSERT INTO todos (id, owner, title, v) VALUES (${id}, '${owner}', 't${i}', ${v}) ON CONFLICT (id) DO UPDATE SET title = excluded.title, v = excluded.v;`,
+        `UPDATE todos SET owner = CASE owner WHEN 'ada' THEN 'grace' ELSE 'ada' END, v = ${v} WHERE id = ${id};`,
+        `UPDATE todos SET done = NOT done, v = ${v}, secret_note = 's${i}' WHERE id = ${id};`,
+        `DELETE FROM todos WHERE id = ${id};`,
+      ][i % 4],
+    );
+  }
+  // Ten batches of a hundred transactions; every other batch has both connections reset
+  // while its writes are in flight.
+  let severed = 0;
+  for (let batch = 0; batch < 10; batch++) {
+    if (batch % 2 === 0) await until(() => proxy.open === 2, "both clients to reconnect");
+    const writing = pg.script(statements.slice(batch * 100, batch * 100 + 100).join("\n"));
+    if (batch % 2 === 0) {
+      await sleep(20);
+      proxy.sever();
+      severed += 1;
+    }
+    await writing;
+  }
+  await converges(ada, "owner = 'ada'", "ada's rows after the cuts");
+  await converges(theirs, "owner = 'grace'", "grace's rows after the cuts");
+  assert.ok(proxy.connections - connections >= 2 * severed, `each cut was followed by reconnects`);
+  assert.deepEqual(problems.flat(), []);
+  assert.equal(tokens.length, 1 + severed, "the token source runs on every connect");
+});
+
+test("the server killed with -9 and restarted: the client reconnects and ends equal", async () => {
+  const client = new HighwaterClient({ url, token: () => serve.token("ada") });
+  const ada = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  await ada.ready;
+  const problems = appliedOnce(ada);
+  await serve.kill9();
+  pg.query("INSERT INTO todos (id, owner, title, v) VALUES (3000, 'ada', 'while down', 1)");
+  pg.query("DELETE FROM todos WHERE id = 2");
+  await until(() => client.status.state === "reconnecting", "the client to notice");
+  await serve.start(serve.data);
+  await converges(ada, "owner = 'ada'", "equality after the restart");
+  assert.equal(client.status.state, "open");
+  assert.deepEqual(problems, []);
+  await client.close();
+});
+
+test("a token that expires mid-session: the token source is called again and sync goes on", async () => {
+  const handed = [];
+  const client = new HighwaterClient({
+    url,
+    // The first token is valid for about three more seconds (the server allows 30 s of skew).
+    token: async () => {
+      handed.push(handed.length === 0 ? "short" : "long");
+      return handed.length === 1 ? mintToken("ada", -27_000) : serve.token("ada");
+    },
+  });
+  const ada = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  await ada.ready;
+  const errors = [];
+  ada.on("error", (e) => errors.push(e.code));
+  await until(() => handed.length >= 2, "the token source to be called again", 15_000);
+  await sleep(300);
+  pg.query("INSERT INTO todos (id, owner, title) VALUES (4000, 'ada', 'after the refresh')");
+  await converges(ada, "owner = 'ada'", "a live row after the token refresh");
+  assert.deepEqual(errors, []);
+  assert.equal(handed.length, 2);
+  await client.close();
+});
+
+test("a resync (new data directory, new epoch) gives a reset, then equality", async () => {
+  const store = new MemoryStore();
+  const client = new HighwaterClient({ url, store, token: () => serve.token("ada") });
+  const ada = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  await ada.ready;
+  const before = ada.cursor;
+  let resets = 0;
+  ada.on("reset", () => resets++);
+  await serve.kill9();
+  pg.query("DELETE FROM todos WHERE id = 4");
+  await serve.start(scratch("data-resynced"));
+  await until(() => resets === 1, "the reset", 30_000);
+  await converges(ada, "owner = 'ada'", "equality after the reset");
+  assert.notEqual(ada.cursor.id.split(":")[0], before.id.split(":")[0], "the cursor moved to the new epoch");
+  await client.close();
+});
