@@ -31,7 +31,8 @@ pub struct DemoArgs {
     /// HTTP and WebSocket port.
     #[arg(long, default_value_t = DEFAULT_PORT)]
     pub port: u16,
-    /// Address to listen on.
+    /// Address to listen on. Anyone who can reach the demo gets its tokens and can write to its
+    /// Postgres: keep it on loopback.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Demo writes per second (0 for none).
