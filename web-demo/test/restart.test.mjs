@@ -49,7 +49,10 @@ test("after a server restart the page reconnects by itself and gets only what it
   demo.sql(`INSERT INTO todos (owner, title) VALUES ('linus', 'Written while the server was down');`);
 
   demo = await Demo.start(options);
-  await page.waitForSelector('#status[data-state="open"]', { timeout: 60_000 });
+  await page.waitForSelector('#status[data-state="open"]', { timeout: 60_000 }).catch(async (error) => {
+    const status = await page.getAttribute("#status", "title");
+    throw new Error(`${error.message}\nclient status: ${status}\ndemo stderr:\n${demo.stderr.slice(-2000)}`);
+  });
   const held = await until("the row written during the restart", async () => {
     const now = await rows();
     return now.some((r) => r.title === "Written while the server was down") && now;
