@@ -29,6 +29,7 @@ mod snapshot;
 mod source;
 mod startup;
 mod sync;
+mod tls;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -58,6 +59,7 @@ pub use security::{
     UPSTREAM_TOKEN_ENV,
 };
 pub use snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
+pub use tls::TlsFileError;
 
 /// Zero's change-streamer port when the sync port is 4848 is 4849; highwater serves both
 /// protocols on one port.
@@ -138,8 +140,9 @@ pub struct ServeArgs {
     /// (1013, "slow consumer").
     #[arg(long, default_value_t = DEFAULT_SLOW_CONSUMER_MS, hide = true)]
     pub sync_slow_consumer_ms: u64,
+    /// Boxed: the security options would make every `highwater` command as large as `serve`.
     #[command(flatten)]
-    pub security: SecurityArgs,
+    pub security: Box<SecurityArgs>,
     /// Routes served in front of the server's own, for a program that embeds `serve` (the demo
     /// mounts its page here). A request they do not match falls through to the server's routes.
     #[arg(skip)]
@@ -173,7 +176,7 @@ impl ServeArgs {
             sync_secret: SyncSecretArgs::default(),
             sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,
             sync_slow_consumer_ms: DEFAULT_SLOW_CONSUMER_MS,
-            security: SecurityArgs::default(),
+            security: Box::default(),
             extra_routes: None,
         }
     }
@@ -187,12 +190,17 @@ impl ServeArgs {
     }
 
     fn public_url(&self) -> String {
+        let scheme = if self.security.tls_cert.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         match &self.public_url {
             Some(url) => url.trim_end_matches('/').to_owned(),
             None if self.host == "0.0.0.0" || self.host == "::" => {
-                format!("http://127.0.0.1:{}", self.port)
+                format!("{scheme}://127.0.0.1:{}", self.port)
             }
-            None => format!("http://{}:{}", self.host, self.port),
+            None => format!("{scheme}://{}:{}", self.host, self.port),
         }
     }
 }
@@ -223,6 +231,8 @@ pub enum ServeError {
     Insecure(#[from] InsecureListen),
     #[error(transparent)]
     Token(#[from] TokenError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsFileError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error("relaying failed: {0}")]
@@ -281,7 +291,7 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     };
     let listener = listen(&args, token.as_ref()).await?;
     let public_url = args.public_url();
-    let mut settings = settings(&args, token, sync);
+    let mut settings = settings(&args, token, sync, args.security.tls_config()?);
     settings.backfill_from = Some(prepared.backfill_from);
     let source = source::spawn_postgres(prepared.stream, &args.app_id, stop.clone());
     tracing::info!(
@@ -306,6 +316,8 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
 /// with it: checked before any replication or restore work starts.
 async fn preflight(args: &ServeArgs) -> Result<Option<ReplicationToken>, ServeError> {
     let token = args.security.required_token()?;
+    // Unusable TLS files stop the server before it replicates anything.
+    args.security.tls_config()?;
     let listen = format!("{}:{}", args.host, args.port);
     let addrs = tokio::net::lookup_host(&listen)
         .await
@@ -344,6 +356,7 @@ fn settings(
     args: &ServeArgs,
     token: Option<ReplicationToken>,
     sync: Option<Arc<SyncAuth>>,
+    tls: Option<Arc<rustls::ServerConfig>>,
 ) -> Settings {
     Settings {
         sync,
@@ -360,6 +373,7 @@ fn settings(
         backfill_from: None,
         peer_auth: security::PeerAuth { token },
         insecure_no_auth: args.security.insecure_no_auth,
+        tls,
         extra_routes: args.extra_routes.clone(),
     }
 }
@@ -386,6 +400,8 @@ struct Settings {
     peer_auth: security::PeerAuth,
     /// Serving without a token beyond loopback: `/health` says so.
     insecure_no_auth: bool,
+    /// `--tls-cert`/`--tls-key`: serve https and wss.
+    tls: Option<Arc<rustls::ServerConfig>>,
     /// Routes matched before the server's own ([`ServeArgs::extra_routes`]).
     extra_routes: Option<axum::Router>,
 }
@@ -504,23 +520,34 @@ async fn run_server(
         Some(extra) => extra.fallback_service(endpoints::router(state)),
         None => endpoints::router(state),
     };
-    let server = {
+    let stopping = {
         let hub = hub.clone();
         let sync_hub = sync_hub.clone();
         let mut shutdown = shutdown.clone();
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move {
+        async move {
             let _ = shutdown.wait_for(|s| *s).await;
             hub.close_all(1001, "server shutting down");
             if let Some(sync_hub) = &sync_hub {
                 sync_hub.close_all(1001, "server shutting down");
             }
-        })
+        }
     };
-    let served = server.await;
+    let served = match &settings.tls {
+        Some(config) => {
+            let listener = tls::TlsListener::new(listener, config.clone())?;
+            axum::serve(listener, app.into_make_service())
+                .with_graceful_shutdown(stopping)
+                .await
+        }
+        None => {
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .with_graceful_shutdown(stopping)
+            .await
+        }
+    };
     shutdown_tx.send_replace(true);
     let _ = ticker.await;
     let ingested = ingest_task
