@@ -1,8 +1,15 @@
 //! `highwater demo`: the server on an embedded default. It starts a private Postgres from the
 //! machine's binaries (or uses `--upstream`), creates a small demo schema with data, keeps
-//! writing to it so subscribers see live changes, and runs `highwater serve` against it.
+//! writing to it so subscribers see live changes (inserts, completions, moves between owners,
+//! deletes), and runs `highwater serve` against it with scope sync on: a demo rules file (each
+//! user reads only its own `todos`) and a demo secret generated at start, kept in a private file
+//! and never printed. In front of serve's routes it mounts the web page (`/`), the built npm
+//! package (`/pkg/`), demo tokens and write endpoints ([`routes`]).
 
-use std::path::PathBuf;
+mod routes;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -11,6 +18,7 @@ use tokio::sync::watch;
 use crate::private_pg::{PgOptions, PrivatePg};
 use crate::runtime;
 use crate::serve::{self, ServeArgs, DEFAULT_PORT};
+use crate::sync_auth::{mint_token, unix_now_ms, SyncSecret};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
@@ -23,13 +31,31 @@ pub struct DemoArgs {
     /// HTTP and WebSocket port.
     #[arg(long, default_value_t = DEFAULT_PORT)]
     pub port: u16,
-    /// Address to listen on.
+    /// Address to listen on. Anyone who can reach the demo gets its tokens and can write to its
+    /// Postgres: keep it on loopback.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Demo writes per second (0 for none).
     #[arg(long, default_value_t = 1.0)]
     pub writes_per_second: f64,
+    /// The page's files (`index.html`, `app.js`, `style.css`).
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../web-demo"))]
+    pub web_dir: PathBuf,
+    /// The built npm package `highwater` (`scripts/build-wasm` writes it).
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../bindings-wasm/dist"))]
+    pub package_dir: PathBuf,
 }
+
+/// Scope-sync rules of the demo: each user reads only the todos it owns (all, or by `done`).
+const RULES: &str = r#"{
+  "tables": {
+    "todos": {
+      "filterColumns": ["owner", "done"],
+      "require": { "owner": "sub" }
+    }
+  }
+}
+"#;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS todos (
@@ -55,6 +81,17 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
 }
 
 async fn demo(args: DemoArgs) -> anyhow::Result<()> {
+    let base = format!("{}:{}", args.host, args.port);
+    // The page first: it is what a visitor came for.
+    println!("Highwater demo: http://{base}/");
+    if !args.package_dir.join("web.js").is_file() {
+        // Everything else still works; only the page needs the package.
+        println!(
+            "  the page needs the npm package, not found at {}: run scripts/build-wasm",
+            args.package_dir.display()
+        );
+    }
+
     // `private` is held for the whole run: dropping it stops the server and removes its files.
     let (private, upstream) = match args.upstream.clone() {
         Some(url) => (None, url),
@@ -66,14 +103,12 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             (Some(pg), url)
         }
     };
-    let (client, connection) = tokio_postgres::connect(&upstream, tokio_postgres::NoTls)
-        .await
-        .with_context(|| format!("connecting to {upstream}"))?;
-    tokio::spawn(connection);
-    client
+    let writer = connect(&upstream).await?;
+    writer
         .batch_execute(SCHEMA)
         .await
         .context("creating the demo schema")?;
+    let endpoints = Arc::new(connect(&upstream).await?);
 
     // Without --data the replica lives in a fresh directory removed at exit: a private Postgres
     // is new on every run, so its replica must be too.
@@ -90,9 +125,18 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         .clone()
         .or_else(|| temp.clone())
         .unwrap_or_default();
+    let secrets = SyncConfig::create()?;
     let mut serve_args = ServeArgs::new(upstream.clone(), data.clone());
     serve_args.port = args.port;
     serve_args.host = args.host.clone();
+    serve_args.sync_rules = Some(secrets.rules.clone());
+    serve_args.sync_secret.sync_secret_file = Some(secrets.secret_file.clone());
+    serve_args.extra_routes = Some(routes::router(Arc::new(routes::DemoState {
+        web_dir: args.web_dir.clone(),
+        package_dir: args.package_dir.clone(),
+        postgres: endpoints,
+        sign: secrets.signer(),
+    })));
 
     let (stop_tx, stop) = watch::channel(false);
     tokio::spawn(async move {
@@ -102,13 +146,19 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     });
     if args.writes_per_second > 0.0 {
         let period = Duration::from_secs_f64(1.0 / args.writes_per_second);
-        tokio::spawn(write_forever(client, period, stop.clone()));
+        tokio::spawn(write_forever(writer, period, stop.clone()));
     }
 
-    let base = format!("{}:{}", args.host, args.port);
-    println!("Highwater demo");
+    println!(
+        "  users         {} (each sees only its own todos)",
+        routes::USERS.join(", ")
+    );
     println!("  upstream      {upstream}");
     println!("  data          {}", data.display());
+    println!(
+        "  scope sync    ws://{base}/sync  (rules: {})",
+        secrets.rules.display()
+    );
     println!("  health        http://{base}/health");
     println!("  change stream ws://{base}/replication/v8/subscribe  (v1-v8, Zero-compatible)");
     println!("  snapshot      http://{base}/replica/snapshot");
@@ -116,19 +166,106 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     println!("Ctrl-C stops the demo.");
     let served = serve::serve(serve_args, stop).await;
     drop(private);
+    drop(secrets);
     if let Some(dir) = temp {
         let _ = std::fs::remove_dir_all(dir);
     }
     served.map_err(Into::into)
 }
 
-/// Inserts, completes and deletes todos in turn, so every kind of change flows.
+async fn connect(upstream: &str) -> anyhow::Result<tokio_postgres::Client> {
+    let (client, connection) = tokio_postgres::connect(upstream, tokio_postgres::NoTls)
+        .await
+        .with_context(|| format!("connecting to {upstream}"))?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
+/// The demo's scope-sync configuration: the rules file and a secret generated for this run, in
+/// a directory only this user can read, removed when dropped.
+struct SyncConfig {
+    dir: PathBuf,
+    rules: PathBuf,
+    secret_file: PathBuf,
+    secret: SyncSecret,
+}
+
+impl SyncConfig {
+    fn create() -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(format!("highwater-demo-auth-{}", std::process::id()));
+        create_private_dir(&dir)?;
+        let mut secret = vec![0u8; 32];
+        {
+            use std::io::Read as _;
+            std::fs::File::open("/dev/urandom")
+                .and_then(|mut f| f.read_exact(&mut secret))
+                .context("reading a random demo secret from /dev/urandom")?;
+        }
+        let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+        let rules = dir.join("rules.json");
+        let secret_file = dir.join("secret");
+        write_private(&rules, RULES.as_bytes())?;
+        write_private(&secret_file, hex.as_bytes())?;
+        Ok(SyncConfig {
+            dir,
+            rules,
+            secret_file,
+            secret: SyncSecret::from_bytes(hex)?,
+        })
+    }
+
+    /// Signs demo tokens with this run's secret.
+    fn signer(&self) -> routes::TokenSigner {
+        let secret = self.secret.clone();
+        Arc::new(move |sub: &str, ttl_seconds: u64| {
+            mint_token(
+                &secret,
+                sub,
+                Duration::from_secs(ttl_seconds),
+                &[],
+                unix_now_ms(),
+            )
+            .map_err(|e| format!("Could not sign a demo token: {e}"))
+        })
+    }
+}
+
+impl Drop for SyncConfig {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))
+}
+
+fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(bytes))
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Inserts, completes, moves and deletes todos in turn, so every kind of change flows; a move
+/// to another owner is a move-out for one scope and a move-in for another.
 async fn write_forever(
     client: tokio_postgres::Client,
     period: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
-    let owners = ["ada", "grace", "linus"];
+    let owners = routes::USERS;
     let mut tick = tokio::time::interval(period);
     for n in 0u64.. {
         tokio::select! {
@@ -136,7 +273,8 @@ async fn write_forever(
             _ = stop.changed() => return,
         }
         let owner = owners[(n % 3) as usize];
-        let statement = match n % 4 {
+        let next_owner = owners[((n + 1) % 3) as usize];
+        let statement = match n % 5 {
             0 | 1 => client
                 .execute(
                     "INSERT INTO todos (owner, title) VALUES ($1, $2)",
@@ -148,6 +286,13 @@ async fn write_forever(
                     "UPDATE todos SET done = NOT done, updated_at = now()
                      WHERE id = (SELECT id FROM todos WHERE owner = $1 ORDER BY updated_at LIMIT 1)",
                     &[&owner],
+                )
+                .await,
+            3 => client
+                .execute(
+                    "UPDATE todos SET owner = $2, updated_at = now()
+                     WHERE id = (SELECT id FROM todos WHERE owner = $1 ORDER BY updated_at LIMIT 1)",
+                    &[&owner, &next_owner],
                 )
                 .await,
             _ => client

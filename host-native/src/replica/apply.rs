@@ -2236,6 +2236,40 @@ mod tests {
         assert_eq!(grace, [(1, "grace".to_owned())].into());
     }
 
+    /// Regression: a column added with a default the replica applies changed every row, but
+    /// the transaction's feed entries were empty, so live scope subscribers never saw the new
+    /// column until each row changed again.
+    #[test]
+    fn an_added_column_with_a_default_reaches_live_scope_subscribers() {
+        let mut w = feed_writer();
+        txn(&mut w, 0x200, vec![insert(1, "ada"), insert(2, "grace")]);
+        w.take_committed();
+        txn(
+            &mut w,
+            0x300,
+            vec![add_column("points", "int4", "5", false)],
+        );
+        let committed = w.take_committed().unwrap();
+        use super::feed::FeedKind;
+        let mut points: Vec<_> = committed
+            .rows
+            .iter()
+            .map(|r| match &r.kind {
+                FeedKind::Upsert { data } => (data["id"].clone(), data["points"].clone()),
+                other => panic!("expected upserts, found {other:?}"),
+            })
+            .collect();
+        points.sort_by_key(|(id, _)| id.as_i64());
+        assert_eq!(points, vec![(json!(1), json!(5)), (json!(2), json!(5))]);
+        // A column that waits for its backfill changes no row now: nothing to send yet.
+        txn(
+            &mut w,
+            0x400,
+            vec![add_column("later", "timestamptz", "now()", true)],
+        );
+        assert!(w.take_committed().is_none_or(|c| c.rows.is_empty()));
+    }
+
     #[test]
     fn pruning_exits_raises_the_retention_floor() {
         let mut w = feed_writer();

@@ -185,6 +185,12 @@ impl Capture {
                     None => Pre::None,
                 }
             }
+            // A column added with a default the replica applies gives every row a new value
+            // (and seq): live subscribers must get those rows too, not only catch-up replays.
+            Change::AddColumn(add) => match followed(&add.table.schema, &add.table.name) {
+                Some(table) => Pre::Touch(table.name.clone()),
+                None => Pre::None,
+            },
             Change::Update(update) => {
                 let Some(table) = followed(&update.relation.schema, &update.relation.name) else {
                     return Ok(Pre::None);

@@ -143,6 +143,10 @@ pub struct ServeArgs {
     /// Boxed: the security options would make every `highwater` command as large as `serve`.
     #[command(flatten)]
     pub security: Box<SecurityArgs>,
+    /// Routes served in front of the server's own, for a program that embeds `serve` (the demo
+    /// mounts its page here). A request they do not match falls through to the server's routes.
+    #[arg(skip)]
+    pub extra_routes: Option<axum::Router>,
 }
 
 /// A scope-sync client may stay this long over its outbound budget.
@@ -173,6 +177,7 @@ impl ServeArgs {
             sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,
             sync_slow_consumer_ms: DEFAULT_SLOW_CONSUMER_MS,
             security: Box::default(),
+            extra_routes: None,
         }
     }
 
@@ -369,6 +374,7 @@ fn settings(
         peer_auth: security::PeerAuth { token },
         insecure_no_auth: args.security.insecure_no_auth,
         tls,
+        extra_routes: args.extra_routes.clone(),
     }
 }
 
@@ -396,6 +402,8 @@ struct Settings {
     insecure_no_auth: bool,
     /// `--tls-cert`/`--tls-key`: serve https and wss.
     tls: Option<Arc<rustls::ServerConfig>>,
+    /// Routes matched before the server's own ([`ServeArgs::extra_routes`]).
+    extra_routes: Option<axum::Router>,
 }
 
 /// Runs the storage loop, the endpoints and the timers over a ready replica and a change
@@ -508,7 +516,10 @@ async fn run_server(
         insecure_no_auth: settings.insecure_no_auth && settings.peer_auth.token.is_none(),
     };
     snapshot::clear_dir(&state.snapshot_dir)?;
-    let app = endpoints::router(state);
+    let app = match settings.extra_routes {
+        Some(extra) => extra.fallback_service(endpoints::router(state)),
+        None => endpoints::router(state),
+    };
     let stopping = {
         let hub = hub.clone();
         let sync_hub = sync_hub.clone();

@@ -139,6 +139,7 @@ impl Harness {
             peer_auth: super::security::PeerAuth { token },
             insecure_no_auth: false,
             tls,
+            extra_routes: None,
         };
         let (stop, stop_rx) = watch::channel(false);
         let server = tokio::spawn(run_server(

@@ -1,0 +1,347 @@
+//! The demo's HTTP routes, mounted in front of `serve`'s own: the page and the npm package's
+//! files, demo tokens, and small write endpoints into the upstream Postgres so the page can show
+//! a write's round trip (Postgres → replication → replica → `/sync` → page).
+//!
+//! Every write endpoint returns once Postgres has committed; the page times from the click to the
+//! moment the change arrives on its scope.
+
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, patch, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+
+/// The demo users; each can read only the todos it owns (the rules require `owner` = `sub`).
+pub const USERS: [&str; 3] = ["ada", "grace", "linus"];
+/// How long a demo token is valid.
+pub const TOKEN_TTL_SECONDS: u64 = 3600;
+/// Longest title the endpoints accept.
+const MAX_TITLE_CHARS: usize = 200;
+/// Columns the "add a column" button adds, in order; after these, `extra_<n>` text columns.
+const COLUMNS: [(&str, &str); 3] = [
+    ("priority", "integer NOT NULL DEFAULT 3"),
+    ("tag", "text NOT NULL DEFAULT 'inbox'"),
+    ("estimate_minutes", "integer NOT NULL DEFAULT 25"),
+];
+
+/// Signs a demo token for a user (`sub`) valid for `ttl_seconds`.
+pub type TokenSigner = Arc<dyn Fn(&str, u64) -> Result<String, String> + Send + Sync>;
+
+/// What the routes need.
+pub struct DemoState {
+    /// The page: `index.html`, its script and stylesheet, the committed screenshot.
+    pub web_dir: PathBuf,
+    /// The built npm package (`bindings-wasm/dist`), served under `/pkg/`.
+    pub package_dir: PathBuf,
+    pub postgres: Arc<tokio_postgres::Client>,
+    pub sign: TokenSigner,
+}
+
+/// The routes: `/` (the page), `/demo/<file>`, `/pkg/<path>`, `/demo/token`, `/demo/todos…`,
+/// `/demo/columns`.
+pub fn router(state: Arc<DemoState>) -> Router {
+    Router::new()
+        .route("/", get(index))
+        .route("/demo/token", get(token))
+        .route("/demo/todos", post(add_todo))
+        .route("/demo/todos/{id}", patch(change_todo).delete(delete_todo))
+        .route("/demo/columns", post(add_column))
+        .route("/demo/{file}", get(page_file))
+        .route("/pkg/{*path}", get(package_file))
+        .with_state(state)
+}
+
+/// A failed demo request: a status and a sentence for the page.
+#[derive(Debug)]
+struct Failure(StatusCode, String);
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+impl From<tokio_postgres::Error> for Failure {
+    fn from(error: tokio_postgres::Error) -> Self {
+        tracing::warn!(%error, "demo write failed");
+        Failure(
+            StatusCode::BAD_GATEWAY,
+            format!("The upstream Postgres refused the write: {error}"),
+        )
+    }
+}
+
+fn bad_request(message: String) -> Failure {
+    Failure(StatusCode::BAD_REQUEST, message)
+}
+
+async fn index(State(state): State<Arc<DemoState>>) -> Response {
+    send_file(&state.web_dir, "index.html").await
+}
+
+async fn page_file(State(state): State<Arc<DemoState>>, Path(file): Path<String>) -> Response {
+    if !is_plain_name(&file) {
+        return not_found();
+    }
+    send_file(&state.web_dir, &file).await
+}
+
+async fn package_file(State(state): State<Arc<DemoState>>, Path(path): Path<String>) -> Response {
+    // Only plain names below the package directory: no `..`, no hidden files, no absolute paths.
+    if path.is_empty() || !path.split('/').all(is_plain_name) {
+        return not_found();
+    }
+    send_file(&state.package_dir, &path).await
+}
+
+/// `[A-Za-z0-9_.-]+`, not starting with a dot.
+fn is_plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+fn content_type(path: &str) -> &'static str {
+    match path.rsplit('.').next() {
+        Some("html") => "text/html; charset=utf-8",
+        Some("css") => "text/css; charset=utf-8",
+        Some("js" | "mjs") => "text/javascript; charset=utf-8",
+        Some("wasm") => "application/wasm",
+        Some("json" | "map") => "application/json",
+        Some("png") => "image/png",
+        Some("svg") => "image/svg+xml",
+        _ => "application/octet-stream",
+    }
+}
+
+async fn send_file(dir: &FsPath, relative: &str) -> Response {
+    match tokio::fs::read(dir.join(relative)).await {
+        Ok(bytes) => (
+            [
+                (header::CONTENT_TYPE, content_type(relative)),
+                (header::CACHE_CONTROL, "no-cache"),
+            ],
+            bytes,
+        )
+            .into_response(),
+        Err(_) => not_found(),
+    }
+}
+
+fn not_found() -> Response {
+    (StatusCode::NOT_FOUND, "Not found").into_response()
+}
+
+fn check_user(owner: &str) -> Result<(), Failure> {
+    if USERS.contains(&owner) {
+        Ok(())
+    } else {
+        Err(bad_request(format!(
+            "Expected a demo user ({}), found {owner:?}.",
+            USERS.join(", ")
+        )))
+    }
+}
+
+fn check_title(title: &str) -> Result<(), Failure> {
+    let length = title.trim().chars().count();
+    if length == 0 || length > MAX_TITLE_CHARS {
+        return Err(bad_request(format!(
+            "Expected a title of 1 to {MAX_TITLE_CHARS} characters, found {length}."
+        )));
+    }
+    Ok(())
+}
+
+#[derive(Deserialize)]
+struct TokenQuery {
+    sub: String,
+}
+
+/// `GET /demo/token?sub=ada` → `{token, sub, expiresInSeconds}`.
+async fn token(
+    State(state): State<Arc<DemoState>>,
+    Query(query): Query<TokenQuery>,
+) -> Result<Json<serde_json::Value>, Failure> {
+    check_user(&query.sub)?;
+    let token = (state.sign)(&query.sub, TOKEN_TTL_SECONDS)
+        .map_err(|e| Failure(StatusCode::INTERNAL_SERVER_ERROR, e))?;
+    Ok(Json(json!({
+        "token": token,
+        "sub": query.sub,
+        "expiresInSeconds": TOKEN_TTL_SECONDS,
+    })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewTodo {
+    owner: String,
+    title: String,
+}
+
+/// `POST /demo/todos {owner, title}` → 201 `{id}`.
+async fn add_todo(
+    State(state): State<Arc<DemoState>>,
+    Json(todo): Json<NewTodo>,
+) -> Result<(StatusCode, Json<serde_json::Value>), Failure> {
+    check_user(&todo.owner)?;
+    check_title(&todo.title)?;
+    let row = state
+        .postgres
+        .query_one(
+            "INSERT INTO todos (owner, title) VALUES ($1, $2) RETURNING id",
+            &[&todo.owner, &todo.title.trim()],
+        )
+        .await?;
+    let id: i64 = row.get(0);
+    Ok((StatusCode::CREATED, Json(json!({ "id": id }))))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TodoChange {
+    title: Option<String>,
+    done: Option<bool>,
+    owner: Option<String>,
+}
+
+/// `PATCH /demo/todos/{id} {title?, done?, owner?}`: rename, complete, reassign.
+async fn change_todo(
+    State(state): State<Arc<DemoState>>,
+    Path(id): Path<i64>,
+    Json(change): Json<TodoChange>,
+) -> Result<Json<serde_json::Value>, Failure> {
+    if change.title.is_none() && change.done.is_none() && change.owner.is_none() {
+        return Err(bad_request(
+            "Expected at least one of title, done or owner, found none.".to_owned(),
+        ));
+    }
+    if let Some(owner) = &change.owner {
+        check_user(owner)?;
+    }
+    if let Some(title) = &change.title {
+        check_title(title)?;
+    }
+    let title = change.title.as_deref().map(str::trim);
+    let changed = state
+        .postgres
+        .execute(
+            "UPDATE todos SET title = COALESCE($2, title), done = COALESCE($3, done),
+                 owner = COALESCE($4, owner), updated_at = now()
+             WHERE id = $1",
+            &[&id, &title, &change.done, &change.owner],
+        )
+        .await?;
+    if changed == 0 {
+        return Err(Failure(StatusCode::NOT_FOUND, format!("No todo {id}.")));
+    }
+    Ok(Json(json!({ "id": id })))
+}
+
+/// `DELETE /demo/todos/{id}`.
+async fn delete_todo(
+    State(state): State<Arc<DemoState>>,
+    Path(id): Path<i64>,
+) -> Result<StatusCode, Failure> {
+    let deleted = state
+        .postgres
+        .execute("DELETE FROM todos WHERE id = $1", &[&id])
+        .await?;
+    if deleted == 0 {
+        return Err(Failure(StatusCode::NOT_FOUND, format!("No todo {id}.")));
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /demo/columns` → `{column}`: adds the next demo column to `todos` upstream, with a
+/// default, so every existing row gains a value and the replica backfills it.
+async fn add_column(
+    State(state): State<Arc<DemoState>>,
+) -> Result<Json<serde_json::Value>, Failure> {
+    let existing: Vec<String> = state
+        .postgres
+        .query(
+            "SELECT column_name::text FROM information_schema.columns
+             WHERE table_schema = current_schema() AND table_name = 'todos'",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let (column, definition) = next_column(&existing);
+    // Both parts come from this file, never from the request.
+    state
+        .postgres
+        .batch_execute(&format!(
+            "ALTER TABLE todos ADD COLUMN IF NOT EXISTS {column} {definition}"
+        ))
+        .await?;
+    Ok(Json(json!({ "column": column })))
+}
+
+/// The first demo column `todos` lacks.
+fn next_column(existing: &[String]) -> (String, String) {
+    let has = |name: &str| existing.iter().any(|c| c == name);
+    if let Some((name, definition)) = COLUMNS.iter().find(|(name, _)| !has(name)) {
+        return ((*name).to_owned(), (*definition).to_owned());
+    }
+    let n = (1..)
+        .find(|n| !has(&format!("extra_{n}")))
+        .unwrap_or_default();
+    (
+        format!("extra_{n}"),
+        format!("text NOT NULL DEFAULT 'value {n}'"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_names_exclude_traversal_and_hidden_files() {
+        assert!(is_plain_name("app.js"));
+        assert!(is_plain_name("highwater_wasm_bg.wasm"));
+        for bad in ["", "..", ".env", "a/b", "a\\b", "%2e%2e", "a b"] {
+            assert!(!is_plain_name(bad), "{bad:?} must be refused");
+        }
+    }
+
+    #[test]
+    fn wasm_is_served_as_application_wasm() {
+        // instantiateStreaming refuses any other type.
+        assert_eq!(
+            content_type("wasm/highwater_wasm_bg.wasm"),
+            "application/wasm"
+        );
+        assert_eq!(content_type("web.js"), "text/javascript; charset=utf-8");
+    }
+
+    #[test]
+    fn columns_are_added_in_order_then_numbered() {
+        let mut existing = vec!["id".to_owned(), "owner".to_owned()];
+        for expected in ["priority", "tag", "estimate_minutes", "extra_1", "extra_2"] {
+            let (column, _) = next_column(&existing);
+            assert_eq!(column, expected);
+            existing.push(column);
+        }
+    }
+
+    #[test]
+    fn only_demo_users_and_sane_titles_pass() {
+        assert!(check_user("ada").is_ok());
+        assert!(check_user("eve").is_err());
+        assert!(check_title("Buy milk").is_ok());
+        assert!(check_title("   ").is_err());
+        assert!(check_title(&"x".repeat(MAX_TITLE_CHARS + 1)).is_err());
+    }
+}

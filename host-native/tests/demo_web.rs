@@ -1,0 +1,281 @@
+//! `highwater demo`'s web side as the page uses it: the page and package routes, demo tokens for
+//! the demo users only, and the write endpoints landing in the upstream Postgres.
+
+use std::io::{Read as _, Write as _};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use futures::{SinkExt as _, StreamExt as _};
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::Message;
+
+const BIN: &str = env!("CARGO_BIN_EXE_highwater");
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Stops the demo on drop, so a failing test leaves no server behind.
+struct Demo {
+    child: Child,
+    port: u16,
+    upstream: String,
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill")
+                .arg(self.child.id().to_string())
+                .status();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Demo {
+    fn start() -> Demo {
+        let port = free_port();
+        let mut child = Command::new(BIN)
+            .args([
+                "demo",
+                "--port",
+                &port.to_string(),
+                "--writes-per-second",
+                "0",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("demo starts");
+        // The header names the upstream; read until that line.
+        let mut stdout = child.stdout.take().expect("stdout");
+        let mut text = String::new();
+        let mut byte = [0u8; 1];
+        let upstream = loop {
+            if let Some(line) = text
+                .lines()
+                .find(|l| l.trim_start().starts_with("upstream"))
+            {
+                if text.ends_with('\n') {
+                    break line.split_whitespace().nth(1).expect("a URL").to_owned();
+                }
+            }
+            match stdout.read(&mut byte) {
+                Ok(1) => text.push(byte[0] as char),
+                _ => panic!("the demo ended its output early: {text}"),
+            }
+        };
+        assert!(
+            text.starts_with(&format!("Highwater demo: http://127.0.0.1:{port}/\n")),
+            "the page URL comes first: {text}"
+        );
+        // Keep draining stdout so the demo never blocks on a full pipe.
+        std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+        let demo = Demo {
+            child,
+            port,
+            upstream,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while demo.request("GET", "/health", None).0 != 200 {
+            assert!(Instant::now() < deadline, "the demo never served /health");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        demo
+    }
+
+    /// One HTTP/1.1 request; the status and the body.
+    fn request(&self, method: &str, path: &str, json: Option<&Value>) -> (u16, String) {
+        let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port)) else {
+            return (0, String::new());
+        };
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
+        let body = json.map(Value::to_string).unwrap_or_default();
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        if stream.write_all(request.as_bytes()).is_err() {
+            return (0, String::new());
+        }
+        let mut response = String::new();
+        if stream.read_to_string(&mut response).is_err() {
+            return (0, String::new());
+        }
+        let status = response
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let body = response
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        (status, body)
+    }
+
+    fn json(&self, method: &str, path: &str, json: Option<&Value>) -> (u16, Value) {
+        let (status, body) = self.request(method, path, json);
+        (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+    }
+
+    /// Subscribes `todos` where `owner` with `token` on a new `/sync` socket; the first frame
+    /// that ends the subscribe (`channel-subscribed` or `channel-error`).
+    fn subscribe(&self, owner: &str, token: &str) -> Value {
+        let url = format!("ws://127.0.0.1:{}/sync", self.port);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let (mut socket, _) = tokio_tungstenite::connect_async(url).await.expect("/sync");
+            let subscribe = json!({
+                "type": "channel-subscribe", "subscriptionId": "s1", "channelType": "velocious-sync",
+                "params": {"resourceType": "todos", "conditions": {"owner": owner},
+                           "authenticationToken": token}});
+            socket
+                .send(Message::Text(subscribe.to_string().into()))
+                .await
+                .expect("send");
+            loop {
+                let frame = tokio::time::timeout(Duration::from_secs(20), socket.next())
+                    .await
+                    .expect("an answer in time")
+                    .expect("an open socket")
+                    .expect("a frame");
+                let Message::Text(text) = frame else { continue };
+                let frame: Value = serde_json::from_str(text.as_str()).expect("JSON");
+                if matches!(
+                    frame["type"].as_str(),
+                    Some("channel-subscribed" | "channel-error")
+                ) {
+                    return frame;
+                }
+            }
+        })
+    }
+
+    fn sql(&self, query: &str) -> Vec<tokio_postgres::Row> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let (client, connection) =
+                tokio_postgres::connect(&self.upstream, tokio_postgres::NoTls)
+                    .await
+                    .expect("connect upstream");
+            tokio::spawn(connection);
+            client.query(query, &[]).await.expect("query")
+        })
+    }
+}
+
+#[test]
+fn demo_serves_the_page_tokens_and_writes_into_postgres() {
+    let demo = Demo::start();
+
+    // The page at `/` (in front of serve's own `/`), its files, and nothing outside them.
+    let (status, page) = demo.request("GET", "/", None);
+    assert_eq!(status, 200);
+    assert!(page.contains("/demo/app.js"), "{page}");
+    assert_eq!(demo.request("GET", "/demo/style.css", None).0, 200);
+    assert_eq!(demo.request("GET", "/demo/..%2fREADME.md", None).0, 404);
+    assert_eq!(demo.request("GET", "/pkg/.hidden", None).0, 404);
+    // serve's routes still answer behind the demo's.
+    assert_eq!(
+        demo.request("GET", "/keepalive", None),
+        (200, "OK".to_owned())
+    );
+
+    // Tokens for the demo users only, with their `sub`.
+    let (status, token) = demo.json("GET", "/demo/token?sub=grace", None);
+    assert_eq!(status, 200, "{token}");
+    let jwt = token["token"].as_str().expect("a token");
+    let payload = jwt.split('.').nth(1).expect("three parts");
+    let claims: Value = serde_json::from_slice(
+        &base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(payload)
+            .expect("base64url"),
+    )
+    .expect("JSON claims");
+    assert_eq!(claims["sub"], "grace");
+    assert!(claims["exp"].as_u64() > claims["iat"].as_u64(), "{claims}");
+    assert_eq!(demo.json("GET", "/demo/token?sub=eve", None).0, 400);
+
+    // Scope sync is on with the demo rules: the token opens its own user's todos only.
+    assert_eq!(demo.subscribe("grace", jwt)["type"], "channel-subscribed");
+    let refused = demo.subscribe("ada", jwt);
+    assert_eq!(
+        (refused["type"].as_str(), refused["code"].as_str()),
+        (Some("channel-error"), Some("forbidden")),
+        "{refused}"
+    );
+    assert_eq!(
+        demo.subscribe("grace", "not-a-token")["code"],
+        "auth-invalid"
+    );
+
+    // Add, complete, rename, reassign, delete: each lands in Postgres.
+    let (status, added) = demo.json(
+        "POST",
+        "/demo/todos",
+        Some(&serde_json::json!({"owner": "ada", "title": "  From the test  "})),
+    );
+    assert_eq!(status, 201, "{added}");
+    let id = added["id"].as_i64().expect("an id");
+    let row = |id: i64| {
+        demo.sql(&format!(
+            "SELECT owner, title, done FROM todos WHERE id = {id}"
+        ))
+        .first()
+        .map(|r| {
+            (
+                r.get::<_, String>(0),
+                r.get::<_, String>(1),
+                r.get::<_, bool>(2),
+            )
+        })
+    };
+    assert_eq!(row(id), Some(("ada".into(), "From the test".into(), false)));
+    let path = format!("/demo/todos/{id}");
+    let change = |body: Value| demo.json("PATCH", &path, Some(&body)).0;
+    assert_eq!(change(serde_json::json!({"done": true})), 200);
+    assert_eq!(change(serde_json::json!({"title": "Renamed"})), 200);
+    assert_eq!(change(serde_json::json!({"owner": "linus"})), 200);
+    assert_eq!(row(id), Some(("linus".into(), "Renamed".into(), true)));
+    assert_eq!(change(serde_json::json!({"owner": "eve"})), 400);
+    assert_eq!(change(serde_json::json!({})), 400);
+    assert_eq!(change(serde_json::json!({"title": ""})), 400);
+    assert_eq!(
+        demo.json(
+            "POST",
+            "/demo/todos",
+            Some(&serde_json::json!({"owner": "ada", "title": "x", "secret": 1}))
+        )
+        .0,
+        422,
+        "unknown fields are refused"
+    );
+    assert_eq!(demo.request("DELETE", &path, None).0, 204);
+    assert_eq!(row(id), None);
+    assert_eq!(demo.request("DELETE", &path, None).0, 404);
+
+    // Each click adds the next column, with a default every row then holds.
+    let (status, column) = demo.json("POST", "/demo/columns", None);
+    assert_eq!((status, column["column"].as_str()), (200, Some("priority")));
+    let (_, column) = demo.json("POST", "/demo/columns", None);
+    assert_eq!(column["column"], "tag");
+    let missing =
+        demo.sql("SELECT count(*) FROM todos WHERE priority IS DISTINCT FROM 3 OR tag <> 'inbox'");
+    assert_eq!(missing[0].get::<_, i64>(0), 0);
+}

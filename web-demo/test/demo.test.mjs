@@ -1,0 +1,166 @@
+// The web demo in headless Chromium against a real `highwater demo` (private Postgres, scope
+// sync, the built npm package). Needs `scripts/build-wasm` and the `highwater` binary built.
+import assert from "node:assert/strict";
+import { after, before, describe, test } from "node:test";
+import { Demo, launchBrowser, screenshotPath, until } from "./support.mjs";
+
+const WAIT = 20_000;
+
+let demo;
+let browser;
+let context;
+let page;
+
+/** The rows the page holds in a scope, from its client. */
+const rows = (key = "all") =>
+  page.evaluate((key) => window.demo.scopes.find((s) => s.key === key).sub.rows().map((r) => ({ ...r })), key);
+const cursorSequence = () => page.evaluate(() => window.demo.scopes[0].sub.cursor?.serverSequence ?? null);
+const titlesOnPage = () => page.$$eval('[data-scope="all"] .rows .title', (els) => els.map((e) => e.textContent));
+
+async function openPage(query = "?user=ada") {
+  page.removeAllListeners("pageerror");
+  page.on("pageerror", (error) => console.log(`# page error: ${error.message}`));
+  await page.goto(`${demo.url}${query}`);
+  await page.waitForSelector('html[data-wasm="ready"]', { timeout: WAIT });
+}
+
+async function waitLive() {
+  await page.waitForSelector('[data-scope="all"][data-origin="live"]', { timeout: WAIT });
+}
+
+describe("web demo", { timeout: 240_000 }, () => {
+  before(async () => {
+    demo = await Demo.start();
+    browser = await launchBrowser();
+    context = await browser.newContext({ viewport: { width: 1280, height: 900 } });
+    page = await context.newPage();
+  });
+
+  after(async () => {
+    await browser?.close();
+    await demo?.stop();
+  });
+
+  test("the page loads, the WebAssembly is ready and ada's seed rows are live", async () => {
+    await openPage();
+    await waitLive();
+    const held = await until("ada's five seed rows", async () => {
+      const r = await rows();
+      return r.length >= 5 && r;
+    }, WAIT);
+    assert.ok(held.every((r) => r.owner === "ada"), "a scope for ada holds only ada's rows");
+    assert.equal(await page.textContent("#status-text"), "Live");
+    assert.equal(await page.$$eval('[data-scope="all"] .rows li', (els) => els.length), held.length);
+  });
+
+  test("a row inserted directly in Postgres appears", async () => {
+    const title = `Inserted by psql ${Date.now()}`;
+    demo.sql(`INSERT INTO todos (owner, title) VALUES ('ada', '${title}');`);
+    await until("the psql row on the page", async () => (await titlesOnPage()).includes(title), WAIT);
+    demo.sql(`INSERT INTO todos (owner, title) VALUES ('grace', 'Not for ada ${title}');`);
+    await new Promise((r) => setTimeout(r, 1000));
+    assert.ok(!(await titlesOnPage()).some((t) => t.startsWith("Not for ada")), "grace's row stays out of ada's scope");
+  });
+
+  test("offline, 100 upstream writes, online: all 100 arrive exactly once, replayed from the cursor", async () => {
+    await waitLive();
+    const before = await cursorSequence();
+    assert.notEqual(before, null, "the scope has a cursor before going offline");
+    await page.click("#offline");
+    await page.waitForSelector('#status[data-state="offline"]', { timeout: WAIT });
+
+    const statements = Array.from({ length: 100 }, (_, i) => `INSERT INTO todos (owner, title) VALUES ('ada', 'Offline write ${i}');`);
+    demo.sql(statements.join("\n"));
+    // The server has them: wait until the replica is past them, with the page still offline.
+    await new Promise((r) => setTimeout(r, 1500));
+    assert.equal((await rows()).filter((r) => r.title.startsWith("Offline write")).length, 0, "nothing arrives while offline");
+
+    await page.click("#offline");
+    await until("all 100 offline writes", async () => (await rows()).filter((r) => r.title.startsWith("Offline write")).length >= 100, WAIT);
+    await waitLive();
+    const held = await rows();
+    const titles = held.filter((r) => r.title.startsWith("Offline write")).map((r) => r.title);
+    assert.equal(titles.length, 100);
+    assert.equal(new Set(titles).size, 100, "each write exactly once");
+    const ids = held.map((r) => String(r.id));
+    assert.equal(new Set(ids).size, ids.length, "no row twice in the scope");
+    const domTitles = (await titlesOnPage()).filter((t) => t.startsWith("Offline write"));
+    assert.equal(domTitles.length, 100, "the list shows each once");
+    const afterSequence = await cursorSequence();
+    assert.ok(afterSequence > before, `the cursor advanced (${before} → ${afterSequence})`);
+    const replayed = await until("the resume to be counted", () =>
+      page.evaluate(() => window.demo.scopes[0].sub.replayedOnLastResume || null), WAIT);
+    assert.equal(replayed, 100, "the resume replays only the missed rows");
+    assert.equal(await page.getAttribute('[data-scope="all"]', "data-replayed"), "100");
+  });
+
+  test("add, complete, rename and delete through the page, each with its round trip", async () => {
+    const title = `Typed in the page ${Date.now()}`;
+    await page.fill('[data-scope="all"] .add input', title);
+    await page.press('[data-scope="all"] .add input', "Enter");
+    const added = await until("the added row", async () => (await rows()).find((r) => r.title === title), WAIT);
+    await until("a timed round trip", async () => /Added “.*”\d+ ms/.test(await page.textContent("#log")), WAIT);
+    assert.match(await page.textContent("#latency"), /^\d+ ms$/);
+    assert.equal(demo.sql(`SELECT owner FROM todos WHERE id = ${added.id};`), "ada");
+
+    const item = `[data-scope="all"] li[data-id="${added.id}"]`;
+    await page.click(`${item} input[type="checkbox"]`);
+    await until("the row done", async () => (await rows()).find((r) => r.id === added.id)?.done === true, WAIT);
+
+    await page.click(`${item} button[title="Rename"]`);
+    await page.fill(`${item} input.rename`, `${title} (renamed)`);
+    await page.press(`${item} input.rename`, "Enter");
+    await until("the new title", async () => (await rows()).find((r) => r.id === added.id)?.title === `${title} (renamed)`, WAIT);
+
+    await page.click(`${item} button[title="Delete"]`);
+    await until("the row gone", async () => !(await rows()).some((r) => r.id === added.id), WAIT);
+    assert.equal(demo.sql(`SELECT count(*) FROM todos WHERE id = ${added.id};`), "0");
+  });
+
+  test("a reassigned row leaves the list", async () => {
+    const [row] = (await rows()).filter((r) => r.title.startsWith("Offline write"));
+    await page.selectOption(`[data-scope="all"] li[data-id="${row.id}"] select.owner`, "grace");
+    await until("the moved row gone from ada's scope", async () => !(await rows()).some((r) => r.id === row.id), WAIT);
+    assert.equal(await page.$(`[data-scope="all"] li[data-id="${row.id}"]`), null);
+    assert.equal(demo.sql(`SELECT owner FROM todos WHERE id = ${row.id};`), "grace");
+  });
+
+  test("a reload shows the rows from IndexedDB before reconnecting", async () => {
+    const held = (await rows()).map((r) => r.id).sort();
+    // Hold every /sync socket: the page opens it, the server never hears of it.
+    await page.routeWebSocket(/\/sync$/, () => {});
+    await page.reload();
+    await page.waitForSelector('html[data-wasm="ready"]', { timeout: WAIT });
+    await until("the cached rows", async () => {
+      const now = await rows();
+      return now.length === held.length;
+    }, WAIT);
+    assert.deepEqual((await rows()).map((r) => r.id).sort(), held, "the same rows, from IndexedDB");
+    assert.equal(await page.getAttribute('[data-scope="all"]', "data-origin"), "cached");
+    assert.equal((await titlesOnPage()).length, held.length);
+    assert.notEqual(await page.getAttribute("#status", "data-state"), "closed");
+    // The rest runs on a page whose socket reaches the server.
+    await page.close();
+    page = await context.newPage();
+  });
+
+  test("a column added upstream arrives in every row by backfill", async () => {
+    await openPage();
+    await waitLive();
+    await page.click("#add-column");
+    await page.waitForSelector('#backfill[data-complete="true"]', { timeout: WAIT });
+    const held = await rows();
+    assert.ok(held.length > 0);
+    assert.ok(held.every((r) => r.priority === 3), "every row has the new column's default");
+  });
+
+  test("a screenshot of the live page is saved", async () => {
+    await page.check("#second");
+    await page.waitForSelector('[data-scope="open"][data-origin="live"]', { timeout: WAIT });
+    const open = await rows("open");
+    assert.ok(open.every((r) => r.done === false), "the second scope holds only open todos");
+    const path = screenshotPath("demo.png");
+    await page.screenshot({ path, fullPage: false });
+    console.log(`# screenshot: ${path}`);
+  });
+});
