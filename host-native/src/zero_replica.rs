@@ -30,25 +30,17 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use bytes::Bytes;
 use highwater_engine::change_stream::{IndexDirection, PgTypeClass};
 use highwater_engine::watermark::Watermark;
-use http_body_util::{BodyExt, Empty};
-use hyper::header::{AUTHORIZATION, CONTENT_LENGTH, HOST};
-use hyper::{Request, StatusCode, Uri};
-use hyper_util::rt::TokioIo;
 use rusqlite::types::Value as SqlValue;
 use rusqlite::{params, params_from_iter, Connection};
-use tokio::io::AsyncWriteExt;
 
 use crate::replica::schema::{
     self, quote_ident, replica_index_name, ReplicaColumn, ReplicaTable, UpstreamIndex,
 };
 use crate::replica::{Replica, ReplicaError};
-use crate::serve::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
-
-/// The environment variable holding the replication token when no file is given.
-pub const REPLICATION_TOKEN_ENV: &str = "HIGHWATER_REPLICATION_TOKEN";
+use crate::serve::snapshot_download::{self, DownloadError};
+use crate::serve::{load_token, ReplicationToken, TokenError};
 
 /// Zero's replica schema version that this layout is (`schemaVersionMigrationMap` in Zero
 /// 1.9's `replica-schema.js`: v13); a later Zero migrates it forward as it migrates its own.
@@ -122,7 +114,7 @@ pub enum ZeroReplicaError {
     )]
     HeaderMismatch { header: String, actual: String },
     #[error("cannot read the replication token: {0}")]
-    Token(String),
+    Token(#[from] TokenError),
 }
 
 /// Runs `highwater zero-replica`.
@@ -131,7 +123,7 @@ pub fn run(args: ZeroReplicaArgs) -> anyhow::Result<()> {
     let exported = match (&args.from, &args.snapshot) {
         (_, Some(snapshot)) => export(snapshot, &args.out)?,
         (Some(from), None) => {
-            let token = read_token(args.replication_token_file.as_deref())?;
+            let token = load_token(args.replication_token_file.as_deref())?;
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
@@ -148,38 +140,6 @@ pub fn run(args: ZeroReplicaArgs) -> anyhow::Result<()> {
         exported.rows
     );
     Ok(())
-}
-
-/// A replication token; never printed.
-pub struct Token(String);
-
-impl std::fmt::Debug for Token {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Token(…)")
-    }
-}
-
-impl Token {
-    pub fn new(value: impl Into<String>) -> Token {
-        Token(value.into())
-    }
-}
-
-/// The token from `file`, else from HIGHWATER_REPLICATION_TOKEN, else none.
-pub fn read_token(file: Option<&Path>) -> Result<Option<Token>, ZeroReplicaError> {
-    let value = match file {
-        Some(path) => Some(std::fs::read_to_string(path).map_err(|e| {
-            ZeroReplicaError::Token(format!("cannot read {}: {e}", path.display()))
-        })?),
-        None => std::env::var(REPLICATION_TOKEN_ENV).ok(),
-    };
-    match value.map(|v| v.trim().to_owned()) {
-        None => Ok(None),
-        Some(v) if v.is_empty() => Err(ZeroReplicaError::Token(
-            "expected a token, got an empty one".to_owned(),
-        )),
-        Some(v) => Ok(Some(Token(v))),
-    }
 }
 
 /// The snapshot URL of a Highwater at `base` (`http://host:port`, `ws://host:port`, or the
@@ -202,13 +162,18 @@ pub fn snapshot_url(base: &str) -> String {
 pub async fn export_from(
     base: &str,
     out: &Path,
-    token: Option<&Token>,
+    token: Option<&ReplicationToken>,
 ) -> Result<Exported, ZeroReplicaError> {
     refuse_existing(out)?;
     let url = snapshot_url(base);
     let download = sibling(out, "download");
     let _cleanup = RemoveOnDrop(download.clone());
-    let headers = download_to(&url, &download, token).await?;
+    let headers = snapshot_download::download(&url, &download, token)
+        .await
+        .map_err(|error| match error {
+            DownloadError::Failed { url, reason } => ZeroReplicaError::Download { url, reason },
+            DownloadError::Io(error) => ZeroReplicaError::Io(error),
+        })?;
     let out = out.to_owned();
     let exported = tokio::task::spawn_blocking(move || export(&download, &out))
         .await
@@ -660,105 +625,6 @@ fn index_sql(
     )
 }
 
-#[derive(Debug, Default)]
-struct SnapshotHeaders {
-    watermark: Option<String>,
-    replica_version: Option<String>,
-}
-
-/// `GET url` into `path` over plain HTTP/1.1, with the token as `Authorization: Bearer`.
-async fn download_to(
-    url: &str,
-    path: &Path,
-    token: Option<&Token>,
-) -> Result<SnapshotHeaders, ZeroReplicaError> {
-    let failed = |reason: String| ZeroReplicaError::Download {
-        url: url.to_owned(),
-        reason,
-    };
-    let uri: Uri = url
-        .parse()
-        .map_err(|e| failed(format!("expected an http:// URL: {e}")))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(failed(format!(
-            "expected an http:// URL, found scheme {:?}",
-            uri.scheme_str().unwrap_or("")
-        )));
-    }
-    let authority = uri
-        .authority()
-        .ok_or_else(|| failed("expected a host in the URL".to_owned()))?
-        .clone();
-    let port = authority.port_u16().unwrap_or(80);
-    let stream = tokio::net::TcpStream::connect((authority.host(), port))
-        .await
-        .map_err(|e| failed(format!("cannot connect: {e}")))?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    let connection = tokio::spawn(connection);
-    let path_and_query = uri.path_and_query().map_or("/", |p| p.as_str());
-    let mut request = Request::get(path_and_query)
-        .header(HOST, authority.as_str())
-        .body(Empty::<Bytes>::new())
-        .map_err(|e| failed(e.to_string()))?;
-    if let Some(Token(token)) = token {
-        let value =
-            hyper::header::HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| {
-                ZeroReplicaError::Token("expected a token of visible ASCII characters".to_owned())
-            })?;
-        request.headers_mut().insert(AUTHORIZATION, value);
-    }
-    let mut response = sender
-        .send_request(request)
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    if response.status() != StatusCode::OK {
-        let status = response.status();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-            .unwrap_or_default();
-        return Err(failed(format!(
-            "expected 200 OK, found {status}: {}",
-            body.chars().take(200).collect::<String>()
-        )));
-    }
-    let header = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
-    let headers = SnapshotHeaders {
-        watermark: header(WATERMARK_HEADER),
-        replica_version: header(REPLICA_VERSION_HEADER),
-    };
-    let length = header(CONTENT_LENGTH.as_str()).and_then(|v| v.parse::<u64>().ok());
-    let mut file = tokio::fs::File::create(path).await?;
-    let mut received = 0u64;
-    let body = response.body_mut();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| failed(e.to_string()))?;
-        if let Ok(data) = frame.into_data() {
-            file.write_all(&data).await?;
-            received += data.len() as u64;
-        }
-    }
-    file.sync_all().await?;
-    drop(file);
-    connection.abort();
-    if let Some(length) = length.filter(|&l| l != received) {
-        return Err(failed(format!(
-            "expected {length} bytes, received {received}"
-        )));
-    }
-    Ok(headers)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1130,22 +996,6 @@ mod tests {
     }
 
     #[test]
-    fn the_token_file_is_read_trimmed_and_an_empty_one_is_refused() {
-        let dir = Scratch::new("token-file");
-        let file = dir.0.join("token");
-        std::fs::write(&file, "  secret-token-0123456789\n").unwrap();
-        let token = read_token(Some(&file)).unwrap().expect("a token");
-        assert_eq!(token.0, "secret-token-0123456789");
-        assert_eq!(format!("{token:?}"), "Token(…)", "never printed");
-        std::fs::write(&file, "\n").unwrap();
-        let error = read_token(Some(&file)).expect_err("empty");
-        assert!(error.to_string().contains("got an empty one"), "{error}");
-        let missing = dir.0.join("missing");
-        let error = read_token(Some(&missing)).expect_err("missing");
-        assert!(error.to_string().contains("cannot read"), "{error}");
-    }
-
-    #[test]
     fn snapshot_urls_from_a_base_url() {
         for base in [
             "http://h:1",
@@ -1163,7 +1013,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let server = tokio::spawn(async move {
-            use tokio::io::AsyncReadExt;
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
             let (mut socket, _) = listener.accept().await.unwrap();
             let mut request = Vec::new();
             let mut buf = [0u8; 1024];
@@ -1182,7 +1032,7 @@ mod tests {
         });
         let dir = Scratch::new("token");
         let out = dir.0.join("zero.db");
-        let token = Token::new("secret-token-0123456789");
+        let token = ReplicationToken::new("secret-token-0123456789").expect("a valid token");
         let error = export_from(&format!("http://127.0.0.1:{port}"), &out, Some(&token))
             .await
             .expect_err("refused");

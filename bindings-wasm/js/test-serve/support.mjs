@@ -25,7 +25,8 @@ export const TODOS_DDL =
 export const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 /** Resolves when `check()` (maybe async) is true; throws `what` after `ms`. */
-export async function until(check, what, ms = 20_000) {
+// Generous: a loaded CI machine can stretch a few backoff rounds well past 20 s.
+export async function until(check, what, ms = 60_000) {
   const deadline = Date.now() + ms;
   for (;;) {
     if (await check()) return;

@@ -26,6 +26,7 @@ mod ingest;
 mod relay;
 mod security;
 mod snapshot;
+pub(crate) mod snapshot_download;
 mod source;
 mod startup;
 mod sync;

@@ -7,24 +7,17 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use bytes::Bytes;
 use highwater_engine::change_stream::{
     DownstreamMessage, Extra, ReserveSnapshot, Reserved, UpstreamMessage,
 };
 use highwater_engine::watermark::Watermark;
-use http_body_util::{BodyExt, Empty};
-use hyper::header::{AUTHORIZATION, CONTENT_LENGTH, HOST};
-use hyper::{Request, StatusCode, Uri};
-use hyper_util::rt::TokioIo;
 use rusqlite::Connection;
-use tokio::io::AsyncWriteExt;
 
 use super::upstream::{Incoming, UpstreamConnection};
 use super::{RelayError, Upstream, REPLICA_FILE};
 use crate::change_log::{self, ChangeLogConfig};
 use crate::replica::Replica;
-use crate::serve::security::ReplicationToken;
-use crate::serve::snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
+use crate::serve::snapshot_download::{download, DownloadError, SnapshotHeaders};
 
 /// The snapshot being downloaded; only ever renamed into place once complete and checked.
 pub(super) const RESTORE_FILE: &str = "replica.db.restore";
@@ -68,7 +61,11 @@ pub(super) async fn restore(
     );
     let temp = data.join(RESTORE_FILE);
     // The primary's token opens its snapshot as it opens its change stream.
-    let download = download(&reserved.backup_url, &temp, primary.token.as_ref());
+    let download = async {
+        download(&reserved.backup_url, &temp, primary.token.as_ref())
+            .await
+            .map_err(RelayError::from)
+    };
     let headers = while_reserved(&mut upstream, download).await?;
     let watermark = {
         let temp = temp.clone();
@@ -146,104 +143,6 @@ async fn while_reserved<T>(
             }
         }
     }
-}
-
-/// What the snapshot response said about its content.
-#[derive(Debug, Clone, Default)]
-struct SnapshotHeaders {
-    watermark: Option<String>,
-    replica_version: Option<String>,
-}
-
-/// `GET url` into `path` (created anew, synced). Plain HTTP/1.1: the primary serves it.
-async fn download(
-    url: &str,
-    path: &Path,
-    token: Option<&ReplicationToken>,
-) -> Result<SnapshotHeaders, RelayError> {
-    let failed = |reason: String| RelayError::Download {
-        url: url.to_owned(),
-        reason,
-    };
-    let uri: Uri = url
-        .parse()
-        .map_err(|e| failed(format!("expected an http:// URL: {e}")))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(failed(format!(
-            "expected an http:// URL, found scheme {:?}",
-            uri.scheme_str().unwrap_or("")
-        )));
-    }
-    let authority = uri
-        .authority()
-        .ok_or_else(|| failed("expected a host in the URL".to_owned()))?
-        .clone();
-    let port = authority.port_u16().unwrap_or(80);
-    let stream = tokio::net::TcpStream::connect((authority.host(), port))
-        .await
-        .map_err(|e| failed(format!("cannot connect: {e}")))?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    let connection = tokio::spawn(connection);
-    let path_and_query = uri.path_and_query().map_or("/", |p| p.as_str());
-    let mut request = Request::get(path_and_query)
-        .header(HOST, authority.as_str())
-        .body(Empty::<Bytes>::new())
-        .map_err(|e| failed(e.to_string()))?;
-    if let Some(token) = token {
-        request
-            .headers_mut()
-            .insert(AUTHORIZATION, token.authorization());
-    }
-    let mut response = sender
-        .send_request(request)
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    if response.status() != StatusCode::OK {
-        let status = response.status();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-            .unwrap_or_default();
-        return Err(failed(format!(
-            "expected 200 OK, found {status}: {}",
-            body.chars().take(200).collect::<String>()
-        )));
-    }
-    let header = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
-    let headers = SnapshotHeaders {
-        watermark: header(WATERMARK_HEADER),
-        replica_version: header(REPLICA_VERSION_HEADER),
-    };
-    let length = header(CONTENT_LENGTH.as_str()).and_then(|v| v.parse::<u64>().ok());
-    let mut file = tokio::fs::File::create(path).await?;
-    let mut received = 0u64;
-    let body = response.body_mut();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| failed(e.to_string()))?;
-        if let Ok(data) = frame.into_data() {
-            file.write_all(&data).await?;
-            received += data.len() as u64;
-        }
-    }
-    file.sync_all().await?;
-    drop(file);
-    connection.abort();
-    if let Some(length) = length.filter(|&l| l != received) {
-        return Err(failed(format!(
-            "expected {length} bytes, received {received}"
-        )));
-    }
-    Ok(headers)
 }
 
 /// Checks the downloaded copy against the reservation and seeds its change log: the log takes
@@ -345,4 +244,13 @@ fn replica_files() -> [PathBuf; 3] {
         PathBuf::from(format!("{REPLICA_FILE}-wal")),
         PathBuf::from(format!("{REPLICA_FILE}-shm")),
     ]
+}
+
+impl From<DownloadError> for RelayError {
+    fn from(error: DownloadError) -> Self {
+        match error {
+            DownloadError::Failed { url, reason } => RelayError::Download { url, reason },
+            DownloadError::Io(error) => RelayError::Io(error),
+        }
+    }
 }
