@@ -35,6 +35,8 @@ pub(crate) struct AppState {
     pub replica_path: PathBuf,
     pub snapshot_dir: PathBuf,
     pub ping_interval: Duration,
+    /// Open WebSocket connections, bounded.
+    pub connection_slots: ConnectionSlots,
     /// Scope sync, when `--sync-rules` turned it on.
     pub sync: Option<Arc<sync::SyncHub>>,
     pub peer_auth: super::security::PeerAuth,
@@ -76,6 +78,44 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
         "upstreamPaused": state.hub.inspect(|s| s.is_upstream_paused()),
         "insecureNoAuth": state.insecure_no_auth,
     }))
+}
+
+/// The bound on open WebSocket connections: a slot is taken before the upgrade and given back
+/// when the socket ends; with none free the request gets 503 and no socket.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnectionSlots {
+    slots: Arc<tokio::sync::Semaphore>,
+    max: usize,
+}
+
+impl ConnectionSlots {
+    pub fn new(max: usize) -> ConnectionSlots {
+        let max = max.min(tokio::sync::Semaphore::MAX_PERMITS);
+        ConnectionSlots {
+            slots: Arc::new(tokio::sync::Semaphore::new(max)),
+            max,
+        }
+    }
+
+    /// A slot for one more connection, or the refusal to answer with.
+    fn take(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Response> {
+        self.slots.clone().try_acquire_owned().map_err(|_| {
+            tracing::warn!(
+                max = self.max,
+                "connection limit reached: refusing a WebSocket"
+            );
+            let message = format!(
+                "expected at most {} open connections, and that many are open: try again later",
+                self.max
+            );
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                [(header::RETRY_AFTER, HeaderValue::from_static("5"))],
+                message,
+            )
+                .into_response()
+        })
+    }
 }
 
 /// A change-stream request, validated.
@@ -197,8 +237,16 @@ async fn replication(
         Ok(upgrade) => upgrade,
         Err(rejection) => return rejection.into_response(),
     };
+    let slot = match state.connection_slots.take() {
+        Ok(slot) => slot,
+        Err(refusal) => return refusal,
+    };
     let request = parse_request(requested, endpoint, &query);
+    let upgrade = upgrade
+        .max_message_size(connection::MAX_CLIENT_FRAME_BYTES)
+        .max_frame_size(connection::MAX_CLIENT_FRAME_BYTES);
     upgrade.on_upgrade(move |socket| async move {
+        let _slot = slot;
         match request {
             Err(reason) => {
                 tracing::info!(%reason, "change-stream request rejected");
@@ -233,10 +281,17 @@ async fn scope_sync(
         Ok(upgrade) => upgrade,
         Err(rejection) => return rejection.into_response(),
     };
+    let slot = match state.connection_slots.take() {
+        Ok(slot) => slot,
+        Err(refusal) => return refusal,
+    };
     upgrade
         .max_message_size(sync::MAX_CLIENT_FRAME_BYTES)
         .max_frame_size(sync::MAX_CLIENT_FRAME_BYTES)
-        .on_upgrade(move |socket| hub.run_socket(socket))
+        .on_upgrade(move |socket| async move {
+            let _slot = slot;
+            hub.run_socket(socket).await;
+        })
 }
 
 /// `GET /replica/snapshot`: a consistent copy of the replica, without the change log. The

@@ -71,7 +71,14 @@ impl Harness {
     }
 
     async fn start_with(name: &str, purge_delay: Duration, ping_interval: Duration) -> Harness {
-        Harness::start_full(name, purge_delay, ping_interval, None).await
+        Harness::start_full(
+            name,
+            purge_delay,
+            ping_interval,
+            None,
+            super::DEFAULT_MAX_CONNECTIONS,
+        )
+        .await
     }
 
     /// A harness whose peer endpoints require `token`.
@@ -82,6 +89,7 @@ impl Harness {
             Duration::from_secs(30),
             Duration::from_secs(30),
             Some(token),
+            super::DEFAULT_MAX_CONNECTIONS,
         )
         .await
     }
@@ -91,6 +99,7 @@ impl Harness {
         purge_delay: Duration,
         ping_interval: Duration,
         token: Option<super::ReplicationToken>,
+        max_connections: usize,
     ) -> Harness {
         let dir = TempDir::new(name);
         let mut replica = Replica::open_in_dir(&dir.0).expect("replica");
@@ -126,6 +135,7 @@ impl Harness {
             owner: "test".to_owned(),
             backlog_high_water_bytes: highwater_engine::streamer::DEFAULT_BACKLOG_HIGH_WATER_BYTES,
             backlog_full_timeout_ms: highwater_engine::streamer::DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
+            max_connections,
             backfill_from: None,
             peer_auth: super::security::PeerAuth { token },
             insecure_no_auth: false,
@@ -1029,5 +1039,80 @@ async fn a_backup_subscriber_with_an_old_watermark_gets_an_error_and_the_server_
     );
     let (status, _, _) = http_get(h.addr, "/health").await;
     assert!(status.contains("200"), "{status}");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_frame_closes_that_connection_only_with_1009() {
+    let h = Harness::start("too-big", Duration::from_secs(30)).await;
+    let mut big = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    let mut other = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    big.frame().await;
+    let first = other.frame().await.id().expect("id");
+    other.ack(first).await;
+    // Just over the limit: the frame is refused, not buffered and parsed.
+    let text = "x".repeat(super::connection::MAX_CLIENT_FRAME_BYTES + 1);
+    let _ = big.socket.send(Message::text(text)).await;
+    let (code, reason) = big.closed().await.expect("a close frame");
+    assert_eq!(code, CloseCode::Size, "{reason}");
+    assert!(reason.contains("at most 1 MiB"), "{reason}");
+    // The other subscriber still gets its changes.
+    h.transaction(0x200, &[1], true).await;
+    let messages = other.messages(1).await;
+    assert!(!messages.is_empty());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_are_refused_with_503_until_one_ends() {
+    let h = Harness::start_full(
+        "limit",
+        Duration::from_secs(30),
+        Duration::from_secs(30),
+        None,
+        2,
+    )
+    .await;
+    let url = changes_url(&h, 6, &w(VERSION), &w(VERSION));
+    let mut first = Client::connect(&url).await;
+    let mut second = Client::connect(&url).await;
+    first.frame().await;
+    second.frame().await;
+    let refused = tokio::time::timeout(PROMPT, tokio_tungstenite::connect_async(url.as_str()))
+        .await
+        .expect("answers promptly");
+    match refused {
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+            assert_eq!(response.status(), 503);
+            let body = String::from_utf8_lossy(response.body().as_deref().unwrap_or_default())
+                .into_owned();
+            assert!(
+                body.contains("expected at most 2 open connections"),
+                "{body}"
+            );
+        }
+        other => panic!("expected a 503 refusal, got {other:?}"),
+    }
+    // Plain HTTP is not a WebSocket and is never refused.
+    assert!(http_get(h.addr, "/health").await.0.contains("200"));
+    // Once a connection ends its slot is free again.
+    drop(first);
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    let mut third = loop {
+        match tokio_tungstenite::connect_async(url.as_str()).await {
+            Ok((socket, _)) => break Client { socket },
+            Err(tokio_tungstenite::tungstenite::Error::Http(response))
+                if response.status() == 503 =>
+            {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the slot never came back"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(error) => panic!("expected a connection, got {error}"),
+        }
+    };
+    third.frame().await;
     h.stop().await;
 }
