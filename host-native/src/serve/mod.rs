@@ -500,15 +500,17 @@ async fn run_server(
 
     let state = endpoints::AppState {
         hub: hub.clone(),
-        replica_path: db_path,
-        snapshot_dir: settings.data.join("snapshots"),
+        snapshots: Arc::new(snapshot::Snapshots::new(
+            db_path,
+            settings.data.join("snapshots"),
+        )),
         ping_interval: settings.ping_interval,
         connection_slots: endpoints::ConnectionSlots::new(settings.max_connections),
         sync: sync_hub.clone(),
         peer_auth: settings.peer_auth.clone(),
         insecure_no_auth: settings.insecure_no_auth && settings.peer_auth.token.is_none(),
     };
-    snapshot::clear_dir(&state.snapshot_dir)?;
+    snapshot::clear_dir(&settings.data.join("snapshots"))?;
     let app = endpoints::router(state);
     let server = {
         let hub = hub.clone();

@@ -629,11 +629,12 @@ async fn snapshot_serves_a_consistent_replica_without_the_change_log() {
     for path in ["/", "/keepalive"] {
         assert!(http_get(h.addr, path).await.0.contains("200"));
     }
-    assert!(Path::new(&h.dir.0.join("snapshots"))
+    // Only the snapshot kept for the next request at this watermark is on disk.
+    let kept = Path::new(&h.dir.0.join("snapshots"))
         .read_dir()
         .expect("dir")
-        .next()
-        .is_none());
+        .count();
+    assert_eq!(kept, 1);
     h.stop().await;
 }
 
@@ -1114,5 +1115,48 @@ async fn connections_past_the_limit_are_refused_with_503_until_one_ends() {
         }
     };
     third.frame().await;
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_snapshot_requests_build_one_snapshot() {
+    let h = Harness::start("snapshot-shared", Duration::from_secs(30)).await;
+    h.transaction(0x200, &[1, 2, 3], true).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
+    let addr = h.addr;
+    let requests: Vec<_> = (0..50)
+        .map(|_| tokio::spawn(async move { http_get(addr, "/replica/snapshot").await }))
+        .collect();
+    let mut bodies = Vec::new();
+    for request in requests {
+        let (status, headers, body) = request.await.expect("request task");
+        assert!(status.contains("200"), "{status}");
+        assert_eq!(
+            header(&headers, super::WATERMARK_HEADER),
+            Some(w(0x200).as_str())
+        );
+        bodies.push(body);
+    }
+    assert!(bodies.iter().all(|b| b == &bodies[0] && !b.is_empty()));
+    let (_, _, health) = http_get(h.addr, "/health").await;
+    let health: serde_json::Value = serde_json::from_slice(&health).expect("json");
+    assert_eq!(health["snapshotsBuilt"], 1, "{health}");
+    // At most the one snapshot file is kept on disk.
+    let files = h.dir.0.join("snapshots").read_dir().expect("dir").count();
+    assert!(files <= 1, "{files} snapshot files kept");
+    // A later commit makes the next request build a new one, replacing the old file.
+    h.transaction(0x300, &[4], false).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x300).as_str()).await;
+    let (status, headers, _) = http_get(h.addr, "/replica/snapshot").await;
+    assert!(status.contains("200"), "{status}");
+    assert_eq!(
+        header(&headers, super::WATERMARK_HEADER),
+        Some(w(0x300).as_str())
+    );
+    let (_, _, health) = http_get(h.addr, "/health").await;
+    let health: serde_json::Value = serde_json::from_slice(&health).expect("json");
+    assert_eq!(health["snapshotsBuilt"], 2, "{health}");
+    let files = h.dir.0.join("snapshots").read_dir().expect("dir").count();
+    assert_eq!(files, 1, "the old snapshot file was not removed");
     h.stop().await;
 }
