@@ -55,6 +55,21 @@ impl Drop for TempDir {
     }
 }
 
+/// Limits a harness runs with.
+struct Tuning {
+    max_connections: usize,
+    backlog_high_water_bytes: usize,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            max_connections: super::DEFAULT_MAX_CONNECTIONS,
+            backlog_high_water_bytes: highwater_engine::streamer::DEFAULT_BACKLOG_HIGH_WATER_BYTES,
+        }
+    }
+}
+
 /// A server over a replica synced at [`VERSION`] with no tables, fed by the test.
 struct Harness {
     addr: SocketAddr,
@@ -71,14 +86,7 @@ impl Harness {
     }
 
     async fn start_with(name: &str, purge_delay: Duration, ping_interval: Duration) -> Harness {
-        Harness::start_full(
-            name,
-            purge_delay,
-            ping_interval,
-            None,
-            super::DEFAULT_MAX_CONNECTIONS,
-        )
-        .await
+        Harness::start_full(name, purge_delay, ping_interval, None, Tuning::default()).await
     }
 
     /// A harness whose peer endpoints require `token`.
@@ -89,7 +97,7 @@ impl Harness {
             Duration::from_secs(30),
             Duration::from_secs(30),
             Some(token),
-            super::DEFAULT_MAX_CONNECTIONS,
+            Tuning::default(),
         )
         .await
     }
@@ -99,7 +107,7 @@ impl Harness {
         purge_delay: Duration,
         ping_interval: Duration,
         token: Option<super::ReplicationToken>,
-        max_connections: usize,
+        tuning: Tuning,
     ) -> Harness {
         let dir = TempDir::new(name);
         let mut replica = Replica::open_in_dir(&dir.0).expect("replica");
@@ -133,9 +141,9 @@ impl Harness {
             backup_interval: Duration::from_millis(50),
             ping_interval,
             owner: "test".to_owned(),
-            backlog_high_water_bytes: highwater_engine::streamer::DEFAULT_BACKLOG_HIGH_WATER_BYTES,
+            backlog_high_water_bytes: tuning.backlog_high_water_bytes,
             backlog_full_timeout_ms: highwater_engine::streamer::DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
-            max_connections,
+            max_connections: tuning.max_connections,
             backfill_from: None,
             peer_auth: super::security::PeerAuth { token },
             insecure_no_auth: false,
@@ -1071,7 +1079,10 @@ async fn connections_past_the_limit_are_refused_with_503_until_one_ends() {
         Duration::from_secs(30),
         Duration::from_secs(30),
         None,
-        2,
+        Tuning {
+            max_connections: 2,
+            ..Tuning::default()
+        },
     )
     .await;
     let url = changes_url(&h, 6, &w(VERSION), &w(VERSION));
@@ -1158,5 +1169,52 @@ async fn fifty_concurrent_snapshot_requests_build_one_snapshot() {
     assert_eq!(health["snapshotsBuilt"], 2, "{health}");
     let files = h.dir.0.join("snapshots").read_dir().expect("dir").count();
     assert_eq!(files, 1, "the old snapshot file was not removed");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_that_stops_reading_during_catch_up_blocks_no_checkpoint_or_other_subscriber()
+{
+    let h = Harness::start_full(
+        "slow-catchup",
+        Duration::from_secs(30),
+        Duration::from_secs(30),
+        None,
+        Tuning {
+            backlog_high_water_bytes: 4096,
+            ..Tuning::default()
+        },
+    )
+    .await;
+    // More rows than one catch-up batch holds (2000), so the read must pause between batches.
+    let ids: Vec<u64> = (1..=20).collect();
+    h.transaction(0x200, &ids, true).await;
+    for n in 1..120 {
+        h.transaction(0x200 + n * 0x10, &ids, false).await;
+    }
+    let last = w(0x200 + 119 * 0x10);
+    wait_until(|| stored_last_watermark(&h.db()) == last.as_str()).await;
+    // Catches up from the start, then never reads or acks: its catch-up pauses at the bound.
+    let silent = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Its paused catch-up holds no read transaction: a full checkpoint gets through.
+    let db = h.db();
+    let (busy, _, _): (i64, i64, i64) = db
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .expect("checkpoint");
+    assert_eq!(busy, 0, "the paused catch-up blocked a checkpoint");
+    // Another subscriber catches up the whole log meanwhile.
+    let mut other = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    let mut seen = Vec::new();
+    while seen.last() != Some(&last) {
+        let frame = other.frame().await;
+        let id = frame.id().expect("an application frame");
+        seen.extend(commits(&frame.into_messages()));
+        other.ack(id).await;
+    }
+    assert_eq!(seen.len(), 120);
+    drop(silent);
     h.stop().await;
 }
