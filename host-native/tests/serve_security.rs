@@ -98,3 +98,31 @@ fn the_default_host_is_loopback() {
     assert!(stderr.contains("error connecting to server"), "{stderr}");
     let _ = std::fs::remove_dir_all(&data);
 }
+
+#[test]
+fn tls_needs_both_files_and_refuses_unreadable_ones_before_any_work() {
+    let data = scratch("tls");
+    let output = serve(&data, &["--tls-cert", "/nonexistent/cert.pem"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--tls-key"), "{stderr}");
+    let output = serve(
+        &data,
+        &[
+            "--tls-cert",
+            "/nonexistent/cert.pem",
+            "--tls-key",
+            "/nonexistent/key.pem",
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("cannot use the TLS certificate /nonexistent/cert.pem"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("connecting to server"),
+        "no upstream work: {stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&data);
+}

@@ -30,6 +30,7 @@ mod snapshot;
 mod source;
 mod startup;
 mod sync;
+mod tls;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -59,6 +60,7 @@ pub use security::{
     UPSTREAM_TOKEN_ENV,
 };
 pub use snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
+pub use tls::TlsFileError;
 
 /// Zero's change-streamer port when the sync port is 4848 is 4849; highwater serves both
 /// protocols on one port.
@@ -139,9 +141,17 @@ pub struct ServeArgs {
     /// gets a reset and a full replay.
     #[arg(long, default_value_t = DEFAULT_SYNC_RETENTION_SECS, value_name = "SECONDS")]
     pub sync_retention_secs: u64,
+    /// How long a scope-sync socket may stay over its outbound budget before it is closed
+    /// (1013, "slow consumer").
+    #[arg(long, default_value_t = DEFAULT_SLOW_CONSUMER_MS, hide = true)]
+    pub sync_slow_consumer_ms: u64,
+    /// Boxed: the security options would make every `highwater` command as large as `serve`.
     #[command(flatten)]
-    pub security: SecurityArgs,
+    pub security: Box<SecurityArgs>,
 }
+
+/// A scope-sync client may stay this long over its outbound budget.
+pub const DEFAULT_SLOW_CONSUMER_MS: u64 = 10_000;
 
 /// WebSocket connections served at once by default: each costs a task, buffers and a
 /// backlog up to its bound, so the total stays within a small server's memory.
@@ -171,7 +181,8 @@ impl ServeArgs {
             sync_rules: None,
             sync_secret: SyncSecretArgs::default(),
             sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,
-            security: SecurityArgs::default(),
+            sync_slow_consumer_ms: DEFAULT_SLOW_CONSUMER_MS,
+            security: Box::default(),
         }
     }
 
@@ -184,12 +195,17 @@ impl ServeArgs {
     }
 
     fn public_url(&self) -> String {
+        let scheme = if self.security.tls_cert.is_some() {
+            "https"
+        } else {
+            "http"
+        };
         match &self.public_url {
             Some(url) => url.trim_end_matches('/').to_owned(),
             None if self.host == "0.0.0.0" || self.host == "::" => {
-                format!("http://127.0.0.1:{}", self.port)
+                format!("{scheme}://127.0.0.1:{}", self.port)
             }
-            None => format!("http://{}:{}", self.host, self.port),
+            None => format!("{scheme}://{}:{}", self.host, self.port),
         }
     }
 }
@@ -220,6 +236,8 @@ pub enum ServeError {
     Insecure(#[from] InsecureListen),
     #[error(transparent)]
     Token(#[from] TokenError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsFileError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error("relaying failed: {0}")]
@@ -265,8 +283,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// Serves until `stop` turns true or replication fails: prepares the replica (initial sync
 /// when needed), then runs replication, the storage loop and the endpoints.
 pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), ServeError> {
-    let token = preflight(&args).await?;
     let sync = load_sync(&args)?;
+    let token = preflight(&args).await?;
     if let Some(from) = args.from.clone() {
         return relay::serve(args, from, token, sync, stop).await;
     }
@@ -280,7 +298,7 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     };
     let listener = listen(&args, token.as_ref()).await?;
     let public_url = args.public_url();
-    let mut settings = settings(&args, token, sync);
+    let mut settings = settings(&args, token, sync, args.security.tls_config()?);
     settings.backfill_from = Some(prepared.backfill_from);
     let source = source::spawn_postgres(prepared.stream, &args.app_id, stop.clone());
     tracing::info!(
@@ -305,6 +323,8 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
 /// with it: checked before any replication or restore work starts.
 async fn preflight(args: &ServeArgs) -> Result<Option<ReplicationToken>, ServeError> {
     let token = args.security.required_token()?;
+    // Unusable TLS files stop the server before it replicates anything.
+    args.security.tls_config()?;
     let listen = format!("{}:{}", args.host, args.port);
     let addrs = tokio::net::lookup_host(&listen)
         .await
@@ -343,10 +363,12 @@ fn settings(
     args: &ServeArgs,
     token: Option<ReplicationToken>,
     sync: Option<Arc<SyncAuth>>,
+    tls: Option<Arc<rustls::ServerConfig>>,
 ) -> Settings {
     Settings {
         sync,
         sync_retention: Duration::from_secs(args.sync_retention_secs),
+        sync_slow_consumer_ms: args.sync_slow_consumer_ms,
         data: args.data.clone(),
         public_url: args.public_url(),
         purge_delay: Duration::from_millis(args.purge_delay_ms),
@@ -359,6 +381,7 @@ fn settings(
         backfill_from: None,
         peer_auth: security::PeerAuth { token },
         insecure_no_auth: args.security.insecure_no_auth,
+        tls,
     }
 }
 
@@ -368,6 +391,7 @@ struct Settings {
     /// Scope sync's rules and token key; `None`: `/sync` is off.
     sync: Option<Arc<SyncAuth>>,
     sync_retention: Duration,
+    sync_slow_consumer_ms: u64,
     data: PathBuf,
     public_url: String,
     purge_delay: Duration,
@@ -385,6 +409,8 @@ struct Settings {
     peer_auth: security::PeerAuth,
     /// Serving without a token beyond loopback: `/health` says so.
     insecure_no_auth: bool,
+    /// `--tls-cert`/`--tls-key`: serve https and wss.
+    tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// Runs the storage loop, the endpoints and the timers over a ready replica and a change
@@ -457,6 +483,7 @@ async fn run_server(
             writer.enable_scope_feed(auth.filter_columns().into_iter().collect())?;
             let sync_hub = sync::SyncHub::new(
                 log.replica_version.as_str(),
+                settings.sync_slow_consumer_ms,
                 auth.clone(),
                 db_path.clone(),
                 handle.clone(),
@@ -512,23 +539,34 @@ async fn run_server(
     };
     snapshot::clear_dir(&settings.data.join("snapshots"))?;
     let app = endpoints::router(state);
-    let server = {
+    let stopping = {
         let hub = hub.clone();
         let sync_hub = sync_hub.clone();
         let mut shutdown = shutdown.clone();
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move {
+        async move {
             let _ = shutdown.wait_for(|s| *s).await;
             hub.close_all(1001, "server shutting down");
             if let Some(sync_hub) = &sync_hub {
                 sync_hub.close_all(1001, "server shutting down");
             }
-        })
+        }
     };
-    let served = server.await;
+    let served = match &settings.tls {
+        Some(config) => {
+            let listener = tls::TlsListener::new(listener, config.clone())?;
+            axum::serve(listener, app.into_make_service())
+                .with_graceful_shutdown(stopping)
+                .await
+        }
+        None => {
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .with_graceful_shutdown(stopping)
+            .await
+        }
+    };
     shutdown_tx.send_replace(true);
     let _ = ticker.await;
     let ingested = ingest_task

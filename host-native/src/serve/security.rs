@@ -48,6 +48,12 @@ pub struct SecurityArgs {
     /// the port can download the replica and stream every change.
     #[arg(long)]
     pub insecure_no_auth: bool,
+    /// PEM certificate chain to serve https and wss with (needs --tls-key).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// A replication token given in code (tests, embedding); wins over file and environment.
     #[arg(skip)]
     pub replication_token: Option<ReplicationToken>,
@@ -65,6 +71,16 @@ impl SecurityArgs {
             self.replication_token_file.as_deref(),
             REPLICATION_TOKEN_ENV,
         )
+    }
+
+    /// The TLS settings of `--tls-cert` and `--tls-key`, if given.
+    pub(crate) fn tls_config(
+        &self,
+    ) -> Result<Option<Arc<rustls::ServerConfig>>, super::tls::TlsFileError> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => super::tls::server_config(cert, key).map(Some),
+            _ => Ok(None),
+        }
     }
 
     /// The token a relay sends upstream: its own setting, else the token it requires.

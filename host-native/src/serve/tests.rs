@@ -59,6 +59,8 @@ impl Drop for TempDir {
 struct Tuning {
     max_connections: usize,
     backlog_high_water_bytes: usize,
+    /// Serve https and wss with this.
+    tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl Default for Tuning {
@@ -66,6 +68,7 @@ impl Default for Tuning {
         Tuning {
             max_connections: super::DEFAULT_MAX_CONNECTIONS,
             backlog_high_water_bytes: highwater_engine::streamer::DEFAULT_BACKLOG_HIGH_WATER_BYTES,
+            tls: None,
         }
     }
 }
@@ -98,6 +101,22 @@ impl Harness {
             Duration::from_secs(30),
             Some(token),
             Tuning::default(),
+        )
+        .await
+    }
+
+    /// A harness serving https and wss with `tls`.
+    async fn start_tls(name: &str, tls: Arc<rustls::ServerConfig>) -> Harness {
+        let ping = Duration::from_secs(30);
+        Harness::start_full(
+            name,
+            Duration::from_secs(30),
+            ping,
+            None,
+            Tuning {
+                tls: Some(tls),
+                ..Tuning::default()
+            },
         )
         .await
     }
@@ -135,6 +154,7 @@ impl Harness {
         let settings = Settings {
             sync: None,
             sync_retention: Duration::from_secs(super::DEFAULT_SYNC_RETENTION_SECS),
+            sync_slow_consumer_ms: super::DEFAULT_SLOW_CONSUMER_MS,
             data: dir.0.clone(),
             public_url: format!("http://{addr}"),
             purge_delay,
@@ -147,6 +167,7 @@ impl Harness {
             backfill_from: None,
             peer_auth: super::security::PeerAuth { token },
             insecure_no_auth: false,
+            tls: tuning.tls,
         };
         let (stop, stop_rx) = watch::channel(false);
         let server = tokio::spawn(run_server(
@@ -1217,4 +1238,151 @@ async fn a_subscriber_that_stops_reading_during_catch_up_blocks_no_checkpoint_or
     assert_eq!(seen.len(), 120);
     drop(silent);
     h.stop().await;
+}
+
+/// A CA, and a server certificate and key for `localhost` written as PEM files into `dir`.
+fn tls_files(dir: &Path) -> (CertificateDerOwned, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca =
+        CertifiedIssuer::self_signed(ca_params, KeyPair::generate().expect("key")).expect("ca");
+    let key = KeyPair::generate().expect("key");
+    let cert = CertificateParams::new(vec!["localhost".to_owned()])
+        .expect("params")
+        .signed_by(&key, &ca)
+        .expect("cert");
+    let cert_path = dir.join("server.crt");
+    let key_path = dir.join("server.key");
+    std::fs::write(&cert_path, cert.pem()).expect("write cert");
+    std::fs::write(&key_path, key.serialize_pem()).expect("write key");
+    (ca.der().clone(), cert_path, key_path)
+}
+
+type CertificateDerOwned = rustls::pki_types::CertificateDer<'static>;
+
+async fn tls_connect(
+    addr: SocketAddr,
+    ca: &CertificateDerOwned,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.clone()).expect("root");
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
+    tokio::time::timeout(PROMPT, connector.connect(name, tcp))
+        .await
+        .expect("handshake in time")
+        .expect("TLS handshake")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_serves_a_wss_subscriber_and_an_https_snapshot() {
+    let files = TempDir::new("tls-files");
+    let (ca, cert, key) = tls_files(&files.0);
+    let config = super::tls::server_config(&cert, &key).expect("a TLS config");
+    let h = Harness::start_tls("tls", config).await;
+    h.transaction(0x200, &[1, 2], true).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
+
+    // wss: the change stream, history then a live transaction.
+    let tls = tls_connect(h.addr, &ca).await;
+    let url = format!(
+        "wss://localhost:{}/replication/v6/changes?id=sub&taskID=t&replicaVersion={}&watermark={}",
+        h.addr.port(),
+        w(VERSION),
+        w(VERSION)
+    );
+    let (mut socket, _) = tokio::time::timeout(PROMPT, tokio_tungstenite::client_async(url, tls))
+        .await
+        .expect("upgrade in time")
+        .expect("wss upgrade");
+    let mut commits_seen = Vec::new();
+    h.transaction(0x300, &[3], false).await;
+    while commits_seen.len() < 2 {
+        let message = tokio::time::timeout(PROMPT, socket.next())
+            .await
+            .expect("a frame in time")
+            .expect("open")
+            .expect("a message");
+        let Message::Text(text) = message else {
+            continue;
+        };
+        let frame = decode_downstream_frame(text.as_str()).expect("a valid frame");
+        let id = frame.id().expect("an application frame");
+        commits_seen.extend(commits(&frame.into_messages()));
+        socket
+            .send(Message::text(format!(r#"{{"ack":{id}}}"#)))
+            .await
+            .expect("ack");
+    }
+    assert_eq!(commits_seen, [w(0x200), w(0x300)]);
+
+    // https: the replica snapshot.
+    let mut tls = tls_connect(h.addr, &ca).await;
+    tls.write_all(
+        b"GET /replica/snapshot HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    )
+    .await
+    .expect("request");
+    let mut raw = Vec::new();
+    let read = tokio::time::timeout(PROMPT, tls.read_to_end(&mut raw))
+        .await
+        .expect("response in time");
+    // Some peers end without close_notify; the response is complete either way.
+    if let Err(error) = read {
+        assert_eq!(error.kind(), std::io::ErrorKind::UnexpectedEof, "{error}");
+    }
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("end of headers");
+    assert!(
+        raw.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&raw[..split])
+    );
+    assert!(raw[split + 4..].starts_with(b"SQLite format 3"));
+
+    // Plain HTTP on the TLS port gets no answer it could use, and the server serves on.
+    let plain = tokio::time::timeout(
+        PROMPT,
+        tokio_tungstenite::connect_async(h.url("/replication/v8/subscribe?taskID=x")),
+    )
+    .await
+    .expect("an answer in time");
+    assert!(plain.is_err());
+    let mut again = tls_connect(h.addr, &ca).await;
+    again
+        .write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("request");
+    let mut raw = Vec::new();
+    let _ = tokio::time::timeout(PROMPT, again.read_to_end(&mut raw)).await;
+    assert!(raw.starts_with(b"HTTP/1.1 200"));
+    h.stop().await;
+}
+
+#[test]
+fn tls_files_that_are_missing_or_not_pem_are_clear_errors() {
+    let dir = TempDir::new("tls-bad");
+    let (_, cert, key) = tls_files(&dir.0);
+    let missing = dir.0.join("absent.pem");
+    let error = super::tls::server_config(&missing, &key).expect_err("missing cert");
+    assert!(error.to_string().contains("absent.pem"), "{error}");
+    std::fs::write(dir.0.join("junk.pem"), "not pem").expect("write");
+    let error = super::tls::server_config(&cert, &dir.0.join("junk.pem")).expect_err("junk key");
+    assert!(error.to_string().contains("TLS key"), "{error}");
+    // A key that does not belong to the certificate.
+    let other = TempDir::new("tls-other");
+    let (_, _, other_key) = tls_files(&other.0);
+    let error = super::tls::server_config(&cert, &other_key).expect_err("mismatched key");
+    assert!(error.to_string().contains("TLS key"), "{error}");
 }

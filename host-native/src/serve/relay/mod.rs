@@ -200,7 +200,12 @@ pub(super) async fn serve(
             prepared.log,
             prepared.publications,
             source,
-            super::settings(&args, required.clone(), sync.clone()),
+            super::settings(
+                &args,
+                required.clone(),
+                sync.clone(),
+                args.security.tls_config()?,
+            ),
             stop.clone(),
         )
         .await;
