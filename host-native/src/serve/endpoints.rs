@@ -97,7 +97,7 @@ impl ConnectionSlots {
     }
 
     /// A slot for one more connection, or the refusal to answer with.
-    fn take(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Response> {
+    fn take(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Box<Response>> {
         self.slots.clone().try_acquire_owned().map_err(|_| {
             tracing::warn!(
                 max = self.max,
@@ -107,12 +107,14 @@ impl ConnectionSlots {
                 "expected at most {} open connections, and that many are open: try again later",
                 self.max
             );
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                [(header::RETRY_AFTER, HeaderValue::from_static("5"))],
-                message,
+            Box::new(
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    [(header::RETRY_AFTER, HeaderValue::from_static("5"))],
+                    message,
+                )
+                    .into_response(),
             )
-                .into_response()
         })
     }
 }
@@ -238,7 +240,7 @@ async fn replication(
     };
     let slot = match state.connection_slots.take() {
         Ok(slot) => slot,
-        Err(refusal) => return refusal,
+        Err(refusal) => return *refusal,
     };
     let request = parse_request(requested, endpoint, &query);
     let upgrade = upgrade
@@ -282,7 +284,7 @@ async fn scope_sync(
     };
     let slot = match state.connection_slots.take() {
         Ok(slot) => slot,
-        Err(refusal) => return refusal,
+        Err(refusal) => return *refusal,
     };
     upgrade
         .max_message_size(sync::MAX_CLIENT_FRAME_BYTES)

@@ -117,6 +117,11 @@ impl Hub {
         streamer: Streamer,
         positions: Positions,
     ) -> (Arc<Hub>, mpsc::UnboundedReceiver<StorageOp>) {
+        // Bounded by how it is used rather than by a capacity (a full queue could only be
+        // answered by blocking under the streamer lock): the ingest thread, the only consumer,
+        // drains it before it takes the next source event, so it holds the stores of one
+        // event, plus at most one catch-up request per open connection (itself bounded by
+        // `--max-connections`) and the timers' purges.
         let (storage, ops) = mpsc::unbounded_channel();
         let hub = Hub {
             streamer: Mutex::new(streamer),
@@ -274,6 +279,10 @@ impl Hub {
     /// Registers a new connection: its id, the commands it receives and its catch-up gate.
     pub fn connect(&self) -> (ConnId, mpsc::UnboundedReceiver<ConnCommand>) {
         let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
+        // Bounded by the streamer rather than by a capacity: everything sent to a subscriber
+        // and not yet acknowledged (catch-up included) counts against its backlog, which
+        // pauses catch-up and then the upstream at the high-water mark and closes the
+        // subscriber (1013) once it stayed full past the timeout.
         let (out, commands) = mpsc::unbounded_channel();
         let link = Link {
             out,

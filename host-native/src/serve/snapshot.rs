@@ -60,7 +60,7 @@ pub(crate) enum SnapshotError {
         available: u64,
     },
     #[error(transparent)]
-    Build(#[from] ServeError),
+    Build(Box<ServeError>),
     #[error("the snapshot task failed: {0}")]
     Task(String),
 }
@@ -103,7 +103,7 @@ impl Snapshots {
         let (replica_path, dir) = (self.replica_path.clone(), self.dir.clone());
         let snapshot = tokio::task::spawn_blocking(move || {
             check_room(copy_size(&replica_path), &dir)?;
-            create(&replica_path, &dir).map_err(SnapshotError::Build)
+            create(&replica_path, &dir).map_err(|e| SnapshotError::Build(Box::new(e)))
         })
         .await
         .map_err(|e| SnapshotError::Task(e.to_string()))??;
@@ -126,9 +126,9 @@ fn copy_size(replica_path: &Path) -> u64 {
 /// (kept free for everything else).
 fn check_room(copy: u64, dir: &Path) -> Result<(), SnapshotError> {
     let needed = copy.saturating_add(copy / 10);
-    std::fs::create_dir_all(dir).map_err(|e| SnapshotError::Build(e.into()))?;
+    std::fs::create_dir_all(dir).map_err(|e| SnapshotError::Build(Box::new(e.into())))?;
     let stats = rustix::fs::statvfs(dir)
-        .map_err(|e| SnapshotError::Build(std::io::Error::from(e).into()))?;
+        .map_err(|e| SnapshotError::Build(Box::new(std::io::Error::from(e).into())))?;
     let available = stats.f_bavail.saturating_mul(stats.f_frsize);
     if available < needed {
         return Err(SnapshotError::NoRoom {
