@@ -98,4 +98,75 @@ impl CatchupReader {
         tx.commit()?;
         Ok(total)
     }
+
+    /// Reads the next batch of rows of transactions `from ..= through`, after `after` (from
+    /// the start when `None`), in a read transaction of its own that ends before it returns:
+    /// nothing is held between batches, so a subscriber that is slow to take them holds up
+    /// neither checkpoints nor the writer. (Rows the subscriber still needs are not purged in
+    /// between: its acked watermark bounds the purge.) `next` is where the read goes on, when
+    /// the batch ended at a limit.
+    pub fn read_batch(
+        &mut self,
+        from: &Watermark,
+        through: &Watermark,
+        after: Option<&CatchupCursor>,
+        limits: CatchupLimits,
+    ) -> Result<CatchupBatch, ChangeLogError> {
+        let tx = self.conn.transaction()?;
+        let mut batch = CatchupBatch {
+            rows: Vec::new(),
+            next: None,
+        };
+        {
+            let mut stmt = tx.prepare_cached(
+                r#"SELECT "watermark", "tag", "change", "pos" FROM "_hw_change_log"
+                   WHERE "watermark" >= ?1 AND "watermark" <= ?2
+                     AND ("watermark", "pos") > (?3, ?4)
+                   ORDER BY "watermark", "pos""#,
+            )?;
+            let (after_watermark, after_pos) = match after {
+                Some(cursor) => (cursor.watermark.as_str(), cursor.pos),
+                None => ("", i64::MIN),
+            };
+            let mut rows = stmt.query(params![
+                from.as_str(),
+                through.as_str(),
+                after_watermark,
+                after_pos
+            ])?;
+            let mut bytes = 0;
+            while let Some(row) = rows.next()? {
+                let watermark: String = row.get(0)?;
+                let change: String = row.get(2)?;
+                let pos: i64 = row.get(3)?;
+                bytes += change.len();
+                batch.rows.push(CatchupRow::new(
+                    Watermark::parse(&watermark)?,
+                    row.get::<_, String>(1)?,
+                    change,
+                ));
+                if batch.rows.len() >= limits.rows.max(1) || bytes >= limits.bytes {
+                    batch.next = Some(CatchupCursor { watermark, pos });
+                    break;
+                }
+            }
+        }
+        tx.commit()?;
+        Ok(batch)
+    }
+}
+
+/// Where a batched catch-up read goes on: just after this row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CatchupCursor {
+    watermark: String,
+    pos: i64,
+}
+
+/// One batch of a catch-up read.
+#[derive(Debug)]
+pub struct CatchupBatch {
+    pub rows: Vec<CatchupRow>,
+    /// Where the next batch starts; `None` when this one was the last.
+    pub next: Option<CatchupCursor>,
 }

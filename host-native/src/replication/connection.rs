@@ -223,7 +223,8 @@ impl Frame {
             ));
         }
         if buf.len() < len + 1 {
-            buf.reserve(len + 1 - buf.len());
+            // No room is reserved on the strength of the header: the buffer grows as the
+            // bytes arrive (a chunk at a time), so a lying length costs nothing up front.
             return Ok(None);
         }
         let mut frame = buf.split_to(len + 1);
@@ -780,7 +781,8 @@ fn row_description(body: &[u8]) -> Result<Vec<String>, ReplicationError> {
     }
     let count = u16::from_be_bytes([rest[0], rest[1]]);
     rest = &rest[2..];
-    let mut names = Vec::with_capacity(count.into());
+    // Each column takes at least 19 bytes: no more room than the body can fill.
+    let mut names = Vec::with_capacity(usize::from(count).min(rest.len() / 19));
     for _ in 0..count {
         let end = rest.iter().position(|&b| b == 0).ok_or_else(bad)?;
         names.push(String::from_utf8_lossy(&rest[..end]).into_owned());
@@ -798,7 +800,8 @@ fn data_row(body: &[u8]) -> Result<Vec<Option<String>>, ReplicationError> {
     }
     let count = u16::from_be_bytes([rest[0], rest[1]]);
     rest = &rest[2..];
-    let mut values = Vec::with_capacity(count.into());
+    // Each value takes at least its 4-byte length.
+    let mut values = Vec::with_capacity(usize::from(count).min(rest.len() / 4));
     for _ in 0..count {
         let len_bytes: [u8; 4] = rest
             .get(..4)
@@ -846,6 +849,25 @@ mod tests {
         let second = Frame::take(&mut buf).unwrap().unwrap();
         assert_eq!((second.tag, &second.body[..]), (b'd', &b"kpayload"[..]));
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn a_huge_length_header_reserves_nothing_until_the_bytes_arrive() {
+        // A header announcing a 1 GiB message, then five bytes of it.
+        let mut buf = BytesMut::with_capacity(64);
+        buf.extend_from_slice(&[b'd', 0x40, 0, 0, 0]);
+        buf.extend_from_slice(b"12345");
+        let before = buf.capacity();
+        assert!(Frame::take(&mut buf).unwrap().is_none(), "incomplete");
+        assert_eq!(buf.capacity(), before, "reserved on the header alone");
+        assert_eq!(buf.len(), 10, "the partial message stays buffered");
+    }
+
+    #[test]
+    fn row_headers_claiming_many_columns_reserve_by_the_body() {
+        // 65535 columns announced, none present: an error, with no big allocation first.
+        assert!(row_description(&[0xff, 0xff]).is_err());
+        assert!(data_row(&[0xff, 0xff]).is_err());
     }
 
     #[test]

@@ -18,6 +18,12 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// whatever was already written to it) before the socket is dropped.
 const CLOSE_WRITE_GRACE: Duration = Duration::from_secs(5);
 
+/// Largest frame a change-stream subscriber may send (its frames are small control messages:
+/// subscribe, ack, status); a larger one closes that connection with 1009.
+pub(crate) const MAX_CLIENT_FRAME_BYTES: usize = 1 << 20;
+/// WebSocket close code for a frame over the size limit.
+pub(crate) const TOO_BIG_CLOSE_CODE: u16 = 1009;
+
 /// Frames written before one flush.
 const MAX_FRAMES_PER_FLUSH: usize = 256;
 
@@ -98,6 +104,11 @@ pub(crate) async fn run(
                         break;
                     }
                     Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                    Some(Err(error)) if too_big(&error) => {
+                        let reason = close_reason("expected frames of at most 1 MiB, got a larger one");
+                        close = Some(CloseFrame { code: TOO_BIG_CLOSE_CODE, reason: reason.into() });
+                        break;
+                    }
                     Some(Ok(Message::Close(_))) | Some(Err(_)) | None => break,
                 }
             }
@@ -128,6 +139,12 @@ pub(crate) async fn run(
             Err(_) => tracing::info!(%conn, "the peer is not reading: dropping the connection"),
         }
     }
+}
+
+/// Whether a read failed because the frame was over the size limit.
+pub(crate) fn too_big(error: &axum::Error) -> bool {
+    let text = error.to_string();
+    text.contains("too long") || text.contains("Space limit") || text.contains("too big")
 }
 
 /// Runs a write. A peer that stopped reading blocks it for good, and then the close the hub

@@ -2,7 +2,6 @@
 //! (§3), `GET /replica/snapshot`, and health checks (`/`, `/keepalive`, `/health`).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,9 +31,10 @@ pub const SNAPSHOT_PATH: &str = "/replica/snapshot";
 #[derive(Clone)]
 pub(crate) struct AppState {
     pub hub: Arc<Hub>,
-    pub replica_path: PathBuf,
-    pub snapshot_dir: PathBuf,
+    pub snapshots: Arc<snapshot::Snapshots>,
     pub ping_interval: Duration,
+    /// Open WebSocket connections, bounded.
+    pub connection_slots: ConnectionSlots,
     /// Scope sync, when `--sync-rules` turned it on.
     pub sync: Option<Arc<sync::SyncHub>>,
     pub peer_auth: super::security::PeerAuth,
@@ -72,10 +72,51 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
         "minWatermark": positions.min_watermark,
         "connections": state.hub.connections(),
         "syncConnections": state.sync.as_ref().map(|sync| sync.connections()),
+        "snapshotsBuilt": state.snapshots.built(),
         // A subscriber's full backlog holds up replication (back-pressure).
         "upstreamPaused": state.hub.inspect(|s| s.is_upstream_paused()),
         "insecureNoAuth": state.insecure_no_auth,
     }))
+}
+
+/// The bound on open WebSocket connections: a slot is taken before the upgrade and given back
+/// when the socket ends; with none free the request gets 503 and no socket.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnectionSlots {
+    slots: Arc<tokio::sync::Semaphore>,
+    max: usize,
+}
+
+impl ConnectionSlots {
+    pub fn new(max: usize) -> ConnectionSlots {
+        let max = max.min(tokio::sync::Semaphore::MAX_PERMITS);
+        ConnectionSlots {
+            slots: Arc::new(tokio::sync::Semaphore::new(max)),
+            max,
+        }
+    }
+
+    /// A slot for one more connection, or the refusal to answer with.
+    fn take(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Box<Response>> {
+        self.slots.clone().try_acquire_owned().map_err(|_| {
+            tracing::warn!(
+                max = self.max,
+                "connection limit reached: refusing a WebSocket"
+            );
+            let message = format!(
+                "expected at most {} open connections, and that many are open: try again later",
+                self.max
+            );
+            Box::new(
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    [(header::RETRY_AFTER, HeaderValue::from_static("5"))],
+                    message,
+                )
+                    .into_response(),
+            )
+        })
+    }
 }
 
 /// A change-stream request, validated.
@@ -197,8 +238,16 @@ async fn replication(
         Ok(upgrade) => upgrade,
         Err(rejection) => return rejection.into_response(),
     };
+    let slot = match state.connection_slots.take() {
+        Ok(slot) => slot,
+        Err(refusal) => return *refusal,
+    };
     let request = parse_request(requested, endpoint, &query);
+    let upgrade = upgrade
+        .max_message_size(connection::MAX_CLIENT_FRAME_BYTES)
+        .max_frame_size(connection::MAX_CLIENT_FRAME_BYTES);
     upgrade.on_upgrade(move |socket| async move {
+        let _slot = slot;
         match request {
             Err(reason) => {
                 tracing::info!(%reason, "change-stream request rejected");
@@ -233,28 +282,34 @@ async fn scope_sync(
         Ok(upgrade) => upgrade,
         Err(rejection) => return rejection.into_response(),
     };
+    let slot = match state.connection_slots.take() {
+        Ok(slot) => slot,
+        Err(refusal) => return *refusal,
+    };
     upgrade
         .max_message_size(sync::MAX_CLIENT_FRAME_BYTES)
         .max_frame_size(sync::MAX_CLIENT_FRAME_BYTES)
-        .on_upgrade(move |socket| hub.run_socket(socket))
+        .on_upgrade(move |socket| async move {
+            let _slot = slot;
+            hub.run_socket(socket).await;
+        })
 }
 
 /// `GET /replica/snapshot`: a consistent copy of the replica, without the change log. The
-/// watermark it reached is in the `X-Highwater-Watermark` header.
+/// watermark it reached is in the `X-Highwater-Watermark` header. Concurrent requests at one
+/// watermark share one build; a disk without room for it gets 507.
 async fn replica_snapshot(State(state): State<AppState>) -> Response {
-    let created = tokio::task::spawn_blocking(move || {
-        snapshot::create(&state.replica_path, &state.snapshot_dir)
-    })
-    .await;
-    let snapshot = match created {
-        Ok(Ok(snapshot)) => snapshot,
-        Ok(Err(error)) => {
-            tracing::error!(%error, "cannot create a replica snapshot");
+    let current = state.hub.positions().last_watermark;
+    let snapshot = match state.snapshots.get(&current).await {
+        Ok(snapshot) => snapshot,
+        Err(error @ snapshot::SnapshotError::NoRoom { .. }) => {
+            tracing::warn!(%error, "no room for a replica snapshot");
             let message = format!("cannot create a replica snapshot: {error}");
-            return (StatusCode::INTERNAL_SERVER_ERROR, message).into_response();
+            return (StatusCode::INSUFFICIENT_STORAGE, message).into_response();
         }
         Err(error) => {
-            let message = format!("the snapshot task failed: {error}");
+            tracing::error!(%error, "cannot create a replica snapshot");
+            let message = format!("cannot create a replica snapshot: {error}");
             return (StatusCode::INTERNAL_SERVER_ERROR, message).into_response();
         }
     };
@@ -265,26 +320,28 @@ async fn replica_snapshot(State(state): State<AppState>) -> Response {
             return (StatusCode::INTERNAL_SERVER_ERROR, message).into_response();
         }
     };
-    let mut response = Response::new(Body::from_stream(snapshot::chunks(file)));
+    let (size, watermark, replica_version) = (
+        snapshot.size,
+        snapshot.watermark.clone(),
+        snapshot.replica_version.clone(),
+    );
+    let mut response = Response::new(Body::from_stream(snapshot::chunks(file, snapshot)));
     let headers = response.headers_mut();
     headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/vnd.sqlite3"),
     );
-    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(snapshot.size));
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(size));
     let values = [
-        (snapshot::WATERMARK_HEADER, snapshot.watermark.as_str()),
-        (
-            snapshot::REPLICA_VERSION_HEADER,
-            snapshot.replica_version.as_str(),
-        ),
+        (snapshot::WATERMARK_HEADER, watermark.as_str()),
+        (snapshot::REPLICA_VERSION_HEADER, replica_version.as_str()),
     ];
     for (name, value) in values {
         if let Ok(value) = HeaderValue::from_str(value) {
             headers.insert(name, value);
         }
     }
-    let disposition = format!("attachment; filename=\"replica-{}.db\"", snapshot.watermark);
+    let disposition = format!("attachment; filename=\"replica-{watermark}.db\"");
     if let Ok(value) = HeaderValue::from_str(&disposition) {
         headers.insert(header::CONTENT_DISPOSITION, value);
     }

@@ -10,13 +10,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use highwater_engine::streamer::{ConnId, Effect, LogOp, Outgoing, Streamer};
 use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::sync::{mpsc, watch};
 
+use super::fault::Fault;
 use crate::change_log::ChangeLogStatus;
 
 /// What a connection task is told to do.
@@ -107,14 +108,7 @@ pub(crate) struct Hub {
     positions: Mutex<Positions>,
     next_conn: AtomicU64,
     epoch: Instant,
-}
-
-/// Locks `mutex`, recovering the data of a lock poisoned by a panic elsewhere: every critical
-/// section here leaves its data consistent between statements.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fault: Fault,
 }
 
 impl Hub {
@@ -123,6 +117,11 @@ impl Hub {
         streamer: Streamer,
         positions: Positions,
     ) -> (Arc<Hub>, mpsc::UnboundedReceiver<StorageOp>) {
+        // Bounded by how it is used rather than by a capacity (a full queue could only be
+        // answered by blocking under the streamer lock): the ingest thread, the only consumer,
+        // drains it before it takes the next source event, so it holds the stores of one
+        // event, plus at most one catch-up request per open connection (itself bounded by
+        // `--max-connections`) and the timers' purges.
         let (storage, ops) = mpsc::unbounded_channel();
         let hub = Hub {
             streamer: Mutex::new(streamer),
@@ -134,8 +133,14 @@ impl Hub {
             positions: Mutex::new(positions),
             next_conn: AtomicU64::new(1),
             epoch: Instant::now(),
+            fault: Fault::default(),
         };
         (Arc::new(hub), ops)
+    }
+
+    /// Where a poisoned lock of this server is reported.
+    pub fn fault(&self) -> &Fault {
+        &self.fault
     }
 
     /// Milliseconds since the hub started: the streamer's clock.
@@ -146,26 +151,26 @@ impl Hub {
     /// Runs `f` on the streamer and carries out the effects it returns.
     pub fn call(&self, f: impl FnOnce(&mut Streamer, u64) -> Vec<Effect>) {
         let now = self.now_ms();
-        let mut streamer = lock(&self.streamer);
+        let mut streamer = self.fault.lock(&self.streamer, "streamer");
         let effects = f(&mut streamer, now);
         self.dispatch(effects);
     }
 
     /// Reads the streamer without producing effects.
     pub fn inspect<R>(&self, f: impl FnOnce(&Streamer) -> R) -> R {
-        f(&lock(&self.streamer))
+        f(&self.fault.lock(&self.streamer, "streamer"))
     }
 
     /// Runs `f` on the streamer where the call returns a value and no effects.
     pub fn with<R>(&self, f: impl FnOnce(&mut Streamer) -> R) -> R {
-        f(&mut lock(&self.streamer))
+        f(&mut self.fault.lock(&self.streamer, "streamer"))
     }
 
     fn dispatch(&self, effects: Vec<Effect>) {
         if effects.is_empty() {
             return;
         }
-        let links = lock(&self.links);
+        let links = self.fault.lock(&self.links, "links");
         for effect in effects {
             match effect {
                 Effect::Send { conn, frame } => {
@@ -225,20 +230,27 @@ impl Hub {
 
     /// Where durable positions are reported (the replication stream's acker).
     pub fn set_ack_sink(&self, sink: AckSink) {
-        *lock(&self.ack_sink) = Some(sink);
+        *self.fault.lock(&self.ack_sink, "ack sink") = Some(sink);
     }
 
     /// Remembers a commit's end LSN, acknowledged upstream once the commit is durable.
     pub fn note_commit_end(&self, watermark: Watermark, end: Lsn) {
-        lock(&self.commit_ends).ends.insert(watermark, end);
+        self.fault
+            .lock(&self.commit_ends, "commit ends")
+            .ends
+            .insert(watermark, end);
     }
 
     fn ack_upstream(&self, watermark: &Watermark) {
-        let Some(lsn) = lock(&self.commit_ends).position(watermark) else {
+        let Some(lsn) = self
+            .fault
+            .lock(&self.commit_ends, "commit ends")
+            .position(watermark)
+        else {
             tracing::warn!(%watermark, "cannot acknowledge a watermark that is not an LSN");
             return;
         };
-        if let Some(sink) = lock(&self.ack_sink).as_ref() {
+        if let Some(sink) = self.fault.lock(&self.ack_sink, "ack sink").as_ref() {
             sink(lsn);
         }
     }
@@ -251,15 +263,15 @@ impl Hub {
     // ---- positions ----
 
     pub fn positions(&self) -> Positions {
-        lock(&self.positions).clone()
+        self.fault.lock(&self.positions, "positions").clone()
     }
 
     pub fn set_last_watermark(&self, watermark: Watermark) {
-        lock(&self.positions).last_watermark = watermark;
+        self.fault.lock(&self.positions, "positions").last_watermark = watermark;
     }
 
     pub fn set_min_watermark(&self, watermark: Watermark) {
-        lock(&self.positions).min_watermark = watermark;
+        self.fault.lock(&self.positions, "positions").min_watermark = watermark;
     }
 
     // ---- connections ----
@@ -267,47 +279,53 @@ impl Hub {
     /// Registers a new connection: its id, the commands it receives and its catch-up gate.
     pub fn connect(&self) -> (ConnId, mpsc::UnboundedReceiver<ConnCommand>) {
         let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
+        // Bounded by the streamer rather than by a capacity: everything sent to a subscriber
+        // and not yet acknowledged (catch-up included) counts against its backlog, which
+        // pauses catch-up and then the upstream at the high-water mark and closes the
+        // subscriber (1013) once it stayed full past the timeout.
         let (out, commands) = mpsc::unbounded_channel();
         let link = Link {
             out,
             catchup_paused: watch::channel(false).0,
             closing: watch::channel(None).0,
         };
-        lock(&self.links).insert(conn, link);
+        self.fault.lock(&self.links, "links").insert(conn, link);
         (conn, commands)
     }
 
     /// Forgets a connection that ended, in the streamer too.
     pub fn disconnect(&self, conn: ConnId) {
-        lock(&self.links).remove(&conn);
+        self.fault.lock(&self.links, "links").remove(&conn);
         self.call(|s, _| s.on_close(conn));
     }
 
     /// The catch-up gate of `conn`, if it is still open.
     pub fn catchup_gate(&self, conn: ConnId) -> Option<watch::Receiver<bool>> {
-        lock(&self.links)
+        self.fault
+            .lock(&self.links, "links")
             .get(&conn)
             .map(|link| link.catchup_paused.subscribe())
     }
 
     /// The close `conn` is told to make, once it is; `None` if it is no longer open.
     pub fn closing_signal(&self, conn: ConnId) -> Option<watch::Receiver<Option<(u16, String)>>> {
-        lock(&self.links)
+        self.fault
+            .lock(&self.links, "links")
             .get(&conn)
             .map(|link| link.closing.subscribe())
     }
 
     pub fn is_connected(&self, conn: ConnId) -> bool {
-        lock(&self.links).contains_key(&conn)
+        self.fault.lock(&self.links, "links").contains_key(&conn)
     }
 
     pub fn connections(&self) -> usize {
-        lock(&self.links).len()
+        self.fault.lock(&self.links, "links").len()
     }
 
     /// Closes every connection (shutdown).
     pub fn close_all(&self, code: u16, reason: &str) {
-        for link in lock(&self.links).values() {
+        for link in self.fault.lock(&self.links, "links").values() {
             let _ = link.out.send(ConnCommand::Close {
                 code,
                 reason: reason.to_owned(),

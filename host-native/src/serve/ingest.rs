@@ -8,7 +8,6 @@
 //! waits for and takes its messages instead of upstream's until its commit: forwarded, stored
 //! and (being `skipAck`) never acknowledged upstream, like any other transaction.
 
-use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -543,24 +542,18 @@ impl Ingest {
         let Some(gate) = self.hub.catchup_gate(conn) else {
             return;
         };
-        let hub = self.hub.clone();
-        let path = self.db_path.clone();
-        let handle = self.handle.clone();
-        let limits = self.catchup_limits;
-        self.handle.spawn_blocking(move || {
-            catch_up(
-                &hub,
-                &handle,
-                Catchup {
-                    conn,
-                    from,
-                    through,
-                    gate,
-                },
-                &path,
-                limits,
-            )
-        });
+        let job = Catchup {
+            conn,
+            from,
+            through,
+            gate,
+        };
+        self.handle.spawn(catch_up(
+            self.hub.clone(),
+            job,
+            self.db_path.clone(),
+            self.catchup_limits,
+        ));
     }
 }
 
@@ -584,40 +577,76 @@ struct Catchup {
     gate: watch::Receiver<bool>,
 }
 
-/// Reads the change log for one subscriber and feeds it to the streamer, pausing while the
-/// subscriber has too much unacknowledged catch-up data. Blocking.
-fn catch_up(
-    hub: &Hub,
-    handle: &Handle,
-    mut job: Catchup,
-    path: &std::path::Path,
-    limits: CatchupLimits,
-) {
+/// Reads the change log for one subscriber and feeds it to the streamer, a batch at a time.
+/// While the streamer holds the read paused (the subscriber's backlog, catch-up rows
+/// included, is full) it waits as a task: no blocking thread and no SQLite read transaction
+/// is held, each batch is read in a transaction of its own on a blocking thread.
+async fn catch_up(hub: Arc<Hub>, mut job: Catchup, path: PathBuf, limits: CatchupLimits) {
     let conn = job.conn;
     let wanted =
         |hub: &Hub| hub.is_connected(conn) && hub.inspect(|s| s.subscriber(conn).is_some());
-    let result = CatchupReader::open(path).and_then(|mut reader| {
-        reader.read(&job.from, &job.through, limits, |rows| {
-            hub.call(|s, _| s.catchup_rows(conn, rows));
-            loop {
-                if !wanted(hub) {
-                    return ControlFlow::Break(());
-                }
-                if !*job.gate.borrow_and_update() {
-                    return ControlFlow::Continue(());
-                }
-                if handle.block_on(job.gate.changed()).is_err() {
-                    return ControlFlow::Break(());
-                }
-            }
-        })
-    });
-    match result {
-        Ok(_) if wanted(hub) => hub.call(|s, _| s.catchup_done(conn)),
-        Ok(_) => {}
-        Err(error) => {
+    let opened = tokio::task::spawn_blocking(move || CatchupReader::open(&path)).await;
+    let mut reader = match opened {
+        Ok(Ok(reader)) => reader,
+        Ok(Err(error)) => {
             let reason = error.to_string();
             hub.call(|s, _| s.catchup_failed(conn, &reason));
+            return;
         }
+        Err(error) => {
+            let reason = format!("the catch-up task failed: {error}");
+            hub.call(|s, _| s.catchup_failed(conn, &reason));
+            return;
+        }
+    };
+    let mut after = None;
+    loop {
+        // Wait out a pause, holding nothing.
+        loop {
+            if !wanted(&hub) {
+                return;
+            }
+            if !*job.gate.borrow_and_update() {
+                break;
+            }
+            if job.gate.changed().await.is_err() {
+                return;
+            }
+        }
+        let (from, through) = (job.from.clone(), job.through.clone());
+        let read = tokio::task::spawn_blocking(move || {
+            let batch = reader.read_batch(&from, &through, after.as_ref(), limits);
+            (reader, batch)
+        })
+        .await;
+        let batch = match read {
+            Ok((back, Ok(batch))) => {
+                reader = back;
+                batch
+            }
+            Ok((_, Err(error))) => {
+                let reason = error.to_string();
+                hub.call(|s, _| s.catchup_failed(conn, &reason));
+                return;
+            }
+            Err(error) => {
+                let reason = format!("the catch-up task failed: {error}");
+                hub.call(|s, _| s.catchup_failed(conn, &reason));
+                return;
+            }
+        };
+        if !wanted(&hub) {
+            return;
+        }
+        if !batch.rows.is_empty() {
+            hub.call(|s, _| s.catchup_rows(conn, batch.rows));
+        }
+        match batch.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    if wanted(&hub) {
+        hub.call(|s, _| s.catchup_done(conn));
     }
 }

@@ -21,6 +21,7 @@
 
 mod connection;
 mod endpoints;
+mod fault;
 mod hub;
 mod ingest;
 mod relay;
@@ -122,6 +123,10 @@ pub struct ServeArgs {
     /// (1013, try again later).
     #[arg(long, default_value_t = DEFAULT_BACKLOG_FULL_TIMEOUT_MS, hide = true)]
     pub backlog_full_timeout_ms: u64,
+    /// Open WebSocket connections (change-stream and scope sync together) served at once;
+    /// one more is refused with 503 before the upgrade.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, value_name = "N")]
+    pub max_connections: usize,
     /// When the replication slot is missing or invalidated, discard the replica and change log
     /// and sync again instead of stopping with an error.
     #[arg(long)]
@@ -153,6 +158,10 @@ pub struct ServeArgs {
 /// A scope-sync client may stay this long over its outbound budget.
 pub const DEFAULT_SLOW_CONSUMER_MS: u64 = 10_000;
 
+/// WebSocket connections served at once by default: each costs a task, buffers and a
+/// backlog up to its bound, so the total stays within a small server's memory.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+
 /// Exits are kept a week by default.
 pub const DEFAULT_SYNC_RETENTION_SECS: u64 = 7 * 24 * 3600;
 
@@ -172,6 +181,7 @@ impl ServeArgs {
             backup_interval_ms: DEFAULT_BACKUP_INTERVAL_MS,
             backlog_high_water_bytes: DEFAULT_BACKLOG_HIGH_WATER_BYTES,
             backlog_full_timeout_ms: DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             auto_reset: false,
             sync_rules: None,
             sync_secret: SyncSecretArgs::default(),
@@ -244,6 +254,8 @@ pub enum ServeError {
     Invariant { expected: String, found: String },
     #[error("a server task failed: {0}")]
     Task(String),
+    #[error("the server stopped: {0}")]
+    Poisoned(String),
     #[error("scope sync cannot start")]
     SyncConfig(#[from] AuthConfigError),
 }
@@ -371,6 +383,7 @@ fn settings(
         owner: format!("{}@{}", args.app_id, std::process::id()),
         backlog_high_water_bytes: args.backlog_high_water_bytes,
         backlog_full_timeout_ms: args.backlog_full_timeout_ms,
+        max_connections: args.max_connections,
         backfill_from: None,
         peer_auth: security::PeerAuth { token },
         insecure_no_auth: args.security.insecure_no_auth,
@@ -394,6 +407,8 @@ struct Settings {
     owner: String,
     backlog_high_water_bytes: usize,
     backlog_full_timeout_ms: u64,
+    /// Open WebSocket connections served at once.
+    max_connections: usize,
     /// Where the replica's pending backfills are read (Postgres); `None` when the change source
     /// streams its own (a relay).
     backfill_from: Option<crate::replication::PgConfig>,
@@ -460,6 +475,17 @@ async fn run_server(
         });
     }
 
+    // A poisoned lock ends the server (and is its error, below).
+    {
+        let shutdown_tx = shutdown_tx.clone();
+        let mut failed = hub.fault().failed();
+        tokio::spawn(async move {
+            if failed.wait_for(Option::is_some).await.is_ok() {
+                shutdown_tx.send_replace(true);
+            }
+        });
+    }
+
     let sync_hub = match &settings.sync {
         None => None,
         Some(auth) => {
@@ -471,6 +497,7 @@ async fn run_server(
                 db_path.clone(),
                 handle.clone(),
                 settings.ping_interval,
+                hub.fault().clone(),
             );
             let floor = crate::replica::feed::retention_floor(writer.replica().connection())?;
             sync_hub.set_retention_floor(floor);
@@ -509,14 +536,17 @@ async fn run_server(
 
     let state = endpoints::AppState {
         hub: hub.clone(),
-        replica_path: db_path,
-        snapshot_dir: settings.data.join("snapshots"),
+        snapshots: Arc::new(snapshot::Snapshots::new(
+            db_path,
+            settings.data.join("snapshots"),
+        )),
         ping_interval: settings.ping_interval,
+        connection_slots: endpoints::ConnectionSlots::new(settings.max_connections),
         sync: sync_hub.clone(),
         peer_auth: settings.peer_auth.clone(),
         insecure_no_auth: settings.insecure_no_auth && settings.peer_auth.token.is_none(),
     };
-    snapshot::clear_dir(&state.snapshot_dir)?;
+    snapshot::clear_dir(&settings.data.join("snapshots"))?;
     let app = match settings.extra_routes {
         Some(extra) => extra.fallback_service(endpoints::router(state)),
         None => endpoints::router(state),
@@ -558,6 +588,9 @@ async fn run_server(
         Some(task) => task.await.map_err(|e| ServeError::Task(e.to_string())),
         None => Ok(()),
     };
+    if let Some(failure) = hub.fault().failure() {
+        return Err(ServeError::Poisoned(failure));
+    }
     ingested?;
     sourced?;
     served?;

@@ -23,31 +23,59 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket};
 use futures::{SinkExt, StreamExt};
 use highwater_engine::scope_server::{
     codes, ConnId, Decision, FeedChange, FeedEntry, PageResult, ScopeServer, ServerConfig,
-    ServerEffect, ServerInput,
+    ServerEffect, ServerInput, SLOW_CONSUMER_CLOSE_CODE, SLOW_CONSUMER_REASON,
 };
 use highwater_engine::scope_sync::ServerFrame;
 use tokio::sync::{mpsc, watch};
 
+use super::connection::too_big;
+use super::fault::Fault;
 use crate::replica::feed::{CommittedChanges, FeedKind, FeedRow, ScopePage, ScopeQuery};
 use crate::replica::Replica;
 use crate::sync_auth::SyncAuth;
 
-/// Largest client frame accepted; a larger one closes the socket with 1009.
-pub const MAX_CLIENT_FRAME_BYTES: usize = 1 << 20;
-/// WebSocket close code for a frame over [`MAX_CLIENT_FRAME_BYTES`].
-const TOO_BIG_CLOSE_CODE: u16 = 1009;
+pub(crate) use super::connection::{MAX_CLIENT_FRAME_BYTES, TOO_BIG_CLOSE_CODE};
 /// How long a close frame may take to get through before the socket is dropped.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Read-only replica connections kept for replay reads.
 const READER_POOL: usize = 4;
+
+/// Frames queued for one socket's writer. The engine keeps a socket's unflushed bytes under
+/// its outbound budget (replay waits for `Written`) and closes it as a slow consumer past the
+/// hard limit; this bound on the queue's length holds even for many tiny frames, and
+/// overflowing it is the same slow-consumer close.
+pub const MAX_QUEUED_FRAMES: usize = 4096;
 
 enum Outbound {
     Text(String),
 }
 
 struct Peer {
-    outbound: mpsc::UnboundedSender<Outbound>,
+    outbound: mpsc::Sender<Outbound>,
     close: watch::Sender<Option<(u16, String)>>,
+}
+
+impl Peer {
+    /// Queues a frame for the writer; a full queue closes the socket as a slow consumer
+    /// instead of growing. Returns whether the frame was queued.
+    fn queue(&self, text: String) -> bool {
+        match self.outbound.try_send(Outbound::Text(text)) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                if self.close.borrow().is_none() {
+                    tracing::info!(
+                        "a scope-sync socket has {MAX_QUEUED_FRAMES} frames unwritten: closing it"
+                    );
+                    self.close.send_replace(Some((
+                        SLOW_CONSUMER_CLOSE_CODE,
+                        SLOW_CONSUMER_REASON.to_owned(),
+                    )));
+                }
+                false
+            }
+        }
+    }
 }
 
 /// The scope server of a serving node and the sockets it talks to.
@@ -60,6 +88,7 @@ pub(crate) struct SyncHub {
     readers: Mutex<Vec<Replica>>,
     handle: tokio::runtime::Handle,
     ping_interval: Duration,
+    fault: Fault,
 }
 
 fn now_ms() -> u64 {
@@ -76,6 +105,7 @@ impl SyncHub {
         replica_path: PathBuf,
         handle: tokio::runtime::Handle,
         ping_interval: Duration,
+        fault: Fault,
     ) -> Arc<SyncHub> {
         let mut config = ServerConfig::new(epoch);
         config.slow_consumer_timeout_ms = slow_consumer_timeout_ms;
@@ -88,6 +118,7 @@ impl SyncHub {
             readers: Mutex::new(Vec::new()),
             handle,
             ping_interval,
+            fault,
         })
     }
 
@@ -96,17 +127,17 @@ impl SyncHub {
         let mut inputs = vec![input];
         while let Some(input) = inputs.pop() {
             let effects = {
-                let mut server = self.server.lock().unwrap_or_else(|e| e.into_inner());
+                let mut server = self.fault.lock(&self.server, "scope-sync server");
                 let effects = server.handle(input, now_ms());
                 // Sends and closes are queued under the lock: one socket's frames keep the
                 // order the server produced them in.
-                let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+                let peers = self.fault.lock(&self.peers, "scope-sync peers");
                 let mut rest = Vec::new();
                 for effect in effects {
                     match effect {
                         ServerEffect::Send { conn, text } => {
                             if let Some(peer) = peers.get(&conn) {
-                                let _ = peer.outbound.send(Outbound::Text(text));
+                                peer.queue(text);
                             }
                         }
                         ServerEffect::Close { conn, code, reason } => {
@@ -184,7 +215,7 @@ impl SyncHub {
 
     /// Reads one replay page with a pooled read-only connection. Blocking.
     fn read_page(&self, query: &ScopeQuery<'_>) -> PageResult {
-        let pooled = self.readers.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let pooled = self.fault.lock(&self.readers, "scope-sync readers").pop();
         let reader = match pooled {
             Some(mut reader) => reader.refresh().map(|()| reader),
             None => Replica::open_read_only(&self.replica_path),
@@ -222,7 +253,7 @@ impl SyncHub {
             },
         };
         let _ = reader.refresh();
-        let mut readers = self.readers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut readers = self.fault.lock(&self.readers, "scope-sync readers");
         if readers.len() < READER_POOL {
             readers.push(reader);
         }
@@ -249,15 +280,14 @@ impl SyncHub {
 
     /// Open scope-sync sockets.
     pub fn connections(&self) -> usize {
-        self.server
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.fault
+            .lock(&self.server, "scope-sync server")
             .connections()
     }
 
     /// Closes every socket (shutdown).
     pub fn close_all(&self, code: u16, reason: &str) {
-        let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let peers = self.fault.lock(&self.peers, "scope-sync peers");
         for peer in peers.values() {
             peer.close.send_replace(Some((code, reason.to_owned())));
         }
@@ -266,9 +296,9 @@ impl SyncHub {
     /// Runs one socket until either side ends it.
     pub async fn run_socket(self: Arc<Self>, socket: WebSocket) {
         let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        let (outbound_tx, mut outbound) = mpsc::unbounded_channel();
+        let (outbound_tx, mut outbound) = mpsc::channel(MAX_QUEUED_FRAMES);
         let (close_tx, close_rx) = watch::channel(None);
-        self.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(
+        self.fault.lock(&self.peers, "scope-sync peers").insert(
             conn,
             Peer {
                 outbound: outbound_tx,
@@ -391,9 +421,8 @@ impl SyncHub {
                 }
             }
         }
-        self.peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.fault
+            .lock(&self.peers, "scope-sync peers")
             .remove(&conn);
         self.call(ServerInput::Closed { conn });
     }
@@ -410,7 +439,7 @@ impl SyncHub {
             .unwrap_or_else(|e| e.into_inner())
             .get(&conn)
         {
-            let _ = peer.outbound.send(Outbound::Text(frame.to_json()));
+            peer.queue(frame.to_json());
         }
     }
 
@@ -438,12 +467,6 @@ async fn close_signal(mut close: watch::Receiver<Option<(u16, String)>>) -> Opti
     }
 }
 
-/// Whether a read failed because the frame was over the size limit.
-fn too_big(error: &axum::Error) -> bool {
-    let text = error.to_string();
-    text.contains("too long") || text.contains("Space limit") || text.contains("too big")
-}
-
 fn feed_entry(row: FeedRow) -> FeedEntry {
     FeedEntry {
         table: row.table,
@@ -454,5 +477,35 @@ fn feed_entry(row: FeedRow) -> FeedEntry {
             FeedKind::Upsert { data } => FeedChange::Upsert { data },
             FeedKind::Exit { old, new } => FeedChange::Exit { old, new },
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_outbound_queue_closes_the_socket_as_a_slow_consumer() {
+        let (outbound, mut queued) = mpsc::channel(MAX_QUEUED_FRAMES);
+        let (close, closing) = watch::channel(None);
+        let peer = Peer { outbound, close };
+        for n in 0..MAX_QUEUED_FRAMES {
+            assert!(peer.queue(format!("frame {n}")), "frame {n} fits");
+        }
+        assert_eq!(*closing.borrow(), None, "not closed while under the bound");
+        assert!(
+            !peer.queue("one too many".to_owned()),
+            "queued past the bound"
+        );
+        assert_eq!(
+            *closing.borrow(),
+            Some((SLOW_CONSUMER_CLOSE_CODE, SLOW_CONSUMER_REASON.to_owned()))
+        );
+        // Nothing past the bound was kept.
+        let mut kept = 0;
+        while queued.try_recv().is_ok() {
+            kept += 1;
+        }
+        assert_eq!(kept, MAX_QUEUED_FRAMES);
     }
 }

@@ -55,6 +55,24 @@ impl Drop for TempDir {
     }
 }
 
+/// Limits a harness runs with.
+struct Tuning {
+    max_connections: usize,
+    backlog_high_water_bytes: usize,
+    /// Serve https and wss with this.
+    tls: Option<Arc<rustls::ServerConfig>>,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            max_connections: super::DEFAULT_MAX_CONNECTIONS,
+            backlog_high_water_bytes: highwater_engine::streamer::DEFAULT_BACKLOG_HIGH_WATER_BYTES,
+            tls: None,
+        }
+    }
+}
+
 /// A server over a replica synced at [`VERSION`] with no tables, fed by the test.
 struct Harness {
     addr: SocketAddr,
@@ -71,7 +89,7 @@ impl Harness {
     }
 
     async fn start_with(name: &str, purge_delay: Duration, ping_interval: Duration) -> Harness {
-        Harness::start_full(name, purge_delay, ping_interval, None, None).await
+        Harness::start_full(name, purge_delay, ping_interval, None, Tuning::default()).await
     }
 
     /// A harness whose peer endpoints require `token`.
@@ -82,7 +100,7 @@ impl Harness {
             Duration::from_secs(30),
             Duration::from_secs(30),
             Some(token),
-            None,
+            Tuning::default(),
         )
         .await
     }
@@ -90,7 +108,17 @@ impl Harness {
     /// A harness serving https and wss with `tls`.
     async fn start_tls(name: &str, tls: Arc<rustls::ServerConfig>) -> Harness {
         let ping = Duration::from_secs(30);
-        Harness::start_full(name, Duration::from_secs(30), ping, None, Some(tls)).await
+        Harness::start_full(
+            name,
+            Duration::from_secs(30),
+            ping,
+            None,
+            Tuning {
+                tls: Some(tls),
+                ..Tuning::default()
+            },
+        )
+        .await
     }
 
     async fn start_full(
@@ -98,7 +126,7 @@ impl Harness {
         purge_delay: Duration,
         ping_interval: Duration,
         token: Option<super::ReplicationToken>,
-        tls: Option<Arc<rustls::ServerConfig>>,
+        tuning: Tuning,
     ) -> Harness {
         let dir = TempDir::new(name);
         let mut replica = Replica::open_in_dir(&dir.0).expect("replica");
@@ -133,12 +161,13 @@ impl Harness {
             backup_interval: Duration::from_millis(50),
             ping_interval,
             owner: "test".to_owned(),
-            backlog_high_water_bytes: highwater_engine::streamer::DEFAULT_BACKLOG_HIGH_WATER_BYTES,
+            backlog_high_water_bytes: tuning.backlog_high_water_bytes,
             backlog_full_timeout_ms: highwater_engine::streamer::DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
+            max_connections: tuning.max_connections,
             backfill_from: None,
             peer_auth: super::security::PeerAuth { token },
             insecure_no_auth: false,
-            tls,
+            tls: tuning.tls,
             extra_routes: None,
         };
         let (stop, stop_rx) = watch::channel(false);
@@ -630,11 +659,12 @@ async fn snapshot_serves_a_consistent_replica_without_the_change_log() {
     for path in ["/", "/keepalive"] {
         assert!(http_get(h.addr, path).await.0.contains("200"));
     }
-    assert!(Path::new(&h.dir.0.join("snapshots"))
+    // Only the snapshot kept for the next request at this watermark is on disk.
+    let kept = Path::new(&h.dir.0.join("snapshots"))
         .read_dir()
         .expect("dir")
-        .next()
-        .is_none());
+        .count();
+    assert_eq!(kept, 1);
     h.stop().await;
 }
 
@@ -1040,6 +1070,174 @@ async fn a_backup_subscriber_with_an_old_watermark_gets_an_error_and_the_server_
     );
     let (status, _, _) = http_get(h.addr, "/health").await;
     assert!(status.contains("200"), "{status}");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_frame_closes_that_connection_only_with_1009() {
+    let h = Harness::start("too-big", Duration::from_secs(30)).await;
+    let mut big = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    let mut other = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    big.frame().await;
+    let first = other.frame().await.id().expect("id");
+    other.ack(first).await;
+    // Just over the limit: the frame is refused, not buffered and parsed.
+    let text = "x".repeat(super::connection::MAX_CLIENT_FRAME_BYTES + 1);
+    let _ = big.socket.send(Message::text(text)).await;
+    let (code, reason) = big.closed().await.expect("a close frame");
+    assert_eq!(code, CloseCode::Size, "{reason}");
+    assert!(reason.contains("at most 1 MiB"), "{reason}");
+    // The other subscriber still gets its changes.
+    h.transaction(0x200, &[1], true).await;
+    let messages = other.messages(1).await;
+    assert!(!messages.is_empty());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_are_refused_with_503_until_one_ends() {
+    let h = Harness::start_full(
+        "limit",
+        Duration::from_secs(30),
+        Duration::from_secs(30),
+        None,
+        Tuning {
+            max_connections: 2,
+            ..Tuning::default()
+        },
+    )
+    .await;
+    let url = changes_url(&h, 6, &w(VERSION), &w(VERSION));
+    let mut first = Client::connect(&url).await;
+    let mut second = Client::connect(&url).await;
+    first.frame().await;
+    second.frame().await;
+    let refused = tokio::time::timeout(PROMPT, tokio_tungstenite::connect_async(url.as_str()))
+        .await
+        .expect("answers promptly");
+    match refused {
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+            assert_eq!(response.status(), 503);
+            let body = String::from_utf8_lossy(response.body().as_deref().unwrap_or_default())
+                .into_owned();
+            assert!(
+                body.contains("expected at most 2 open connections"),
+                "{body}"
+            );
+        }
+        other => panic!("expected a 503 refusal, got {other:?}"),
+    }
+    // Plain HTTP is not a WebSocket and is never refused.
+    assert!(http_get(h.addr, "/health").await.0.contains("200"));
+    // Once a connection ends its slot is free again.
+    drop(first);
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    let mut third = loop {
+        match tokio_tungstenite::connect_async(url.as_str()).await {
+            Ok((socket, _)) => break Client { socket },
+            Err(tokio_tungstenite::tungstenite::Error::Http(response))
+                if response.status() == 503 =>
+            {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the slot never came back"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(error) => panic!("expected a connection, got {error}"),
+        }
+    };
+    third.frame().await;
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_snapshot_requests_build_one_snapshot() {
+    let h = Harness::start("snapshot-shared", Duration::from_secs(30)).await;
+    h.transaction(0x200, &[1, 2, 3], true).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
+    let addr = h.addr;
+    let requests: Vec<_> = (0..50)
+        .map(|_| tokio::spawn(async move { http_get(addr, "/replica/snapshot").await }))
+        .collect();
+    let mut bodies = Vec::new();
+    for request in requests {
+        let (status, headers, body) = request.await.expect("request task");
+        assert!(status.contains("200"), "{status}");
+        assert_eq!(
+            header(&headers, super::WATERMARK_HEADER),
+            Some(w(0x200).as_str())
+        );
+        bodies.push(body);
+    }
+    assert!(bodies.iter().all(|b| b == &bodies[0] && !b.is_empty()));
+    let (_, _, health) = http_get(h.addr, "/health").await;
+    let health: serde_json::Value = serde_json::from_slice(&health).expect("json");
+    assert_eq!(health["snapshotsBuilt"], 1, "{health}");
+    // At most the one snapshot file is kept on disk.
+    let files = h.dir.0.join("snapshots").read_dir().expect("dir").count();
+    assert!(files <= 1, "{files} snapshot files kept");
+    // A later commit makes the next request build a new one, replacing the old file.
+    h.transaction(0x300, &[4], false).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x300).as_str()).await;
+    let (status, headers, _) = http_get(h.addr, "/replica/snapshot").await;
+    assert!(status.contains("200"), "{status}");
+    assert_eq!(
+        header(&headers, super::WATERMARK_HEADER),
+        Some(w(0x300).as_str())
+    );
+    let (_, _, health) = http_get(h.addr, "/health").await;
+    let health: serde_json::Value = serde_json::from_slice(&health).expect("json");
+    assert_eq!(health["snapshotsBuilt"], 2, "{health}");
+    let files = h.dir.0.join("snapshots").read_dir().expect("dir").count();
+    assert_eq!(files, 1, "the old snapshot file was not removed");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_that_stops_reading_during_catch_up_blocks_no_checkpoint_or_other_subscriber()
+{
+    let h = Harness::start_full(
+        "slow-catchup",
+        Duration::from_secs(30),
+        Duration::from_secs(30),
+        None,
+        Tuning {
+            backlog_high_water_bytes: 4096,
+            ..Tuning::default()
+        },
+    )
+    .await;
+    // More rows than one catch-up batch holds (2000), so the read must pause between batches.
+    let ids: Vec<u64> = (1..=20).collect();
+    h.transaction(0x200, &ids, true).await;
+    for n in 1..120 {
+        h.transaction(0x200 + n * 0x10, &ids, false).await;
+    }
+    let last = w(0x200 + 119 * 0x10);
+    wait_until(|| stored_last_watermark(&h.db()) == last.as_str()).await;
+    // Catches up from the start, then never reads or acks: its catch-up pauses at the bound.
+    let silent = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Its paused catch-up holds no read transaction: a full checkpoint gets through.
+    let db = h.db();
+    let (busy, _, _): (i64, i64, i64) = db
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .expect("checkpoint");
+    assert_eq!(busy, 0, "the paused catch-up blocked a checkpoint");
+    // Another subscriber catches up the whole log meanwhile.
+    let mut other = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    let mut seen = Vec::new();
+    while seen.last() != Some(&last) {
+        let frame = other.frame().await;
+        let id = frame.id().expect("an application frame");
+        seen.extend(commits(&frame.into_messages()));
+        other.ack(id).await;
+    }
+    assert_eq!(seen.len(), 120);
+    drop(silent);
     h.stop().await;
 }
 

@@ -1,0 +1,10 @@
+//! Arbitrary bytes as the frames one peer sends, one per line: see `fuzz/props/peer_frames.rs`
+//! (`scope_sync_client`) for the property checked.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+#[path = "../props/peer_frames.rs"]
+mod props;
+
+fuzz_target!(|data: &[u8]| props::scope_sync_client(data));
