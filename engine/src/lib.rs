@@ -7,6 +7,7 @@
 pub mod backfill;
 pub mod change_stream;
 pub mod cursor;
+pub mod group_commit;
 pub mod pgoutput;
 pub mod realtime_bridge;
 pub mod replay;

@@ -55,6 +55,7 @@ async fn ok() -> &'static str {
 
 async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
     let positions = state.hub.positions();
+    let (store_commits, stored_transactions) = state.hub.store_counts();
     Json(json!({
         "status": "ok",
         "replicaVersion": positions.replica_version,
@@ -64,6 +65,9 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
         "syncConnections": state.sync.as_ref().map(|sync| sync.connections()),
         // A subscriber's full backlog holds up replication (back-pressure).
         "upstreamPaused": state.hub.inspect(|s| s.is_upstream_paused()),
+        // Group commit: how many upstream transactions share one durable SQLite commit.
+        "storeCommits": store_commits,
+        "storedTransactions": stored_transactions,
     }))
 }
 
