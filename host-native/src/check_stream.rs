@@ -10,6 +10,10 @@
 //! per line (a batch frame's messages one per line, acks print nothing), so the output is itself
 //! valid input; the `line <n>: <reason>` reports and the summary go to stderr.
 //!
+//! With `--protocol N --direction downstream|upstream` a line must also be traffic a peer at
+//! protocol vN may send that way (framing per version, messages the version knows, defaults a
+//! replicator can apply); without them any version's traffic passes.
+//!
 //! The exit status is 0 only when every line is valid.
 
 use std::fs::File;
@@ -17,7 +21,10 @@ use std::io::{self, BufRead, BufReader, Write};
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use highwater_engine::change_stream::{decode_envelope, encode_message};
+use highwater_engine::change_stream::{
+    check_traffic, decode_envelope, encode_message, Direction, MAX_PROTOCOL_VERSION,
+    MIN_PROTOCOL_VERSION,
+};
 
 #[derive(clap::Args, Debug)]
 pub struct CheckStreamArgs {
@@ -27,6 +34,28 @@ pub struct CheckStreamArgs {
     /// Print each valid message re-encoded, one per line (reports and summary go to stderr).
     #[arg(long)]
     normalize: bool,
+    /// Check against what a peer at this protocol version may send (needs --direction).
+    #[arg(long, value_name = "N", requires = "direction",
+          value_parser = clap::value_parser!(u32).range(MIN_PROTOCOL_VERSION as i64..=MAX_PROTOCOL_VERSION as i64))]
+    protocol: Option<u32>,
+    /// The direction the traffic flows (needs --protocol).
+    #[arg(long, value_enum, requires = "protocol")]
+    direction: Option<TrafficDirection>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum TrafficDirection {
+    /// Change-streamer to subscriber.
+    Downstream,
+    /// Subscriber to change-streamer.
+    Upstream,
+}
+
+/// What lines are checked against beyond their shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Peer {
+    version: u32,
+    direction: Direction,
 }
 
 /// Counts of non-blank lines.
@@ -45,10 +74,20 @@ pub fn run(args: CheckStreamArgs) -> anyhow::Result<()> {
         Box::new(BufReader::new(file))
     };
     let stdout = io::stdout().lock();
+    let peer = match (args.protocol, args.direction) {
+        (Some(version), Some(direction)) => Some(Peer {
+            version,
+            direction: match direction {
+                TrafficDirection::Downstream => Direction::Downstream,
+                TrafficDirection::Upstream => Direction::Upstream,
+            },
+        }),
+        _ => None,
+    };
     let tally = if args.normalize {
-        check(reader, stdout, io::stderr().lock(), true)?
+        check(reader, stdout, io::stderr().lock(), true, peer)?
     } else {
-        check(reader, stdout, io::sink(), false)?
+        check(reader, stdout, io::sink(), false, peer)?
     };
     if tally.failed > 0 {
         bail!(
@@ -67,6 +106,7 @@ fn check(
     mut out: impl Write,
     mut reports: impl Write,
     normalize: bool,
+    peer: Option<Peer>,
 ) -> anyhow::Result<Tally> {
     let mut tally = Tally::default();
     let mut buf = Vec::new();
@@ -96,7 +136,15 @@ fn check(
         if line.trim().is_empty() {
             continue;
         }
-        match decode_envelope(line) {
+        let checked = decode_envelope(line)
+            .map_err(|e| e.to_string())
+            .and_then(|envelope| match peer {
+                Some(p) => check_traffic(&envelope, p.version, p.direction)
+                    .map(|()| envelope)
+                    .map_err(|e| e.to_string()),
+                None => Ok(envelope),
+            });
+        match checked {
             Ok(envelope) => {
                 tally.passed += 1;
                 if normalize {
@@ -127,8 +175,8 @@ mod tests {
 
     fn run_check(input: &str, normalize: bool) -> (Tally, String, String) {
         let (mut out, mut reports) = (Vec::new(), Vec::new());
-        let tally =
-            check(input.as_bytes(), &mut out, &mut reports, normalize).expect("in-memory I/O");
+        let tally = check(input.as_bytes(), &mut out, &mut reports, normalize, None)
+            .expect("in-memory I/O");
         let text = |b: Vec<u8>| String::from_utf8(b).expect("utf-8");
         (tally, text(out), text(reports))
     }
@@ -174,10 +222,43 @@ mod tests {
     }
 
     #[test]
+    fn a_peer_version_and_direction_reject_what_that_peer_would() {
+        let input = concat!(
+            "{\"id\":1,\"msg\":[\"status\",{\"tag\":\"status\"}]}\n",
+            "{\"id\":2,\"batch\":[[\"rollback\",{\"tag\":\"rollback\"}]]}\n",
+            "{\"ack\":1}\n",
+        );
+        let peer = |version, direction| Some(Peer { version, direction });
+        let tally = |peer| {
+            check(input.as_bytes(), io::sink(), io::sink(), false, peer).expect("in-memory I/O")
+        };
+        let t = |passed, failed| Tally { passed, failed };
+        assert_eq!(tally(None), t(3, 0));
+        assert_eq!(tally(peer(6, Direction::Downstream)), t(1, 2));
+        assert_eq!(tally(peer(7, Direction::Downstream)), t(3, 0));
+        assert_eq!(tally(peer(6, Direction::Upstream)), t(1, 2));
+        let mut out = Vec::new();
+        check(
+            input.as_bytes(),
+            &mut out,
+            io::sink(),
+            false,
+            peer(6, Direction::Downstream),
+        )
+        .expect("in-memory I/O");
+        assert!(
+            String::from_utf8_lossy(&out)
+                .starts_with("line 2: not valid v6 downstream traffic: a {batch} frame"),
+            "{}",
+            String::from_utf8_lossy(&out)
+        );
+    }
+
+    #[test]
     fn invalid_utf8_is_a_failed_line_not_an_abort() {
         let input = b"\xff\xfe\n[\"rollback\",{\"tag\":\"rollback\"}]\n";
         let mut out = Vec::new();
-        let tally = check(&input[..], &mut out, io::sink(), false).expect("in-memory I/O");
+        let tally = check(&input[..], &mut out, io::sink(), false, None).expect("in-memory I/O");
         assert_eq!(
             tally,
             Tally {

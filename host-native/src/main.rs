@@ -19,7 +19,7 @@ enum Command {
     /// Replicate upstream publications into `<data>/replica.db` until Ctrl-C / SIGTERM.
     Replicate(highwater_host::replicate::ReplicateArgs),
     /// Replicate upstream and serve change-stream subscribers, replica snapshots and health.
-    Serve(highwater_host::serve::ServeArgs),
+    Serve(Box<highwater_host::serve::ServeArgs>),
     /// Run the server on an embedded default: a private Postgres with demo data and live writes.
     Demo(highwater_host::demo::DemoArgs),
     /// Subscribe to a change streamer and print each message as a JSON line.
@@ -35,7 +35,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::CheckStream(args) => check_stream::run(args),
         Command::Replicate(args) => highwater_host::replicate::run(args),
-        Command::Serve(args) => highwater_host::serve::run(args),
+        Command::Serve(args) => highwater_host::serve::run(*args),
         Command::Demo(args) => highwater_host::demo::run(args),
         Command::Watch(args) => highwater_host::watch::run(args),
         Command::Bench(args) => highwater_host::bench::run(args),

@@ -18,7 +18,9 @@ use highwater_engine::pgoutput::{PgoutputEvent, PgoutputMapper};
 use highwater_engine::watermark::Lsn;
 use tokio::runtime::Handle;
 use tokio::sync::watch;
-use tokio_postgres::{Client, Config, NoTls};
+use tokio_postgres::Client;
+
+use crate::replication::PgConfig;
 
 use crate::pause_point::{self, Point};
 use crate::replica::backfill::{run_backfills, BackfillPlanner, RecentXids};
@@ -77,7 +79,7 @@ pub fn run(args: ReplicateArgs) -> anyhow::Result<()> {
 
 /// An ordinary connection for catalog queries, reopened after upstream restarts.
 struct Catalog {
-    config: Config,
+    config: PgConfig,
     client: Option<Client>,
 }
 
@@ -85,7 +87,7 @@ impl Catalog {
     fn client(&mut self, handle: &Handle) -> anyhow::Result<&Client> {
         if self.client.as_ref().is_none_or(Client::is_closed) {
             let (client, connection) = handle
-                .block_on(self.config.connect(NoTls))
+                .block_on(self.config.connect())
                 .context("cannot connect to the upstream Postgres")?;
             handle.spawn(async move {
                 if let Err(error) = connection.await {
@@ -103,7 +105,7 @@ impl Catalog {
 /// Backfills between upstream transactions: what to run next, and the transactions the next
 /// backfill's snapshot must see.
 struct Backfills {
-    upstream: Config,
+    upstream: PgConfig,
     planner: BackfillPlanner,
     recent_xids: RecentXids,
 }
@@ -140,11 +142,11 @@ pub fn replicate(
 
     let mut writer = ReplicaWriter::new(replica);
     let mut catalog = Catalog {
-        config: upstream.params.query_config().clone(),
+        config: upstream.params.upstream(),
         client: None,
     };
     let mut backfills = Backfills {
-        upstream: upstream.params.query_config().clone(),
+        upstream: upstream.params.upstream(),
         planner: BackfillPlanner::new(),
         recent_xids: RecentXids::default(),
     };

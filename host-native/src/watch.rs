@@ -12,9 +12,12 @@ use highwater_engine::change_stream::{
     UpstreamMessage,
 };
 use highwater_engine::watermark::Watermark;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
+use tokio_tungstenite::tungstenite::http::header::AUTHORIZATION;
 use tokio_tungstenite::tungstenite::Message as WsMessage;
 
 use crate::runtime;
+use crate::serve::load_token;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct WatchArgs {
@@ -29,6 +32,10 @@ pub struct WatchArgs {
     /// Exit after this many commits.
     #[arg(long)]
     pub commits: Option<u64>,
+    /// File holding the server's replication token (default: the environment variable
+    /// HIGHWATER_REPLICATION_TOKEN, if set).
+    #[arg(long, value_name = "FILE")]
+    pub replication_token_file: Option<std::path::PathBuf>,
 }
 
 type Socket =
@@ -54,7 +61,13 @@ async fn watch(args: WatchArgs) -> anyhow::Result<()> {
         "{}/replication/v8/subscribe?taskID={task_id}",
         args.url.trim_end_matches('/')
     );
-    let (mut socket, _) = tokio_tungstenite::connect_async(url.as_str())
+    let mut request = url.as_str().into_client_request()?;
+    if let Some(token) = load_token(args.replication_token_file.as_deref())? {
+        request
+            .headers_mut()
+            .insert(AUTHORIZATION, token.authorization());
+    }
+    let (mut socket, _) = tokio_tungstenite::connect_async(request)
         .await
         .with_context(|| format!("connecting to {url}"))?;
 

@@ -125,3 +125,51 @@ fn missing_file_is_an_error() {
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("cannot open /nonexistent/stream.jsonl"));
 }
+
+/// The frame that stopped a Zero 1.9 view-syncer (`Unsupported default value … now()`) passes
+/// the any-version check and fails as v6 downstream traffic, like the batch and ack frames a
+/// v6 subscriber cannot take.
+#[test]
+fn protocol_and_direction_reject_what_a_v6_subscriber_would() {
+    let input = concat!(
+        r#"{"id":1,"msg":["data",{"tag":"add-column","table":{"schema":"public","name":"issue"},"column":{"name":"updated","spec":{"pos":3,"dataType":"timestamptz","dflt":"now()"}},"backfill":{"attNum":3}}]}"#,
+        "\n",
+        r#"{"id":2,"batch":[["rollback",{"tag":"rollback"}]]}"#,
+        "\n",
+        r#"{"ack":1}"#,
+        "\n",
+        r#"{"id":3,"msg":["rollback",{"tag":"rollback"}]}"#,
+        "\n",
+    );
+    let any = highwater(&["check-stream"], Some(input));
+    assert!(any.status.success(), "{}", text(&any.stdout));
+    let v6 = highwater(
+        &[
+            "check-stream",
+            "--protocol",
+            "6",
+            "--direction",
+            "downstream",
+        ],
+        Some(input),
+    );
+    assert!(!v6.status.success());
+    let stdout = text(&v6.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 4, "{stdout}");
+    assert!(
+        lines[0].starts_with("line 1: not valid v6 downstream traffic: add-column issue.updated: Unsupported default value: now()"),
+        "{stdout}"
+    );
+    assert!(lines[1].starts_with("line 2: "), "{stdout}");
+    assert!(lines[2].starts_with("line 3: "), "{stdout}");
+    assert_eq!(lines[3], "1 passed, 3 failed");
+    for bad in [
+        &["check-stream", "--protocol", "6"][..],
+        &["check-stream", "--direction", "upstream"][..],
+        &["check-stream", "--protocol", "9", "--direction", "upstream"][..],
+    ] {
+        let out = highwater(bad, Some(""));
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {}", text(&out.stderr));
+    }
+}

@@ -396,3 +396,89 @@ async fn a_relay_restores_again_when_the_primary_changes_replica_version() {
     relay.stop().await;
     primary.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_chain_with_replication_tokens_ends_equal_to_postgres() {
+    use highwater_host::serve::{ReplicationToken, SNAPSHOT_PATH};
+    let token = |text: &str| Some(ReplicationToken::new(text).unwrap());
+    let pg = start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client.batch_execute(ITEMS_DDL).await.unwrap();
+    churn(&client, 0..20).await;
+    let primary_data = DataDir::new("relay-token-primary");
+    let mut primary_args = serve_args(&pg.url(), primary_data.path(), free_port());
+    primary_args.security.replication_token = token("primary-token-0123456789");
+    let primary = InProcess::start(primary_args).await;
+    // The first relay sends the primary's token and requires its own.
+    let first_data = DataDir::new("relay-token-first");
+    let mut first_args = ServeArgs::relay(format!("ws://{}", primary.addr), first_data.path());
+    first_args.port = free_port();
+    first_args.security.replication_token = token("first-relay-token-0123456789");
+    first_args.security.upstream_token = token("primary-token-0123456789");
+    let first = InProcess::start(first_args).await;
+    // The second relay follows the first with the first relay's token.
+    let second_data = DataDir::new("relay-token-second");
+    let mut second_args = ServeArgs::relay(format!("ws://{}", first.addr), second_data.path());
+    second_args.port = free_port();
+    second_args.security.upstream_token = token("first-relay-token-0123456789");
+    let second = InProcess::start(second_args).await;
+
+    churn(&client, 20..50).await;
+    let rows = pg_items(&client).await;
+    replica_reaches(first_data.path(), &rows).await;
+    replica_reaches(second_data.path(), &rows).await;
+    // Each node guards its own endpoints; the second relay has no token configured.
+    for (addr, status) in [
+        (primary.addr, "401"),
+        (first.addr, "401"),
+        (second.addr, "200"),
+    ] {
+        let (line, _, _) = http_get(addr, SNAPSHOT_PATH).await.unwrap();
+        assert!(
+            line.contains(status),
+            "{addr}: expected {status}, got {line}"
+        );
+    }
+    second.stop().await;
+    first.stop().await;
+    primary.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_sends_the_replication_token_from_the_environment() {
+    use highwater_host::serve::{ReplicationToken, REPLICATION_TOKEN_ENV};
+    const TOKEN: &str = "watch-token-0123456789";
+    let pg = start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client.batch_execute(ITEMS_DDL).await.unwrap();
+    let data = DataDir::new("watch-token");
+    let mut args = serve_args(&pg.url(), data.path(), free_port());
+    args.security.replication_token = Some(ReplicationToken::new(TOKEN).unwrap());
+    let primary = InProcess::start(args).await;
+    // Transactions after the initial sync, so the change log holds commits to watch.
+    churn(&client, 0..5).await;
+    replica_reaches(data.path(), &pg_items(&client).await).await;
+    let url = format!("ws://{}", primary.addr);
+    let watch = move |token: Option<&'static str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_highwater"));
+        command
+            .args(["watch", &url, "--from-start", "--commits", "1"])
+            .env_remove(REPLICATION_TOKEN_ENV);
+        if let Some(token) = token {
+            command.env(REPLICATION_TOKEN_ENV, token);
+        }
+        command.output().unwrap()
+    };
+    let (refused, watched) = tokio::task::spawn_blocking(move || (watch(None), watch(Some(TOKEN))))
+        .await
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("401"));
+    assert!(
+        watched.status.success(),
+        "{}",
+        String::from_utf8_lossy(&watched.stderr)
+    );
+    assert!(String::from_utf8_lossy(&watched.stdout).contains("\"commit\""));
+    primary.stop().await;
+}

@@ -9,12 +9,15 @@
 //! canonical LexiVersions / StateVersions (Zero would crash on them later), frame ids must be
 //! integers, and `create-index.spec.predicate` is kept as opaque JSON.
 
+mod column_default;
 mod decode;
 mod encode;
 mod frame;
 mod message;
+mod traffic;
 mod version;
 
+pub use column_default::{exact_lite_default, lite_default, UnsupportedDefault};
 pub use decode::{
     decode_backfill_request_value, decode_change_value, decode_downstream, decode_downstream_value,
     decode_message, decode_message_value, decode_upstream, decode_upstream_value, parse_json,
@@ -30,6 +33,7 @@ pub use frame::{
     message_frame, AckError, AckQueue, BatchPayload, Envelope, Frame,
 };
 pub use message::*;
+pub use traffic::{check_traffic, Direction, TrafficError};
 pub use version::{
     adapt_for_version, batch_frames_allowed, check_protocol_version, close_reason, may_receive,
     unsupported_version_reason, Endpoint, UnsupportedVersion, MAX_CLOSE_REASON_BYTES,

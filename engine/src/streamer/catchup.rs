@@ -1,7 +1,6 @@
 //! Catch-up from the change log (§7.4): the rows a subscriber is sent before it goes live, and
 //! whether its watermark can be served at all.
 
-use crate::change_stream::SubscriberMode;
 use crate::watermark::Watermark;
 
 /// One change-log row, in `(watermark, pos)` order, as the host reads it for a catch-up.
@@ -30,12 +29,9 @@ impl CatchupRow {
 pub enum FirstRow {
     /// The log holds the subscriber's own transaction: everything after it can be sent.
     Continuous,
-    /// The log starts after the subscriber's watermark: a serving subscriber gets
-    /// `WatermarkTooOld`.
+    /// The log starts after the subscriber's watermark: the subscriber gets `WatermarkTooOld`,
+    /// whatever its mode.
     TooOld { earliest: Watermark },
-    /// The same gap for the backup replicator: its replica cannot be caught up, so the change
-    /// log must be reset.
-    ResetRequired { earliest: Watermark },
 }
 
 /// Judges the first row a catch-up from `requested` read (§7.4 step 4). The row must be the
@@ -45,14 +41,21 @@ pub enum FirstRow {
 /// at `replicaVersion` still holds its seed rows there (so the rule above accepts it), and a log
 /// that no longer does — purged past them, or a relay's log seeded at its restored snapshot —
 /// lacks changes such a subscriber needs, so accepting it would lose them silently.
-pub fn check_first_row(first: &Watermark, requested: &Watermark, mode: SubscriberMode) -> FirstRow {
+///
+/// Zero answers a `mode=backup` subscriber with this gap by marking its change log
+/// reset-required and stopping, because there the backup replicator is the one copy a
+/// restart restores from. Highwater's backup is its own replica (the server reports its
+/// durable position itself and `/replica/snapshot` serves it), so a backup-mode subscriber
+/// from the network is never the source of truth, and anyone who can reach the port could
+/// otherwise wipe the server with `mode=backup&watermark=00`. The gap is therefore the
+/// subscriber's error in every mode; a reset needs an operator (`--auto-reset`, a new data
+/// directory).
+pub fn check_first_row(first: &Watermark, requested: &Watermark) -> FirstRow {
     if first <= requested {
         return FirstRow::Continuous;
     }
-    let earliest = first.clone();
-    match mode {
-        SubscriberMode::Serving => FirstRow::TooOld { earliest },
-        SubscriberMode::Backup => FirstRow::ResetRequired { earliest },
+    FirstRow::TooOld {
+        earliest: first.clone(),
     }
 }
 
@@ -76,38 +79,26 @@ mod tests {
 
     #[test]
     fn first_row_at_the_subscriber_watermark_is_continuous() {
-        for mode in [SubscriberMode::Serving, SubscriberMode::Backup] {
-            assert_eq!(
-                check_first_row(&w("0a"), &w("0a"), mode),
-                FirstRow::Continuous
-            );
-        }
+        assert_eq!(check_first_row(&w("0a"), &w("0a")), FirstRow::Continuous);
     }
 
     #[test]
     fn replica_version_needs_its_seed_rows_like_any_watermark() {
         // Seed rows at the replica version 01: continuous.
-        assert_eq!(
-            check_first_row(&w("01"), &w("01"), SubscriberMode::Serving),
-            FirstRow::Continuous
-        );
+        assert_eq!(check_first_row(&w("01"), &w("01")), FirstRow::Continuous);
         // Purged past them (or a relay's log seeded at its snapshot 0f): the changes between
         // are gone, so the subscriber is told instead of silently missing them.
         assert_eq!(
-            check_first_row(&w("0f"), &w("01"), SubscriberMode::Serving),
+            check_first_row(&w("0f"), &w("01")),
             FirstRow::TooOld { earliest: w("0f") }
         );
     }
 
     #[test]
-    fn watermark_too_old_serving_vs_backup() {
+    fn watermark_too_old_is_the_same_answer_in_every_mode() {
         assert_eq!(
-            check_first_row(&w("0f"), &w("0a"), SubscriberMode::Serving),
+            check_first_row(&w("0f"), &w("0a")),
             FirstRow::TooOld { earliest: w("0f") }
-        );
-        assert_eq!(
-            check_first_row(&w("0f"), &w("0a"), SubscriberMode::Backup),
-            FirstRow::ResetRequired { earliest: w("0f") }
         );
         assert_eq!(
             too_old_message(&w("0f"), &w("0a")),

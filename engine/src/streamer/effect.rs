@@ -131,10 +131,6 @@ pub enum Effect {
     RestartUpstream {
         reason: String,
     },
-    /// The change log cannot serve the backup replicator: mark it reset-required and shut down.
-    ResetRequired {
-        reason: String,
-    },
     /// Delete change-log rows with `watermark < below`; then report
     /// [`Streamer::on_purged`](super::Streamer::on_purged).
     Purge {
@@ -179,7 +175,6 @@ impl fmt::Display for Effect {
             Effect::PauseUpstream => write!(f, "pause upstream"),
             Effect::ResumeUpstream => write!(f, "resume upstream"),
             Effect::RestartUpstream { reason } => write!(f, "restart upstream: {reason}"),
-            Effect::ResetRequired { reason } => write!(f, "reset required: {reason}"),
             Effect::Purge { below } => write!(f, "purge below {below}"),
             Effect::Warn {
                 conn: Some(conn),

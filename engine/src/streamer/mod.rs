@@ -50,7 +50,7 @@ use crate::backfill::{BackfillStateTracker, Registration};
 use crate::change_stream::{
     close_reason, decode_upstream_frame, encode_downstream, BackfillRequest, DownstreamMessage,
     ErrorKind, Extra, Frame, Reserved, Rollback, Status, StreamError, SubscribeContext,
-    SubscriberMode, UpstreamMessage, MIN_SUBSCRIBE_PROTOCOL_VERSION, PROTOCOL_ERROR_CLOSE_CODE,
+    UpstreamMessage, MIN_SUBSCRIBE_PROTOCOL_VERSION, PROTOCOL_ERROR_CLOSE_CODE,
 };
 use crate::watermark::Watermark;
 use catchup::{check_first_row, too_old_message, wrong_replica_version_message, FirstRow};
@@ -573,7 +573,7 @@ impl Streamer {
             return out;
         }
         let tracker_key = format!("{}/{}", ctx.id, conn.0);
-        let mut sub = Subscriber::new(ctx.id, ctx.mode, tracker_key.clone(), ctx.watermark);
+        let mut sub = Subscriber::new(ctx.id, tracker_key.clone(), ctx.watermark);
         // Only v8 subscribers report backfills; the log's state stands in for the others.
         let backfills = ctx.backfills.filter(|_| c.version >= 8);
         match self.tracker.register(tracker_key, backfills) {
@@ -750,15 +750,15 @@ impl Streamer {
         let mut failure = None;
         for row in rows {
             if !checked {
-                let verdict = check_first_row(&row.watermark, &sub.requested, sub.mode);
+                let verdict = check_first_row(&row.watermark, &sub.requested);
                 match verdict {
                     FirstRow::Continuous => {
                         checked = true;
                         sub.phase = Phase::CatchingUp { checked };
                         sub.ensure_status(&self.initial_status, &mut d);
                     }
-                    FirstRow::TooOld { earliest } | FirstRow::ResetRequired { earliest } => {
-                        failure = Some((sub.mode, too_old_message(&earliest, &sub.requested)));
+                    FirstRow::TooOld { earliest } => {
+                        failure = Some(too_old_message(&earliest, &sub.requested));
                         break;
                     }
                 }
@@ -773,20 +773,10 @@ impl Streamer {
         }
         emit(conn, c, d, &mut out);
         match failure {
-            Some((SubscriberMode::Serving, message)) => {
+            // Also for `mode=backup`: no subscriber can make the server reset (see
+            // `check_first_row`).
+            Some(message) => {
                 self.fail(conn, ErrorKind::WatermarkTooOld, message, &mut out);
-            }
-            Some((SubscriberMode::Backup, message)) => {
-                let reason = format!("the backup replica cannot catch up: {message}");
-                out.push(Effect::ResetRequired {
-                    reason: reason.clone(),
-                });
-                self.close(
-                    conn,
-                    INTERNAL_ERROR_CLOSE_CODE,
-                    close_reason(&reason),
-                    &mut out,
-                );
             }
             None if pause => out.push(Effect::PauseCatchup { conn }),
             None => {}

@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use super::entry::{Entry, EntryKind};
 use crate::backfill::BackfillStateTracker;
-use crate::change_stream::SubscriberMode;
 use crate::watermark::Watermark;
 
 /// Where a subscriber is in its life.
@@ -88,7 +87,6 @@ pub struct WaterMarks {
 pub struct Subscriber {
     /// The subscriber's own id (debugging and logs).
     pub id: String,
-    pub mode: SubscriberMode,
     /// Its key in the backfill tracker, unique per connection.
     pub tracker_key: String,
     /// Whether its backfills are tracked (a v8 subscriber with valid `backfills`).
@@ -121,15 +119,9 @@ pub struct Subscriber {
 }
 
 impl Subscriber {
-    pub fn new(
-        id: String,
-        mode: SubscriberMode,
-        tracker_key: String,
-        watermark: Watermark,
-    ) -> Self {
+    pub fn new(id: String, tracker_key: String, watermark: Watermark) -> Self {
         Subscriber {
             id,
-            mode,
             tracker_key,
             tracked: false,
             requested: watermark.clone(),
@@ -337,7 +329,7 @@ mod tests {
     }
 
     fn subscriber(at: &str) -> Subscriber {
-        Subscriber::new("s".into(), SubscriberMode::Serving, "s/1".into(), w(at))
+        Subscriber::new("s".into(), "s/1".into(), w(at))
     }
 
     fn sent(d: &Delivery) -> Vec<String> {

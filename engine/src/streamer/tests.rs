@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use super::*;
 use crate::change_stream::{
     decode_backfill_request_value, decode_downstream, decode_downstream_frame, parse_json, Begin,
-    Commit,
+    Commit, SubscriberMode,
 };
 
 const RV: &str = "01";
@@ -351,8 +351,7 @@ close #2 1000 error not acknowledged in time
 > subscribe #3 backup at 0a
 fetch catchup #3 0a..=0c
 > catchup rows 0b
-reset required: the backup replica cannot catch up: earliest supported watermark is 0b (requested 0a)
-close #3 1011 Error: the backup replica cannot catch up: earliest supported watermark is 0b (requested 0a)
+send #3 {"id":1,"msg":["error",{"type":2,"message":"earliest supported watermark is 0b (requested 0a)"}]}
 "#,
     );
 }

@@ -4,10 +4,13 @@
 //!   `pg_recvlogical` on the same workload as the yardstick.
 //! - `fanout` ([`fanout`]): committed changes delivered to 1, 10, 100 change-stream
 //!   subscribers (throughput, commit-to-subscriber latency), and catch-up speed from the log.
+//! - `sync` ([`sync`]): scope sync on `/sync`: commit-to-client latency at many connections,
+//!   replay rows/s, memory per idle subscription.
 
 pub mod fanout;
 pub mod ingest;
 mod recvlogical;
+pub mod sync;
 mod workload;
 
 /// Command-line arguments of `highwater bench`.
@@ -24,6 +27,8 @@ pub enum Benchmark {
     Ingest(ingest::IngestArgs),
     /// Delivery to many change-stream subscribers, and catch-up of one far behind.
     Fanout(fanout::FanoutArgs),
+    /// Scope sync: commit-to-client latency, replay speed, memory per idle subscription.
+    Sync(sync::SyncArgs),
 }
 
 /// Runs the chosen benchmark and prints its table to stdout.
@@ -31,5 +36,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.benchmark {
         Benchmark::Ingest(args) => ingest::run(args),
         Benchmark::Fanout(args) => fanout::run(args),
+        Benchmark::Sync(args) => sync::run(args),
     }
 }

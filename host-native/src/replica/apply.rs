@@ -14,9 +14,9 @@
 //! is backfilling); rows new to the replica get the snapshot's watermark as their version.
 
 use highwater_engine::change_stream::{
-    AddColumn, Backfill, BackfillCompleted, Begin, Change, Commit, CreateIndex, CreateTable,
-    Delete, DownstreamMessage, DropColumn, DropTable, Identifier, Insert, JsonFormat, RenameTable,
-    Row, Truncate, Update, UpdateColumn,
+    lite_default, AddColumn, Backfill, BackfillCompleted, Begin, Change, Commit, CreateIndex,
+    CreateTable, Delete, DownstreamMessage, DropColumn, DropTable, Identifier, Insert, JsonFormat,
+    RenameTable, Row, Truncate, Update, UpdateColumn,
 };
 use highwater_engine::watermark::{Lsn, Watermark};
 use rusqlite::types::Value as SqlValue;
@@ -384,7 +384,7 @@ impl ReplicaWriter {
             Change::CreateTable(create) => apply_create_table(ctx.conn, tables, create),
             Change::RenameTable(rename) => apply_rename_table(ctx.conn, tables, rename),
             Change::DropTable(drop) => apply_drop_table(ctx.conn, tables, drop),
-            Change::AddColumn(add) => apply_add_column(ctx.conn, tables, add),
+            Change::AddColumn(add) => apply_add_column(&mut ctx, tables, add),
             Change::UpdateColumn(update) => apply_update_column(ctx.conn, tables, update),
             Change::DropColumn(drop) => apply_drop_column(ctx.conn, tables, drop),
             Change::CreateIndex(create) => apply_create_index(ctx.conn, tables, create),
@@ -394,8 +394,13 @@ impl ReplicaWriter {
                     .execute_batch(&format!("DROP INDEX IF EXISTS {}", quote_ident(&name)))?;
                 Ok(())
             }
-            // Opaque to the replica: the key and columns it needs arrive with the other changes.
-            Change::UpdateTableMetadata(_) => Ok(()),
+            // Opaque to the replica (the key and columns it needs arrive with the other
+            // changes), but kept so that the next schema diff can tell it changed.
+            Change::UpdateTableMetadata(update) => {
+                let table = table_for_mut(tables, &update.table)?;
+                table.metadata = Some(update.new.clone());
+                schema::store_table(ctx.conn, table)
+            }
         }
     }
 }
@@ -1009,6 +1014,7 @@ fn apply_create_table(
     create: &CreateTable,
 ) -> Result<(), ReplicaError> {
     let mut table = ReplicaTable::from_spec(&create.spec);
+    table.metadata = create.metadata.clone();
     if let Some(backfill) = &create.backfill {
         for (name, id) in backfill {
             if let Some(col) = table.column_mut(name) {
@@ -1087,27 +1093,66 @@ fn apply_drop_table(
     Ok(())
 }
 
+/// Adds a column. Without a backfill, existing rows take the column's `dflt` the way Zero's
+/// replicator maps it to a SQLite default, and count as changed by this transaction (new
+/// version and sequence) so that subscribers catching up by sequence see the new values. A
+/// default it cannot map leaves them NULL: Zero's replicator would stop there, and a change
+/// source sends such a column with a backfill instead.
 fn apply_add_column(
-    conn: &Connection,
+    ctx: &mut RowContext<'_>,
     tables: &mut Tables,
     add: &AddColumn,
 ) -> Result<(), ReplicaError> {
+    let conn = ctx.conn;
     let table = table_for_mut(tables, &add.table)?;
     let mut col = ReplicaColumn::from_spec(&add.column.name, &add.column.spec);
     col.backfill = add.backfill.clone();
+    if let Some(metadata) = &add.table_metadata {
+        table.metadata = Some(metadata.clone());
+    }
     if table.column(&col.name).is_none() {
+        let default = match (&add.backfill, &col.dflt) {
+            (None, Some(dflt)) => lite_default(dflt).ok(),
+            _ => None,
+        };
+        let default_sql = default
+            .as_ref()
+            .map_or_else(String::new, |d| format!(" DEFAULT {d}"));
         conn.execute_batch(&format!(
-            "ALTER TABLE {} ADD COLUMN {} {}",
+            "ALTER TABLE {} ADD COLUMN {} {}{default_sql}",
             quote_ident(&table.name),
             quote_ident(&col.name),
             quote_ident(&col.declared_type())
         ))?;
         table.columns.push(col);
+        if default.is_some() {
+            touch_all_rows(ctx, &table.name)?;
+        }
     } else if let Some(existing) = table.column_mut(&col.name) {
         *existing = col;
     }
     table.columns.sort_by_key(|c| c.pos);
     schema::store_table(conn, table)
+}
+
+/// Gives every row of `table` this transaction's version and a fresh sequence, in rowid order.
+fn touch_all_rows(ctx: &mut RowContext<'_>, table: &str) -> Result<(), ReplicaError> {
+    let quoted = quote_ident(table);
+    let rowids: Vec<i64> = {
+        let mut stmt = ctx
+            .conn
+            .prepare(&format!("SELECT rowid FROM {quoted} ORDER BY rowid"))?;
+        let rows = stmt.query_map([], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    let mut update = ctx.conn.prepare(&format!(
+        r#"UPDATE {quoted} SET "_hw_version" = ?1, "_hw_seq" = ?2 WHERE rowid = ?3"#
+    ))?;
+    for rowid in rowids {
+        let seq = ctx.seq();
+        update.execute(params![ctx.version, seq, rowid])?;
+    }
+    Ok(())
 }
 
 /// The SQL of the indexes of `table` that include `column` (SQLite cannot drop or retype an
@@ -1250,7 +1295,7 @@ mod tests {
     use super::*;
     use highwater_engine::change_stream::{
         ColumnDef, ColumnSpec, IndexDirection, IndexSpec, NewRelation, PgTypeClass, Relation,
-        ReplicaIdentity, RowKey, TableSpec,
+        ReplicaIdentity, RowKey, TableMetadata, TableSpec,
     };
     use highwater_engine::watermark::Lsn;
     use indexmap::IndexMap;
@@ -1341,6 +1386,75 @@ mod tests {
         writer
             .apply(&DownstreamMessage::Commit(Commit::new(wm)))
             .unwrap()
+    }
+
+    fn add_column(name: &str, data_type: &str, dflt: &str, backfill: bool) -> Change {
+        let mut spec = ColumnSpec::new(Number::from(9), data_type);
+        spec.pg_type_class = Some(PgTypeClass::Base);
+        spec.dflt = Some(Some(dflt.to_owned()));
+        Change::AddColumn(AddColumn {
+            table: Identifier::new("public", "issue"),
+            column: ColumnDef {
+                name: name.into(),
+                spec,
+                extra: Default::default(),
+            },
+            table_metadata: Some(TableMetadata {
+                row_key: json!({"id": {"attNum": 1}}).as_object().unwrap().clone(),
+                extra: json!({"relationOID": 7}).as_object().unwrap().clone(),
+            }),
+            backfill: backfill.then(|| json!({"attNum": 9})),
+            extra: Default::default(),
+        })
+    }
+
+    /// A constant default without a backfill is what existing rows hold upstream (Zero's
+    /// change source sends `DEFAULT 5` this way): the replica must not leave them NULL, and
+    /// subscribers catching up by sequence must see them change.
+    #[test]
+    fn an_added_column_without_backfill_takes_its_default_on_existing_rows() {
+        let mut w = writer();
+        txn(&mut w, 0x200, vec![insert(1, "a"), insert(2, "b")]);
+        let seq_before: i64 = w
+            .replica()
+            .connection()
+            .query_row(r#"SELECT max("_hw_seq") FROM "issue""#, [], |r| r.get(0))
+            .unwrap();
+        txn(
+            &mut w,
+            0x300,
+            vec![
+                add_column("points", "int4", "5", false),
+                add_column("done", "bool", "false", false),
+                add_column("state", "text", "'open'::text", false),
+                // A default only upstream can compute comes with a backfill: NULL until then.
+                add_column("updated", "timestamptz", "now()", true),
+                // One Zero's replicator cannot map and no backfill: NULL, not a failure.
+                add_column("odd", "int8", "nextval('s'::regclass)", false),
+            ],
+        );
+        let got = rows(&w, "issue");
+        assert_eq!(
+            got[0],
+            json!({"id": 1, "title": "a", "meta": null, "points": 5, "done": false,
+                   "state": "open", "updated": null, "odd": null})
+        );
+        let (versions, min_seq): (i64, i64) = w
+            .replica()
+            .connection()
+            .query_row(
+                r#"SELECT count(DISTINCT "_hw_version"), min("_hw_seq") FROM "issue""#,
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(versions, 1);
+        assert!(min_seq > seq_before, "{min_seq} > {seq_before}");
+        let table = w.replica().table("issue").unwrap();
+        assert_eq!(
+            table.metadata.as_ref().unwrap().extra["relationOID"],
+            json!(7)
+        );
     }
 
     fn rows(writer: &ReplicaWriter, table: &str) -> Vec<Value> {

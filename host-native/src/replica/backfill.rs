@@ -34,7 +34,9 @@ use serde_json::{Number, Value};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tokio_postgres::{Client, Config, NoTls};
+use tokio_postgres::Client;
+
+use crate::replication::PgConfig;
 
 use super::apply::PendingBackfill;
 use super::copy_text::CopyRows;
@@ -121,7 +123,7 @@ pub struct BackfillStream {
 
 impl BackfillStream {
     /// Starts reading `job` on a new connection made with `upstream`.
-    pub fn spawn(handle: &Handle, upstream: &Config, job: BackfillJob) -> BackfillStream {
+    pub fn spawn(handle: &Handle, upstream: &PgConfig, job: BackfillJob) -> BackfillStream {
         let (tx, items) = mpsc::channel(AHEAD);
         let upstream = upstream.clone();
         let task = handle.spawn(async move {
@@ -290,11 +292,11 @@ fn plan_read(job: &BackfillJob, upstream_columns: &[String]) -> ReadPlan {
 }
 
 async fn produce(
-    upstream: &Config,
+    upstream: &PgConfig,
     job: BackfillJob,
     tx: &mpsc::Sender<Result<BackfillItem, SyncError>>,
 ) -> Result<(), SyncError> {
-    let (client, connection) = upstream.connect(NoTls).await?;
+    let (client, connection) = upstream.connect().await?;
     tokio::spawn(async move {
         if let Err(error) = connection.await {
             tracing::debug!(%error, "backfill connection ended");
@@ -591,7 +593,7 @@ fn next_minor(position: &Watermark) -> Watermark {
 /// Blocking: run it on a blocking thread of `handle`'s runtime.
 pub fn run_backfills(
     handle: &Handle,
-    upstream: &Config,
+    upstream: &PgConfig,
     writer: &mut ReplicaWriter,
     planner: &mut BackfillPlanner,
     visible_xids: &[u32],

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 
 use super::ddl::event_trigger_sql;
 use super::initial_sync::{
@@ -70,7 +70,7 @@ impl Upstream {
     ) -> Result<Upstream, BootstrapError> {
         let params: ConnectParams = url.parse()?;
         let names = ReplicationNames::for_app(app_id)?;
-        let (client, connection) = handle.block_on(params.query_config().connect(NoTls))?;
+        let (client, connection) = handle.block_on(params.upstream().connect())?;
         handle.spawn(async move {
             if let Err(error) = connection.await {
                 tracing::debug!(%error, "upstream query connection ended");

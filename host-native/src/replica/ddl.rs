@@ -14,15 +14,17 @@
 //! Tables are matched by OID and columns by `attnum`, so renames are told apart from drops.
 
 use highwater_engine::change_stream::{
-    AddColumn, Change, ColumnDef, ColumnSpec, CreateIndex, CreateTable, DropColumn, DropIndex,
-    DropTable, Identifier, IndexDirection, IndexSpec, RenameTable, TableSpec, UpdateColumn,
+    exact_lite_default, AddColumn, Change, ColumnDef, ColumnSpec, CreateIndex, CreateTable,
+    DropColumn, DropIndex, DropTable, Identifier, IndexDirection, IndexSpec, RenameTable,
+    ReplicaIdentity, TableMetadata, TableSpec, UpdateColumn, UpdateTableMetadata,
 };
 use indexmap::IndexMap;
 use serde::Deserialize;
 use serde_json::{json, Number, Value};
 
 use super::schema::{
-    parse_type_class, quote_ident, replica_index_name, replica_table_name, ReplicaTable,
+    parse_replica_identity, parse_type_class, quote_ident, replica_index_name, replica_table_name,
+    ReplicaTable,
 };
 use super::{Replica, ReplicaError};
 
@@ -32,7 +34,8 @@ use super::{Replica, ReplicaError};
 /// partial indexes, which the replica cannot represent.
 pub const PUBLISHED_SCHEMA_SQL: &str = r#"
 SELECT coalesce(json_agg(t ORDER BY t.schema, t.name), '[]'::json)::text FROM (
-  SELECT c.oid::int8 AS oid, n.nspname::text AS schema, c.relname::text AS name,
+  SELECT c.oid::int8 AS oid, n.nspname::text AS schema, c.relnamespace::int8 AS "schemaOID",
+    c.relname::text AS name,
     CASE c.relreplident WHEN 'd' THEN 'default' WHEN 'n' THEN 'nothing'
                         WHEN 'f' THEN 'full' ELSE 'index' END AS "replicaIdentity",
     (SELECT json_agg(DISTINCT pt.pubname::text) FROM pg_publication_tables pt
@@ -89,6 +92,9 @@ SELECT coalesce(json_agg(t ORDER BY t.schema, t.name), '[]'::json)::text FROM (
 pub struct PublishedTable {
     pub oid: u32,
     pub schema: String,
+    /// Absent from DDL events written before it was added.
+    #[serde(rename = "schemaOID", default)]
+    pub schema_oid: Option<u32>,
     pub name: String,
     pub replica_identity: String,
     #[serde(default)]
@@ -150,8 +156,9 @@ pub fn ddl_prefix(app_id: &str) -> String {
 }
 
 impl PublishedColumn {
-    pub fn to_spec(&self, pos: i64) -> ColumnSpec {
-        let mut spec = ColumnSpec::new(Number::from(pos), self.data_type.clone());
+    /// The column's spec as Zero's change source sends it: `pos` is the `attnum`.
+    pub fn to_spec(&self) -> ColumnSpec {
+        let mut spec = ColumnSpec::new(Number::from(self.attnum), self.data_type.clone());
         spec.pg_type_class = parse_type_class(&self.typtype);
         spec.elem_pg_type_class = Some(self.elem_typtype.as_deref().and_then(parse_type_class));
         spec.character_maximum_length = Some(self.char_max_len.map(Number::from));
@@ -163,9 +170,22 @@ impl PublishedColumn {
         spec
     }
 
-    /// Existing rows got a value only upstream knows (a default, an identity).
-    fn needs_backfill(&self) -> bool {
-        self.dflt.is_some() || self.identity
+    /// The spec of this column added by `ALTER TABLE`, and whether existing rows need a
+    /// backfill: they do when they got a value only upstream knows (an identity, or a default a
+    /// replica cannot reproduce, such as `now()`). The replica then adds the column with no
+    /// default (Zero's replicator would stop on one it cannot map) and takes the values from
+    /// the backfill; a default it can reproduce exactly goes as `dflt`, without a backfill.
+    fn added_spec(&self, always_backfill: bool) -> (ColumnSpec, bool) {
+        let mut spec = self.to_spec();
+        let exact = self
+            .dflt
+            .as_deref()
+            .and_then(|d| exact_lite_default(d, &self.data_type, spec.pg_type_class));
+        let backfill = always_backfill || self.identity || (self.dflt.is_some() && exact.is_none());
+        if backfill {
+            spec.dflt = Some(None);
+        }
+        (spec, backfill)
     }
 }
 
@@ -174,28 +194,63 @@ impl PublishedTable {
         replica_table_name(&self.schema, &self.name)
     }
 
+    /// The table's spec as Zero's change source sends it (its published-table spec: `oid`,
+    /// `schemaOID`, `replicaIdentity` as `pg_class.relreplident`, `publications` as a record
+    /// of row filters, `replicaIdentityColumns`).
     pub fn to_spec(&self) -> TableSpec {
         let mut extra = serde_json::Map::new();
         extra.insert("oid".into(), Value::from(self.oid));
-        extra.insert(
-            "replicaIdentity".into(),
-            Value::from(self.replica_identity.clone()),
-        );
-        if let Some(publications) = &self.publications {
-            extra.insert("publications".into(), json!(publications));
+        if let Some(schema_oid) = self.schema_oid {
+            extra.insert("schemaOID".into(), Value::from(schema_oid));
         }
+        let identity = parse_replica_identity(&self.replica_identity).map_or(
+            self.replica_identity.as_str(),
+            |i| match i {
+                ReplicaIdentity::Default => "d",
+                ReplicaIdentity::Nothing => "n",
+                ReplicaIdentity::Full => "f",
+                ReplicaIdentity::Index => "i",
+            },
+        );
+        extra.insert("replicaIdentity".into(), Value::from(identity));
+        if let Some(publications) = &self.publications {
+            let record: serde_json::Map<String, Value> = publications
+                .iter()
+                .map(|p| (p.clone(), json!({"rowFilter": null})))
+                .collect();
+            extra.insert("publications".into(), Value::Object(record));
+        }
+        extra.insert("replicaIdentityColumns".into(), json!(self.key));
         TableSpec {
             schema: self.schema.clone(),
             name: self.name.clone(),
             columns: self
                 .columns
                 .iter()
-                .enumerate()
-                .map(|(i, c)| (c.name.clone(), c.to_spec(i as i64 + 1)))
+                .map(|c| (c.name.clone(), c.to_spec()))
                 .collect(),
             primary_key: (!self.key.is_empty()).then(|| self.key.clone()),
             extra,
         }
+    }
+
+    /// The table metadata Zero's change source attaches to `create-table` and `add-column`
+    /// and diffs into `update-table-metadata`: `{schemaOID, relationOID, rowKey: {column:
+    /// {attNum}}}`. `None` for a schema read before `schemaOID` was published.
+    pub fn metadata(&self) -> Option<TableMetadata> {
+        let schema_oid = self.schema_oid?;
+        let row_key = self
+            .key
+            .iter()
+            .filter_map(|k| {
+                let col = self.columns.iter().find(|c| &c.name == k)?;
+                Some((k.clone(), json!({"attNum": col.attnum})))
+            })
+            .collect();
+        let mut extra = serde_json::Map::new();
+        extra.insert("schemaOID".into(), Value::from(schema_oid));
+        extra.insert("relationOID".into(), Value::from(self.oid));
+        Some(TableMetadata { row_key, extra })
     }
 
     /// Indexes other than the key, as `create-index` specs.
@@ -337,10 +392,14 @@ pub fn schema_changes(
             table_changes(existing, table, tag, &mut changes);
         }
     }
+    // A new table's key index goes out like any index: Zero's replicator creates tables
+    // without a key and relies on this index for its upserts (`ON CONFLICT (key)`).
+    let mut key_indexes = Vec::new();
     for table in published {
         if find_current(table).is_some() {
             continue;
         }
+        key_indexes.extend(table.index_specs().into_iter().filter(is_key_index));
         let spec = table.to_spec();
         let backfill = (tag != "CREATE TABLE").then(|| {
             table
@@ -351,8 +410,14 @@ pub fn schema_changes(
         });
         changes.push(Change::CreateTable(CreateTable {
             spec,
-            metadata: None,
+            metadata: table.metadata(),
             backfill,
+            extra: Default::default(),
+        }));
+    }
+    for spec in key_indexes {
+        changes.push(Change::CreateIndex(CreateIndex {
+            spec,
             extra: Default::default(),
         }));
     }
@@ -408,7 +473,7 @@ fn table_changes(
         };
         let new = &table.columns[i];
         if new.name != col.name || new.data_type != col.data_type || new.not_null != col.not_null {
-            let mut new_spec = new.to_spec(col.pos);
+            let mut new_spec = new.to_spec();
             new_spec.pos = Number::from(col.pos);
             changes.push(Change::UpdateColumn(UpdateColumn {
                 table: id.clone(),
@@ -418,7 +483,18 @@ fn table_changes(
             }));
         }
     }
-    let mut next_pos = existing.columns.iter().map(|c| c.pos).max().unwrap_or(0);
+    let metadata = table.metadata();
+    if let (Some(old), Some(new)) = (&existing.metadata, &metadata) {
+        if old != new {
+            changes.push(Change::UpdateTableMetadata(UpdateTableMetadata {
+                table: id.clone(),
+                old: old.clone(),
+                new: new.clone(),
+                extra: Default::default(),
+            }));
+        }
+    }
+    let max_pos = existing.columns.iter().map(|c| c.pos).max().unwrap_or(0);
     for new in &table.columns {
         let known = existing.columns.iter().any(|c| match c.attnum {
             Some(a) => a == new.attnum,
@@ -427,14 +503,14 @@ fn table_changes(
         if known {
             continue;
         }
-        next_pos += 1;
-        let backfill =
-            (tag != "ALTER TABLE" || new.needs_backfill()).then(|| json!({"attNum": new.attnum}));
+        let (mut spec, backfill) = new.added_spec(tag != "ALTER TABLE");
+        // Columns added from Relation messages have positions of their own: stay after them.
+        spec.pos = Number::from(new.attnum.max(max_pos + 1));
         changes.push(Change::AddColumn(AddColumn {
             table: id.clone(),
-            column: column_def(&new.name, new.to_spec(next_pos)),
-            table_metadata: None,
-            backfill,
+            column: column_def(&new.name, spec),
+            table_metadata: metadata.clone(),
+            backfill: backfill.then(|| json!({"attNum": new.attnum})),
             extra: Default::default(),
         }));
     }
@@ -613,6 +689,7 @@ mod tests {
         PublishedTable {
             oid,
             schema: "public".into(),
+            schema_oid: Some(2200),
             name: name.into(),
             replica_identity: "default".into(),
             publications: Some(vec!["p".into()]),
@@ -696,8 +773,175 @@ mod tests {
         let Change::AddColumn(add) = &changes[1] else {
             panic!("expected add-column");
         };
-        // Existing rows got the default upstream: the column is backfilled.
+        // Existing rows got a constant default upstream: the replica applies it, no backfill.
+        assert_eq!(add.column.spec.dflt, Some(Some("0".to_owned())));
+        assert!(add.backfill.is_none());
+    }
+
+    fn added(before: PublishedTable, new: PublishedColumn, tag: &str) -> AddColumn {
+        let w = replica_with(std::slice::from_ref(&before));
+        let mut after = before;
+        after.columns.push(new);
+        let changes = schema_changes(w.replica(), &[after], tag).unwrap();
+        match changes.as_slice() {
+            [Change::AddColumn(add)] => add.clone(),
+            other => panic!("expected one add-column, got {:?}", tags(other)),
+        }
+    }
+
+    /// Zero's view-syncer applies an `add-column` default and stops on one it cannot map
+    /// (`UnsupportedColumnDefaultError: Unsupported default value for issue.updated: now()`):
+    /// volatile and non-literal defaults go as `dflt: null` with a backfill, as Zero's change
+    /// source sends them; a constant goes as `dflt` without one.
+    #[test]
+    fn added_column_defaults_follow_zeros_change_source() {
+        let base = || {
+            table(
+                10,
+                "issue",
+                vec![column("id", 1, "int4"), column("t", 2, "text")],
+            )
+        };
+        let with_default = |name: &str, data_type: &str, dflt: &str| {
+            let mut c = column(name, 3, data_type);
+            c.dflt = Some(dflt.into());
+            c
+        };
+        let cases = [
+            ("timestamptz", "now()", None),
+            (
+                "timestamptz",
+                "'2024-01-01 00:00:00+00'::timestamp with time zone",
+                None,
+            ),
+            ("int8", "nextval('issue_n_seq'::regclass)", None),
+            ("date", "'2024-01-01'::date", None),
+            ("int4", "5", Some("5")),
+            ("bool", "true", Some("true")),
+            ("text", "'open'::text", Some("'open'::text")),
+            ("text[]", "'{}'::text[]", Some("'{}'::text[]")),
+        ];
+        for (data_type, dflt, kept) in cases {
+            let add = added(base(), with_default("c", data_type, dflt), "ALTER TABLE");
+            assert_eq!(
+                add.column.spec.dflt,
+                Some(kept.map(str::to_owned)),
+                "{dflt}"
+            );
+            assert_eq!(add.backfill.is_some(), kept.is_none(), "{dflt}");
+            // Whatever goes, Zero's replicator can apply it.
+            if let Some(Some(d)) = &add.column.spec.dflt {
+                assert!(highwater_engine::change_stream::lite_default(d).is_ok());
+            }
+            assert_eq!(
+                add.table_metadata
+                    .as_ref()
+                    .map(|m| m.extra["relationOID"].clone()),
+                Some(json!(10))
+            );
+            assert_eq!(add.column.spec.pos, Number::from(3), "pos is the attnum");
+        }
+        // No default: nothing to backfill, nothing to apply.
+        let plain = added(base(), column("c", 3, "text"), "ALTER TABLE");
+        assert_eq!((plain.column.spec.dflt, plain.backfill), (Some(None), None));
+        // An identity has no default expression but existing rows got values.
+        let mut identity = column("c", 3, "int8");
+        identity.identity = true;
+        let add = added(base(), identity, "ALTER TABLE");
         assert!(add.backfill.is_some());
+        // Columns that appear other than by ALTER TABLE are always backfilled, even a constant.
+        let add = added(base(), with_default("c", "int4", "5"), "ALTER PUBLICATION");
+        assert_eq!(add.column.spec.dflt, Some(None));
+        assert!(add.backfill.is_some());
+    }
+
+    #[test]
+    fn create_table_carries_zeros_published_spec_and_metadata() {
+        let w = replica_with(&[]);
+        let mut t = table(
+            11,
+            "label",
+            vec![column("id", 1, "int4"), column("name", 3, "text")],
+        );
+        t.columns[1].dflt = Some("now()".into());
+        t.indexes.push(PublishedIndex {
+            name: "label_pkey".into(),
+            unique: true,
+            is_primary_key: true,
+            is_replica_identity: false,
+            columns: Some(vec![("id".into(), "ASC".into())]),
+        });
+        let changes =
+            schema_changes(w.replica(), std::slice::from_ref(&t), "CREATE TABLE").unwrap();
+        // Zero's replicator creates the table without a key: the key index must follow.
+        assert_eq!(tags(&changes), vec!["create-table", "create-index"]);
+        let Change::CreateIndex(key) = &changes[1] else {
+            panic!("expected create-index");
+        };
+        assert!(key.spec.unique && is_key_index(&key.spec));
+        let Change::CreateTable(create) = &changes[0] else {
+            panic!("expected create-table");
+        };
+        let spec = &create.spec;
+        assert_eq!(spec.extra["schemaOID"], json!(2200));
+        assert_eq!(spec.extra["replicaIdentity"], json!("d"));
+        assert_eq!(
+            spec.extra["publications"],
+            json!({"p": {"rowFilter": null}})
+        );
+        assert_eq!(spec.columns["name"].pos, Number::from(3));
+        // Zero's replicator ignores create-table defaults; its change source sends them as is.
+        assert_eq!(spec.columns["name"].dflt, Some(Some("now()".to_owned())));
+        let metadata = create.metadata.as_ref().expect("metadata");
+        assert_eq!(
+            metadata.row_key,
+            json!({"id": {"attNum": 1}}).as_object().unwrap().clone()
+        );
+        assert_eq!(metadata.extra["schemaOID"], json!(2200));
+        assert_eq!(metadata.extra["relationOID"], json!(11));
+        // Once the table exists, its key index is not announced again.
+        let mut w = w;
+        let wm = highwater_engine::watermark::Lsn(3).to_watermark();
+        use highwater_engine::change_stream::{Begin, Commit, DownstreamMessage};
+        w.apply(&DownstreamMessage::Begin(Begin::new(wm.clone())))
+            .unwrap();
+        for change in changes {
+            w.apply(&DownstreamMessage::Data(change)).unwrap();
+        }
+        w.apply(&DownstreamMessage::Commit(Commit::new(wm)))
+            .unwrap();
+        assert!(schema_changes(w.replica(), &[t], "CREATE INDEX")
+            .unwrap()
+            .is_empty());
+    }
+
+    #[test]
+    fn a_changed_row_key_or_schema_is_an_update_table_metadata() {
+        let before = table(
+            10,
+            "issue",
+            vec![column("id", 1, "int4"), column("k", 2, "int4")],
+        );
+        let w = replica_with(std::slice::from_ref(&before));
+        assert!(w.replica().table("issue").unwrap().metadata.is_some());
+        let mut moved = before.clone();
+        moved.schema = "app".into();
+        moved.schema_oid = Some(3000);
+        let changes = schema_changes(w.replica(), &[moved], "ALTER TABLE").unwrap();
+        assert_eq!(
+            tags(&changes),
+            vec!["rename-table", "update-table-metadata"]
+        );
+        let Change::UpdateTableMetadata(update) = &changes[1] else {
+            panic!("expected update-table-metadata");
+        };
+        assert_eq!(update.old.extra["schemaOID"], json!(2200));
+        assert_eq!(update.new.extra["schemaOID"], json!(3000));
+        assert_eq!(update.table.schema, "app");
+        // Unchanged metadata: nothing.
+        assert!(schema_changes(w.replica(), &[before], "ALTER TABLE")
+            .unwrap()
+            .is_empty());
     }
 
     #[test]

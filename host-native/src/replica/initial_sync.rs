@@ -279,7 +279,8 @@ fn copy_snapshot(
 
     replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     for table in &published {
-        let spec = ReplicaTable::from_spec(&table.to_spec());
+        let mut spec = ReplicaTable::from_spec(&table.to_spec());
+        spec.metadata = table.metadata();
         create_replica_table(&replica.conn, &mut replica.tables, spec)?;
     }
     let mut seq: i64 = 1;

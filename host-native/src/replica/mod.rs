@@ -133,6 +133,7 @@ impl Replica {
         conn.busy_timeout(std::time::Duration::from_secs(30))?;
         conn.set_prepared_statement_cache_capacity(256);
         conn.execute_batch(schema::INTERNAL_TABLES_SQL)?;
+        schema::upgrade_internal_tables(&conn)?;
         let mut replica = Replica {
             conn,
             tables: HashMap::new(),
@@ -312,4 +313,32 @@ fn read_state(conn: &Connection) -> Result<Option<ReplicaState>, ReplicaError> {
         app_id,
         next_seq,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ack rule (acknowledge upstream once the replica commit returns) holds only if that
+    /// commit is on disk: WAL with `synchronous=FULL`. The change log shares this connection.
+    #[test]
+    fn the_replica_and_change_log_connection_syncs_every_commit() {
+        let dir =
+            std::env::temp_dir().join(format!("highwater-replica-sync-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let replica = Replica::open_in_dir(&dir).expect("replica opens");
+        let synchronous: i64 = replica
+            .conn
+            .query_row("PRAGMA synchronous", [], |row| row.get(0))
+            .expect("pragma");
+        let journal: String = replica
+            .conn
+            .query_row("PRAGMA journal_mode", [], |row| row.get(0))
+            .expect("pragma");
+        // SQLite's numbering: 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA.
+        assert_eq!(synchronous, 2, "expected synchronous=FULL");
+        assert_eq!(journal, "wal");
+        drop(replica);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

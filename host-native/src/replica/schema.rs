@@ -2,7 +2,7 @@
 //! `_hw_tables` / `_hw_columns` metadata that remembers the upstream shape of every column.
 
 use highwater_engine::change_stream::{
-    ColumnSpec, IndexDirection, IndexSpec, PgTypeClass, ReplicaIdentity, TableSpec,
+    ColumnSpec, IndexDirection, IndexSpec, PgTypeClass, ReplicaIdentity, TableMetadata, TableSpec,
 };
 use rusqlite::{params, Connection};
 use serde_json::{Number, Value};
@@ -208,6 +208,9 @@ pub struct ReplicaTable {
     /// The key the replica indexes rows by: primary key or replica identity index columns.
     /// Empty when the table has none (rows are then matched on every column).
     pub key: Vec<String>,
+    /// The change source's table metadata (`create-table.metadata`, `add-column.tableMetadata`,
+    /// `update-table-metadata.new`), kept to tell when it changes.
+    pub metadata: Option<TableMetadata>,
 }
 
 impl ReplicaTable {
@@ -230,6 +233,7 @@ impl ReplicaTable {
                 .and_then(parse_replica_identity),
             columns,
             key: spec.primary_key.clone().unwrap_or_default(),
+            metadata: None,
         }
     }
 
@@ -386,7 +390,8 @@ CREATE TABLE IF NOT EXISTS "_hw_tables" (
     "name" TEXT NOT NULL,
     "oid" INTEGER,
     "replica_identity" TEXT,
-    "key_columns" TEXT NOT NULL
+    "key_columns" TEXT NOT NULL,
+    "metadata" TEXT
 );
 -- Upstream shape of every column; `backfill` is set while its existing values are awaited.
 CREATE TABLE IF NOT EXISTS "_hw_columns" (
@@ -431,12 +436,44 @@ fn class_str(class: Option<PgTypeClass>) -> Option<&'static str> {
     class.map(PgTypeClass::as_str)
 }
 
+/// Adds the columns of internal tables that replicas made by earlier versions lack.
+pub fn upgrade_internal_tables(conn: &Connection) -> Result<(), ReplicaError> {
+    let has_metadata: bool = conn.query_row(
+        r#"SELECT count(*) > 0 FROM pragma_table_info('_hw_tables') WHERE name = 'metadata'"#,
+        [],
+        |r| r.get(0),
+    )?;
+    if !has_metadata {
+        conn.execute_batch(r#"ALTER TABLE "_hw_tables" ADD COLUMN "metadata" TEXT"#)?;
+    }
+    Ok(())
+}
+
+fn metadata_json(metadata: &TableMetadata) -> Value {
+    let mut object = metadata.extra.clone();
+    object.insert("rowKey".into(), Value::Object(metadata.row_key.clone()));
+    Value::Object(object)
+}
+
+fn metadata_from_json(value: Value) -> Option<TableMetadata> {
+    let Value::Object(mut object) = value else {
+        return None;
+    };
+    let Some(Value::Object(row_key)) = object.remove("rowKey") else {
+        return None;
+    };
+    Some(TableMetadata {
+        row_key,
+        extra: object,
+    })
+}
+
 /// Writes a table's metadata rows (replacing any previous ones).
 pub fn store_table(conn: &Connection, table: &ReplicaTable) -> Result<(), ReplicaError> {
     forget_table(conn, &table.name)?;
     conn.execute(
-        r#"INSERT INTO "_hw_tables" ("table_name","schema","name","oid","replica_identity","key_columns")
-           VALUES (?1, ?2, ?3, ?4, ?5, ?6)"#,
+        r#"INSERT INTO "_hw_tables" ("table_name","schema","name","oid","replica_identity","key_columns","metadata")
+           VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"#,
         params![
             table.name,
             table.schema,
@@ -444,6 +481,7 @@ pub fn store_table(conn: &Connection, table: &ReplicaTable) -> Result<(), Replic
             table.oid,
             table.replica_identity.map(ReplicaIdentity::as_str),
             serde_json::to_string(&table.key)?,
+            table.metadata.as_ref().map(|m| metadata_json(m).to_string()),
         ],
     )?;
     for col in &table.columns {
@@ -498,7 +536,7 @@ pub fn forget_table(conn: &Connection, table_name: &str) -> Result<(), ReplicaEr
 pub fn load_tables(conn: &Connection) -> Result<Vec<ReplicaTable>, ReplicaError> {
     let mut tables = Vec::new();
     let mut stmt = conn.prepare(
-        r#"SELECT "table_name","schema","name","oid","replica_identity","key_columns"
+        r#"SELECT "table_name","schema","name","oid","replica_identity","key_columns","metadata"
            FROM "_hw_tables" ORDER BY "table_name""#,
     )?;
     let rows = stmt.query_map([], |r| {
@@ -509,10 +547,11 @@ pub fn load_tables(conn: &Connection) -> Result<Vec<ReplicaTable>, ReplicaError>
             r.get::<_, Option<u32>>(3)?,
             r.get::<_, Option<String>>(4)?,
             r.get::<_, String>(5)?,
+            r.get::<_, Option<String>>(6)?,
         ))
     })?;
     for row in rows {
-        let (name, schema, table, oid, identity, key) = row?;
+        let (name, schema, table, oid, identity, key, metadata) = row?;
         tables.push(ReplicaTable {
             columns: load_columns(conn, &name)?,
             name,
@@ -521,6 +560,10 @@ pub fn load_tables(conn: &Connection) -> Result<Vec<ReplicaTable>, ReplicaError>
             oid,
             replica_identity: identity.as_deref().and_then(parse_replica_identity),
             key: serde_json::from_str(&key)?,
+            metadata: metadata
+                .map(|text| serde_json::from_str::<Value>(&text))
+                .transpose()?
+                .and_then(metadata_from_json),
         });
     }
     Ok(tables)

@@ -18,6 +18,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio_postgres::config::Host;
 
 use super::error::{ReplicationError, ServerError};
+use super::tls::{split_tls_params, NegotiateError, Negotiated, PgTls, SslMode};
 
 /// Postgres caps a message at 1 GiB; a longer length means a corrupt stream.
 const MAX_MESSAGE_LEN: usize = 1 << 30;
@@ -30,6 +31,34 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Transport for T {}
 #[derive(Clone)]
 pub struct ConnectParams {
     config: tokio_postgres::Config,
+    tls: PgTls,
+}
+
+/// An ordinary (non-replication) connection's settings: tokio-postgres's config and the TLS
+/// it must use.
+#[derive(Debug, Clone)]
+pub struct PgConfig {
+    pub config: tokio_postgres::Config,
+    pub tls: PgTls,
+}
+
+/// A tokio-postgres connection over TLS or plain TCP, to be spawned.
+pub type PgConnection = tokio_postgres::Connection<
+    tokio_postgres::Socket,
+    <tokio_postgres_rustls::MakeRustlsConnect as tokio_postgres::tls::MakeTlsConnect<
+        tokio_postgres::Socket,
+    >>::Stream,
+>;
+
+impl PgConfig {
+    /// Connects with the configured `sslmode`.
+    pub async fn connect(
+        &self,
+    ) -> Result<(tokio_postgres::Client, PgConnection), tokio_postgres::Error> {
+        let mut config = self.config.clone();
+        config.ssl_mode(self.tls.postgres_mode());
+        config.connect(self.tls.make_connect()).await
+    }
 }
 
 impl std::fmt::Debug for ConnectParams {
@@ -37,6 +66,7 @@ impl std::fmt::Debug for ConnectParams {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConnectParams")
             .field("target", &self.target())
+            .field("tls", &self.tls)
             .field("user", &self.user())
             .field("dbname", &self.dbname())
             .finish()
@@ -47,26 +77,55 @@ impl FromStr for ConnectParams {
     type Err = ReplicationError;
 
     fn from_str(url: &str) -> Result<Self, Self::Err> {
-        let config = tokio_postgres::Config::from_str(url).map_err(|e| {
+        let (rest, tls) =
+            split_tls_params(url).map_err(|e| ReplicationError::Config(e.to_string()))?;
+        let config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
             ReplicationError::Config(format!("cannot parse the connection URL: {e}"))
         })?;
-        ConnectParams::from_config(config)
+        ConnectParams::with_tls(config, tls)
     }
 }
 
 impl ConnectParams {
+    /// From a tokio-postgres config, with its own `sslmode` (`disable`, `prefer`, `require`)
+    /// and no root certificate.
     pub fn from_config(config: tokio_postgres::Config) -> Result<Self, ReplicationError> {
+        let mode = match config.get_ssl_mode() {
+            tokio_postgres::config::SslMode::Disable => "disable",
+            tokio_postgres::config::SslMode::Require => "require",
+            _ => "prefer",
+        };
+        let tls =
+            PgTls::new(Some(mode), None).map_err(|e| ReplicationError::Config(e.to_string()))?;
+        ConnectParams::with_tls(config, tls)
+    }
+
+    fn with_tls(config: tokio_postgres::Config, tls: PgTls) -> Result<Self, ReplicationError> {
         if config.get_user().is_none() {
             return Err(ReplicationError::Config(
                 "expected a user in the connection URL, found none".to_owned(),
             ));
         }
-        Ok(ConnectParams { config })
+        Ok(ConnectParams { config, tls })
     }
 
-    /// The same settings for an ordinary (non-replication) `tokio-postgres` connection.
+    /// The same settings for an ordinary (non-replication) `tokio-postgres` connection,
+    /// without TLS; connect through [`Self::upstream`] instead.
     pub fn query_config(&self) -> &tokio_postgres::Config {
         &self.config
+    }
+
+    /// The same settings, with TLS, for an ordinary (non-replication) connection.
+    pub fn upstream(&self) -> PgConfig {
+        PgConfig {
+            config: self.config.clone(),
+            tls: self.tls.clone(),
+        }
+    }
+
+    /// The `sslmode` in force.
+    pub fn ssl_mode(&self) -> SslMode {
+        self.tls.mode()
     }
 
     pub fn user(&self) -> &str {
@@ -183,6 +242,8 @@ impl Frame {
 /// A connection in replication mode, outside COPY: ready for a replication command.
 pub struct ReplicationConnection {
     transport: Box<dyn Transport>,
+    /// Whether a cleartext password may be sent: over TLS, a Unix socket, or `sslmode=disable`.
+    cleartext_allowed: bool,
     read_buf: BytesMut,
     write_buf: BytesMut,
     user: String,
@@ -203,7 +264,7 @@ impl std::fmt::Debug for ReplicationConnection {
 impl ReplicationConnection {
     /// Connects in `replication=database` mode and authenticates.
     pub async fn connect(params: &ConnectParams) -> Result<Self, ReplicationError> {
-        let transport: Box<dyn Transport> = match params.host() {
+        let (transport, secure): (Box<dyn Transport>, bool) = match params.host() {
             Host::Tcp(host) => {
                 let stream = TcpStream::connect((host.as_str(), params.port()))
                     .await
@@ -212,20 +273,38 @@ impl ReplicationConnection {
                         source,
                     })?;
                 stream.set_nodelay(true)?;
-                Box::new(stream)
+                match params.tls.negotiate(stream, &host).await {
+                    Ok(Negotiated::Tls(tls)) => (Box::new(tls), true),
+                    Ok(Negotiated::Plain(stream)) => (Box::new(stream), false),
+                    Err(NegotiateError::Io(source)) => {
+                        return Err(ReplicationError::Connect {
+                            target: params.target(),
+                            source,
+                        })
+                    }
+                    Err(NegotiateError::Tls(reason)) => {
+                        return Err(ReplicationError::Tls {
+                            target: params.target(),
+                            reason,
+                        })
+                    }
+                }
             }
             Host::Unix(dir) => {
+                // A Unix socket never leaves the machine; Postgres offers no TLS on it.
                 let path = socket_path(&dir, params.port());
-                Box::new(UnixStream::connect(&path).await.map_err(|source| {
+                let stream = UnixStream::connect(&path).await.map_err(|source| {
                     ReplicationError::Connect {
                         target: params.target(),
                         source,
                     }
-                })?)
+                })?;
+                (Box::new(stream), true)
             }
         };
         let mut conn = ReplicationConnection {
             transport,
+            cleartext_allowed: secure || params.ssl_mode() == SslMode::Disable,
             read_buf: BytesMut::with_capacity(READ_CHUNK),
             write_buf: BytesMut::new(),
             user: params.user().to_owned(),
@@ -325,6 +404,15 @@ impl ReplicationConnection {
         match code {
             0 => return Ok(()),
             3 => {
+                if !self.cleartext_allowed {
+                    return Err(ReplicationError::Auth {
+                        user: self.user.clone(),
+                        reason: "the server asks for a cleartext password over an unencrypted \
+                                 connection; refusing to send it (use TLS with sslmode=require, \
+                                 or say sslmode=disable to allow it)"
+                            .to_owned(),
+                    });
+                }
                 let password = password.ok_or_else(need_password)?;
                 // password_message adds the terminating NUL itself.
                 frontend::password_message(password, &mut self.write_buf)?;

@@ -67,6 +67,9 @@ pub enum ReplicationError {
         source: std::io::Error,
     },
 
+    #[error("Could not set up TLS to Postgres at {target}: {reason}")]
+    Tls { target: String, reason: String },
+
     #[error("I/O error on the Postgres connection: {0}")]
     Io(#[from] std::io::Error),
 

@@ -19,9 +19,11 @@ mod connection;
 mod error;
 pub mod setup;
 mod stream;
+pub mod tls;
 
 pub use connection::{
-    ConnectParams, CreatedSlot, ReplicationConnection, ReplicationStream, SystemIdentity, TextRows,
+    ConnectParams, CreatedSlot, PgConfig, PgConnection, ReplicationConnection, ReplicationStream,
+    SystemIdentity, TextRows,
 };
 pub use error::{ReplicationError, ServerError};
 pub use stream::{Acker, StreamConfig, WalEvent, WalStream};

@@ -11,6 +11,7 @@ use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::WebSocketUpgrade;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -36,15 +37,24 @@ pub(crate) struct AppState {
     pub ping_interval: Duration,
     /// Scope sync, when `--sync-rules` turned it on.
     pub sync: Option<Arc<sync::SyncHub>>,
+    pub peer_auth: super::security::PeerAuth,
+    pub insecure_no_auth: bool,
 }
 
 pub(crate) fn router(state: AppState) -> Router {
+    // Server-to-server endpoints: the replication token is checked before any upgrade.
+    let peers = Router::new()
+        .route("/replication/{version}/{endpoint}", get(replication))
+        .route(SNAPSHOT_PATH, get(replica_snapshot))
+        .route_layer(middleware::from_fn_with_state(
+            state.peer_auth.clone(),
+            super::security::require_token,
+        ));
     Router::new()
         .route("/", get(ok))
         .route("/keepalive", get(ok))
         .route("/health", get(health))
-        .route("/replication/{version}/{endpoint}", get(replication))
-        .route(SNAPSHOT_PATH, get(replica_snapshot))
+        .merge(peers)
         .route("/sync", get(scope_sync))
         .with_state(state)
 }
@@ -65,6 +75,7 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
         "syncConnections": state.sync.as_ref().map(|sync| sync.connections()),
         // A subscriber's full backlog holds up replication (back-pressure).
         "upstreamPaused": state.hub.inspect(|s| s.is_upstream_paused()),
+        "insecureNoAuth": state.insecure_no_auth,
         // Group commit: how many upstream transactions share one durable SQLite commit.
         "storeCommits": store_commits,
         "storedTransactions": stored_transactions,

@@ -41,9 +41,6 @@ pub(crate) enum StorageOp {
     RestartUpstream {
         reason: String,
     },
-    ResetRequired {
-        reason: String,
-    },
 }
 
 /// Reports durable positions to the upstream change source.
@@ -200,9 +197,6 @@ impl Hub {
                 Effect::Purge { below } => self.enqueue(StorageOp::Purge { below }),
                 Effect::RestartUpstream { reason } => {
                     self.enqueue(StorageOp::RestartUpstream { reason })
-                }
-                Effect::ResetRequired { reason } => {
-                    self.enqueue(StorageOp::ResetRequired { reason })
                 }
                 Effect::AckUpstream { watermark } => self.ack_upstream(&watermark),
                 Effect::PauseCatchup { conn } | Effect::ResumeCatchup { conn } => {

@@ -88,7 +88,7 @@ impl SyncFeed {
 
 /// The backfills this server reads itself.
 pub(crate) struct Backfills {
-    upstream: tokio_postgres::Config,
+    upstream: crate::replication::PgConfig,
     planner: BackfillPlanner,
     /// The one running, and its table.
     running: Option<(BackfillStream, String)>,
@@ -98,7 +98,7 @@ pub(crate) struct Backfills {
 }
 
 impl Backfills {
-    pub fn new(upstream: tokio_postgres::Config) -> Backfills {
+    pub fn new(upstream: crate::replication::PgConfig) -> Backfills {
         Backfills {
             upstream,
             planner: BackfillPlanner::new(),
@@ -607,15 +607,6 @@ impl Ingest {
                 // Postgres takes no backfill requests: the replica runs its own backfills, so a
                 // restart could not re-request anything.
                 tracing::warn!(%reason, "a subscriber needs backfills the Postgres source cannot re-request");
-            }
-            StorageOp::ResetRequired { reason } => {
-                if self.writer.in_transaction() {
-                    self.writer
-                        .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
-                }
-                self.make_durable()?;
-                change_log::mark_reset_required(self.conn())?;
-                return Err(ServeError::ResetRequired(reason));
             }
         }
         Ok(())

@@ -1,5 +1,7 @@
 //! `highwater serve`: replicates Postgres into the SQLite replica and change log, and serves
-//! Zero-compatible change-stream subscribers, replica snapshots and health checks.
+//! Zero-compatible change-stream subscribers, replica snapshots, health checks and, with
+//! `--sync-rules`, scope-sync clients on `GET /sync` (`sync.rs`: each commit's feed entries
+//! are routed from the ingest thread once the replica commit is durable).
 //!
 //! ```text
 //!  Postgres ──WalStream──▶ source task ──SourceEvent──▶ ingest thread ◀── storage queue ──┐
@@ -22,6 +24,7 @@ mod endpoints;
 mod hub;
 mod ingest;
 mod relay;
+mod security;
 mod snapshot;
 mod source;
 mod startup;
@@ -50,6 +53,10 @@ use hub::{Hub, Positions};
 
 pub use endpoints::SNAPSHOT_PATH;
 pub use relay::RelayError;
+pub use security::{
+    load_token, InsecureListen, ReplicationToken, SecurityArgs, TokenError, REPLICATION_TOKEN_ENV,
+    UPSTREAM_TOKEN_ENV,
+};
 pub use snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
 
 /// Zero's change-streamer port when the sync port is 4848 is 4849; highwater serves both
@@ -85,8 +92,9 @@ pub struct ServeArgs {
     /// Port for WebSockets, snapshots and health checks.
     #[arg(long, default_value_t = DEFAULT_PORT)]
     pub port: u16,
-    /// Address to listen on.
-    #[arg(long, default_value = "0.0.0.0")]
+    /// Address to listen on; other than loopback only with a replication token (or
+    /// `--insecure-no-auth`).
+    #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Names the slot (`<app>_slot`), the default publication (`<app>_pub`) and the DDL trigger.
     #[arg(long, default_value = DEFAULT_APP_ID)]
@@ -126,6 +134,8 @@ pub struct ServeArgs {
     /// gets a reset and a full replay.
     #[arg(long, default_value_t = DEFAULT_SYNC_RETENTION_SECS, value_name = "SECONDS")]
     pub sync_retention_secs: u64,
+    #[command(flatten)]
+    pub security: SecurityArgs,
 }
 
 /// Exits are kept a week by default.
@@ -139,7 +149,7 @@ impl ServeArgs {
             from: None,
             data: data.into(),
             port: DEFAULT_PORT,
-            host: "0.0.0.0".to_owned(),
+            host: "127.0.0.1".to_owned(),
             app_id: DEFAULT_APP_ID.to_owned(),
             publications: Vec::new(),
             public_url: None,
@@ -151,6 +161,7 @@ impl ServeArgs {
             sync_rules: None,
             sync_secret: SyncSecretArgs::default(),
             sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,
+            security: SecurityArgs::default(),
         }
     }
 
@@ -195,16 +206,16 @@ pub enum ServeError {
         addr: String,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Insecure(#[from] InsecureListen),
+    #[error(transparent)]
+    Token(#[from] TokenError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error("relaying failed: {0}")]
     Relay(#[from] RelayError),
     #[error("the replication stream failed: {0}")]
     Source(String),
-    #[error(
-        "the change log cannot serve a subscriber and must be reset (the next start resyncs): {0}"
-    )]
-    ResetRequired(String),
     #[error("expected {expected}, found {found}")]
     Invariant { expected: String, found: String },
     #[error("a server task failed: {0}")]
@@ -243,8 +254,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// when needed), then runs replication, the storage loop and the endpoints.
 pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), ServeError> {
     let sync = load_sync(&args)?;
+    let token = preflight(&args).await?;
     if let Some(from) = args.from.clone() {
-        return relay::serve(args, from, sync, stop).await;
+        return relay::serve(args, from, token, sync, stop).await;
     }
     let handle = tokio::runtime::Handle::current();
     let prepared = {
@@ -254,19 +266,13 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
             .await
             .map_err(|e| ServeError::Task(e.to_string()))??
     };
-    let listen = format!("{}:{}", args.host, args.port);
-    let listener = TcpListener::bind(&listen)
-        .await
-        .map_err(|source| ServeError::Listen {
-            addr: listen.clone(),
-            source,
-        })?;
+    let listener = listen(&args, token.as_ref()).await?;
     let public_url = args.public_url();
-    let mut settings = settings(&args, sync);
+    let mut settings = settings(&args, token, sync);
     settings.backfill_from = Some(prepared.backfill_from);
     let source = source::spawn_postgres(prepared.stream, &args.app_id, stop.clone());
     tracing::info!(
-        address = %listener.local_addr().map(|a| a.to_string()).unwrap_or(listen),
+        address = %listener.local_addr()?,
         %public_url,
         max_protocol = MAX_PROTOCOL_VERSION,
         "serving"
@@ -283,8 +289,49 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     .await
 }
 
-/// How the server runs, from its arguments.
-fn settings(args: &ServeArgs, sync: Option<Arc<SyncAuth>>) -> Settings {
+/// The replication token this node requires, once the listen address is known to be safe
+/// with it: checked before any replication or restore work starts.
+async fn preflight(args: &ServeArgs) -> Result<Option<ReplicationToken>, ServeError> {
+    let token = args.security.required_token()?;
+    let listen = format!("{}:{}", args.host, args.port);
+    let addrs = tokio::net::lookup_host(&listen)
+        .await
+        .map_err(|source| ServeError::Listen {
+            addr: listen.clone(),
+            source,
+        })?;
+    for addr in addrs {
+        security::check_listener(addr, token.as_ref(), args.security.insecure_no_auth)?;
+    }
+    Ok(token)
+}
+
+/// Binds `--host:--port`, refusing a non-loopback address without a replication token.
+async fn listen(
+    args: &ServeArgs,
+    token: Option<&ReplicationToken>,
+) -> Result<TcpListener, ServeError> {
+    let listen = format!("{}:{}", args.host, args.port);
+    let listener = TcpListener::bind(&listen)
+        .await
+        .map_err(|source| ServeError::Listen {
+            addr: listen.clone(),
+            source,
+        })?;
+    security::check_listener(
+        listener.local_addr()?,
+        token,
+        args.security.insecure_no_auth,
+    )?;
+    Ok(listener)
+}
+
+/// How the server runs, from its arguments and the replication token it requires.
+fn settings(
+    args: &ServeArgs,
+    token: Option<ReplicationToken>,
+    sync: Option<Arc<SyncAuth>>,
+) -> Settings {
     Settings {
         sync,
         sync_retention: Duration::from_secs(args.sync_retention_secs),
@@ -297,6 +344,8 @@ fn settings(args: &ServeArgs, sync: Option<Arc<SyncAuth>>) -> Settings {
         backlog_high_water_bytes: args.backlog_high_water_bytes,
         backlog_full_timeout_ms: args.backlog_full_timeout_ms,
         backfill_from: None,
+        peer_auth: security::PeerAuth { token },
+        insecure_no_auth: args.security.insecure_no_auth,
     }
 }
 
@@ -316,7 +365,11 @@ struct Settings {
     backlog_full_timeout_ms: u64,
     /// Where the replica's pending backfills are read (Postgres); `None` when the change source
     /// streams its own (a relay).
-    backfill_from: Option<tokio_postgres::Config>,
+    backfill_from: Option<crate::replication::PgConfig>,
+    /// What `/replication/…` and `/replica/snapshot` require.
+    peer_auth: security::PeerAuth,
+    /// Serving without a token beyond loopback: `/health` says so.
+    insecure_no_auth: bool,
 }
 
 /// Runs the storage loop, the endpoints and the timers over a ready replica and a change
@@ -424,6 +477,8 @@ async fn run_server(
         snapshot_dir: settings.data.join("snapshots"),
         ping_interval: settings.ping_interval,
         sync: sync_hub.clone(),
+        peer_auth: settings.peer_auth.clone(),
+        insecure_no_auth: settings.insecure_no_auth && settings.peer_auth.token.is_none(),
     };
     snapshot::clear_dir(&state.snapshot_dir)?;
     let app = endpoints::router(state);

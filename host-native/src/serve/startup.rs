@@ -17,7 +17,7 @@ pub(crate) struct Prepared {
     pub stream: StreamConfig,
     pub publications: Vec<String>,
     /// Where the replica's pending backfills are read.
-    pub backfill_from: tokio_postgres::Config,
+    pub backfill_from: crate::replication::PgConfig,
 }
 
 /// Blocking: run on a blocking thread of `handle`'s runtime.
@@ -66,7 +66,7 @@ pub(crate) fn prepare(handle: &Handle, args: &ServeArgs) -> Result<Prepared, Ser
         log,
         stream: upstream.stream_config(&state),
         publications: upstream.publications.clone(),
-        backfill_from: upstream.params.query_config().clone(),
+        backfill_from: upstream.params.upstream(),
     })
 }
 

@@ -71,6 +71,27 @@ impl Harness {
     }
 
     async fn start_with(name: &str, purge_delay: Duration, ping_interval: Duration) -> Harness {
+        Harness::start_full(name, purge_delay, ping_interval, None).await
+    }
+
+    /// A harness whose peer endpoints require `token`.
+    async fn start_secured(name: &str, token: &str) -> Harness {
+        let token = super::ReplicationToken::new(token).expect("a valid token");
+        Harness::start_full(
+            name,
+            Duration::from_secs(30),
+            Duration::from_secs(30),
+            Some(token),
+        )
+        .await
+    }
+
+    async fn start_full(
+        name: &str,
+        purge_delay: Duration,
+        ping_interval: Duration,
+        token: Option<super::ReplicationToken>,
+    ) -> Harness {
         let dir = TempDir::new(name);
         let mut replica = Replica::open_in_dir(&dir.0).expect("replica");
         replica
@@ -106,6 +127,8 @@ impl Harness {
             backlog_high_water_bytes: highwater_engine::streamer::DEFAULT_BACKLOG_HIGH_WATER_BYTES,
             backlog_full_timeout_ms: highwater_engine::streamer::DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
             backfill_from: None,
+            peer_auth: super::security::PeerAuth { token },
+            insecure_no_auth: false,
         };
         let (stop, stop_rx) = watch::channel(false);
         let server = tokio::spawn(run_server(
@@ -501,10 +524,22 @@ async fn bad_requests_and_frames_close_the_socket_with_1002() {
 
 /// `GET` over plain HTTP/1.1: status line, headers (lower-case names), body.
 async fn http_get(addr: SocketAddr, path: &str) -> (String, Vec<(String, String)>, Vec<u8>) {
+    http_get_with(addr, path, "").await
+}
+
+/// `GET` with extra header lines (each ending in `\r\n`).
+async fn http_get_with(
+    addr: SocketAddr,
+    path: &str,
+    extra_headers: &str,
+) -> (String, Vec<(String, String)>, Vec<u8>) {
     let mut stream = TcpStream::connect(addr).await.expect("connect");
     stream
         .write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes(),
+            format!(
+                "GET {path} HTTP/1.1\r\nHost: test\r\n{extra_headers}Connection: close\r\n\r\n"
+            )
+            .as_bytes(),
         )
         .await
         .expect("request");
@@ -831,5 +866,168 @@ async fn a_peer_that_stops_answering_pings_is_dropped_section_2_2() {
         matches!(frame.messages(), [DownstreamMessage::Begin(_)]),
         "{frame:?}"
     );
+    h.stop().await;
+}
+
+const TOKEN: &str = "replication-token-0123456789";
+
+/// A WebSocket handshake with an `Authorization` header; the HTTP status when refused.
+async fn connect_with(url: &str, authorization: Option<&str>) -> Result<Client, u16> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut request = url.into_client_request().expect("request");
+    if let Some(value) = authorization {
+        request
+            .headers_mut()
+            .insert("authorization", value.parse().expect("header value"));
+    }
+    let connecting = tokio_tungstenite::connect_async(request);
+    match tokio::time::timeout(PROMPT, connecting)
+        .await
+        .expect("an answer in time")
+    {
+        Ok((socket, _)) => Ok(Client { socket }),
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+            Err(response.status().as_u16())
+        }
+        Err(other) => panic!("expected a handshake or an HTTP refusal, got {other}"),
+    }
+}
+
+fn basic(user: &str, password: &str) -> String {
+    use base64::Engine as _;
+    let encoded = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    format!("Basic {encoded}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_endpoints_refuse_missing_and_wrong_tokens_with_401_before_any_data() {
+    let h = Harness::start_secured("peer-auth-refused", TOKEN).await;
+    h.transaction(0x200, &[1, 2], true).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
+    let changes = changes_url(&h, 6, &w(VERSION), &w(VERSION));
+    let wrong_bearer = format!("Bearer {TOKEN}x");
+    let wrong_basic = basic("any", "not-the-token-at-all");
+    let token_as_user = basic(TOKEN, "");
+    let refusals = [
+        None,
+        Some(wrong_bearer.as_str()),
+        Some(wrong_basic.as_str()),
+        Some(token_as_user.as_str()),
+        Some("Bearer"),
+        Some("Token replication-token-0123456789"),
+    ];
+    for authorization in refusals {
+        for url in [
+            changes.clone(),
+            h.url("/replication/v8/subscribe?taskID=t"),
+            h.url("/replication/v5/snapshot?taskID=t"),
+        ] {
+            assert_eq!(
+                connect_with(&url, authorization).await.err(),
+                Some(401),
+                "{url} with {authorization:?}"
+            );
+        }
+        let header_line = authorization
+            .map(|value| format!("Authorization: {value}\r\n"))
+            .unwrap_or_default();
+        let (status, headers, body) =
+            http_get_with(h.addr, super::SNAPSHOT_PATH, &header_line).await;
+        assert!(status.contains("401"), "{status}");
+        assert_eq!(
+            header(&headers, "www-authenticate"),
+            Some("Basic realm=\"highwater\"")
+        );
+        assert!(!body.starts_with(b"SQLite format"), "no replica bytes");
+    }
+    // No snapshot was built for a refused request, and health stays open.
+    assert!(h
+        .dir
+        .0
+        .join("snapshots")
+        .read_dir()
+        .expect("dir")
+        .next()
+        .is_none());
+    let (status, _, body) = http_get(h.addr, "/health").await;
+    assert!(status.contains("200"), "{status}");
+    let health: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(health["insecureNoAuth"], false);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bearer_and_basic_with_the_token_as_password_are_both_accepted() {
+    let h = Harness::start_secured("peer-auth-accepted", TOKEN).await;
+    h.transaction(0x200, &[1, 2, 3], true).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
+    let bearer = format!("Bearer {TOKEN}");
+    // What a Zero view-syncer sends for ws://any:<token>@host:port.
+    let basic = basic("any", TOKEN);
+    for authorization in [bearer.as_str(), basic.as_str()] {
+        let url = changes_url(&h, 6, &w(VERSION), &w(VERSION));
+        let mut client = connect_with(&url, Some(authorization))
+            .await
+            .unwrap_or_else(|status| panic!("{authorization}: refused with {status}"));
+        let messages = client.messages(1).await;
+        assert!(!messages.is_empty(), "the history streams");
+        let (status, headers, body) = http_get_with(
+            h.addr,
+            super::SNAPSHOT_PATH,
+            &format!("Authorization: {authorization}\r\n"),
+        )
+        .await;
+        assert!(status.contains("200"), "{status}");
+        assert_eq!(
+            header(&headers, super::WATERMARK_HEADER),
+            Some(w(0x200).as_str())
+        );
+        assert!(body.starts_with(b"SQLite format 3"));
+    }
+    h.stop().await;
+}
+
+/// Regression: `mode=backup` with a watermark older than the change log used to mark the log
+/// reset-required and stop the server, so anyone who could reach the port could wipe it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_subscriber_with_an_old_watermark_gets_an_error_and_the_server_serves_on() {
+    let h = Harness::start("backup-reset", Duration::from_secs(30)).await;
+    h.transaction(0x200, &[1, 2], true).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
+    for version in [5, 6] {
+        let url = h.url(&format!(
+            "/replication/v{version}/changes?id=rm&taskID=rm&mode=backup&replicaVersion={}&watermark=00",
+            w(VERSION)
+        ));
+        let mut client = Client::connect(&url).await;
+        let frame = client.frame().await;
+        let [DownstreamMessage::Error(error)] = frame.messages() else {
+            panic!("expected an error, got {frame:?}");
+        };
+        assert_eq!(error.kind(), Some(ErrorKind::WatermarkTooOld));
+        client.ack(frame.id().expect("id")).await;
+        assert!(client.closed().await.is_some());
+    }
+    // The change log is not marked for a reset, and the server keeps storing and serving.
+    let reset_required: bool = h
+        .db()
+        .query_row(
+            r#"SELECT "reset_required" FROM "_hw_change_log_config""#,
+            [],
+            |r| r.get(0),
+        )
+        .expect("config row");
+    assert!(!reset_required);
+    h.transaction(0x300, &[3], false).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x300).as_str()).await;
+    let mut client = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(0x200))).await;
+    let commits = commits(&client.messages(4).await);
+    assert_eq!(
+        commits,
+        [w(0x300)],
+        "a serving subscriber still gets new transactions"
+    );
+    let (status, _, _) = http_get(h.addr, "/health").await;
+    assert!(status.contains("200"), "{status}");
     h.stop().await;
 }

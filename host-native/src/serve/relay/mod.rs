@@ -24,7 +24,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use highwater_engine::change_stream::{AckError, DecodeError, MAX_PROTOCOL_VERSION};
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::{owner_address, run_server, ServeArgs, ServeError};
@@ -34,6 +33,9 @@ use upstream::{SubscribeTarget, UpstreamConnection};
 
 /// The relay's replica, as in every data directory.
 const REPLICA_FILE: &str = "replica.db";
+
+/// This node's random id, made once per data directory: part of the relay's task id.
+const NODE_ID_FILE: &str = "node-id";
 
 /// The protocol the relay speaks to its primary: `/subscribe` with backfill tracking.
 const SUBSCRIBE_VERSION: u32 = 8;
@@ -124,6 +126,14 @@ fn subscribe_url(from: &str, task_id: &str) -> String {
     format!("{base}/replication/v{SUBSCRIBE_VERSION}/subscribe?taskID={task}")
 }
 
+/// The primary's subscribe URL and the token it requires.
+#[derive(Debug, Clone)]
+pub(super) struct Upstream {
+    /// `ws://host:port/replication/v8/subscribe?taskID=…`.
+    pub url: String,
+    pub token: Option<super::ReplicationToken>,
+}
+
 /// A replica ready to stream into, and the socket of its fresh restore, if there was one.
 struct Prepared {
     writer: ReplicaWriter,
@@ -136,27 +146,38 @@ struct Prepared {
 pub(super) async fn serve(
     args: ServeArgs,
     from: String,
+    required: Option<super::ReplicationToken>,
     sync: Option<Arc<crate::sync_auth::SyncAuth>>,
     stop: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
     let public_url = args.public_url();
-    let task_id = format!("{}-relay@{}", args.app_id, owner_address(&public_url));
+    let node = {
+        let data = args.data.clone();
+        tokio::task::spawn_blocking(move || node_id(&data))
+            .await
+            .map_err(|e| ServeError::Task(e.to_string()))??
+    };
+    // The node id keeps two relays that advertise the same address (both defaulting to
+    // 127.0.0.1:<port>) from taking over each other's reservations.
+    let task_id = format!(
+        "{}-relay-{node}@{}",
+        args.app_id,
+        owner_address(&public_url)
+    );
     let url = subscribe_url(&from, &task_id);
+    let upstream = Upstream {
+        url: url.clone(),
+        token: args.security.upstream_token()?,
+    };
     loop {
-        let Some(prepared) = prepare(&args.data, &url, &task_id, stop.clone()).await? else {
+        let Some(prepared) = prepare(&args.data, &upstream, &task_id, stop.clone()).await? else {
             return Ok(());
         };
-        let listen = format!("{}:{}", args.host, args.port);
-        let listener = TcpListener::bind(&listen)
-            .await
-            .map_err(|source| ServeError::Listen {
-                addr: listen.clone(),
-                source,
-            })?;
+        let listener = super::listen(&args, required.as_ref()).await?;
         let restore_required = Arc::new(AtomicBool::new(false));
         let source = upstream::spawn(
             SubscribeTarget {
-                url: url.clone(),
+                upstream: upstream.clone(),
                 task_id: task_id.clone(),
                 replica_version: prepared.log.replica_version.clone(),
                 replica_path: args.data.join(REPLICA_FILE),
@@ -167,7 +188,7 @@ pub(super) async fn serve(
             stop.clone(),
         );
         tracing::info!(
-            address = %listener.local_addr().map(|a| a.to_string()).unwrap_or(listen),
+            address = %listener.local_addr()?,
             primary = %from,
             %public_url,
             max_protocol = MAX_PROTOCOL_VERSION,
@@ -179,7 +200,7 @@ pub(super) async fn serve(
             prepared.log,
             prepared.publications,
             source,
-            super::settings(&args, sync.clone()),
+            super::settings(&args, required.clone(), sync.clone()),
             stop.clone(),
         )
         .await;
@@ -198,7 +219,7 @@ pub(super) async fn serve(
 /// with backoff). `None` when stopped first.
 async fn prepare(
     data: &Path,
-    url: &str,
+    upstream: &Upstream,
     task_id: &str,
     mut stop: watch::Receiver<bool>,
 ) -> Result<Option<Prepared>, ServeError> {
@@ -233,10 +254,10 @@ async fn prepare(
                 found: "one that cannot be opened with its change log".to_owned(),
             });
         }
-        tracing::info!(primary = %url, "no usable replica: restoring the primary's snapshot");
+        tracing::info!(primary = %upstream.url, "no usable replica: restoring the primary's snapshot");
         let restored = tokio::select! {
             _ = stop.wait_for(|s| *s) => return Ok(None),
-            restored = restore::restore(url, task_id, data) => restored,
+            restored = restore::restore(upstream, task_id, data) => restored,
         };
         match restored {
             Ok(restored) => {
@@ -253,6 +274,34 @@ async fn prepare(
             }
         }
     }
+}
+
+/// This data directory's node id (16 hex digits), created on first use. Blocking.
+fn node_id(data: &Path) -> Result<String, ServeError> {
+    use std::hash::{BuildHasher, Hasher};
+    std::fs::create_dir_all(data)?;
+    let path = data.join(NODE_ID_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text)
+            if text.trim().len() == 16 && text.trim().bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
+            return Ok(text.trim().to_owned())
+        }
+        Ok(_) | Err(_) => {}
+    }
+    // Unique, not secret: std seeds each RandomState from the operating system's randomness.
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    hasher.write_u32(std::process::id());
+    let id = format!("{:016x}", hasher.finish());
+    let temp = data.join(format!("{NODE_ID_FILE}.tmp"));
+    std::fs::write(&temp, format!("{id}\n"))?;
+    std::fs::rename(&temp, &path)?;
+    Ok(id)
 }
 
 /// The replica and its change log, if both are there and belong together. Blocking.
@@ -347,6 +396,23 @@ mod tests {
             .err(),
             Some(ErrorKind::ArgumentConflict)
         );
+    }
+
+    #[test]
+    fn a_node_id_is_made_once_per_data_directory() {
+        let base = std::env::temp_dir().join(format!("highwater-node-id-{}", std::process::id()));
+        let (one, two) = (base.join("one"), base.join("two"));
+        let first = node_id(&one).expect("made");
+        assert_eq!(first.len(), 16);
+        assert_eq!(
+            node_id(&one).expect("read back"),
+            first,
+            "stable across restarts"
+        );
+        assert_ne!(node_id(&two).expect("made"), first, "unique per node");
+        std::fs::write(one.join(NODE_ID_FILE), "garbage").expect("write");
+        assert_ne!(node_id(&one).expect("remade"), "garbage");
+        std::fs::remove_dir_all(&base).expect("clean up");
     }
 
     #[test]

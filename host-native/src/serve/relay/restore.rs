@@ -13,16 +13,17 @@ use highwater_engine::change_stream::{
 };
 use highwater_engine::watermark::Watermark;
 use http_body_util::{BodyExt, Empty};
-use hyper::header::{CONTENT_LENGTH, HOST};
+use hyper::header::{AUTHORIZATION, CONTENT_LENGTH, HOST};
 use hyper::{Request, StatusCode, Uri};
 use hyper_util::rt::TokioIo;
 use rusqlite::Connection;
 use tokio::io::AsyncWriteExt;
 
 use super::upstream::{Incoming, UpstreamConnection};
-use super::{RelayError, REPLICA_FILE};
+use super::{RelayError, Upstream, REPLICA_FILE};
 use crate::change_log::{self, ChangeLogConfig};
 use crate::replica::Replica;
+use crate::serve::security::ReplicationToken;
 use crate::serve::snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
 
 /// The snapshot being downloaded; only ever renamed into place once complete and checked.
@@ -39,11 +40,11 @@ pub(super) struct Restored {
 
 /// Restores `<data>/replica.db` from the primary at `subscribe_url` as task `task_id`.
 pub(super) async fn restore(
-    subscribe_url: &str,
+    primary: &Upstream,
     task_id: &str,
     data: &Path,
 ) -> Result<Restored, RelayError> {
-    let mut upstream = UpstreamConnection::connect(subscribe_url).await?;
+    let mut upstream = UpstreamConnection::connect(primary).await?;
     upstream
         .send(&UpstreamMessage::ReserveSnapshot(ReserveSnapshot {
             task_id: task_id.to_owned(),
@@ -66,7 +67,8 @@ pub(super) async fn restore(
         "snapshot reserved; downloading"
     );
     let temp = data.join(RESTORE_FILE);
-    let download = download(&reserved.backup_url, &temp);
+    // The primary's token opens its snapshot as it opens its change stream.
+    let download = download(&reserved.backup_url, &temp, primary.token.as_ref());
     let headers = while_reserved(&mut upstream, download).await?;
     let watermark = {
         let temp = temp.clone();
@@ -154,7 +156,11 @@ struct SnapshotHeaders {
 }
 
 /// `GET url` into `path` (created anew, synced). Plain HTTP/1.1: the primary serves it.
-async fn download(url: &str, path: &Path) -> Result<SnapshotHeaders, RelayError> {
+async fn download(
+    url: &str,
+    path: &Path,
+    token: Option<&ReplicationToken>,
+) -> Result<SnapshotHeaders, RelayError> {
     let failed = |reason: String| RelayError::Download {
         url: url.to_owned(),
         reason,
@@ -181,10 +187,15 @@ async fn download(url: &str, path: &Path) -> Result<SnapshotHeaders, RelayError>
         .map_err(|e| failed(e.to_string()))?;
     let connection = tokio::spawn(connection);
     let path_and_query = uri.path_and_query().map_or("/", |p| p.as_str());
-    let request = Request::get(path_and_query)
+    let mut request = Request::get(path_and_query)
         .header(HOST, authority.as_str())
         .body(Empty::<Bytes>::new())
         .map_err(|e| failed(e.to_string()))?;
+    if let Some(token) = token {
+        request
+            .headers_mut()
+            .insert(AUTHORIZATION, token.authorization());
+    }
     let mut response = sender
         .send_request(request)
         .await

@@ -15,11 +15,12 @@ use highwater_engine::change_stream::{
 use highwater_engine::watermark::Watermark;
 use rusqlite::{Connection as Sqlite, OpenFlags};
 use tokio::sync::{mpsc, watch, Notify};
-use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::{http, Message};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 use super::frame_acks::FrameAcks;
-use super::{Backoff, RelayError};
+use super::{Backoff, RelayError, Upstream};
 use crate::change_log::{self, ChangeLogError};
 use crate::serve::source::{Source, SourceEvent};
 
@@ -58,8 +59,18 @@ pub(super) struct UpstreamConnection {
 }
 
 impl UpstreamConnection {
-    pub async fn connect(url: &str) -> Result<UpstreamConnection, RelayError> {
-        let connecting = tokio_tungstenite::connect_async(url);
+    pub async fn connect(upstream: &Upstream) -> Result<UpstreamConnection, RelayError> {
+        let url = upstream.url.as_str();
+        let mut request = url.into_client_request().map_err(|e| RelayError::Connect {
+            url: url.to_owned(),
+            reason: e.to_string(),
+        })?;
+        if let Some(token) = &upstream.token {
+            request
+                .headers_mut()
+                .insert(http::header::AUTHORIZATION, token.authorization());
+        }
+        let connecting = tokio_tungstenite::connect_async(request);
         let (socket, _) = tokio::time::timeout(CONNECT_TIMEOUT, connecting)
             .await
             .map_err(|_| RelayError::Connect {
@@ -145,8 +156,7 @@ impl UpstreamConnection {
 /// Where and as whom the relay subscribes.
 #[derive(Debug, Clone)]
 pub(super) struct SubscribeTarget {
-    /// `ws://host:port/replication/v8/subscribe?taskID=…`.
-    pub url: String,
+    pub upstream: Upstream,
     pub task_id: String,
     pub replica_version: Watermark,
     /// The relay's replica (its change log lives inside).
@@ -242,7 +252,7 @@ async fn run(
             None => tokio::select! {
                 _ = until_stopped(&mut stop) => return None,
                 _ = events.closed() => return None,
-                connected = UpstreamConnection::connect(&target.url) => connected,
+                connected = UpstreamConnection::connect(&target.upstream) => connected,
             },
         };
         let ended = match connected {
@@ -335,7 +345,7 @@ async fn subscribe(
     };
     conn.send(&UpstreamMessage::StartSubscription(context))
         .await?;
-    tracing::info!(url = %target.url, %watermark, "subscribing to the primary");
+    tracing::info!(url = %target.upstream.url, %watermark, "subscribing to the primary");
     let mut stream = Subscription {
         acks: FrameAcks::new(watermark),
         subscribed: false,

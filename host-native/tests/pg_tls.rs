@@ -1,0 +1,250 @@
+//! TLS to Postgres (`sslmode`, `sslrootcert`) on the hand-written replication connection and on
+//! tokio-postgres connections, against a private Postgres whose certificates the test makes.
+
+// Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
+#![allow(clippy::unwrap_used)]
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use highwater_host::private_pg::{PgOptions, PrivatePg};
+use highwater_host::replication::{ConnectParams, ReplicationConnection, ReplicationError};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+
+/// A CA and a server certificate it signed for `localhost` only.
+struct Certs {
+    ca_pem: String,
+    server_pem: String,
+    server_key_pem: String,
+}
+
+fn make_certs() -> Certs {
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "highwater test CA");
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let server_key = KeyPair::generate().unwrap();
+    let server = CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&server_key, &ca)
+        .unwrap();
+    Certs {
+        ca_pem: ca.pem(),
+        server_pem: server.pem(),
+        server_key_pem: server_key.serialize_pem(),
+    }
+}
+
+/// A CA that signed nothing the server holds.
+fn other_ca_pem() -> String {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap())
+        .unwrap()
+        .pem()
+}
+
+/// A private server where `pw_user` logs in with a cleartext password over TCP.
+async fn server() -> PrivatePg {
+    let hba = ["all", "replication"]
+        .iter()
+        .map(|db| format!("host {db} pw_user 127.0.0.1/32 password"))
+        .collect();
+    let pg = PrivatePg::start(PgOptions {
+        hba_lines: hba,
+        settings: vec![],
+    })
+    .await
+    .unwrap();
+    pg.connect()
+        .await
+        .unwrap()
+        .batch_execute("CREATE ROLE pw_user LOGIN REPLICATION PASSWORD 'pw secret'")
+        .await
+        .unwrap();
+    pg
+}
+
+/// Turns TLS on: the certificate and key go into the data directory, owned like it.
+async fn enable_tls(pg: &PrivatePg, certs: &Certs) {
+    let data = pg.data_dir();
+    let owner = std::fs::metadata(&data).unwrap();
+    for (name, text) in [
+        ("server.crt", &certs.server_pem),
+        ("server.key", &certs.server_key_pem),
+    ] {
+        let path = data.join(name);
+        std::fs::write(&path, text).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::os::unix::fs::chown(&path, Some(owner.uid()), Some(owner.gid())).unwrap();
+    }
+    let admin = pg.connect().await.unwrap();
+    admin
+        .batch_execute("ALTER SYSTEM SET ssl = on")
+        .await
+        .unwrap();
+    admin.simple_query("SELECT pg_reload_conf()").await.unwrap();
+    for _ in 0..100 {
+        let row = admin.query_one("SHOW ssl", &[]).await.unwrap();
+        if row.get::<_, String>(0) == "on" {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("ssl did not turn on");
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn scratch() -> PathBuf {
+    std::env::temp_dir().join(format!("highwater-pg-tls-{}", std::process::id()))
+}
+
+fn url(pg: &PrivatePg, host: &str, user: &str, query: &str) -> String {
+    format!("postgres://{user}@{host}:{}/postgres?{query}", pg.port())
+}
+
+async fn replication(url: &str) -> Result<ReplicationConnection, ReplicationError> {
+    let params: ConnectParams = url.parse()?;
+    ReplicationConnection::connect(&params).await
+}
+
+/// Whether the backend `pid` talks TLS.
+async fn is_encrypted(pg: &PrivatePg, pid: i32) -> bool {
+    let admin = pg.connect().await.unwrap();
+    admin
+        .query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = $1", &[&pid])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sslmode_and_sslrootcert_govern_every_postgres_connection() {
+    let pg = server().await;
+    let dir = scratch();
+    let certs = make_certs();
+    let ca = write(&dir, "ca.pem", &certs.ca_pem);
+    let wrong_ca = write(&dir, "other-ca.pem", &other_ca_pem());
+    let ca = ca.display();
+    let wrong_ca = wrong_ca.display();
+
+    // Without TLS on the server: require fails clearly, prefer falls back to plain TCP, and a
+    // cleartext password is refused there unless sslmode=disable says so.
+    let error = replication(&url(&pg, "127.0.0.1", "postgres", "sslmode=require"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("does not accept TLS"), "{error}");
+    let plain = replication(&url(&pg, "127.0.0.1", "postgres", "sslmode=prefer"))
+        .await
+        .unwrap();
+    assert!(!is_encrypted(&pg, plain.backend_pid()).await);
+    let error = replication(&url(
+        &pg,
+        "127.0.0.1",
+        "pw_user:pw%20secret",
+        "sslmode=prefer",
+    ))
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("cleartext password"), "{error}");
+    replication(&url(
+        &pg,
+        "127.0.0.1",
+        "pw_user:pw%20secret",
+        "sslmode=disable",
+    ))
+    .await
+    .expect("sslmode=disable allows a cleartext password");
+
+    enable_tls(&pg, &certs).await;
+
+    // verify-full with the right CA and host name: encrypted, and the password may go.
+    let full = format!("sslmode=verify-full&sslrootcert={ca}");
+    let conn = replication(&url(&pg, "localhost", "pw_user:pw%20secret", &full))
+        .await
+        .expect("verify-full with the right CA");
+    assert!(is_encrypted(&pg, conn.backend_pid()).await);
+    // prefer now encrypts too.
+    let preferred = replication(&url(
+        &pg,
+        "127.0.0.1",
+        "pw_user:pw%20secret",
+        "sslmode=prefer",
+    ))
+    .await
+    .unwrap();
+    assert!(is_encrypted(&pg, preferred.backend_pid()).await);
+    // The wrong CA, or a host name the certificate does not name, fail clearly.
+    let error = replication(&url(
+        &pg,
+        "localhost",
+        "postgres",
+        &format!("sslmode=verify-full&sslrootcert={wrong_ca}"),
+    ))
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("TLS handshake failed"), "{error}");
+    assert!(
+        error.to_lowercase().contains("unknownissuer") || error.contains("issuer"),
+        "{error}"
+    );
+    let error = replication(&url(&pg, "127.0.0.1", "postgres", &full))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("not valid for name"), "{error}");
+    // verify-ca checks the chain but not the name.
+    replication(&url(
+        &pg,
+        "127.0.0.1",
+        "postgres",
+        &format!("sslmode=verify-ca&sslrootcert={ca}"),
+    ))
+    .await
+    .expect("verify-ca ignores the host name");
+    assert!(replication(&url(
+        &pg,
+        "127.0.0.1",
+        "postgres",
+        &format!("sslmode=verify-ca&sslrootcert={wrong_ca}"),
+    ))
+    .await
+    .is_err());
+
+    // Ordinary tokio-postgres connections follow the same settings.
+    let params: ConnectParams = url(&pg, "localhost", "pw_user:pw%20secret", &full)
+        .parse()
+        .unwrap();
+    let (client, connection) = params.upstream().connect().await.expect("query connection");
+    tokio::spawn(connection);
+    let encrypted: bool = client
+        .query_one(
+            "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(encrypted);
+    let params: ConnectParams = url(
+        &pg,
+        "localhost",
+        "postgres",
+        &format!("sslmode=verify-full&sslrootcert={wrong_ca}"),
+    )
+    .parse()
+    .unwrap();
+    assert!(params.upstream().connect().await.is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}
