@@ -717,3 +717,54 @@ async fn a_thousand_subscribers_each_to_its_own_scope_all_end_equal() {
     drop(clients);
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_keep_up_is_closed_with_1013_and_the_server_stays_healthy() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    let files = SyncFiles::new();
+    let data = DataDir::new("sync-slow");
+    let mut args = serve_args(&pg.url(), data.path(), free_port());
+    files.apply(&mut args);
+    args.sync_slow_consumer_ms = 1_000;
+    let server = InProcess::start(args).await;
+    let mut slow = Client::connect(server.addr).await;
+    slow.subscribe("s1", "ada", Some(&token("ada")), json!({}))
+        .await;
+    slow.until_subscribed("s1").await;
+    // A megabyte per row, far more than the socket's budget, while the client reads nothing.
+    for id in 0..40_i64 {
+        db.execute(
+            "INSERT INTO todos (id, owner, title) VALUES ($1, 'ada', repeat('x', 1000000))",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    }
+    // The server drops it instead of buffering for it (its socket is still open on this side).
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    while health(server.addr).await["syncConnections"] != json!(0) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the slow client was never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Draining what reached it ends the socket: with close code 1013 when the close frame got
+    // through behind the data, else by the connection ending.
+    while slow.next().await.is_some() {}
+    let last = slow.others.last().cloned().unwrap_or(Value::Null);
+    if last.get("close").is_some_and(|code| !code.is_null()) {
+        assert_eq!(last, json!({"close": 1013}));
+    }
+    // Healthy: a new client catches up on the same rows.
+    let mut client = Client::connect(server.addr).await;
+    client
+        .subscribe("s1", "ada", Some(&token("ada")), json!({"limit": 5}))
+        .await;
+    client.until_subscribed("s1").await;
+    client.until_equal("s1", &pg_scope(&db, "ada").await).await;
+    assert_eq!(client.scopes["s1"].rows.len(), 40);
+    server.stop().await;
+}

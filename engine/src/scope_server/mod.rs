@@ -613,7 +613,8 @@ impl ScopeServer {
                     sub.done += envelope.syncs.len() as u64;
                     envelope.extra.insert(
                         "progress".to_owned(),
-                        json!({"done": sub.done, "total": sub.total.unwrap_or(sub.done)}),
+                        // Removals are not in the first page's count: never report more done than total.
+                        json!({"done": sub.done, "total": sub.total.unwrap_or(0).max(sub.done)}),
                     );
                     let text = message_text(id, &envelope);
                     self.send_text(conn, text, out);

@@ -134,9 +134,16 @@ pub struct ServeArgs {
     /// gets a reset and a full replay.
     #[arg(long, default_value_t = DEFAULT_SYNC_RETENTION_SECS, value_name = "SECONDS")]
     pub sync_retention_secs: u64,
+    /// How long a scope-sync socket may stay over its outbound budget before it is closed
+    /// (1013, "slow consumer").
+    #[arg(long, default_value_t = DEFAULT_SLOW_CONSUMER_MS, hide = true)]
+    pub sync_slow_consumer_ms: u64,
     #[command(flatten)]
     pub security: SecurityArgs,
 }
+
+/// A scope-sync client may stay this long over its outbound budget.
+pub const DEFAULT_SLOW_CONSUMER_MS: u64 = 10_000;
 
 /// Exits are kept a week by default.
 pub const DEFAULT_SYNC_RETENTION_SECS: u64 = 7 * 24 * 3600;
@@ -161,6 +168,7 @@ impl ServeArgs {
             sync_rules: None,
             sync_secret: SyncSecretArgs::default(),
             sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,
+            sync_slow_consumer_ms: DEFAULT_SLOW_CONSUMER_MS,
             security: SecurityArgs::default(),
         }
     }
@@ -335,6 +343,7 @@ fn settings(
     Settings {
         sync,
         sync_retention: Duration::from_secs(args.sync_retention_secs),
+        sync_slow_consumer_ms: args.sync_slow_consumer_ms,
         data: args.data.clone(),
         public_url: args.public_url(),
         purge_delay: Duration::from_millis(args.purge_delay_ms),
@@ -355,6 +364,7 @@ struct Settings {
     /// Scope sync's rules and token key; `None`: `/sync` is off.
     sync: Option<Arc<SyncAuth>>,
     sync_retention: Duration,
+    sync_slow_consumer_ms: u64,
     data: PathBuf,
     public_url: String,
     purge_delay: Duration,
@@ -431,6 +441,7 @@ async fn run_server(
             writer.enable_scope_feed(auth.filter_columns().into_iter().collect())?;
             let sync_hub = sync::SyncHub::new(
                 log.replica_version.as_str(),
+                settings.sync_slow_consumer_ms,
                 auth.clone(),
                 db_path.clone(),
                 handle.clone(),

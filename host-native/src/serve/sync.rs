@@ -71,13 +71,16 @@ fn now_ms() -> u64 {
 impl SyncHub {
     pub fn new(
         epoch: &str,
+        slow_consumer_timeout_ms: u64,
         auth: Arc<SyncAuth>,
         replica_path: PathBuf,
         handle: tokio::runtime::Handle,
         ping_interval: Duration,
     ) -> Arc<SyncHub> {
+        let mut config = ServerConfig::new(epoch);
+        config.slow_consumer_timeout_ms = slow_consumer_timeout_ms;
         Arc::new(SyncHub {
-            server: Mutex::new(ScopeServer::new(ServerConfig::new(epoch))),
+            server: Mutex::new(ScopeServer::new(config)),
             peers: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             auth,
