@@ -302,7 +302,7 @@ impl<'a> Progress<'a> {
 
     fn row(&mut self) {
         self.rows += 1;
-        if self.rows % 1024 != 0 || self.last.elapsed() < PROGRESS_EVERY {
+        if !self.rows.is_multiple_of(1024) || self.last.elapsed() < PROGRESS_EVERY {
             return;
         }
         self.last = std::time::Instant::now();
