@@ -1,5 +1,6 @@
 //! Applies change-stream transactions to the replica, one SQLite transaction per upstream
-//! transaction (`reference/zero-protocol.md` §12, "Apply algorithm").
+//! transaction, or one per group of them with group commit (each upstream transaction then a
+//! savepoint) (`reference/zero-protocol.md` §12, "Apply algorithm").
 //!
 //! Every row written gets `_hw_version` = the transaction's commit watermark and a fresh
 //! `_hw_seq`; deletes and key changes leave a tombstone, truncates a table-wide marker
