@@ -9,9 +9,10 @@
 //!   closes when it holds [`GroupLimits::max_transactions`] transactions or
 //!   [`GroupLimits::max_bytes`] bytes, or when its first transaction has waited
 //!   [`GroupLimits::max_delay_us`]. [`GroupCommit::applied`] says which.
-//! * The host never waits for input with a group open: when nothing more is queued, or when
-//!   something other than an upstream transaction needs the store durable first (a read of the
-//!   store by another connection, a backfill, a stop), it makes the group durable at once.
+//! * With a group open and nothing queued, the host waits for more input at most until
+//!   [`GroupCommit::deadline_us`], then makes the group durable; when something other than an
+//!   upstream transaction needs the store durable first (a read of the store by another
+//!   connection, a backfill, a stop), it makes the group durable at once.
 //! * A group is made durable only between transactions, never with one half applied.
 //! * The acknowledgement follows the durable commit: [`GroupCommit::durable`] returns the
 //!   newest position of the group (the last commit's end). A position that needs no store of
@@ -133,6 +134,13 @@ impl<P: Ord + Clone> GroupCommit<P> {
         })
     }
 
+    /// When the open group must be made durable even if nothing more arrives (µs).
+    pub fn deadline_us(&self) -> Option<u64> {
+        self.open
+            .as_ref()
+            .map(|open| open.opened_at_us.saturating_add(self.limits.max_delay_us))
+    }
+
     /// A position that needs no store of its own (a keepalive between transactions, a
     /// transaction the store already has): returned when it may be acknowledged now; with a
     /// group open it is acknowledged with the group instead.
@@ -202,6 +210,7 @@ mod tests {
         group.durable();
         assert_eq!(group.applied(Some(3), 1, 100), Decision::Hold);
         assert!(!group.due(5_099));
+        assert_eq!(group.deadline_us(), Some(5_100));
         assert!(group.due(5_100));
         assert_eq!(group.applied(Some(4), 1, 5_100), Decision::Flush);
     }

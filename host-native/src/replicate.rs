@@ -315,20 +315,30 @@ fn stream_grouped(
         if queued.is_empty() {
             stream.try_recv_many(&mut batch, BATCH_EVENTS);
             if batch.is_empty() {
-                // Nothing more is waiting: the open group becomes durable before we wait.
-                if !writer.in_transaction() {
-                    grouping.make_durable(writer, stream)?;
-                }
+                // Nothing more is waiting: the open group waits for more until its deadline.
+                let now = grouping.now_us();
+                let flush_in = match grouping.group.deadline_us() {
+                    Some(deadline) if !writer.in_transaction() => {
+                        Some(Duration::from_micros(deadline.saturating_sub(now)))
+                    }
+                    _ => None,
+                };
                 let taken = handle.block_on(async {
                     tokio::select! {
                         _ = stop.changed() => None,
-                        taken = stream.recv_many(&mut batch, BATCH_EVENTS) => Some(taken),
+                        taken = stream.recv_many(&mut batch, BATCH_EVENTS) => Some(Some(taken)),
+                        _ = tokio::time::sleep(flush_in.unwrap_or_default()),
+                            if flush_in.is_some() => Some(None),
                     }
                 });
                 match taken {
                     None => return Ok(()),
-                    Some(0) => bail!("the replication stream ended"),
-                    Some(_) => {}
+                    Some(None) => {
+                        grouping.make_durable(writer, stream)?;
+                        continue;
+                    }
+                    Some(Some(0)) => bail!("the replication stream ended"),
+                    Some(Some(_)) => {}
                 }
             }
             queued.extend(batch.drain(..));

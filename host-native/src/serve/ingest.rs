@@ -124,6 +124,8 @@ enum Next {
     Source(SourceEvent),
     Backfill(Option<Result<BackfillItem, SyncError>>),
     Resumed,
+    /// The open group's deadline passed with nothing more queued.
+    Flush,
 }
 
 impl Ingest {
@@ -248,10 +250,14 @@ impl Ingest {
                     continue;
                 }
             }
-            // Nothing more is waiting: the open group becomes durable before we wait.
-            if let Err(e) = self.make_durable() {
-                break Err(e);
-            }
+            // Nothing more is waiting: the open group waits for more until its deadline.
+            let now = self.now_us();
+            let flush_in = match self.group.deadline_us() {
+                Some(deadline) if !self.writer.in_transaction() => Some(
+                    std::time::Duration::from_micros(deadline.saturating_sub(now)),
+                ),
+                _ => None,
+            };
             let handle = self.handle.clone();
             let backfills = &mut self.backfills;
             let next = handle.block_on(async {
@@ -259,6 +265,9 @@ impl Ingest {
                     biased;
                     _ = shutdown.wait_for(|s| *s) => Next::Stop,
                     op = ops.recv() => op.map_or(Next::Stop, Next::Op),
+                    _ = tokio::time::sleep(flush_in.unwrap_or_default()), if flush_in.is_some() => {
+                        Next::Flush
+                    }
                     _ = paused.changed(), if is_paused => Next::Resumed,
                     // A running backfill is the only source until its commit.
                     item = async {
@@ -276,6 +285,7 @@ impl Ingest {
             let step = match next {
                 Next::Stop => break Ok(()),
                 Next::Resumed => Ok(()),
+                Next::Flush => self.make_durable(),
                 Next::Op(op) => self.execute(op),
                 Next::Source(event) => self.on_source(event, &mut ops),
                 Next::Backfill(item) => self.on_backfill(item),
