@@ -139,9 +139,17 @@ describe("web demo", { timeout: 240_000 }, () => {
     assert.equal(await page.getAttribute('[data-scope="all"]', "data-origin"), "cached");
     assert.equal((await titlesOnPage()).length, held.length);
     assert.notEqual(await page.getAttribute("#status", "data-state"), "closed");
-    // The rest runs on a page whose socket reaches the server.
+    // The rest runs on a page whose socket reaches the server. A row written meanwhile: the new
+    // page starts from IndexedDB's rows and cursor, so the server replays that one row only.
     await page.close();
+    demo.sql("INSERT INTO todos (owner, title) VALUES ('ada', 'Written while reloading');");
     page = await context.newPage();
+    await openPage();
+    await waitLive();
+    const replayed = await until("the resume to be counted", () =>
+      page.evaluate(() => window.demo.scopes[0].sub.replayedOnLastResume || null), WAIT);
+    assert.equal(replayed, 1, "only the row written after the stored cursor is replayed");
+    assert.ok((await rows()).some((r) => r.title === "Written while reloading"));
   });
 
   test("a column added upstream arrives in every row by backfill", async () => {
