@@ -8,7 +8,6 @@ pub mod backfill;
 pub mod backoff;
 pub mod change_stream;
 pub mod cursor;
-pub mod group_commit;
 pub mod pgoutput;
 pub mod realtime_bridge;
 pub mod replay;

@@ -1,10 +1,9 @@
 //! `highwater replicate`: keeps `<data>/replica.db` equal to the upstream publications.
 //!
 //! An empty (or never completed) replica is synced from a fresh slot's exported snapshot; a
-//! synced one resumes from its stored position. Each upstream transaction is applied with its
-//! position; when more are already waiting, several share one SQLite transaction (group commit,
-//! `engine::group_commit`), and upstream is acknowledged only once that commit is durable, so a
-//! crash at any point loses nothing and applies nothing twice. Ctrl-C / SIGTERM stop at the next message: a
+//! synced one resumes from its stored position. Each upstream transaction is applied in one
+//! SQLite transaction and acknowledged upstream only once committed, so a crash at any point
+//! loses nothing and applies nothing twice. Ctrl-C / SIGTERM stop at the next message: a
 //! transaction in progress is discarded (Postgres sends it again on the next start).
 
 use std::collections::HashMap;
@@ -13,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use highwater_engine::change_stream::{Change, DownstreamMessage};
-use highwater_engine::group_commit::{Decision, GroupCommit, GroupLimits};
 use highwater_engine::pgoutput::{PgoutputEvent, PgoutputMapper};
 use highwater_engine::watermark::Lsn;
 use tokio::runtime::Handle;
@@ -22,7 +20,6 @@ use tokio_postgres::Client;
 
 use crate::replication::PgConfig;
 
-use crate::pause_point::{self, Point};
 use crate::replica::backfill::{run_backfills, BackfillPlanner, RecentXids};
 use crate::replica::bootstrap::{BootstrapError, Upstream};
 use crate::replica::ddl::{
@@ -180,6 +177,10 @@ pub fn replicate(
         &args.app_id,
         &mut stop,
     );
+    if writer.in_transaction() {
+        // Not committed, so not acknowledged: Postgres sends it again next time.
+        let _ = writer.apply(&DownstreamMessage::Rollback(Default::default()));
+    }
     handle.block_on(stream.shutdown());
     if let Some(state) = writer.replica().state() {
         tracing::info!(position = %state.lsn, watermark = %state.watermark, "replicator stopped");
@@ -189,58 +190,6 @@ pub fn replicate(
 
 /// How often progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
-/// Events taken from the replication stream in one wake-up.
-const BATCH_EVENTS: usize = 512;
-
-/// The replicator's group commit: the engine's rules, carried out on the replica and the
-/// stream.
-struct Grouping {
-    group: GroupCommit<Lsn>,
-    epoch: Instant,
-    /// Bytes of the upstream transaction in progress.
-    txn_bytes: usize,
-}
-
-impl Grouping {
-    fn now_us(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
-    }
-
-    /// Makes the open group durable, then acknowledges its newest commit end.
-    fn make_durable(
-        &mut self,
-        writer: &mut ReplicaWriter,
-        stream: &WalStream,
-    ) -> anyhow::Result<()> {
-        if !self.group.is_open() {
-            return Ok(());
-        }
-        let transactions = self.group.transactions();
-        pause_point::reach(Point::BeforeGroupCommit, transactions);
-        writer.commit_group()?;
-        pause_point::reach(Point::AfterGroupCommit, transactions);
-        if let Some(ack) = self.group.durable().and_then(|durable| durable.ack) {
-            stream.ack(ack);
-        }
-        Ok(())
-    }
-}
-
-/// Runs the backfills the replica waits for, with everything before them durable (a
-/// backfill commits on its own).
-fn run_backfills_now(
-    handle: &Handle,
-    backfills: &mut Backfills,
-    grouping: &mut Grouping,
-    writer: &mut ReplicaWriter,
-    stream: &WalStream,
-) -> anyhow::Result<()> {
-    grouping.make_durable(writer, stream)?;
-    writer.set_group_commit(false);
-    let result = backfills.run(handle, writer);
-    writer.set_group_commit(true);
-    Ok(result?)
-}
 
 // The replicator's whole state, passed down from `replicate`.
 #[allow(clippy::too_many_arguments)]
@@ -254,97 +203,26 @@ fn stream_changes(
     app_id: &str,
     stop: &mut watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let mut grouping = Grouping {
-        group: GroupCommit::new(GroupLimits::default()),
-        epoch: Instant::now(),
-        txn_bytes: 0,
-    };
-    writer.set_group_commit(true);
-    let result = stream_grouped(
-        handle,
-        catalog,
-        backfills,
-        writer,
-        stream,
-        publications,
-        app_id,
-        stop,
-        &mut grouping,
-    );
-    match &result {
-        // Stopped between messages: what is applied is whole; make it durable.
-        Ok(()) => {
-            if writer.in_transaction() {
-                writer.apply(&DownstreamMessage::Rollback(Default::default()))?;
-            }
-            grouping.make_durable(writer, stream)?;
-        }
-        // Nothing of the group was acknowledged: Postgres sends it again next time.
-        Err(_) => {
-            grouping.group.discarded();
-            let _ = writer.discard_group();
-        }
-    }
-    writer.set_group_commit(false);
-    result
-}
-
-#[allow(clippy::too_many_arguments)]
-fn stream_grouped(
-    handle: &Handle,
-    catalog: &mut Catalog,
-    backfills: &mut Backfills,
-    writer: &mut ReplicaWriter,
-    stream: &mut WalStream,
-    publications: &[String],
-    app_id: &str,
-    stop: &mut watch::Receiver<bool>,
-    grouping: &mut Grouping,
-) -> anyhow::Result<()> {
     let prefix = ddl_prefix(app_id);
     let mut mapper = PgoutputMapper::new();
     let mut commit_end: Option<Lsn> = None;
     let mut committed: u64 = 0;
     let mut last_report = Instant::now();
-    let mut batch = Vec::with_capacity(BATCH_EVENTS);
-    let mut queued = std::collections::VecDeque::with_capacity(BATCH_EVENTS);
     loop {
         if *stop.borrow() {
             return Ok(());
         }
-        if queued.is_empty() {
-            stream.try_recv_many(&mut batch, BATCH_EVENTS);
-            if batch.is_empty() {
-                // Nothing more is waiting: the open group waits for more until its deadline.
-                let now = grouping.now_us();
-                let flush_in = match grouping.group.deadline_us() {
-                    Some(deadline) if !writer.in_transaction() => {
-                        Some(Duration::from_micros(deadline.saturating_sub(now)))
-                    }
-                    _ => None,
-                };
-                let taken = handle.block_on(async {
-                    tokio::select! {
-                        _ = stop.changed() => None,
-                        taken = stream.recv_many(&mut batch, BATCH_EVENTS) => Some(Some(taken)),
-                        _ = tokio::time::sleep(flush_in.unwrap_or_default()),
-                            if flush_in.is_some() => Some(None),
-                    }
-                });
-                match taken {
-                    None => return Ok(()),
-                    Some(None) => {
-                        grouping.make_durable(writer, stream)?;
-                        continue;
-                    }
-                    Some(Some(0)) => bail!("the replication stream ended"),
-                    Some(Some(_)) => {}
-                }
+        let event = handle.block_on(async {
+            tokio::select! {
+                _ = stop.changed() => None,
+                event = stream.recv() => Some(event),
             }
-            queued.extend(batch.drain(..));
-        }
-        let Some(event) = queued.pop_front() else {
-            continue;
+        });
+        let Some(event) = event else {
+            return Ok(());
+        };
+        let Some(event) = event else {
+            bail!("the replication stream ended");
         };
         let bytes = match event? {
             WalEvent::Started { start, .. } => {
@@ -359,7 +237,6 @@ fn stream_grouped(
             }
             WalEvent::CopyData(bytes) => bytes,
         };
-        grouping.txn_bytes = grouping.txn_bytes.saturating_add(bytes.len());
         let Some(event) = mapper.map_frame(&bytes)? else {
             continue;
         };
@@ -367,11 +244,6 @@ fn stream_grouped(
             PgoutputEvent::Downstream(message) => {
                 if let DownstreamMessage::Begin(begin) = &message {
                     backfills.recent_xids.note(begin);
-                    grouping.txn_bytes = bytes.len();
-                    // A group never holds its first transaction back longer than its delay.
-                    if grouping.group.due(grouping.now_us()) {
-                        grouping.make_durable(writer, stream)?;
-                    }
                 }
                 if let DownstreamMessage::Commit(commit) = &message {
                     commit_end = commit
@@ -380,28 +252,12 @@ fn stream_grouped(
                         .and_then(serde_json::Value::as_str)
                         .and_then(|text| text.parse().ok());
                 }
-                let ack = |lsn: Lsn, end: &mut Option<Lsn>| end.take().unwrap_or(lsn).max(lsn);
                 match writer.apply(&message)? {
-                    Applied::Grouped { lsn, .. } => {
-                        committed += 1;
-                        let ack = ack(lsn, &mut commit_end);
-                        let now = grouping.now_us();
-                        let size = grouping.txn_bytes;
-                        if grouping.group.applied(Some(ack), size, now) == Decision::Flush {
-                            grouping.make_durable(writer, stream)?;
-                        }
-                        if writer.replica().has_pending_backfills() {
-                            run_backfills_now(handle, backfills, grouping, writer, stream)?;
-                        }
-                    }
                     Applied::Committed { lsn, .. } | Applied::Skipped { lsn, .. } => {
-                        // Durable already (a replay): acknowledged now, or with the open group.
-                        if let Some(ack) = grouping.group.position(ack(lsn, &mut commit_end)) {
-                            stream.ack(ack);
-                        }
+                        stream.ack(commit_end.take().unwrap_or(lsn).max(lsn));
                         committed += 1;
                         if writer.replica().has_pending_backfills() {
-                            run_backfills_now(handle, backfills, grouping, writer, stream)?;
+                            backfills.run(handle, writer)?;
                         }
                     }
                     Applied::Pending | Applied::RolledBack => {}
@@ -421,12 +277,10 @@ fn stream_grouped(
                 }
             }
             PgoutputEvent::Keepalive(keepalive) => {
-                // Between transactions everything received is applied: let the slot advance
-                // over WAL that holds nothing for us, once the open group is durable.
+                // Between transactions everything received is durable: let the slot advance
+                // over WAL that holds nothing for us.
                 if !writer.in_transaction() && !mapper.in_transaction() {
-                    if let Some(ack) = grouping.group.position(keepalive.wal_end) {
-                        stream.ack(ack);
-                    }
+                    stream.ack(keepalive.wal_end);
                 }
             }
             // A replayed transaction shows the schema of its time, older than the replica's.

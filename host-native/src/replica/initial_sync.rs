@@ -259,73 +259,10 @@ pub fn initial_sync_until(
     let result = copy_snapshot(handle, client, replica, source, batch_rows.max(1), stop);
     if result.is_err() {
         let _ = replica.conn.execute_batch("ROLLBACK");
-        let _ = replica.conn.pragma_update(None, "synchronous", "FULL");
     }
     // Ends the read-only snapshot transaction either way.
     let _ = handle.block_on(client.batch_execute("ROLLBACK"));
     result
-}
-
-/// How often a table's copy progress is logged.
-const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// The planner's row estimate of `table` (`pg_class.reltuples`), if it has one.
-fn estimated_rows(handle: &Handle, client: &Client, table: &ReplicaTable) -> Option<u64> {
-    let oid = table.oid?;
-    // Simple protocol: the snapshot may be held by a replication connection.
-    let sql = format!("SELECT reltuples::float8::text FROM pg_class WHERE oid = {oid}");
-    let messages = handle.block_on(client.simple_query(&sql)).ok()?;
-    let estimate: f64 = messages.iter().find_map(|message| match message {
-        tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0)?.parse().ok(),
-        _ => None,
-    })?;
-    // -1 means never analyzed.
-    (estimate >= 0.0).then_some(estimate as u64)
-}
-
-/// Logs a table's copy progress at a steady interval: rows, rows/s and, when the planner has
-/// an estimate, the expected total and the time left.
-struct Progress<'a> {
-    table: &'a str,
-    estimate: Option<u64>,
-    rows: u64,
-    started: std::time::Instant,
-    last: std::time::Instant,
-}
-
-impl<'a> Progress<'a> {
-    fn new(table: &'a str, estimate: Option<u64>) -> Self {
-        let now = std::time::Instant::now();
-        Progress {
-            table,
-            estimate,
-            rows: 0,
-            started: now,
-            last: now,
-        }
-    }
-
-    fn row(&mut self) {
-        self.rows += 1;
-        if !self.rows.is_multiple_of(1024) || self.last.elapsed() < PROGRESS_EVERY {
-            return;
-        }
-        self.last = std::time::Instant::now();
-        let seconds = self.started.elapsed().as_secs_f64().max(1e-3);
-        let rate = self.rows as f64 / seconds;
-        let eta_s = self
-            .estimate
-            .filter(|total| *total > self.rows)
-            .map(|total| ((total - self.rows) as f64 / rate.max(1.0)).round() as u64);
-        tracing::info!(
-            table = self.table,
-            rows = self.rows,
-            estimated_rows = self.estimate,
-            rows_per_s = rate.round() as u64,
-            eta_s,
-            "initial sync: copying"
-        );
-    }
 }
 
 fn copy_snapshot(
@@ -345,10 +282,6 @@ fn copy_snapshot(
         "initial sync: copying published tables"
     );
 
-    // Until the final commit stores its state the replica is not usable, and a crash means a
-    // new sync: the copy's batch commits need no fsync (WAL mode at NORMAL stays consistent
-    // after a crash), the final one does.
-    replica.conn.pragma_update(None, "synchronous", "NORMAL")?;
     replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     for table in &published {
         let mut spec = ReplicaTable::from_spec(&table.to_spec());
@@ -374,7 +307,6 @@ fn copy_snapshot(
         );
         let conn = &replica.conn;
         let mut in_batch = 0usize;
-        let mut progress = Progress::new(&table.name, estimated_rows(handle, client, &table));
         let copied = copy_rows(handle, client, &table, &columns, |row| {
             let values = columns
                 .iter()
@@ -390,7 +322,6 @@ fn copy_snapshot(
                 .execute(params_from_iter(values))?;
             seq += 1;
             in_batch += 1;
-            progress.row();
             if in_batch >= batch_rows {
                 if stop() {
                     return Err(SyncError::Stopped);
@@ -420,11 +351,6 @@ fn copy_snapshot(
         app_id: source.app_id.clone(),
         next_seq: seq,
     };
-    // The level changes only between transactions; the final commit's fsync of the WAL makes
-    // the batches before it durable too.
-    replica.conn.execute_batch("COMMIT")?;
-    replica.conn.pragma_update(None, "synchronous", "FULL")?;
-    replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     replica.store_initial_state(&state)?;
     replica.conn.execute_batch("COMMIT")?;
     Ok(SyncReport {

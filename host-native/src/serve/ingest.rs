@@ -3,14 +3,6 @@
 //! log in one SQLite transaction, then reported durable (which releases the upstream ack) — and
 //! starts catch-up reads once every store before them is committed.
 //!
-//! Group commit (`engine::group_commit`): while more upstream events are already queued, the
-//! next transactions are applied into the same SQLite transaction; the group is made durable
-//! when the engine says it is full, when nothing more is queued, and before anything that must
-//! see the store committed (a catch-up read, a backfill, a reset). Only then are its commits
-//! reported stored (which releases their upstream acks) and their scope-feed entries routed.
-//! Subscribers see every upstream transaction as its own `begin … commit` regardless: the
-//! streamer forwards messages as they arrive.
-//!
 //! Backfills (`replica::backfill`) are a second source of transactions. Between upstream
 //! transactions, once everything before is stored, the thread starts the backfill the replica
 //! waits for and takes its messages instead of upstream's until its commit: forwarded, stored
@@ -20,7 +12,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use highwater_engine::change_stream::{DownstreamMessage, Rollback};
-use highwater_engine::group_commit::{Decision, GroupCommit, GroupLimits};
 use highwater_engine::streamer::{ConnId, LogOp, StoredChange};
 use highwater_engine::watermark::{Lsn, Watermark};
 use rusqlite::Connection;
@@ -31,12 +22,10 @@ use super::hub::{Hub, StorageOp};
 use super::source::SourceEvent;
 use super::ServeError;
 use crate::change_log::{self, CatchupLimits, CatchupReader};
-use crate::pause_point::{self, Point};
 use crate::replica::backfill::{
     BackfillItem, BackfillPlanner, BackfillStream, RecentXids, BACKFILL_BATCH_ROWS,
 };
 use crate::replica::ddl::{in_publications, parse_ddl_event, schema_changes};
-use crate::replica::feed::CommittedChanges;
 use crate::replica::initial_sync::SyncError;
 use crate::replica::{Applied, ReplicaWriter};
 
@@ -55,13 +44,6 @@ pub(crate) struct Ingest {
     backfills: Option<Backfills>,
     /// Scope sync: where committed feed entries go; `None` when `/sync` is off.
     sync: Option<SyncFeed>,
-    /// The open group of applied, not yet durable commits.
-    group: GroupCommit<Watermark>,
-    /// Their scope-feed entries, routed once the group is durable.
-    grouped: Vec<CommittedChanges>,
-    /// Bytes (stored change text) of the transaction being stored.
-    txn_bytes: usize,
-    epoch: std::time::Instant,
 }
 
 /// Scope sync's side of the ingest thread: route each commit's feed entries after the commit,
@@ -123,21 +105,18 @@ enum Next {
     Source(SourceEvent),
     Backfill(Option<Result<BackfillItem, SyncError>>),
     Resumed,
-    /// The open group's deadline passed with nothing more queued.
-    Flush,
 }
 
 impl Ingest {
     pub fn new(
         hub: Arc<Hub>,
-        mut writer: ReplicaWriter,
+        writer: ReplicaWriter,
         db_path: PathBuf,
         publications: Vec<String>,
         handle: Handle,
         backfills: Option<Backfills>,
         sync: Option<SyncFeed>,
     ) -> Ingest {
-        writer.set_group_commit(true);
         Ingest {
             hub,
             writer,
@@ -149,58 +128,18 @@ impl Ingest {
             catchup_limits: CatchupLimits::default(),
             backfills,
             sync,
-            group: GroupCommit::new(GroupLimits::default()),
-            grouped: Vec::new(),
-            txn_bytes: 0,
-            epoch: std::time::Instant::now(),
         }
     }
 
-    fn now_us(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
-    }
-
-    /// Makes the open group durable, then reports its commits stored and routes their feed
-    /// entries. Between transactions only.
-    fn make_durable(&mut self) -> Result<(), ServeError> {
-        if !self.group.is_open() || self.writer.in_transaction() {
-            return Ok(());
-        }
-        let transactions = self.group.transactions();
-        pause_point::reach(Point::BeforeGroupCommit, transactions);
-        self.writer.commit_group()?;
-        pause_point::reach(Point::AfterGroupCommit, transactions);
-        let Some(durable) = self.group.durable() else {
-            return Ok(());
-        };
-        self.hub.note_durable(durable.transactions);
-        // Only now, durable, may the seqs reach scope subscribers.
-        for changes in std::mem::take(&mut self.grouped) {
-            self.route(changes);
-        }
-        self.prune_exits()?;
-        if let Some(watermark) = durable.ack {
-            self.hub.set_last_watermark(watermark.clone());
-            self.hub.call(|s, _| s.on_stored(watermark));
-        }
-        if let Some(below) = self.pending_purge.take() {
-            self.purge(&below)?;
-        }
-        Ok(())
-    }
-
-    /// Hands a durable transaction's feed entries to scope sync.
-    fn route(&mut self, changes: CommittedChanges) {
-        if let Some(sync) = self.sync.as_ref() {
-            sync.hub.committed(changes);
-        }
-    }
-
-    /// Prunes exits older than the retention window, when due.
-    fn prune_exits(&mut self) -> Result<(), ServeError> {
+    /// Hands the committed transaction's feed entries to scope sync, and prunes when due.
+    fn route_committed(&mut self) -> Result<(), ServeError> {
+        let changes = self.writer.take_committed();
         let Some(sync) = self.sync.as_mut() else {
             return Ok(());
         };
+        if let Some(changes) = changes {
+            sync.hub.committed(changes);
+        }
         if sync
             .last_prune
             .is_none_or(|at| at.elapsed() >= PRUNE_INTERVAL)
@@ -240,23 +179,6 @@ impl Ingest {
             }
             let is_paused = *paused.borrow_and_update();
             let backfilling = self.backfills.as_ref().is_some_and(|b| b.running.is_some());
-            if !is_paused && !backfilling && !*shutdown.borrow() {
-                // Queued events are taken without a wake-up each.
-                if let Ok(event) = events.try_recv() {
-                    if let Err(e) = self.on_source(event, &mut ops) {
-                        break Err(e);
-                    }
-                    continue;
-                }
-            }
-            // Nothing more is waiting: the open group waits for more until its deadline.
-            let now = self.now_us();
-            let flush_in = match self.group.deadline_us() {
-                Some(deadline) if !self.writer.in_transaction() => Some(
-                    std::time::Duration::from_micros(deadline.saturating_sub(now)),
-                ),
-                _ => None,
-            };
             let handle = self.handle.clone();
             let backfills = &mut self.backfills;
             let next = handle.block_on(async {
@@ -264,9 +186,6 @@ impl Ingest {
                     biased;
                     _ = shutdown.wait_for(|s| *s) => Next::Stop,
                     op = ops.recv() => op.map_or(Next::Stop, Next::Op),
-                    _ = tokio::time::sleep(flush_in.unwrap_or_default()), if flush_in.is_some() => {
-                        Next::Flush
-                    }
                     _ = paused.changed(), if is_paused => Next::Resumed,
                     // A running backfill is the only source until its commit.
                     item = async {
@@ -284,7 +203,6 @@ impl Ingest {
             let step = match next {
                 Next::Stop => break Ok(()),
                 Next::Resumed => Ok(()),
-                Next::Flush => self.make_durable(),
                 Next::Op(op) => self.execute(op),
                 Next::Source(event) => self.on_source(event, &mut ops),
                 Next::Backfill(item) => self.on_backfill(item),
@@ -304,16 +222,6 @@ impl Ingest {
             let _ = self
                 .writer
                 .apply(&DownstreamMessage::Rollback(Rollback::default()));
-        }
-        // The group's transactions are whole: stored after a stop, sent again after a failure.
-        let stored = match &result {
-            Ok(()) => self.make_durable().is_ok(),
-            Err(_) => false,
-        };
-        if !stored {
-            self.group.discarded();
-            self.grouped.clear();
-            let _ = self.writer.discard_group();
         }
         if let Err(error) = &result {
             tracing::error!(%error, "replication stopped");
@@ -397,11 +305,6 @@ impl Ingest {
             "backfilling"
         );
         let table = job.table.name.clone();
-        // What the backfill follows is durable before it starts.
-        self.make_durable()?;
-        let Some(backfills) = self.backfills.as_mut() else {
-            return Ok(());
-        };
         let stream = BackfillStream::spawn(&self.handle, &backfills.upstream, job);
         backfills.running = Some((stream, table));
         Ok(())
@@ -535,11 +438,6 @@ impl Ingest {
         match op {
             StorageOp::Store(LogOp::Begin(row)) => {
                 let message = typed(&row)?;
-                // A group never holds its first transaction back longer than its delay.
-                if self.group.due(self.now_us()) {
-                    self.make_durable()?;
-                }
-                self.txn_bytes = row.change_json().len();
                 // Replica and log commit together, so the replica is never ahead of the log.
                 if let Some(state) = self.writer.replica().state() {
                     if state.watermark >= *row.watermark() {
@@ -557,7 +455,6 @@ impl Ingest {
             }
             StorageOp::Store(LogOp::Append(row)) => {
                 let message = typed(&row)?;
-                self.txn_bytes = self.txn_bytes.saturating_add(row.change_json().len());
                 self.writer.apply(message)?;
                 self.append(&row)?;
                 if let DownstreamMessage::Data(change) = message {
@@ -571,7 +468,7 @@ impl Ingest {
                 self.append(&row)?;
                 change_log::commit(self.conn(), row.watermark())?;
                 match self.writer.apply(message)? {
-                    Applied::Grouped { .. } | Applied::Committed { .. } => {}
+                    Applied::Committed { .. } => {}
                     other => {
                         return Err(ServeError::Invariant {
                             expected: format!("the commit of {} to be applied", row.watermark()),
@@ -579,14 +476,13 @@ impl Ingest {
                         })
                     }
                 }
-                if let Some(changes) = self.writer.take_committed() {
-                    self.grouped.push(changes);
-                }
+                // Only now, durable, may the seqs reach scope subscribers.
+                self.route_committed()?;
                 let watermark = row.watermark().clone();
-                let bytes = self.txn_bytes.saturating_add(row.change_json().len());
-                let now = self.now_us();
-                if self.group.applied(Some(watermark), bytes, now) == Decision::Flush {
-                    self.make_durable()?;
+                self.hub.set_last_watermark(watermark.clone());
+                self.hub.call(|s, _| s.on_stored(watermark));
+                if let Some(below) = self.pending_purge.take() {
+                    self.purge(&below)?;
                 }
             }
             StorageOp::Store(LogOp::Abort) => {
@@ -597,13 +493,9 @@ impl Ingest {
                 conn,
                 from,
                 through,
-            } => {
-                // The read runs on its own connection: it must find every store before it.
-                self.make_durable()?;
-                self.spawn_catchup(conn, from, through)
-            }
+            } => self.spawn_catchup(conn, from, through),
             StorageOp::Purge { below } => {
-                if self.writer.in_transaction() || self.group.is_open() {
+                if self.writer.in_transaction() {
                     self.pending_purge = Some(match self.pending_purge.take() {
                         Some(pending) if pending > below => pending,
                         _ => below,
