@@ -560,6 +560,14 @@ fn where_key(key: &[(String, SqlValue)], first: usize) -> String {
         .join(" AND ")
 }
 
+/// `"a", "b", …`: the quoted names of `cols`, for a SELECT list.
+fn column_list(cols: &[&ReplicaColumn]) -> String {
+    cols.iter()
+        .map(|c| quote_ident(&c.name))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Key and scope values of the row at `key`, if it exists.
 fn read_before(
     conn: &Connection,
@@ -570,10 +578,7 @@ fn read_before(
     let cols = feed_columns(table, scope);
     let sql = format!(
         "SELECT {} FROM {} WHERE {} LIMIT 1",
-        cols.iter()
-            .map(|c| quote_ident(&c.name))
-            .collect::<Vec<_>>()
-            .join(", "),
+        column_list(&cols),
         quote_ident(&table.name),
         where_key(key, 1)
     );
@@ -609,10 +614,7 @@ fn read_all(
     let cols = feed_columns(table, scope);
     let sql = format!(
         "SELECT {} FROM {}",
-        cols.iter()
-            .map(|c| quote_ident(&c.name))
-            .collect::<Vec<_>>()
-            .join(", "),
+        column_list(&cols),
         quote_ident(&table.name),
     );
     let mut stmt = conn.prepare(&sql)?;
