@@ -120,7 +120,9 @@ fn line(effect: &Effect) -> String {
         Effect::ReconcileRelation(r) => format!("relation {} {}", r.name, r.columns.len()),
         Effect::Idle { watermark } => format!("idle {watermark}"),
         Effect::BackfillDue => "backfill due".to_owned(),
-        Effect::Reconnect { restore, .. } => format!("reconnect restore={restore}"),
+        Effect::Reconnect { restore, acks, .. } => {
+            format!("reconnect restore={restore} acks {acks:?}")
+        }
         Effect::Warn(message) => format!("warn {message}"),
     }
 }
@@ -565,12 +567,12 @@ fn an_error_from_the_primary_acks_what_came_before_and_asks_for_a_restore_or_a_r
         1,
         vec![error(ErrorKind::WatermarkTooOld), status_msg()],
     );
-    assert_eq!(out, ["ack frames [1]", "reconnect restore=true"]);
+    assert_eq!(out, ["reconnect restore=true acks [1]"]);
     // Nothing after it is used.
     assert!(frame(&mut s, 2, vec![begin_msg(20)]).is_empty());
     feed(&mut s, Input::Started);
     let out = frame(&mut s, 1, vec![error(ErrorKind::Unknown)]);
-    assert_eq!(out, ["ack frames [1]", "reconnect restore=false"]);
+    assert_eq!(out, ["reconnect restore=false acks [1]"]);
 }
 
 // ---- properties ----

@@ -1,33 +1,38 @@
-//! The ingest thread: takes upstream events into the streamer and carries out the storage
-//! queue in order — each upstream transaction applied to the replica and appended to the change
-//! log in one SQLite transaction, then reported durable (which releases the upstream ack) — and
-//! starts catch-up reads once every store before them is committed.
+//! The ingest thread: feeds upstream events to the engine's upstream session and carries out
+//! what it says — messages into the streamer, confirmations back to the source, schema
+//! changes computed against the replica, backfills when one may start — and carries out the
+//! storage queue in order: each upstream transaction applied to the replica and appended to the
+//! change log in one SQLite transaction, then reported durable to the streamer and the session
+//! (which releases the upstream confirmation); catch-up reads start once every store before
+//! them is committed.
 //!
-//! Backfills (`replica::backfill`) are a second source of transactions. Between upstream
-//! transactions, once everything before is stored, the thread starts the backfill the replica
-//! waits for and takes its messages instead of upstream's until its commit: forwarded, stored
-//! and (being `skipAck`) never acknowledged upstream, like any other transaction.
+//! Backfills (`replica::backfill`) are a second source of transactions. When the session says
+//! one may start (between upstream transactions, everything before stored) the thread starts
+//! the backfill the replica waits for and takes its messages instead of upstream's until its
+//! commit: forwarded, stored and (being `skipAck`) never confirmed upstream.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use highwater_engine::change_stream::{DownstreamMessage, Rollback};
 use highwater_engine::streamer::{ConnId, LogOp, StoredChange};
-use highwater_engine::watermark::{Lsn, Watermark};
+use highwater_engine::upstream::{Effect, Input, UpstreamSession};
+use highwater_engine::watermark::Watermark;
 use rusqlite::Connection;
 use tokio::runtime::Handle;
 use tokio::sync::{mpsc, watch};
 
 use super::hub::{Hub, StorageOp};
-use super::source::SourceEvent;
+use super::source::{Confirm, SourceEvent};
 use super::ServeError;
 use crate::change_log::{self, CatchupLimits, CatchupReader};
 use crate::replica::backfill::{
     BackfillItem, BackfillPlanner, BackfillStream, RecentXids, BACKFILL_BATCH_ROWS,
 };
-use crate::replica::ddl::{in_publications, parse_ddl_event, schema_changes};
 use crate::replica::initial_sync::SyncError;
 use crate::replica::{Applied, ReplicaWriter};
+use crate::upstream::{reconcile_relation, resolve_ddl, Catalog, EffectError};
 
 pub(crate) struct Ingest {
     hub: Arc<Hub>,
@@ -35,13 +40,20 @@ pub(crate) struct Ingest {
     db_path: PathBuf,
     publications: Vec<String>,
     handle: Handle,
-    /// Inside an upstream transaction that is already stored (sent again after a restart).
-    skipping: bool,
+    /// Every rule of the upstream stream.
+    session: UpstreamSession,
+    /// Where the session's confirmations go.
+    confirm: Confirm,
+    /// The source's sessions so far (numbers the relay's connections).
+    source_sessions: u64,
     /// A purge that came in mid-transaction, run at the next commit.
     pending_purge: Option<Watermark>,
     catchup_limits: CatchupLimits,
     /// Backfills read from Postgres; `None` when the source streams its own (a relay).
     backfills: Option<Backfills>,
+    /// Upstream's catalog, for Relation messages that show what the replica lacks; `None`
+    /// for a relay.
+    catalog: Option<Catalog>,
     /// Scope sync: where committed feed entries go; `None` when `/sync` is off.
     sync: Option<SyncFeed>,
 }
@@ -73,8 +85,6 @@ pub(crate) struct Backfills {
     planner: BackfillPlanner,
     /// The one running, and its table.
     running: Option<(BackfillStream, String)>,
-    /// Whether a backfill may be waiting: at startup and after every commit.
-    due: bool,
     recent_xids: RecentXids,
 }
 
@@ -84,7 +94,6 @@ impl Backfills {
             upstream,
             planner: BackfillPlanner::new(),
             running: None,
-            due: true,
             recent_xids: RecentXids::default(),
         }
     }
@@ -107,26 +116,46 @@ enum Next {
     Resumed,
 }
 
+impl From<EffectError> for ServeError {
+    fn from(error: EffectError) -> Self {
+        match error {
+            EffectError::Replica(error) => ServeError::Replica(error),
+            EffectError::Catalog(error) => ServeError::Postgres(error),
+            other => ServeError::Invariant {
+                expected: "schema changes for the upstream session".to_owned(),
+                found: other.to_string(),
+            },
+        }
+    }
+}
+
 impl Ingest {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         hub: Arc<Hub>,
         writer: ReplicaWriter,
         db_path: PathBuf,
         publications: Vec<String>,
         handle: Handle,
+        session: UpstreamSession,
+        confirm: Confirm,
         backfills: Option<Backfills>,
         sync: Option<SyncFeed>,
     ) -> Ingest {
+        let catalog = backfills.as_ref().map(|b| Catalog::new(b.upstream.clone()));
         Ingest {
             hub,
             writer,
             db_path,
             publications,
             handle,
-            skipping: false,
+            session,
+            confirm,
+            source_sessions: 0,
             pending_purge: None,
             catchup_limits: CatchupLimits::default(),
             backfills,
+            catalog,
             sync,
         }
     }
@@ -174,11 +203,11 @@ impl Ingest {
             if let Err(e) = self.drain(&mut ops) {
                 break Err(e);
             }
-            if let Err(e) = self.start_backfill(&mut ops) {
-                break Err(e);
-            }
             let is_paused = *paused.borrow_and_update();
-            let backfilling = self.backfills.as_ref().is_some_and(|b| b.running.is_some());
+            // The session says what it takes: a running backfill is the only source until its
+            // commit.
+            let backfilling = self.session.backfill_running();
+            let upstream = self.session.accepts_upstream();
             let handle = self.handle.clone();
             let backfills = &mut self.backfills;
             let next = handle.block_on(async {
@@ -187,7 +216,6 @@ impl Ingest {
                     _ = shutdown.wait_for(|s| *s) => Next::Stop,
                     op = ops.recv() => op.map_or(Next::Stop, Next::Op),
                     _ = paused.changed(), if is_paused => Next::Resumed,
-                    // A running backfill is the only source until its commit.
                     item = async {
                         match backfills {
                             Some(b) => b.next().await,
@@ -195,7 +223,7 @@ impl Ingest {
                         }
                     }, if !is_paused && backfilling => Next::Backfill(item),
                     // A source that fails says so; one that just ends was stopped.
-                    event = events.recv(), if !is_paused && !backfilling => {
+                    event = events.recv(), if !is_paused && upstream => {
                         event.map_or(Next::Stop, Next::Source)
                     }
                 }
@@ -203,19 +231,19 @@ impl Ingest {
             let step = match next {
                 Next::Stop => break Ok(()),
                 Next::Resumed => Ok(()),
-                Next::Op(op) => self.execute(op),
+                Next::Op(op) => self.execute(op, &mut ops),
                 Next::Source(event) => self.on_source(event, &mut ops),
-                Next::Backfill(item) => self.on_backfill(item),
+                Next::Backfill(item) => self.on_backfill(item, &mut ops),
             };
             if let Err(e) = step {
                 break Err(e);
             }
         };
-        // Whatever was in flight upstream is not stored; Postgres sends it again next time.
+        // Whatever was in flight upstream is not stored; the source sends it again next time.
         self.hub.call(|s, _| s.upstream_ended());
         while let Ok(op) = ops.try_recv() {
             if matches!(op, StorageOp::Store(_)) {
-                let _ = self.execute(op);
+                let _ = self.execute_store_only(op);
             }
         }
         if self.writer.in_transaction() {
@@ -232,7 +260,7 @@ impl Ingest {
     /// Carries out every queued storage op.
     fn drain(&mut self, ops: &mut mpsc::UnboundedReceiver<StorageOp>) -> Result<(), ServeError> {
         while let Ok(op) = ops.try_recv() {
-            self.execute(op)?;
+            self.execute(op, ops)?;
         }
         Ok(())
     }
@@ -242,166 +270,94 @@ impl Ingest {
         event: SourceEvent,
         ops: &mut mpsc::UnboundedReceiver<StorageOp>,
     ) -> Result<(), ServeError> {
-        match event {
-            SourceEvent::Message(message) => self.on_message(message),
-            SourceEvent::Ddl(content) => {
-                // Schema changes are computed against the replica as of the messages before.
-                self.drain(ops)?;
-                self.on_ddl(&content)
+        let effects = match event {
+            SourceEvent::Started => {
+                self.source_sessions += 1;
+                self.session.handle(Input::Started)?
             }
-            SourceEvent::Keepalive(watermark) => {
-                if !self.skipping {
-                    self.hub.call(|s, _| s.on_keepalive(watermark, true));
-                }
-                Ok(())
+            SourceEvent::Wal(bytes) => self.session.handle(Input::WalData(&bytes))?,
+            SourceEvent::Frame { id, messages } => {
+                self.session.handle(Input::RelayFrame { id, messages })?
             }
-            SourceEvent::Restarted => {
-                self.skipping = false;
-                if self.hub.inspect(|s| s.in_transaction()) {
-                    self.hub.call(|s, _| s.upstream_ended());
-                }
-                Ok(())
-            }
-            SourceEvent::Failed(reason) => Err(ServeError::Source(reason)),
-        }
+            SourceEvent::Failed(reason) => return Err(ServeError::Source(reason)),
+        };
+        self.carry(effects, ops)
     }
 
-    /// Starts the next backfill the replica waits for, if one may run now: between
-    /// transactions, with everything before it stored.
-    fn start_backfill(
+    /// Carries out the session's effects in order, a follow-up input's effects before the
+    /// rest.
+    fn carry(
         &mut self,
+        effects: Vec<Effect>,
         ops: &mut mpsc::UnboundedReceiver<StorageOp>,
     ) -> Result<(), ServeError> {
-        let ready = self
-            .backfills
-            .as_ref()
-            .is_some_and(|b| b.due && b.running.is_none());
-        if !ready || self.skipping || self.hub.inspect(|s| s.in_transaction()) {
-            return Ok(());
+        let mut queue: VecDeque<Effect> = effects.into();
+        while let Some(effect) = queue.pop_front() {
+            let more = match effect {
+                Effect::Apply(message) => {
+                    self.forward(message)?;
+                    Vec::new()
+                }
+                Effect::Ack(lsn) => {
+                    self.confirm.ack(lsn);
+                    Vec::new()
+                }
+                Effect::AckFrames(ids) => {
+                    if let Confirm::Primary(feedback) = &self.confirm {
+                        feedback.ack(self.source_sessions, ids);
+                    }
+                    Vec::new()
+                }
+                Effect::Reconnect {
+                    reason,
+                    restore,
+                    acks,
+                } => {
+                    if let Confirm::Primary(feedback) = &self.confirm {
+                        feedback.reconnect(self.source_sessions, acks, reason, restore);
+                    }
+                    Vec::new()
+                }
+                Effect::ResolveDdl { content } => {
+                    // Against the replica as of every message before.
+                    self.drain(ops)?;
+                    let changes = resolve_ddl(self.writer.replica(), &self.publications, &content)?;
+                    self.session.handle(Input::SchemaChanges(changes))?
+                }
+                Effect::ReconcileRelation(relation) => {
+                    self.drain(ops)?;
+                    let changes = reconcile_relation(
+                        &self.handle,
+                        self.catalog.as_mut(),
+                        self.writer.replica(),
+                        &relation,
+                    )?;
+                    self.session.handle(Input::SchemaChanges(changes))?
+                }
+                Effect::Idle { .. } => {
+                    self.hub.call(|s, _| s.on_idle());
+                    Vec::new()
+                }
+                Effect::BackfillDue => self.start_backfill(ops)?,
+                Effect::Warn(message) => {
+                    tracing::warn!("{message}");
+                    Vec::new()
+                }
+            };
+            for effect in more.into_iter().rev() {
+                queue.push_front(effect);
+            }
         }
-        // The replica's schema and pending columns as of the last commit forwarded.
-        self.drain(ops)?;
-        let Some(backfills) = self.backfills.as_mut() else {
-            return Ok(());
-        };
-        backfills.due = false;
-        if !self.writer.replica().has_pending_backfills() {
-            return Ok(());
-        }
-        let position = self.hub.inspect(|s| s.last_commit().clone());
-        let xids = backfills.recent_xids.to_vec();
-        let Some(job) = backfills.planner.next_job(
-            self.writer.replica(),
-            &position,
-            &xids,
-            BACKFILL_BATCH_ROWS,
-        ) else {
-            return Ok(());
-        };
-        tracing::info!(
-            table = %job.table.name,
-            columns = ?job.pending.columns,
-            watermark = %job.commit_watermark,
-            "backfilling"
-        );
-        let table = job.table.name.clone();
-        let stream = BackfillStream::spawn(&self.handle, &backfills.upstream, job);
-        backfills.running = Some((stream, table));
         Ok(())
     }
 
-    fn on_backfill(
-        &mut self,
-        item: Option<Result<BackfillItem, SyncError>>,
-    ) -> Result<(), ServeError> {
-        let Some(backfills) = self.backfills.as_mut() else {
-            return Ok(());
-        };
-        let table = backfills
-            .running
-            .as_ref()
-            .map(|(_, table)| table.clone())
-            .unwrap_or_default();
-        let failure = match item {
-            Some(Ok(BackfillItem::Message(message))) => {
-                let commit = matches!(message, DownstreamMessage::Commit(_));
-                self.on_message(message)?;
-                if commit {
-                    self.end_backfill();
-                }
-                return Ok(());
-            }
-            Some(Ok(BackfillItem::Missing { columns, snapshot })) => {
-                tracing::info!(%table, ?columns, "columns to backfill are not upstream yet");
-                backfills.planner.on_missing(&table, &columns, &snapshot);
-                return Ok(());
-            }
-            Some(Err(error)) => Some(error.to_string()),
-            None if self.hub.inspect(|s| s.in_transaction()) => {
-                Some("the backfill ended before its commit".to_owned())
-            }
-            None => None,
-        };
-        if let Some(error) = failure {
-            // Subscribers that saw its beginning get a rollback; nothing of it is stored.
-            if self.hub.inspect(|s| s.in_transaction()) {
-                self.on_message(DownstreamMessage::Rollback(Rollback::default()))?;
-            }
-            let position = self.hub.inspect(|s| s.last_commit().clone());
-            tracing::warn!(%table, %error, "backfill failed; retrying after the next transaction");
-            if let Some(backfills) = self.backfills.as_mut() {
-                backfills.planner.on_failed(&table, &position);
-            }
-        }
-        self.end_backfill();
-        Ok(())
-    }
-
-    fn end_backfill(&mut self) {
-        if let Some(backfills) = self.backfills.as_mut() {
-            backfills.running = None;
-            backfills.due = true;
-        }
-    }
-
-    fn on_message(&mut self, message: DownstreamMessage) -> Result<(), ServeError> {
-        if self.skipping {
-            if matches!(
-                message,
-                DownstreamMessage::Commit(_) | DownstreamMessage::Rollback(_)
-            ) {
-                self.skipping = false;
-            }
-            return Ok(());
-        }
-        match &message {
-            DownstreamMessage::Begin(begin) => {
-                if let Some(backfills) = self.backfills.as_mut() {
-                    backfills.recent_xids.note(begin);
-                }
-                let last = self.hub.inspect(|s| s.last_commit().clone());
-                if begin.commit_watermark <= last {
-                    // Stored before the stream restarted (acknowledged too late to be skipped
-                    // by Postgres): nothing to forward or store.
-                    tracing::debug!(watermark = %begin.commit_watermark, "skipping a transaction already stored");
-                    self.skipping = true;
-                    return Ok(());
-                }
-            }
-            DownstreamMessage::Commit(commit) => {
-                let end = commit
-                    .extra
-                    .get("commitEndLsn")
-                    .and_then(serde_json::Value::as_str)
-                    .and_then(|text| text.parse::<Lsn>().ok());
-                if let Some(end) = end {
-                    self.hub.note_commit_end(commit.watermark.clone(), end);
-                }
-                if let Some(backfills) = self.backfills.as_mut() {
-                    backfills.due = true;
-                }
-            }
-            _ => {}
+    /// Hands a message the session let through to the streamer, which forwards it and asks
+    /// for its storing.
+    fn forward(&mut self, message: DownstreamMessage) -> Result<(), ServeError> {
+        if let (DownstreamMessage::Begin(begin), Some(backfills)) =
+            (&message, self.backfills.as_mut())
+        {
+            backfills.recent_xids.note(begin);
         }
         let mut rejected = None;
         self.hub.call(|s, _| match s.on_upstream(message) {
@@ -417,39 +373,115 @@ impl Ingest {
         }
     }
 
-    fn on_ddl(&mut self, content: &[u8]) -> Result<(), ServeError> {
-        if !self.writer.in_transaction() {
-            return Ok(());
+    /// Starts the next backfill the replica waits for; the session said one may start now.
+    fn start_backfill(
+        &mut self,
+        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
+    ) -> Result<Vec<Effect>, ServeError> {
+        if self.backfills.is_none() || !self.writer.replica().has_pending_backfills() {
+            return Ok(Vec::new());
         }
-        let ddl = parse_ddl_event(content).map_err(|e| ServeError::Invariant {
-            expected: "a DDL event as JSON".to_owned(),
-            found: e.to_string(),
-        })?;
-        let tables = in_publications(ddl.schema, &self.publications);
-        let changes = schema_changes(self.writer.replica(), &tables, &ddl.tag)?;
-        for change in changes {
-            tracing::info!(change = change.tag(), "schema change");
-            self.on_message(DownstreamMessage::Data(change))?;
+        // The replica's schema and pending columns as of the last commit forwarded.
+        self.drain(ops)?;
+        let position = self.hub.inspect(|s| s.last_commit().clone());
+        let Some(backfills) = self.backfills.as_mut() else {
+            return Ok(Vec::new());
+        };
+        let xids = backfills.recent_xids.to_vec();
+        let Some(job) = backfills.planner.next_job(
+            self.writer.replica(),
+            &position,
+            &xids,
+            BACKFILL_BATCH_ROWS,
+        ) else {
+            return Ok(Vec::new());
+        };
+        tracing::info!(
+            table = %job.table.name,
+            columns = ?job.pending.columns,
+            watermark = %job.commit_watermark,
+            "backfilling"
+        );
+        let table = job.table.name.clone();
+        let stream = BackfillStream::spawn(&self.handle, &backfills.upstream, job);
+        backfills.running = Some((stream, table));
+        Ok(self.session.handle(Input::BackfillStarted)?)
+    }
+
+    fn on_backfill(
+        &mut self,
+        item: Option<Result<BackfillItem, SyncError>>,
+        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
+    ) -> Result<(), ServeError> {
+        let Some(backfills) = self.backfills.as_mut() else {
+            return Ok(());
+        };
+        let table = backfills
+            .running
+            .as_ref()
+            .map(|(_, table)| table.clone())
+            .unwrap_or_default();
+        let failure = match item {
+            Some(Ok(BackfillItem::Message(message))) => {
+                let commit = matches!(message, DownstreamMessage::Commit(_));
+                let effects = self.session.handle(Input::Backfill(message))?;
+                self.carry(effects, ops)?;
+                if commit {
+                    self.end_backfill(ops)?;
+                }
+                return Ok(());
+            }
+            Some(Ok(BackfillItem::Missing { columns, snapshot })) => {
+                tracing::info!(%table, ?columns, "columns to backfill are not upstream yet");
+                backfills.planner.on_missing(&table, &columns, &snapshot);
+                return Ok(());
+            }
+            Some(Err(error)) => Some(error.to_string()),
+            None if self.session.in_transaction() => {
+                Some("the backfill ended before its commit".to_owned())
+            }
+            None => None,
+        };
+        // Subscribers that saw a failed backfill's beginning get a rollback (the session
+        // hands it on); nothing of it is stored.
+        self.end_backfill(ops)?;
+        if let Some(error) = failure {
+            let position = self.hub.inspect(|s| s.last_commit().clone());
+            tracing::warn!(%table, %error, "backfill failed; retrying after the next transaction");
+            if let Some(backfills) = self.backfills.as_mut() {
+                backfills.planner.on_failed(&table, &position);
+            }
         }
         Ok(())
     }
 
-    fn execute(&mut self, op: StorageOp) -> Result<(), ServeError> {
+    fn end_backfill(
+        &mut self,
+        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
+    ) -> Result<(), ServeError> {
+        if let Some(backfills) = self.backfills.as_mut() {
+            backfills.running = None;
+        }
+        let effects = self.session.handle(Input::BackfillEnded)?;
+        self.carry(effects, ops)
+    }
+
+    /// On the way out: stores of transactions already forwarded, nothing else.
+    fn execute_store_only(&mut self, op: StorageOp) -> Result<(), ServeError> {
+        let mut none = mpsc::unbounded_channel().1;
+        self.execute(op, &mut none)
+    }
+
+    fn execute(
+        &mut self,
+        op: StorageOp,
+        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
+    ) -> Result<(), ServeError> {
         match op {
             StorageOp::Store(LogOp::Begin(row)) => {
                 let message = typed(&row)?;
-                // Replica and log commit together, so the replica is never ahead of the log.
-                if let Some(state) = self.writer.replica().state() {
-                    if state.watermark >= *row.watermark() {
-                        return Err(ServeError::Invariant {
-                            expected: format!(
-                                "a transaction after the replica's {}",
-                                state.watermark
-                            ),
-                            found: format!("a transaction at {}", row.watermark()),
-                        });
-                    }
-                }
+                // Replica and log commit together, so the replica is never ahead of the log;
+                // the writer refuses a transaction not after its position.
                 self.writer.apply(message)?;
                 self.append(&row)?;
             }
@@ -480,10 +512,12 @@ impl Ingest {
                 self.route_committed()?;
                 let watermark = row.watermark().clone();
                 self.hub.set_last_watermark(watermark.clone());
-                self.hub.call(|s, _| s.on_stored(watermark));
+                self.hub.with(|s| s.on_stored(watermark.clone()));
                 if let Some(below) = self.pending_purge.take() {
                     self.purge(&below)?;
                 }
+                let effects = self.session.handle(Input::Stored { watermark })?;
+                self.carry(effects, ops)?;
             }
             StorageOp::Store(LogOp::Abort) => {
                 self.writer
