@@ -56,6 +56,8 @@ pub(crate) struct Ingest {
     catalog: Option<Catalog>,
     /// Scope sync: where committed feed entries go; `None` when `/sync` is off.
     sync: Option<SyncFeed>,
+    /// On the way out: only stores of transactions already forwarded are carried out.
+    stopping: bool,
 }
 
 /// Scope sync's side of the ingest thread: route each commit's feed entries after the commit,
@@ -157,6 +159,7 @@ impl Ingest {
             backfills,
             catalog,
             sync,
+            stopping: false,
         }
     }
 
@@ -240,6 +243,7 @@ impl Ingest {
             }
         };
         // Whatever was in flight upstream is not stored; the source sends it again next time.
+        self.stopping = true;
         self.hub.call(|s, _| s.upstream_ended());
         while let Ok(op) = ops.try_recv() {
             if matches!(op, StorageOp::Store(_)) {
@@ -378,7 +382,10 @@ impl Ingest {
         &mut self,
         ops: &mut mpsc::UnboundedReceiver<StorageOp>,
     ) -> Result<Vec<Effect>, ServeError> {
-        if self.backfills.is_none() || !self.writer.replica().has_pending_backfills() {
+        if self.stopping
+            || self.backfills.is_none()
+            || !self.writer.replica().has_pending_backfills()
+        {
             return Ok(Vec::new());
         }
         // The replica's schema and pending columns as of the last commit forwarded.
