@@ -56,12 +56,15 @@
 //! and is decided by [`Liveness`] with plain `now_ms` values: a status update must go out even
 //! while storage is slow and the session is not being fed.
 //!
-//! Group commit fits as it is: the host may apply several transactions' `Apply`s in one storage
-//! transaction and report one [`Input::Stored`] for the last commit; the session then confirms
-//! that commit's end LSN (and releases every frame those transactions touched) at once.
+//! Group commit ([`GroupCommit`]): the host may apply several transactions' `Apply`s in one
+//! storage transaction and report one [`Input::Stored`] for the last commit; the session then
+//! confirms that commit's end LSN (and releases every frame those transactions touched) at once.
+//! [`GroupCommit`] decides when a group closes, and that an open group never waits for input
+//! that may not come.
 
 mod ack;
 mod frames;
+mod group;
 mod liveness;
 
 #[cfg(test)]
@@ -73,6 +76,7 @@ use crate::watermark::{Lsn, Watermark};
 use ack::AckQueue;
 use frames::FrameAcks;
 
+pub use group::{DurableGroup, GroupCommit, GroupDecision, GroupLimits};
 pub use liveness::Liveness;
 
 /// Settings of an [`UpstreamSession`].

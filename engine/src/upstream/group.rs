@@ -1,0 +1,260 @@
+//! Group commit: which applied upstream transactions share one durable storage commit, and
+//! when that commit must happen.
+//!
+//! A store that makes every upstream transaction durable on its own pays one fsync per
+//! transaction. When more transactions are already waiting, the host applies them into the same
+//! storage transaction and makes them durable together; the session is then told
+//! [`Input::Stored`](super::Input::Stored) once, for the group's last commit, and confirms that
+//! commit's end LSN. The rules, sans-IO:
+//!
+//! * A group opens with the first transaction applied after the last durable commit and is
+//!   full when it holds [`GroupLimits::max_transactions`] transactions or
+//!   [`GroupLimits::max_bytes`] bytes, or when its first transaction has waited
+//!   [`GroupLimits::max_delay_us`]; [`GroupCommit::applied`] says [`GroupDecision::Flush`]
+//!   then.
+//! * A group is made durable only between transactions, never with one half applied.
+//! * **A group never waits for input that may not come.** Whenever the host is about to wait
+//!   for input with a group open and no transaction half applied, it waits at most until
+//!   [`GroupCommit::deadline_us`] and then flushes ([`GroupCommit::flush_due`] says so). With a
+//!   transaction half applied it waits for the rest of that transaction: its commit is the next
+//!   point the group may close, and `applied` says `Flush` there if the deadline has passed.
+//! * Before anything that needs the store durable — a read of it on another connection (a
+//!   catch-up read), a backfill, a purge, a stop — the host flushes at once (between
+//!   transactions).
+//! * Nothing of a group is confirmed upstream, reported stored, or handed to readers of the
+//!   durable store (scope-sync routing) before its commit is durable:
+//!   [`GroupCommit::durable`] returns the newest position of the group, to report as stored.
+//!   A group whose storage transaction failed or was rolled back is
+//!   [`GroupCommit::discarded`]: nothing of it is reported, the source sends it again.
+//!
+//! What the host does with each answer:
+//!
+//! * [`GroupDecision::Hold`]: take the next queued transaction into the same storage
+//!   transaction.
+//! * [`GroupDecision::Flush`]: commit the storage transaction durably, then call
+//!   [`GroupCommit::durable`] and report its position stored.
+//!
+//! Time (`now_us`, any monotonic microsecond clock) comes from the host.
+
+/// Bounds of one group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupLimits {
+    /// Transactions in one group; `1` turns group commit off.
+    pub max_transactions: usize,
+    /// Bytes (as the host measures a transaction, e.g. its stored change text) in one group.
+    pub max_bytes: usize,
+    /// How long the first transaction of a group may wait for its durable commit, in µs.
+    pub max_delay_us: u64,
+}
+
+impl Default for GroupLimits {
+    fn default() -> Self {
+        GroupLimits {
+            max_transactions: 1000,
+            max_bytes: 16 * 1024 * 1024,
+            max_delay_us: 5_000,
+        }
+    }
+}
+
+impl GroupLimits {
+    /// One transaction per storage commit: group commit off.
+    pub fn off() -> Self {
+        GroupLimits {
+            max_transactions: 1,
+            ..GroupLimits::default()
+        }
+    }
+}
+
+/// What to do after a transaction was applied into the open group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupDecision {
+    /// Apply the next queued transaction into the same storage transaction (if one is
+    /// queued; if none is, wait at most until [`GroupCommit::deadline_us`]).
+    Hold,
+    /// Make the group durable now.
+    Flush,
+}
+
+/// A group made durable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DurableGroup<P> {
+    /// Upstream transactions in the group.
+    pub transactions: usize,
+    /// Bytes of those transactions.
+    pub bytes: usize,
+    /// The newest commit of the group: report it stored.
+    pub last: P,
+}
+
+#[derive(Debug, Clone)]
+struct Open<P> {
+    transactions: usize,
+    bytes: usize,
+    opened_at_us: u64,
+    last: P,
+}
+
+/// The open group of applied, not yet durable upstream transactions. `P` is the upstream
+/// position (a watermark); the group's position never moves backwards.
+#[derive(Debug, Clone)]
+pub struct GroupCommit<P> {
+    limits: GroupLimits,
+    open: Option<Open<P>>,
+}
+
+impl<P: Ord + Clone> GroupCommit<P> {
+    pub fn new(limits: GroupLimits) -> Self {
+        GroupCommit { limits, open: None }
+    }
+
+    pub fn limits(&self) -> GroupLimits {
+        self.limits
+    }
+
+    /// Whether applied transactions wait for a durable commit.
+    pub fn is_open(&self) -> bool {
+        self.open.is_some()
+    }
+
+    /// Transactions in the open group.
+    pub fn transactions(&self) -> usize {
+        self.open.as_ref().map_or(0, |open| open.transactions)
+    }
+
+    /// An upstream transaction committed at `position`, of `bytes`, was applied into the
+    /// storage transaction.
+    pub fn applied(&mut self, position: P, bytes: usize, now_us: u64) -> GroupDecision {
+        let open = self.open.get_or_insert_with(|| Open {
+            transactions: 0,
+            bytes: 0,
+            opened_at_us: now_us,
+            last: position.clone(),
+        });
+        open.transactions += 1;
+        open.bytes = open.bytes.saturating_add(bytes);
+        if position > open.last {
+            open.last = position;
+        }
+        let full = open.transactions >= self.limits.max_transactions
+            || open.bytes >= self.limits.max_bytes
+            || now_us.saturating_sub(open.opened_at_us) >= self.limits.max_delay_us;
+        if full {
+            GroupDecision::Flush
+        } else {
+            GroupDecision::Hold
+        }
+    }
+
+    /// When the open group must be made durable even if nothing more arrives (µs); `None`
+    /// with no group open. A host about to wait for input waits at most until then.
+    pub fn deadline_us(&self) -> Option<u64> {
+        self.open
+            .as_ref()
+            .map(|open| open.opened_at_us.saturating_add(self.limits.max_delay_us))
+    }
+
+    /// Whether to make the open group durable now, before waiting for (or taking) more
+    /// input: its deadline has passed and no transaction is half applied
+    /// (`in_transaction`). A transaction's beginning asks it too: a group never holds its
+    /// first transaction back longer than its delay.
+    pub fn flush_due(&self, now_us: u64, in_transaction: bool) -> bool {
+        !in_transaction && self.deadline_us().is_some_and(|deadline| now_us >= deadline)
+    }
+
+    /// The storage transaction of the open group committed durably: what to report stored.
+    /// `None` when no group was open.
+    pub fn durable(&mut self) -> Option<DurableGroup<P>> {
+        self.open.take().map(|open| DurableGroup {
+            transactions: open.transactions,
+            bytes: open.bytes,
+            last: open.last,
+        })
+    }
+
+    /// The storage transaction of the open group was rolled back (or never committed, after a
+    /// failure): nothing of it may be reported stored.
+    pub fn discarded(&mut self) {
+        self.open = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(max_transactions: usize, max_bytes: usize, max_delay_us: u64) -> GroupLimits {
+        GroupLimits {
+            max_transactions,
+            max_bytes,
+            max_delay_us,
+        }
+    }
+
+    #[test]
+    fn a_group_closes_at_its_transaction_count_and_reports_its_newest_commit() {
+        let mut group = GroupCommit::new(limits(3, usize::MAX, u64::MAX));
+        assert_eq!(group.applied(10u64, 1, 0), GroupDecision::Hold);
+        assert_eq!(group.applied(20, 1, 0), GroupDecision::Hold);
+        assert_eq!(group.transactions(), 2);
+        assert_eq!(group.applied(30, 1, 0), GroupDecision::Flush);
+        assert_eq!(
+            group.durable(),
+            Some(DurableGroup {
+                transactions: 3,
+                bytes: 3,
+                last: 30
+            })
+        );
+        assert!(!group.is_open());
+        assert_eq!(group.durable(), None);
+    }
+
+    #[test]
+    fn a_group_closes_at_its_byte_budget_and_at_its_delay() {
+        let mut group = GroupCommit::new(limits(100, 1000, 5_000));
+        assert_eq!(group.applied(1u64, 600, 0), GroupDecision::Hold);
+        assert_eq!(group.applied(2, 400, 10), GroupDecision::Flush);
+        group.durable();
+        assert_eq!(group.applied(3, 1, 100), GroupDecision::Hold);
+        assert_eq!(group.deadline_us(), Some(5_100));
+        assert_eq!(group.applied(4, 1, 5_100), GroupDecision::Flush);
+    }
+
+    #[test]
+    fn one_transaction_per_group_turns_grouping_off() {
+        let mut group = GroupCommit::new(GroupLimits::off());
+        assert_eq!(group.applied(1u64, 0, 0), GroupDecision::Flush);
+    }
+
+    #[test]
+    fn an_open_group_with_nothing_more_arriving_is_flushed_at_its_deadline() {
+        let mut group = GroupCommit::new(limits(100, usize::MAX, 5_000));
+        assert!(!group.flush_due(1_000_000, false), "no group, nothing due");
+        assert_eq!(group.deadline_us(), None);
+        assert_eq!(group.applied(7u64, 1, 1_000), GroupDecision::Hold);
+        // Nothing queued: the host waits until the deadline, not for the next input.
+        assert_eq!(group.deadline_us(), Some(6_000));
+        assert!(!group.flush_due(5_999, false));
+        assert!(group.flush_due(6_000, false));
+        assert!(group.flush_due(60_000_000, false));
+        // With a transaction half applied the group waits for its commit, which closes it.
+        assert!(!group.flush_due(60_000_000, true));
+        assert_eq!(group.applied(8, 1, 60_000_000), GroupDecision::Flush);
+        assert_eq!(group.durable().map(|d| d.last), Some(8));
+        assert!(!group.flush_due(u64::MAX, false));
+    }
+
+    #[test]
+    fn the_group_position_never_moves_backwards_and_a_discarded_group_reports_nothing() {
+        let mut group = GroupCommit::new(GroupLimits::default());
+        group.applied(20u64, 1, 0);
+        group.applied(10, 1, 0);
+        assert_eq!(group.durable().map(|d| d.last), Some(20));
+        group.applied(50, 1, 0);
+        group.discarded();
+        assert!(!group.is_open());
+        assert_eq!(group.durable(), None);
+    }
+}
