@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod change_log;
 pub mod demo;
+pub mod pause_point;
 pub mod private_pg;
 pub mod replica;
 pub mod replicate;

@@ -1,9 +1,12 @@
 //! `highwater replicate`: keeps `<data>/replica.db` equal to the upstream publications.
 //!
 //! An empty (or never completed) replica is synced from a fresh slot's exported snapshot; a
-//! synced one resumes from its stored position. Each upstream transaction is applied in one
-//! SQLite transaction and acknowledged upstream only once committed, so a crash at any point
-//! loses nothing and applies nothing twice. Ctrl-C / SIGTERM stop at the next message: a
+//! synced one resumes from its stored position. Upstream transactions are applied in SQLite
+//! transactions — several queued ones in one, each in a savepoint, as the engine's group-commit
+//! rule (`upstream::GroupCommit`) says — and acknowledged upstream only once committed, so a
+//! crash at any point loses nothing and applies nothing twice. An open group is made durable
+//! when it is full, when its deadline passes with nothing more to apply, before a backfill and
+//! at a stop. Ctrl-C / SIGTERM stop at the next message: a
 //! transaction in progress is discarded (Postgres sends it again on the next start).
 
 use std::collections::VecDeque;
@@ -12,10 +15,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use highwater_engine::change_stream::DownstreamMessage;
-use highwater_engine::upstream::{Effect, Input, UpstreamSession};
+use highwater_engine::upstream::{
+    Effect, GroupCommit, GroupDecision, GroupLimits, Input, UpstreamSession,
+};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
+use crate::pause_point::{self, Point};
 use crate::replication::PgConfig;
 use crate::upstream::{reconcile_relation, resolve_ddl, Catalog};
 
@@ -78,9 +84,14 @@ struct Backfills {
 }
 
 impl Backfills {
+    /// Runs the backfills the replica waits for, each committed on its own (no group is open
+    /// when one may start).
     fn run(&mut self, handle: &Handle, writer: &mut ReplicaWriter) -> Result<(), SyncError> {
         let xids = self.recent_xids.to_vec();
-        run_backfills(handle, &self.upstream, writer, &mut self.planner, &xids)?;
+        writer.set_group_commit(false);
+        let result = run_backfills(handle, &self.upstream, writer, &mut self.planner, &xids);
+        writer.set_group_commit(true);
+        result?;
         Ok(())
     }
 }
@@ -148,6 +159,10 @@ pub fn replicate(
         // Not committed, so not acknowledged: Postgres sends it again next time.
         let _ = writer.apply(&DownstreamMessage::Rollback(Default::default()));
     }
+    if result.is_err() {
+        // Nothing of an open group was acknowledged: Postgres sends it again next time.
+        let _ = writer.discard_group();
+    }
     handle.block_on(stream.shutdown());
     if let Some(state) = writer.replica().state() {
         tracing::info!(position = %state.lsn, watermark = %state.watermark, "replicator stopped");
@@ -167,7 +182,14 @@ struct Replicator<'a> {
     stream: &'a WalStream,
     publications: &'a [String],
     committed: u64,
+    group: &'a mut GroupCommit<highwater_engine::watermark::Watermark>,
+    /// Bytes of replication data since the last commit applied.
+    txn_bytes: &'a mut usize,
+    epoch: Instant,
 }
+
+/// Events taken from the replication socket's queue in one wake-up.
+const BATCH_EVENTS: usize = 256;
 
 // The replicator's whole state, passed down from `replicate`.
 #[allow(clippy::too_many_arguments)]
@@ -189,38 +211,91 @@ fn stream_changes(
     let mut session = crate::upstream::session(app_id, state.watermark, state.lsn);
     let mut last_report = Instant::now();
     let mut committed = 0;
+    let mut group = GroupCommit::new(GroupLimits::default());
+    let mut txn_bytes = 0;
+    let epoch = Instant::now();
+    writer.set_group_commit(true);
+    let mut batch = Vec::with_capacity(BATCH_EVENTS);
+    let mut queued: VecDeque<_> = VecDeque::new();
+    // The carrier of effects, over the loop's state; rebuilt where the stream is waited on.
+    macro_rules! replicator {
+        () => {
+            Replicator {
+                handle,
+                catalog: &mut *catalog,
+                backfills: &mut *backfills,
+                writer: &mut *writer,
+                stream: &*stream,
+                publications,
+                committed: 0,
+                group: &mut group,
+                txn_bytes: &mut txn_bytes,
+                epoch,
+            }
+        };
+    }
     loop {
         if *stop.borrow() {
+            // What is applied between transactions is whole: durable, then acknowledged.
+            if !writer.in_transaction() {
+                replicator!().make_durable(&mut session)?;
+            }
             return Ok(());
         }
-        let event = handle.block_on(async {
-            tokio::select! {
-                _ = stop.changed() => None,
-                event = stream.recv() => Some(event),
+        if queued.is_empty() {
+            stream.try_recv_many(&mut batch, BATCH_EVENTS);
+            queued.extend(batch.drain(..));
+        }
+        if queued.is_empty() {
+            // About to wait for input: an open group waits no longer than its deadline.
+            let now = u64::try_from(epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
+            let in_transaction = writer.in_transaction();
+            if group.flush_due(now, in_transaction) {
+                let mut replicator = replicator!();
+                replicator.make_durable(&mut session)?;
+                committed += replicator.committed;
+                continue;
             }
-        });
-        let Some(event) = event else {
-            return Ok(());
-        };
-        let Some(event) = event else {
-            bail!("the replication stream ended");
+            let flush_in = match group.deadline_us() {
+                Some(deadline) if !in_transaction => {
+                    Some(Duration::from_micros(deadline.saturating_sub(now)))
+                }
+                _ => None,
+            };
+            let taken = handle.block_on(async {
+                tokio::select! {
+                    _ = stop.changed() => None,
+                    taken = stream.recv_many(&mut batch, BATCH_EVENTS) => Some(Some(taken)),
+                    _ = tokio::time::sleep(flush_in.unwrap_or_default()),
+                        if flush_in.is_some() => Some(None),
+                }
+            });
+            match taken {
+                None => continue,
+                Some(None) => {
+                    let mut replicator = replicator!();
+                    replicator.make_durable(&mut session)?;
+                    committed += replicator.committed;
+                    continue;
+                }
+                Some(Some(0)) => bail!("the replication stream ended"),
+                Some(Some(_)) => queued.extend(batch.drain(..)),
+            }
+        }
+        let Some(event) = queued.pop_front() else {
+            continue;
         };
         let effects = match event? {
             WalEvent::Started { start, .. } => {
                 tracing::debug!(%start, "replication session started");
                 session.handle(Input::Started)?
             }
-            WalEvent::CopyData(bytes) => session.handle(Input::WalData(&bytes))?,
+            WalEvent::CopyData(bytes) => {
+                txn_bytes = txn_bytes.saturating_add(bytes.len());
+                session.handle(Input::WalData(&bytes))?
+            }
         };
-        let mut replicator = Replicator {
-            handle,
-            catalog: &mut *catalog,
-            backfills: &mut *backfills,
-            writer: &mut *writer,
-            stream: &*stream,
-            publications,
-            committed: 0,
-        };
+        let mut replicator = replicator!();
         replicator.carry(&mut session, effects)?;
         committed += replicator.committed;
         if last_report.elapsed() >= PROGRESS_EVERY {
@@ -237,6 +312,30 @@ fn stream_changes(
 }
 
 impl Replicator<'_> {
+    fn now_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// Commits the open group durably (between transactions only) and reports its last
+    /// commit stored, carrying out the acknowledgement that follows.
+    fn make_durable(&mut self, session: &mut UpstreamSession) -> anyhow::Result<()> {
+        if !self.group.is_open() {
+            return Ok(());
+        }
+        let transactions = self.group.transactions();
+        pause_point::reach(Point::BeforeGroupCommit, transactions);
+        self.writer.commit_group()?;
+        pause_point::reach(Point::AfterGroupCommit, transactions);
+        let Some(durable) = self.group.durable() else {
+            return Ok(());
+        };
+        self.committed += u64::try_from(durable.transactions).unwrap_or(u64::MAX);
+        let effects = session.handle(Input::Stored {
+            watermark: durable.last,
+        })?;
+        self.carry(session, effects)
+    }
+
     /// Carries out `effects` in order, each follow-up's effects before the rest.
     fn carry(&mut self, session: &mut UpstreamSession, effects: Vec<Effect>) -> anyhow::Result<()> {
         let mut queue: VecDeque<Effect> = effects.into();
@@ -247,6 +346,14 @@ impl Replicator<'_> {
                         self.backfills.recent_xids.note(begin);
                     }
                     match self.writer.apply(&message)? {
+                        Applied::Grouped { watermark, .. } => {
+                            let bytes = std::mem::take(self.txn_bytes);
+                            let now = self.now_us();
+                            if self.group.applied(watermark, bytes, now) == GroupDecision::Flush {
+                                self.make_durable(session)?;
+                            }
+                            Vec::new()
+                        }
                         Applied::Committed { watermark, .. } => {
                             self.committed += 1;
                             session.handle(Input::Stored { watermark })?

@@ -1,12 +1,13 @@
 //! Applies change-stream transactions to the replica, one SQLite transaction per upstream
-//! transaction (`reference/zero-protocol.md` §12, "Apply algorithm").
+//! transaction, or one per group of them with group commit (each upstream transaction then a
+//! savepoint) (`reference/zero-protocol.md` §12, "Apply algorithm").
 //!
 //! Every row written gets `_hw_version` = the transaction's commit watermark and a fresh
 //! `_hw_seq`; deletes and key changes leave a tombstone, truncates a table-wide marker
 //! (a tombstone whose `row_key` is NULL). The replication position is stored in the same SQLite
 //! transaction as the rows, so a transaction is either fully applied with its position or not
-//! at all; transactions at or below the stored position are skipped, which makes a replay after
-//! a crash exactly-once.
+//! at all; a transaction at or below the stored position is refused (the upstream session skips
+//! what is stored), which makes a replay after a crash exactly-once.
 //!
 //! Backfills follow `reference/zero-protocol.md` §9.8: rows are upserted by key, except rows
 //! deleted (or truncated) after the backfill's snapshot; a backfilling column keeps a value the
@@ -20,6 +21,8 @@ use highwater_engine::change_stream::{
 };
 use highwater_engine::watermark::{Lsn, Watermark};
 use rusqlite::types::Value as SqlValue;
+use std::sync::Arc;
+
 use rusqlite::{params, params_from_iter, Connection};
 use serde_json::Value;
 
@@ -40,6 +43,10 @@ pub enum Applied {
     Committed { watermark: Watermark, lsn: Lsn },
     /// The open transaction was discarded.
     RolledBack,
+    /// The transaction is applied inside the open group (see
+    /// [`ReplicaWriter::set_group_commit`]); it becomes durable with
+    /// [`ReplicaWriter::commit_group`], and only then may upstream be acknowledged.
+    Grouped { watermark: Watermark, lsn: Lsn },
 }
 
 /// A backfill the replica is waiting for: columns whose existing values only upstream knows.
@@ -62,6 +69,8 @@ struct Txn {
     schema_changed: bool,
     /// Zero's `commitTime` of the `begin` (Unix microseconds), if the source sent it.
     begin_time_us: Option<i64>,
+    /// Opened as a savepoint inside a group's SQLite transaction.
+    savepoint: bool,
 }
 
 /// Applies change-stream messages to a [`Replica`].
@@ -73,6 +82,12 @@ pub struct ReplicaWriter {
     feed: Option<Capture>,
     /// The feed entries of the last committed transaction, until taken.
     committed: Option<CommittedChanges>,
+    /// Whether a commit leaves the SQLite transaction open for the next upstream transaction.
+    grouping: bool,
+    /// A SQLite transaction holding grouped, not yet durable upstream transactions.
+    group_open: bool,
+    /// Row statements' SQL text, built once per table and column set.
+    row_sql: RowSql,
 }
 
 impl ReplicaWriter {
@@ -84,7 +99,59 @@ impl ReplicaWriter {
             next_seq,
             feed: None,
             committed: None,
+            grouping: false,
+            group_open: false,
+            row_sql: RowSql::default(),
         }
+    }
+
+    /// With `on`, a commit applies the transaction (its rows and position) but leaves the
+    /// SQLite transaction open, returning [`Applied::Grouped`]; the next upstream transaction
+    /// then runs in a savepoint of the same SQLite transaction, and [`commit_group`] makes all
+    /// of them durable at once. A rollback discards only the open upstream transaction.
+    ///
+    /// [`commit_group`]: ReplicaWriter::commit_group
+    pub fn set_group_commit(&mut self, on: bool) {
+        self.grouping = on;
+    }
+
+    /// Whether grouped transactions wait for [`ReplicaWriter::commit_group`].
+    pub fn group_open(&self) -> bool {
+        self.group_open
+    }
+
+    /// Commits the SQLite transaction of the open group durably (between upstream
+    /// transactions only). Returns whether there was one.
+    pub fn commit_group(&mut self) -> Result<bool, ReplicaError> {
+        if let Some(open) = &self.txn {
+            return Err(ReplicaError::NestedTransaction {
+                open: open.watermark.clone(),
+                next: open.watermark.clone(),
+            });
+        }
+        if !self.group_open {
+            return Ok(false);
+        }
+        self.replica.conn.execute_batch("COMMIT")?;
+        self.group_open = false;
+        Ok(true)
+    }
+
+    /// Discards the open group and the transaction in progress: nothing of either was
+    /// acknowledged, so upstream sends them again.
+    pub fn discard_group(&mut self) -> Result<(), ReplicaError> {
+        if self.txn.is_some() {
+            self.rollback()?;
+        }
+        if self.group_open {
+            self.group_open = false;
+            self.replica.conn.execute_batch("ROLLBACK")?;
+            // The positions in memory were those of the discarded commits.
+            self.replica.reload()?;
+            self.row_sql.clear();
+            self.next_seq = self.state()?.next_seq;
+        }
+        Ok(())
     }
 
     /// Follows `tables` (replica name → filter columns) for scope sync: from now on every
@@ -153,13 +220,20 @@ impl ReplicaWriter {
                 found: begin.commit_watermark.clone(),
             });
         }
-        self.replica.conn.execute_batch("BEGIN IMMEDIATE")?;
+        // Inside an open group, a savepoint: a rollback then undoes this transaction alone.
+        let savepoint = self.group_open;
+        if savepoint {
+            self.replica.conn.execute_batch("SAVEPOINT hw_txn")?;
+        } else {
+            self.replica.conn.execute_batch("BEGIN IMMEDIATE")?;
+        }
         self.committed = None;
         self.txn = Some(Txn {
             watermark: begin.commit_watermark.clone(),
             json: begin.json.unwrap_or(JsonFormat::Parsed),
             schema_changed: false,
             begin_time_us: begin.extra.get("commitTime").and_then(Value::as_i64),
+            savepoint,
         });
         Ok(Applied::Pending)
     }
@@ -177,6 +251,7 @@ impl ReplicaWriter {
         }
         let watermark = txn.watermark.clone();
         let lsn = watermark.to_lsn()?;
+        let savepoint = txn.savepoint;
         if let Some(capture) = self.feed.as_mut() {
             // Deterministic: the upstream commit time, the same on the primary and relays.
             let ms = commit
@@ -194,12 +269,20 @@ impl ReplicaWriter {
             r#"UPDATE "_hw_state" SET "watermark" = ?1, "lsn" = ?2, "next_seq" = ?3 WHERE "lock" = 1"#,
             params![watermark.as_str(), lsn.to_string(), self.next_seq],
         )?;
-        self.replica.conn.execute_batch("COMMIT")?;
+        if savepoint {
+            self.replica.conn.execute_batch("RELEASE hw_txn")?;
+        } else if !self.grouping {
+            self.replica.conn.execute_batch("COMMIT")?;
+        }
         self.txn = None;
         if let Some(state) = self.replica.state.as_mut() {
             state.watermark = watermark.clone();
             state.lsn = lsn;
             state.next_seq = self.next_seq;
+        }
+        if self.grouping {
+            self.group_open = true;
+            return Ok(Applied::Grouped { watermark, lsn });
         }
         Ok(Applied::Committed { watermark, lsn })
     }
@@ -212,7 +295,17 @@ impl ReplicaWriter {
             capture.discard();
         }
         self.committed = None;
-        self.replica.conn.execute_batch("ROLLBACK")?;
+        if txn.schema_changed {
+            self.row_sql.clear();
+        }
+        if txn.savepoint {
+            // The group's earlier transactions stay.
+            self.replica
+                .conn
+                .execute_batch("ROLLBACK TO hw_txn; RELEASE hw_txn")?;
+        } else {
+            self.replica.conn.execute_batch("ROLLBACK")?;
+        }
         self.next_seq = self.state()?.next_seq;
         if txn.schema_changed {
             self.replica.reload()?;
@@ -232,6 +325,8 @@ impl ReplicaWriter {
             .ok_or(ReplicaError::NotInTransaction { what: "`data`" })?;
         if !change.is_row_change() {
             txn.schema_changed = true;
+            // Statements are rebuilt for the new schema.
+            self.row_sql.clear();
         }
         let json = txn.json;
         let version = txn.watermark.as_str().to_owned();
@@ -266,6 +361,7 @@ impl ReplicaWriter {
             json,
             version,
             next_seq: &mut self.next_seq,
+            sql: &mut self.row_sql,
         };
         let tables = &mut self.replica.tables;
         match change {
@@ -306,6 +402,53 @@ struct RowContext<'a> {
     json: JsonFormat,
     version: &'a str,
     next_seq: &'a mut i64,
+    sql: &'a mut RowSql,
+}
+
+/// The SQL text of row statements, built once per table, statement and column set instead of
+/// per row, and dropped on every schema change. The prepared statements themselves live in
+/// the connection's statement cache, keyed by this text.
+#[derive(Debug, Default)]
+struct RowSql {
+    /// Per replica table: [statement code, column positions…] → SQL.
+    by_table: std::collections::HashMap<String, std::collections::HashMap<Vec<u16>, Arc<str>>>,
+}
+
+const SQL_UPSERT: u16 = 0;
+const SQL_UPDATE_SET: u16 = 1;
+const SQL_UPDATE_KEEP: u16 = 2;
+const SQL_DELETE: u16 = 3;
+
+impl RowSql {
+    fn clear(&mut self) {
+        self.by_table.clear();
+    }
+
+    /// The SQL of statement `code` on `table` for `columns`, built by `build` the first time.
+    fn get(
+        &mut self,
+        table: &ReplicaTable,
+        code: u16,
+        columns: &[(&ReplicaColumn, SqlValue)],
+        build: impl FnOnce() -> String,
+    ) -> Arc<str> {
+        let mut key = Vec::with_capacity(columns.len() + 1);
+        key.push(code);
+        key.extend(columns.iter().map(|(col, _)| {
+            let pos = table.columns.iter().position(|c| std::ptr::eq(c, *col));
+            pos.and_then(|p| u16::try_from(p).ok()).unwrap_or(u16::MAX)
+        }));
+        let statements = match self.by_table.get_mut(table.name.as_str()) {
+            Some(statements) => statements,
+            None => self.by_table.entry(table.name.clone()).or_default(),
+        };
+        if let Some(sql) = statements.get(key.as_slice()) {
+            return sql.clone();
+        }
+        let sql: Arc<str> = build().into();
+        statements.insert(key, sql.clone());
+        sql
+    }
 }
 
 impl RowContext<'_> {
@@ -451,6 +594,21 @@ fn upsert(
     table: &ReplicaTable,
     values: Vec<(&ReplicaColumn, SqlValue)>,
 ) -> Result<(), ReplicaError> {
+    let sql = ctx
+        .sql
+        .get(table, SQL_UPSERT, &values, || upsert_sql(table, &values));
+    let seq = ctx.seq();
+    let params = values.into_iter().map(|(_, v)| v).chain([
+        SqlValue::Text(ctx.version.to_owned()),
+        SqlValue::Integer(seq),
+    ]);
+    ctx.conn
+        .prepare_cached(&sql)?
+        .execute(params_from_iter(params))?;
+    Ok(())
+}
+
+fn upsert_sql(table: &ReplicaTable, values: &[(&ReplicaColumn, SqlValue)]) -> String {
     let mut cols: Vec<String> = values.iter().map(|(c, _)| quote_ident(&c.name)).collect();
     cols.push("\"_hw_version\"".into());
     cols.push("\"_hw_seq\"".into());
@@ -470,15 +628,7 @@ fn upsert(
             set.join(", ")
         ));
     }
-    let seq = ctx.seq();
-    let params = values.into_iter().map(|(_, v)| v).chain([
-        SqlValue::Text(ctx.version.to_owned()),
-        SqlValue::Integer(seq),
-    ]);
-    ctx.conn
-        .prepare_cached(&sql)?
-        .execute(params_from_iter(params))?;
-    Ok(())
+    sql
 }
 
 /// How an update sets the row version.
@@ -499,23 +649,13 @@ fn update_row(
     key: &[(&ReplicaColumn, SqlValue)],
     version: VersionRule,
 ) -> Result<usize, ReplicaError> {
-    let mut set: Vec<String> = values
-        .iter()
-        .enumerate()
-        .map(|(i, (c, _))| format!("{} = ?{}", quote_ident(&c.name), i + 1))
-        .collect();
-    let n = values.len();
-    set.push(match version {
-        VersionRule::Set => format!("\"_hw_version\" = ?{}", n + 1),
-        VersionRule::Keep => format!("\"_hw_version\" = max(\"_hw_version\", ?{})", n + 1),
+    let code = match version {
+        VersionRule::Set => SQL_UPDATE_SET,
+        VersionRule::Keep => SQL_UPDATE_KEEP,
+    };
+    let sql = ctx.sql.get(table, code, values, || {
+        update_sql(table, values, key, version)
     });
-    set.push(format!("\"_hw_seq\" = ?{}", n + 2));
-    let sql = format!(
-        "UPDATE {} SET {} WHERE {}",
-        quote_ident(&table.name),
-        set.join(", "),
-        where_key(table, key, n + 3)
-    );
     let seq = ctx.seq();
     let params = values
         .iter()
@@ -529,6 +669,31 @@ fn update_row(
         .conn
         .prepare_cached(&sql)?
         .execute(params_from_iter(params))?)
+}
+
+fn update_sql(
+    table: &ReplicaTable,
+    values: &[(&ReplicaColumn, SqlValue)],
+    key: &[(&ReplicaColumn, SqlValue)],
+    version: VersionRule,
+) -> String {
+    let mut set: Vec<String> = values
+        .iter()
+        .enumerate()
+        .map(|(i, (c, _))| format!("{} = ?{}", quote_ident(&c.name), i + 1))
+        .collect();
+    let n = values.len();
+    set.push(match version {
+        VersionRule::Set => format!("\"_hw_version\" = ?{}", n + 1),
+        VersionRule::Keep => format!("\"_hw_version\" = max(\"_hw_version\", ?{})", n + 1),
+    });
+    set.push(format!("\"_hw_seq\" = ?{}", n + 2));
+    format!(
+        "UPDATE {} SET {} WHERE {}",
+        quote_ident(&table.name),
+        set.join(", "),
+        where_key(table, key, n + 3)
+    )
 }
 
 fn apply_insert(
@@ -589,11 +754,13 @@ fn apply_delete(
 ) -> Result<(), ReplicaError> {
     let table = table_for(tables, &delete.relation.schema, &delete.relation.name)?;
     let key = key_values(table, &delete.key, ctx.json, "key")?;
-    let sql = format!(
-        "DELETE FROM {} WHERE {}",
-        quote_ident(&table.name),
-        where_key(table, &key, 1)
-    );
+    let sql = ctx.sql.get(table, SQL_DELETE, &[], || {
+        format!(
+            "DELETE FROM {} WHERE {}",
+            quote_ident(&table.name),
+            where_key(table, &key, 1)
+        )
+    });
     let deleted = ctx
         .conn
         .prepare_cached(&sql)?
@@ -696,6 +863,7 @@ fn apply_backfill(
                 json: ctx.json,
                 version: snapshot,
                 next_seq: &mut *ctx.next_seq,
+                sql: &mut *ctx.sql,
             };
             upsert(&mut at_snapshot, table, values)?;
         }
@@ -1355,6 +1523,82 @@ mod tests {
         assert_eq!(
             rows(&w, "issue"),
             vec![json!({"id": 1, "title": "a", "meta": null})]
+        );
+    }
+
+    fn stored_state(w: &ReplicaWriter) -> (String, i64) {
+        w.replica()
+            .conn
+            .query_row(
+                r#"SELECT "watermark", "next_seq" FROM "_hw_state" WHERE "lock" = 1"#,
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap()
+    }
+
+    #[test]
+    fn grouped_transactions_share_one_commit_and_a_rollback_keeps_the_group() {
+        let mut w = writer();
+        w.set_group_commit(true);
+        assert_eq!(
+            txn(&mut w, 0x200, vec![insert(1, "a")]),
+            Applied::Grouped {
+                watermark: Lsn(0x200).to_watermark(),
+                lsn: Lsn(0x200)
+            }
+        );
+        assert!(matches!(
+            txn(&mut w, 0x300, vec![insert(2, "b")]),
+            Applied::Grouped { .. }
+        ));
+        // The third is rolled back: only its savepoint goes.
+        let wm = Lsn(0x400).to_watermark();
+        w.apply(&DownstreamMessage::Begin(Begin::new(wm))).unwrap();
+        w.apply(&DownstreamMessage::Data(insert(3, "c"))).unwrap();
+        assert_eq!(
+            w.apply(&DownstreamMessage::Rollback(Default::default()))
+                .unwrap(),
+            Applied::RolledBack
+        );
+        assert!(w.group_open());
+        assert!(!w.replica().conn.is_autocommit(), "nothing committed yet");
+        assert!(w.commit_group().unwrap());
+        assert!(w.replica().conn.is_autocommit());
+        assert_eq!(
+            stored_state(&w),
+            (Lsn(0x300).to_watermark().as_str().to_owned(), 3)
+        );
+        assert_eq!(
+            rows(&w, "issue"),
+            vec![
+                json!({"id": 1, "title": "a", "meta": null}),
+                json!({"id": 2, "title": "b", "meta": null})
+            ]
+        );
+        // A transaction not after the group's position is refused; the next one's seq
+        // follows on.
+        let replay = w.apply(&DownstreamMessage::Begin(Begin::new(Lsn(0x300).to_watermark())));
+        assert!(matches!(replay, Err(ReplicaError::NotAfterPosition { .. })));
+        assert!(matches!(
+            txn(&mut w, 0x500, vec![insert(4, "d")]),
+            Applied::Grouped { .. }
+        ));
+        // A discarded group leaves the durable state, in memory too.
+        w.discard_group().unwrap();
+        assert_eq!(
+            w.replica().state().unwrap().watermark,
+            Lsn(0x300).to_watermark()
+        );
+        assert_eq!(rows(&w, "issue").len(), 2);
+        assert!(matches!(
+            txn(&mut w, 0x500, vec![insert(4, "d")]),
+            Applied::Grouped { .. }
+        ));
+        w.commit_group().unwrap();
+        assert_eq!(
+            stored_state(&w),
+            (Lsn(0x500).to_watermark().as_str().to_owned(), 4)
         );
     }
 

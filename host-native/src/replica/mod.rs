@@ -4,8 +4,8 @@
 //! Durability: WAL journal with `synchronous=FULL`. The host acknowledges a transaction upstream
 //! as soon as [`ReplicaWriter`] has committed it, and Postgres then may discard its WAL; with
 //! `NORMAL` a power loss could roll back commits that were already acknowledged, losing them
-//! for good. `FULL` costs one WAL fsync per upstream transaction, which is what makes the
-//! acknowledgement honest.
+//! for good. `FULL` costs one WAL fsync per commit (a commit holds a group of upstream
+//! transactions when more are queued), which is what makes the acknowledgement honest.
 
 mod apply;
 pub mod backfill;

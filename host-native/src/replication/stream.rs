@@ -128,6 +128,33 @@ impl WalStream {
         self.events.recv().await
     }
 
+    /// Waits for at least one event, then moves up to `limit` queued events into `buffer` in
+    /// one wake-up; returns how many (0 once the stream has ended).
+    pub async fn recv_many(
+        &mut self,
+        buffer: &mut Vec<Result<WalEvent, ReplicationError>>,
+        limit: usize,
+    ) -> usize {
+        self.events.recv_many(buffer, limit).await
+    }
+
+    /// Moves up to `limit` events already queued into `buffer` without waiting.
+    pub fn try_recv_many(
+        &mut self,
+        buffer: &mut Vec<Result<WalEvent, ReplicationError>>,
+        limit: usize,
+    ) -> usize {
+        let mut taken = 0;
+        while taken < limit {
+            match self.events.try_recv() {
+                Ok(event) => buffer.push(event),
+                Err(_) => break,
+            }
+            taken += 1;
+        }
+        taken
+    }
+
     /// See [`Acker::ack`].
     pub fn ack(&self, lsn: Lsn) {
         self.acker.ack(lsn);

@@ -65,6 +65,7 @@ async fn ok() -> &'static str {
 
 async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
     let positions = state.hub.positions();
+    let (store_commits, stored_transactions) = state.hub.store_counts();
     Json(json!({
         "status": "ok",
         "replicaVersion": positions.replica_version,
@@ -76,6 +77,9 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
         // A subscriber's full backlog holds up replication (back-pressure).
         "upstreamPaused": state.hub.inspect(|s| s.is_upstream_paused()),
         "insecureNoAuth": state.insecure_no_auth,
+        // Group commit: how many upstream transactions share one durable SQLite commit.
+        "storeCommits": store_commits,
+        "storedTransactions": stored_transactions,
     }))
 }
 

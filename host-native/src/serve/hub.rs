@@ -83,6 +83,9 @@ pub(crate) struct Hub {
     next_conn: AtomicU64,
     epoch: Instant,
     fault: Fault,
+    /// Durable SQLite commits of upstream transactions, and the transactions they held.
+    store_commits: AtomicU64,
+    stored_transactions: AtomicU64,
 }
 
 impl Hub {
@@ -106,6 +109,8 @@ impl Hub {
             next_conn: AtomicU64::new(1),
             epoch: Instant::now(),
             fault: Fault::default(),
+            store_commits: AtomicU64::new(0),
+            stored_transactions: AtomicU64::new(0),
         };
         (Arc::new(hub), ops)
     }
@@ -212,6 +217,23 @@ impl Hub {
 
     pub fn set_last_watermark(&self, watermark: Watermark) {
         self.fault.lock(&self.positions, "positions").last_watermark = watermark;
+    }
+
+    /// One durable commit stored `transactions` upstream transactions (group commit).
+    pub fn note_durable(&self, transactions: usize) {
+        self.store_commits.fetch_add(1, Ordering::Relaxed);
+        self.stored_transactions.fetch_add(
+            u64::try_from(transactions).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Durable commits so far, and the upstream transactions they stored.
+    pub fn store_counts(&self) -> (u64, u64) {
+        (
+            self.store_commits.load(Ordering::Relaxed),
+            self.stored_transactions.load(Ordering::Relaxed),
+        )
     }
 
     pub fn set_min_watermark(&self, watermark: Watermark) {

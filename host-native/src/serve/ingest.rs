@@ -6,6 +6,17 @@
 //! (which releases the upstream confirmation); catch-up reads start once every store before
 //! them is committed.
 //!
+//! Group commit (the engine's `upstream::GroupCommit` holds the rule): while more upstream
+//! transactions are queued, the next ones are applied into the same SQLite transaction, each
+//! in a savepoint of its own. The group is made durable when the engine says it is full, when
+//! its deadline passes with nothing more to apply (the thread never waits for input past it),
+//! and before anything that must see the store committed: a catch-up read (one asked for in
+//! the middle of a transaction waits for that transaction's commit, which then closes the
+//! group), a backfill, a purge, a stop. Only then are its commits reported stored (the
+//! streamer, and the session, which releases the upstream confirmation of the last one) and
+//! their scope-feed entries routed. Subscribers see every upstream transaction as its own
+//! `begin … commit` regardless: the streamer forwards messages as they arrive.
+//!
 //! Backfills (`replica::backfill`) are a second source of transactions. When the session says
 //! one may start (between upstream transactions, everything before stored) the thread starts
 //! the backfill the replica waits for and takes its messages instead of upstream's until its
@@ -17,7 +28,9 @@ use std::sync::Arc;
 
 use highwater_engine::change_stream::{DownstreamMessage, Rollback};
 use highwater_engine::streamer::{ConnId, LogOp, StoredChange};
-use highwater_engine::upstream::{Effect, Input, UpstreamSession};
+use highwater_engine::upstream::{
+    Effect, GroupCommit, GroupDecision, GroupLimits, Input, UpstreamSession,
+};
 use highwater_engine::watermark::Watermark;
 use rusqlite::Connection;
 use tokio::runtime::Handle;
@@ -27,9 +40,11 @@ use super::hub::{Hub, StorageOp};
 use super::source::{Confirm, SourceEvent};
 use super::ServeError;
 use crate::change_log::{self, CatchupLimits, CatchupReader};
+use crate::pause_point::{self, Point};
 use crate::replica::backfill::{
     BackfillItem, BackfillPlanner, BackfillStream, RecentXids, BACKFILL_BATCH_ROWS,
 };
+use crate::replica::feed::CommittedChanges;
 use crate::replica::initial_sync::SyncError;
 use crate::replica::{Applied, ReplicaWriter};
 use crate::upstream::{reconcile_relation, resolve_ddl, Catalog, EffectError};
@@ -58,6 +73,16 @@ pub(crate) struct Ingest {
     sync: Option<SyncFeed>,
     /// On the way out: only stores of transactions already forwarded are carried out.
     stopping: bool,
+    /// The open group of applied, not yet durable commits.
+    group: GroupCommit<Watermark>,
+    /// Their scope-feed entries, routed once the group is durable.
+    grouped: Vec<CommittedChanges>,
+    /// Catch-up reads asked for while a transaction was half applied inside an open group:
+    /// started once that transaction's commit made the group durable.
+    deferred_catchups: Vec<(ConnId, Watermark, Watermark)>,
+    /// Bytes (stored change text) of the transaction being stored.
+    txn_bytes: usize,
+    epoch: std::time::Instant,
 }
 
 /// Scope sync's side of the ingest thread: route each commit's feed entries after the commit,
@@ -116,6 +141,8 @@ enum Next {
     Source(SourceEvent),
     Backfill(Option<Result<BackfillItem, SyncError>>),
     Resumed,
+    /// The open group's deadline passed with nothing more to apply.
+    Flush,
 }
 
 impl From<EffectError> for ServeError {
@@ -135,7 +162,7 @@ impl Ingest {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         hub: Arc<Hub>,
-        writer: ReplicaWriter,
+        mut writer: ReplicaWriter,
         db_path: PathBuf,
         publications: Vec<String>,
         handle: Handle,
@@ -145,6 +172,7 @@ impl Ingest {
         sync: Option<SyncFeed>,
     ) -> Ingest {
         let catalog = backfills.as_ref().map(|b| Catalog::new(b.upstream.clone()));
+        writer.set_group_commit(true);
         Ingest {
             hub,
             writer,
@@ -160,18 +188,71 @@ impl Ingest {
             catalog,
             sync,
             stopping: false,
+            group: GroupCommit::new(GroupLimits::default()),
+            grouped: Vec::new(),
+            deferred_catchups: Vec::new(),
+            txn_bytes: 0,
+            epoch: std::time::Instant::now(),
         }
     }
 
-    /// Hands the committed transaction's feed entries to scope sync, and prunes when due.
-    fn route_committed(&mut self) -> Result<(), ServeError> {
-        let changes = self.writer.take_committed();
+    fn now_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// Makes the open group durable (between transactions only), then reports its last
+    /// commit stored — to the streamer and the session, whose confirmations it releases —
+    /// routes its scope-feed entries, and starts what waited for it.
+    fn make_durable(
+        &mut self,
+        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
+    ) -> Result<(), ServeError> {
+        if self.writer.in_transaction() {
+            return Err(ServeError::Invariant {
+                expected: "a group made durable between transactions".to_owned(),
+                found: "one with a transaction half applied".to_owned(),
+            });
+        }
+        if self.group.is_open() {
+            let transactions = self.group.transactions();
+            pause_point::reach(Point::BeforeGroupCommit, transactions);
+            self.writer.commit_group()?;
+            pause_point::reach(Point::AfterGroupCommit, transactions);
+        }
+        let durable = self.group.durable();
+        if let Some(durable) = &durable {
+            self.hub.note_durable(durable.transactions);
+            // Only now, durable, may the seqs reach scope subscribers.
+            for changes in std::mem::take(&mut self.grouped) {
+                if let Some(sync) = self.sync.as_ref() {
+                    sync.hub.committed(changes);
+                }
+            }
+            self.prune_exits()?;
+            let watermark = durable.last.clone();
+            self.hub.set_last_watermark(watermark.clone());
+            self.hub.with(|s| s.on_stored(watermark.clone()));
+        }
+        for (conn, from, through) in std::mem::take(&mut self.deferred_catchups) {
+            self.spawn_catchup(conn, from, through);
+        }
+        if let Some(below) = self.pending_purge.take() {
+            self.purge(&below)?;
+        }
+        if let Some(durable) = durable {
+            let effects = self.session.handle(Input::Stored {
+                watermark: durable.last,
+            })?;
+            self.carry(effects, ops)?;
+        }
+        Ok(())
+    }
+
+    /// Prunes exits older than the retention window, when due.
+    fn prune_exits(&mut self) -> Result<(), ServeError> {
         let Some(sync) = self.sync.as_mut() else {
             return Ok(());
         };
-        if let Some(changes) = changes {
-            sync.hub.committed(changes);
-        }
         if sync
             .last_prune
             .is_none_or(|at| at.elapsed() >= PRUNE_INTERVAL)
@@ -206,6 +287,21 @@ impl Ingest {
             if let Err(e) = self.drain(&mut ops) {
                 break Err(e);
             }
+            // About to wait for input: an open group waits no longer than its deadline.
+            let now = self.now_us();
+            let in_transaction = self.writer.in_transaction();
+            if self.group.flush_due(now, in_transaction) {
+                if let Err(e) = self.make_durable(&mut ops) {
+                    break Err(e);
+                }
+                continue;
+            }
+            let flush_in = match self.group.deadline_us() {
+                Some(deadline) if !in_transaction => Some(std::time::Duration::from_micros(
+                    deadline.saturating_sub(now),
+                )),
+                _ => None,
+            };
             let is_paused = *paused.borrow_and_update();
             // The session says what it takes: a running backfill is the only source until its
             // commit.
@@ -218,6 +314,9 @@ impl Ingest {
                     biased;
                     _ = shutdown.wait_for(|s| *s) => Next::Stop,
                     op = ops.recv() => op.map_or(Next::Stop, Next::Op),
+                    _ = tokio::time::sleep(flush_in.unwrap_or_default()), if flush_in.is_some() => {
+                        Next::Flush
+                    }
                     _ = paused.changed(), if is_paused => Next::Resumed,
                     item = async {
                         match backfills {
@@ -234,6 +333,7 @@ impl Ingest {
             let step = match next {
                 Next::Stop => break Ok(()),
                 Next::Resumed => Ok(()),
+                Next::Flush => self.make_durable(&mut ops),
                 Next::Op(op) => self.execute(op, &mut ops),
                 Next::Source(event) => self.on_source(event, &mut ops),
                 Next::Backfill(item) => self.on_backfill(item, &mut ops),
@@ -254,6 +354,20 @@ impl Ingest {
             let _ = self
                 .writer
                 .apply(&DownstreamMessage::Rollback(Rollback::default()));
+        }
+        // The group's transactions are whole: stored after a stop, sent again after a failure.
+        let stored = match &result {
+            Ok(()) => {
+                let mut none = mpsc::unbounded_channel().1;
+                self.make_durable(&mut none).is_ok()
+            }
+            Err(_) => false,
+        };
+        if !stored {
+            self.group.discarded();
+            self.grouped.clear();
+            self.deferred_catchups.clear();
+            let _ = self.writer.discard_group();
         }
         if let Err(error) = &result {
             tracing::error!(%error, "replication stopped");
@@ -487,6 +601,11 @@ impl Ingest {
         match op {
             StorageOp::Store(LogOp::Begin(row)) => {
                 let message = typed(&row)?;
+                // A group never holds its first transaction back longer than its delay.
+                if self.group.flush_due(self.now_us(), self.writer.in_transaction()) {
+                    self.make_durable(ops)?;
+                }
+                self.txn_bytes = row.change_json().len();
                 // Replica and log commit together, so the replica is never ahead of the log;
                 // the writer refuses a transaction not after its position.
                 self.writer.apply(message)?;
@@ -494,6 +613,7 @@ impl Ingest {
             }
             StorageOp::Store(LogOp::Append(row)) => {
                 let message = typed(&row)?;
+                self.txn_bytes = self.txn_bytes.saturating_add(row.change_json().len());
                 self.writer.apply(message)?;
                 self.append(&row)?;
                 if let DownstreamMessage::Data(change) = message {
@@ -507,7 +627,7 @@ impl Ingest {
                 self.append(&row)?;
                 change_log::commit(self.conn(), row.watermark())?;
                 match self.writer.apply(message)? {
-                    Applied::Committed { .. } => {}
+                    Applied::Grouped { .. } => {}
                     other => {
                         return Err(ServeError::Invariant {
                             expected: format!("the commit of {} to be applied", row.watermark()),
@@ -515,28 +635,42 @@ impl Ingest {
                         })
                     }
                 }
-                // Only now, durable, may the seqs reach scope subscribers.
-                self.route_committed()?;
-                let watermark = row.watermark().clone();
-                self.hub.set_last_watermark(watermark.clone());
-                self.hub.with(|s| s.on_stored(watermark.clone()));
-                if let Some(below) = self.pending_purge.take() {
-                    self.purge(&below)?;
+                if let Some(changes) = self.writer.take_committed() {
+                    self.grouped.push(changes);
                 }
-                let effects = self.session.handle(Input::Stored { watermark })?;
-                self.carry(effects, ops)?;
+                let bytes = self.txn_bytes.saturating_add(row.change_json().len());
+                let decision = self
+                    .group
+                    .applied(row.watermark().clone(), bytes, self.now_us());
+                // A catch-up read waits for this commit: the group closes here.
+                if decision == GroupDecision::Flush || !self.deferred_catchups.is_empty() {
+                    self.make_durable(ops)?;
+                }
             }
             StorageOp::Store(LogOp::Abort) => {
                 self.writer
                     .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
+                if !self.deferred_catchups.is_empty() {
+                    self.make_durable(ops)?;
+                }
             }
             StorageOp::FetchCatchup {
                 conn,
                 from,
                 through,
-            } => self.spawn_catchup(conn, from, through),
+            } => {
+                // The read runs on its own connection: it must find every store before it.
+                if !self.group.is_open() {
+                    self.spawn_catchup(conn, from, through);
+                } else if self.writer.in_transaction() {
+                    self.deferred_catchups.push((conn, from, through));
+                } else {
+                    self.make_durable(ops)?;
+                    self.spawn_catchup(conn, from, through);
+                }
+            }
             StorageOp::Purge { below } => {
-                if self.writer.in_transaction() {
+                if self.writer.in_transaction() || self.group.is_open() {
                     self.pending_purge = Some(match self.pending_purge.take() {
                         Some(pending) if pending > below => pending,
                         _ => below,

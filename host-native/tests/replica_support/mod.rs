@@ -78,7 +78,18 @@ pub struct Binary {
 
 impl Binary {
     pub fn spawn(url: &str, data: &Path, publications: &[&str]) -> Binary {
+        Binary::spawn_with_env(url, data, publications, &[])
+    }
+
+    /// As [`Binary::spawn`], with extra environment variables.
+    pub fn spawn_with_env(
+        url: &str,
+        data: &Path,
+        publications: &[&str],
+        env: &[(&str, &str)],
+    ) -> Binary {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_highwater"));
+        cmd.envs(env.iter().copied());
         cmd.arg("replicate")
             .arg("--upstream")
             .arg(url)

@@ -1,0 +1,63 @@
+//! A hook for crash tests: with `HIGHWATER_PAUSE_AT=<point>:<marker file>` in the environment,
+//! the thread that reaches the named point (with a group of at least two upstream
+//! transactions, see `engine::group_commit`) creates the marker file and waits there for
+//! good, so a test can SIGKILL the process at exactly that point. Without the variable,
+//! [`reach`] costs one look at a value read once.
+//!
+//! Points: `before-group-commit` (transactions applied, the SQLite commit not made) and
+//! `after-group-commit` (the SQLite commit durable, upstream not yet acknowledged).
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// The environment variable naming the point and the marker file.
+pub const PAUSE_AT_ENV: &str = "HIGHWATER_PAUSE_AT";
+
+/// A point of the group commit the process may be paused at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Point {
+    BeforeGroupCommit,
+    AfterGroupCommit,
+}
+
+impl Point {
+    fn name(self) -> &'static str {
+        match self {
+            Point::BeforeGroupCommit => "before-group-commit",
+            Point::AfterGroupCommit => "after-group-commit",
+        }
+    }
+}
+
+fn configured() -> Option<&'static (String, PathBuf)> {
+    static PAUSE_AT: OnceLock<Option<(String, PathBuf)>> = OnceLock::new();
+    PAUSE_AT
+        .get_or_init(|| {
+            let value = std::env::var(PAUSE_AT_ENV).ok()?;
+            let (point, marker) = value.split_once(':')?;
+            Some((point.to_owned(), PathBuf::from(marker)))
+        })
+        .as_ref()
+}
+
+/// Pauses for good if the environment asks for `point` and the group holds `transactions`
+/// of at least two.
+pub fn reach(point: Point, transactions: usize) {
+    let Some((wanted, marker)) = configured() else {
+        return;
+    };
+    if wanted != point.name() || transactions < 2 {
+        return;
+    }
+    tracing::warn!(
+        point = point.name(),
+        transactions,
+        "paused for a crash test"
+    );
+    if let Err(error) = std::fs::write(marker, point.name()) {
+        tracing::error!(%error, "cannot write the pause marker");
+    }
+    loop {
+        std::thread::park();
+    }
+}
