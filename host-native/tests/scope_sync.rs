@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
@@ -766,5 +767,98 @@ async fn a_client_that_does_not_keep_up_is_closed_with_1013_and_the_server_stays
     client.until_subscribed("s1").await;
     client.until_equal("s1", &pg_scope(&db, "ada").await).await;
     assert_eq!(client.scopes["s1"].rows.len(), 40);
+    server.stop().await;
+}
+
+/// Reads until the scope equals `want`; `false` once `by` passes first.
+async fn equal_by(
+    client: &mut Client,
+    id: &str,
+    want: &BTreeMap<String, Value>,
+    by: tokio::time::Instant,
+) -> bool {
+    while &client.scopes[id].rows != want {
+        let left = by.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        let _ = tokio::time::timeout(left, client.next()).await;
+    }
+    true
+}
+
+/// Group commit: queued small transactions share one SQLite commit, and nothing of a group
+/// reaches scope clients before it is durable. The last transaction of a burst must still
+/// reach a `/sync` client — one subscribed all along and one that subscribes while the burst
+/// is stored — and a change-stream subscriber within a second, with no further upstream
+/// traffic to push the open group out (an open group that waited for the next upstream event
+/// held them back until Postgres' next keepalive).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_of_a_burst_of_small_transactions_reaches_scope_clients_and_subscribers_within_a_second(
+) {
+    let pg = start_pg().await;
+    let db = Arc::new(pg.connect().await.unwrap());
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    let files = SyncFiles::new();
+    let data = DataDir::new("scope-sync-burst");
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    let rv = replica_version(server.addr).await;
+    let mut live = Subscriber::connect(server.addr, &changes_path(6, &rv, &rv)).await;
+    let mut steady = Client::connect(server.addr).await;
+    steady
+        .subscribe("a", "ada", Some(&token("ada")), json!({}))
+        .await;
+    steady.until_subscribed("a").await;
+
+    let mut transactions = 0;
+    for round in 0..4_i64 {
+        // Single-row transactions committed in one round trip (one implicit transaction
+        // without the BEGIN/COMMIT): they queue up.
+        let sql: String = (0..300_i64)
+            .map(|i| {
+                let id = round * 1000 + i;
+                format!(
+                    "BEGIN; INSERT INTO todos (id, owner, title) VALUES ({id}, 'ada', 't{i}'); COMMIT;"
+                )
+            })
+            .collect();
+        let writer = db.clone();
+        let burst = tokio::spawn(async move { writer.batch_execute(&sql).await.unwrap() });
+        // A client that subscribes while the burst is being stored.
+        let mut joining = Client::connect(server.addr).await;
+        joining
+            .subscribe("j", "ada", Some(&token("ada")), json!({}))
+            .await;
+        burst.await.unwrap();
+        transactions += 300;
+        let want = pg_scope(&db, "ada").await;
+        let by = tokio::time::Instant::now() + Duration::from_secs(1);
+        assert!(
+            equal_by(&mut steady, "a", &want, by).await,
+            "round {round}: the subscribed client holds {} of {} rows a second after the burst",
+            steady.scopes["a"].rows.len(),
+            want.len()
+        );
+        assert!(
+            equal_by(&mut joining, "j", &want, by).await,
+            "round {round}: the client that joined holds {} of {} rows a second after the burst",
+            joining.scopes["j"].rows.len(),
+            want.len()
+        );
+        assert!(
+            live.follow(by, |m| m.commits.len() == transactions).await,
+            "round {round}: the change stream has {} of {transactions} transactions a second after the burst",
+            live.model.commits.len()
+        );
+    }
+    assert_eq!(live.model.rollbacks, 0);
+    let health = health(server.addr).await;
+    let commits = health["storeCommits"].as_u64().unwrap();
+    let stored = health["storedTransactions"].as_u64().unwrap();
+    assert!(stored >= 1200, "{health}");
+    assert!(
+        commits < stored,
+        "no two transactions shared a commit: {health}"
+    );
     server.stop().await;
 }
