@@ -160,7 +160,10 @@ impl<P: Ord + Clone> GroupCommit<P> {
     /// (`in_transaction`). A transaction's beginning asks it too: a group never holds its
     /// first transaction back longer than its delay.
     pub fn flush_due(&self, now_us: u64, in_transaction: bool) -> bool {
-        !in_transaction && self.deadline_us().is_some_and(|deadline| now_us >= deadline)
+        !in_transaction
+            && self
+                .deadline_us()
+                .is_some_and(|deadline| now_us >= deadline)
     }
 
     /// The storage transaction of the open group committed durably: what to report stored.

@@ -1578,7 +1578,9 @@ mod tests {
         );
         // A transaction not after the group's position is refused; the next one's seq
         // follows on.
-        let replay = w.apply(&DownstreamMessage::Begin(Begin::new(Lsn(0x300).to_watermark())));
+        let replay = w.apply(&DownstreamMessage::Begin(Begin::new(
+            Lsn(0x300).to_watermark(),
+        )));
         assert!(matches!(replay, Err(ReplicaError::NotAfterPosition { .. })));
         assert!(matches!(
             txn(&mut w, 0x500, vec![insert(4, "d")]),

@@ -602,7 +602,10 @@ impl Ingest {
             StorageOp::Store(LogOp::Begin(row)) => {
                 let message = typed(&row)?;
                 // A group never holds its first transaction back longer than its delay.
-                if self.group.flush_due(self.now_us(), self.writer.in_transaction()) {
+                if self
+                    .group
+                    .flush_due(self.now_us(), self.writer.in_transaction())
+                {
                     self.make_durable(ops)?;
                 }
                 self.txn_bytes = row.change_json().len();
