@@ -6,18 +6,19 @@
 //! loses nothing and applies nothing twice. Ctrl-C / SIGTERM stop at the next message: a
 //! transaction in progress is discarded (Postgres sends it again on the next start).
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use highwater_engine::change_stream::DownstreamMessage;
-use highwater_engine::upstream::{Effect, Input, UpstreamSession};
+use highwater_engine::change_stream::{Change, DownstreamMessage};
+use highwater_engine::pgoutput::Relation;
+use highwater_engine::upstream::{Input, UpstreamSession};
+use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
 use crate::replication::PgConfig;
-use crate::upstream::{reconcile_relation, resolve_ddl, Catalog};
+use crate::upstream::{feed, reconcile_relation, Catalog, EffectHost};
 
 use crate::replica::backfill::{run_backfills, BackfillPlanner, RecentXids};
 use crate::replica::bootstrap::{BootstrapError, Upstream};
@@ -158,13 +159,15 @@ pub fn replicate(
 /// How often progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
-/// What the replicator's loop carries effects out with.
+/// What the replicator's loop carries effects out with: the upstream session's effect loop
+/// without a hub, storing into the replica directly.
 struct Replicator<'a> {
+    session: UpstreamSession,
     handle: &'a Handle,
     catalog: &'a mut Catalog,
     backfills: &'a mut Backfills,
     writer: &'a mut ReplicaWriter,
-    stream: &'a WalStream,
+    stream: &'a mut WalStream,
     publications: &'a [String],
     committed: u64,
 }
@@ -186,9 +189,17 @@ fn stream_changes(
         .state()
         .context("the replica has no replication state")?
         .clone();
-    let mut session = crate::upstream::session(app_id, state.watermark, state.lsn);
+    let mut replicator = Replicator {
+        session: crate::upstream::session(app_id, state.watermark, state.lsn),
+        handle,
+        catalog,
+        backfills,
+        writer,
+        stream,
+        publications,
+        committed: 0,
+    };
     let mut last_report = Instant::now();
-    let mut committed = 0;
     loop {
         if *stop.borrow() {
             return Ok(());
@@ -196,7 +207,7 @@ fn stream_changes(
         let event = handle.block_on(async {
             tokio::select! {
                 _ = stop.changed() => None,
-                event = stream.recv() => Some(event),
+                event = replicator.stream.recv() => Some(event),
             }
         });
         let Some(event) = event else {
@@ -205,28 +216,17 @@ fn stream_changes(
         let Some(event) = event else {
             bail!("the replication stream ended");
         };
-        let effects = match event? {
+        match event? {
             WalEvent::Started { start, .. } => {
                 tracing::debug!(%start, "replication session started");
-                session.handle(Input::Started)?
+                feed(&mut replicator, Input::Started)?;
             }
-            WalEvent::CopyData(bytes) => session.handle(Input::WalData(&bytes))?,
-        };
-        let mut replicator = Replicator {
-            handle,
-            catalog: &mut *catalog,
-            backfills: &mut *backfills,
-            writer: &mut *writer,
-            stream: &*stream,
-            publications,
-            committed: 0,
-        };
-        replicator.carry(&mut session, effects)?;
-        committed += replicator.committed;
+            WalEvent::CopyData(bytes) => feed(&mut replicator, Input::WalData(&bytes))?,
+        }
         if last_report.elapsed() >= PROGRESS_EVERY {
-            if let Some(state) = writer.replica().state() {
+            if let Some(state) = replicator.writer.replica().state() {
                 tracing::info!(
-                    transactions = committed,
+                    transactions = replicator.committed,
                     position = %state.lsn,
                     "replicating"
                 );
@@ -236,61 +236,67 @@ fn stream_changes(
     }
 }
 
-impl Replicator<'_> {
-    /// Carries out `effects` in order, each follow-up's effects before the rest.
-    fn carry(&mut self, session: &mut UpstreamSession, effects: Vec<Effect>) -> anyhow::Result<()> {
-        let mut queue: VecDeque<Effect> = effects.into();
-        while let Some(effect) = queue.pop_front() {
-            let more = match effect {
-                Effect::Apply(message) => {
-                    if let DownstreamMessage::Begin(begin) = &message {
-                        self.backfills.recent_xids.note(begin);
-                    }
-                    match self.writer.apply(&message)? {
-                        Applied::Committed { watermark, .. } => {
-                            self.committed += 1;
-                            session.handle(Input::Stored { watermark })?
-                        }
-                        Applied::Pending | Applied::RolledBack => Vec::new(),
-                    }
-                }
-                Effect::Ack(lsn) => {
-                    self.stream.ack(lsn);
-                    Vec::new()
-                }
-                Effect::ResolveDdl { content } => {
-                    let changes = resolve_ddl(self.writer.replica(), self.publications, &content)?;
-                    session.handle(Input::SchemaChanges(changes))?
-                }
-                Effect::ReconcileRelation(relation) => {
-                    let changes = reconcile_relation(
-                        self.handle,
-                        Some(&mut *self.catalog),
-                        self.writer.replica(),
-                        &relation,
-                    )?;
-                    session.handle(Input::SchemaChanges(changes))?
-                }
-                Effect::BackfillDue => {
-                    // Backfills run here to their end, written straight to the replica.
-                    if self.writer.replica().has_pending_backfills() {
-                        self.backfills.run(self.handle, self.writer)?;
-                    }
-                    Vec::new()
-                }
-                Effect::Idle { .. } => Vec::new(),
-                Effect::Warn(message) => {
-                    tracing::warn!("{message}");
-                    Vec::new()
-                }
-                Effect::AckFrames(_) | Effect::Reconnect { .. } => {
-                    bail!("expected effects of a Postgres source, found one of a relay's")
-                }
-            };
-            for effect in more.into_iter().rev() {
-                queue.push_front(effect);
-            }
+impl EffectHost for Replicator<'_> {
+    type Error = anyhow::Error;
+
+    fn session(&mut self) -> &mut UpstreamSession {
+        &mut self.session
+    }
+
+    fn apply(&mut self, message: DownstreamMessage) -> anyhow::Result<Vec<Watermark>> {
+        if let DownstreamMessage::Begin(begin) = &message {
+            self.backfills.recent_xids.note(begin);
         }
-        Ok(())
+        Ok(match self.writer.apply(&message)? {
+            Applied::Committed { watermark, .. } => {
+                self.committed += 1;
+                vec![watermark]
+            }
+            Applied::Pending | Applied::RolledBack => Vec::new(),
+        })
+    }
+
+    fn settle(&mut self) -> anyhow::Result<Vec<Watermark>> {
+        // Every message is applied as it comes.
+        Ok(Vec::new())
+    }
+
+    fn confirm(&mut self, lsn: Lsn) {
+        self.stream.ack(lsn);
+    }
+
+    fn ack_frames(&mut self, _ids: Vec<u64>) {
+        tracing::warn!("a Postgres source has no frames to acknowledge");
+    }
+
+    fn reconnect(&mut self, reason: String, _restore: bool, _acks: Vec<u64>) {
+        tracing::warn!(%reason, "a Postgres source has no primary to reconnect to");
+    }
+
+    fn replica(&self) -> &Replica {
+        self.writer.replica()
+    }
+
+    fn publications(&self) -> &[String] {
+        self.publications
+    }
+
+    fn reconcile(&mut self, relation: &Relation) -> anyhow::Result<Vec<Change>> {
+        Ok(reconcile_relation(
+            self.handle,
+            Some(&mut *self.catalog),
+            self.writer.replica(),
+            relation,
+        )?)
+    }
+
+    fn idle(&mut self) {}
+
+    fn start_backfill(&mut self) -> anyhow::Result<bool> {
+        // Backfills run here to their end, written straight to the replica.
+        if self.writer.replica().has_pending_backfills() {
+            self.backfills.run(self.handle, self.writer)?;
+        }
+        Ok(false)
     }
 }
