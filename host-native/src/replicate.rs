@@ -5,25 +5,26 @@
 //! transactions — several queued ones in one, each in a savepoint, as the engine's group-commit
 //! rule (`upstream::GroupCommit`) says — and acknowledged upstream only once committed, so a
 //! crash at any point loses nothing and applies nothing twice. An open group is made durable
-//! when it is full, when its deadline passes with nothing more to apply, before a backfill and
-//! at a stop. Ctrl-C / SIGTERM stop at the next message: a
-//! transaction in progress is discarded (Postgres sends it again on the next start).
+//! when it is full, when its deadline passes with nothing more to apply, and at a stop (a
+//! backfill starts only with everything durable, by the session's rule). Ctrl-C / SIGTERM stop
+//! at the next message: a transaction in progress is discarded (Postgres sends it again on the
+//! next start).
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use highwater_engine::change_stream::DownstreamMessage;
-use highwater_engine::upstream::{
-    Effect, GroupCommit, GroupDecision, GroupLimits, Input, UpstreamSession,
-};
+use highwater_engine::change_stream::{Change, DownstreamMessage};
+use highwater_engine::pgoutput::Relation;
+use highwater_engine::upstream::{GroupCommit, GroupDecision, GroupLimits, Input, UpstreamSession};
+use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
 use crate::pause_point::{self, Point};
 use crate::replication::PgConfig;
-use crate::upstream::{reconcile_relation, resolve_ddl, Catalog};
+use crate::upstream::{feed, reconcile_relation, Catalog, EffectHost};
 
 use crate::replica::backfill::{run_backfills, BackfillPlanner, RecentXids};
 use crate::replica::bootstrap::{BootstrapError, Upstream};
@@ -88,9 +89,10 @@ impl Backfills {
     /// when one may start).
     fn run(&mut self, handle: &Handle, writer: &mut ReplicaWriter) -> Result<(), SyncError> {
         let xids = self.recent_xids.to_vec();
+        let grouping = writer.group_commit();
         writer.set_group_commit(false);
         let result = run_backfills(handle, &self.upstream, writer, &mut self.planner, &xids);
-        writer.set_group_commit(true);
+        writer.set_group_commit(grouping);
         result?;
         Ok(())
     }
@@ -173,23 +175,56 @@ pub fn replicate(
 /// How often progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
-/// What the replicator's loop carries effects out with.
+/// What the replicator's loop carries effects out with: the upstream session's effect loop
+/// without a hub, storing into the replica directly.
 struct Replicator<'a> {
+    session: UpstreamSession,
     handle: &'a Handle,
     catalog: &'a mut Catalog,
     backfills: &'a mut Backfills,
     writer: &'a mut ReplicaWriter,
-    stream: &'a WalStream,
+    stream: &'a mut WalStream,
     publications: &'a [String],
     committed: u64,
-    group: &'a mut GroupCommit<highwater_engine::watermark::Watermark>,
+    /// The open group of applied, not yet durable commits.
+    group: GroupCommit<Watermark>,
     /// Bytes of replication data since the last commit applied.
-    txn_bytes: &'a mut usize,
+    txn_bytes: usize,
     epoch: Instant,
 }
 
 /// Events taken from the replication socket's queue in one wake-up.
 const BATCH_EVENTS: usize = 256;
+
+impl Replicator<'_> {
+    fn now_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// Commits the open group durably (between transactions only); returns its last commit,
+    /// for the session.
+    fn make_durable(&mut self) -> anyhow::Result<Option<Watermark>> {
+        if !self.group.is_open() {
+            return Ok(None);
+        }
+        let transactions = self.group.transactions();
+        pause_point::reach(Point::BeforeGroupCommit, transactions);
+        self.writer.commit_group()?;
+        pause_point::reach(Point::AfterGroupCommit, transactions);
+        Ok(self.group.durable().map(|durable| {
+            self.committed += u64::try_from(durable.transactions).unwrap_or(u64::MAX);
+            durable.last
+        }))
+    }
+
+    /// Makes the open group durable and reports it to the session (acknowledging it).
+    fn flush(&mut self) -> anyhow::Result<()> {
+        match self.make_durable()? {
+            Some(watermark) => feed(self, Input::Stored { watermark }),
+            None => Ok(()),
+        }
+    }
+}
 
 // The replicator's whole state, passed down from `replicate`.
 #[allow(clippy::too_many_arguments)]
@@ -208,60 +243,51 @@ fn stream_changes(
         .state()
         .context("the replica has no replication state")?
         .clone();
-    let mut session = crate::upstream::session(app_id, state.watermark, state.lsn);
+    let mut replicator = Replicator {
+        session: crate::upstream::session(app_id, state.watermark, state.lsn),
+        handle,
+        catalog,
+        backfills,
+        writer,
+        stream,
+        publications,
+        committed: 0,
+        group: GroupCommit::new(GroupLimits::default()),
+        txn_bytes: 0,
+        epoch: Instant::now(),
+    };
+    replicator.writer.set_group_commit(true);
     let mut last_report = Instant::now();
-    let mut committed = 0;
-    let mut group = GroupCommit::new(GroupLimits::default());
-    let mut txn_bytes = 0;
-    let epoch = Instant::now();
-    writer.set_group_commit(true);
     let mut batch = Vec::with_capacity(BATCH_EVENTS);
-    let mut queued: VecDeque<_> = VecDeque::new();
-    // The carrier of effects, over the loop's state; rebuilt where the stream is waited on.
-    macro_rules! replicator {
-        () => {
-            Replicator {
-                handle,
-                catalog: &mut *catalog,
-                backfills: &mut *backfills,
-                writer: &mut *writer,
-                stream: &*stream,
-                publications,
-                committed: 0,
-                group: &mut group,
-                txn_bytes: &mut txn_bytes,
-                epoch,
-            }
-        };
-    }
+    let mut queued = VecDeque::new();
     loop {
         if *stop.borrow() {
             // What is applied between transactions is whole: durable, then acknowledged.
-            if !writer.in_transaction() {
-                replicator!().make_durable(&mut session)?;
+            if !replicator.writer.in_transaction() {
+                replicator.flush()?;
             }
             return Ok(());
         }
         if queued.is_empty() {
-            stream.try_recv_many(&mut batch, BATCH_EVENTS);
+            // Whatever is queued is taken in one wake-up.
+            replicator.stream.try_recv_many(&mut batch, BATCH_EVENTS);
             queued.extend(batch.drain(..));
         }
         if queued.is_empty() {
             // About to wait for input: an open group waits no longer than its deadline.
-            let now = u64::try_from(epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
-            let in_transaction = writer.in_transaction();
-            if group.flush_due(now, in_transaction) {
-                let mut replicator = replicator!();
-                replicator.make_durable(&mut session)?;
-                committed += replicator.committed;
+            let now = replicator.now_us();
+            let in_transaction = replicator.writer.in_transaction();
+            if replicator.group.flush_due(now, in_transaction) {
+                replicator.flush()?;
                 continue;
             }
-            let flush_in = match group.deadline_us() {
+            let flush_in = match replicator.group.deadline_us() {
                 Some(deadline) if !in_transaction => {
                     Some(Duration::from_micros(deadline.saturating_sub(now)))
                 }
                 _ => None,
             };
+            let stream = &mut *replicator.stream;
             let taken = handle.block_on(async {
                 tokio::select! {
                     _ = stop.changed() => None,
@@ -273,9 +299,7 @@ fn stream_changes(
             match taken {
                 None => continue,
                 Some(None) => {
-                    let mut replicator = replicator!();
-                    replicator.make_durable(&mut session)?;
-                    committed += replicator.committed;
+                    replicator.flush()?;
                     continue;
                 }
                 Some(Some(0)) => bail!("the replication stream ended"),
@@ -285,23 +309,20 @@ fn stream_changes(
         let Some(event) = queued.pop_front() else {
             continue;
         };
-        let effects = match event? {
+        match event? {
             WalEvent::Started { start, .. } => {
                 tracing::debug!(%start, "replication session started");
-                session.handle(Input::Started)?
+                feed(&mut replicator, Input::Started)?;
             }
             WalEvent::CopyData(bytes) => {
-                txn_bytes = txn_bytes.saturating_add(bytes.len());
-                session.handle(Input::WalData(&bytes))?
+                replicator.txn_bytes = replicator.txn_bytes.saturating_add(bytes.len());
+                feed(&mut replicator, Input::WalData(&bytes))?
             }
-        };
-        let mut replicator = replicator!();
-        replicator.carry(&mut session, effects)?;
-        committed += replicator.committed;
+        }
         if last_report.elapsed() >= PROGRESS_EVERY {
-            if let Some(state) = writer.replica().state() {
+            if let Some(state) = replicator.writer.replica().state() {
                 tracing::info!(
-                    transactions = committed,
+                    transactions = replicator.committed,
                     position = %state.lsn,
                     "replicating"
                 );
@@ -311,93 +332,76 @@ fn stream_changes(
     }
 }
 
-impl Replicator<'_> {
-    fn now_us(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+impl EffectHost for Replicator<'_> {
+    type Error = anyhow::Error;
+
+    fn session(&mut self) -> &mut UpstreamSession {
+        &mut self.session
     }
 
-    /// Commits the open group durably (between transactions only) and reports its last
-    /// commit stored, carrying out the acknowledgement that follows.
-    fn make_durable(&mut self, session: &mut UpstreamSession) -> anyhow::Result<()> {
-        if !self.group.is_open() {
-            return Ok(());
+    fn apply(&mut self, message: DownstreamMessage) -> anyhow::Result<Vec<Watermark>> {
+        if let DownstreamMessage::Begin(begin) = &message {
+            self.backfills.recent_xids.note(begin);
         }
-        let transactions = self.group.transactions();
-        pause_point::reach(Point::BeforeGroupCommit, transactions);
-        self.writer.commit_group()?;
-        pause_point::reach(Point::AfterGroupCommit, transactions);
-        let Some(durable) = self.group.durable() else {
-            return Ok(());
-        };
-        self.committed += u64::try_from(durable.transactions).unwrap_or(u64::MAX);
-        let effects = session.handle(Input::Stored {
-            watermark: durable.last,
-        })?;
-        self.carry(session, effects)
-    }
-
-    /// Carries out `effects` in order, each follow-up's effects before the rest.
-    fn carry(&mut self, session: &mut UpstreamSession, effects: Vec<Effect>) -> anyhow::Result<()> {
-        let mut queue: VecDeque<Effect> = effects.into();
-        while let Some(effect) = queue.pop_front() {
-            let more = match effect {
-                Effect::Apply(message) => {
-                    if let DownstreamMessage::Begin(begin) = &message {
-                        self.backfills.recent_xids.note(begin);
-                    }
-                    match self.writer.apply(&message)? {
-                        Applied::Grouped { watermark, .. } => {
-                            let bytes = std::mem::take(self.txn_bytes);
-                            let now = self.now_us();
-                            if self.group.applied(watermark, bytes, now) == GroupDecision::Flush {
-                                self.make_durable(session)?;
-                            }
-                            Vec::new()
-                        }
-                        Applied::Committed { watermark, .. } => {
-                            self.committed += 1;
-                            session.handle(Input::Stored { watermark })?
-                        }
-                        Applied::Pending | Applied::RolledBack => Vec::new(),
-                    }
-                }
-                Effect::Ack(lsn) => {
-                    self.stream.ack(lsn);
+        Ok(match self.writer.apply(&message)? {
+            Applied::Grouped { watermark, .. } => {
+                let bytes = std::mem::take(&mut self.txn_bytes);
+                let now = self.now_us();
+                if self.group.applied(watermark, bytes, now) == GroupDecision::Flush {
+                    self.make_durable()?.into_iter().collect()
+                } else {
                     Vec::new()
                 }
-                Effect::ResolveDdl { content } => {
-                    let changes = resolve_ddl(self.writer.replica(), self.publications, &content)?;
-                    session.handle(Input::SchemaChanges(changes))?
-                }
-                Effect::ReconcileRelation(relation) => {
-                    let changes = reconcile_relation(
-                        self.handle,
-                        Some(&mut *self.catalog),
-                        self.writer.replica(),
-                        &relation,
-                    )?;
-                    session.handle(Input::SchemaChanges(changes))?
-                }
-                Effect::BackfillDue => {
-                    // Backfills run here to their end, written straight to the replica.
-                    if self.writer.replica().has_pending_backfills() {
-                        self.backfills.run(self.handle, self.writer)?;
-                    }
-                    Vec::new()
-                }
-                Effect::Idle { .. } => Vec::new(),
-                Effect::Warn(message) => {
-                    tracing::warn!("{message}");
-                    Vec::new()
-                }
-                Effect::AckFrames(_) | Effect::Reconnect { .. } => {
-                    bail!("expected effects of a Postgres source, found one of a relay's")
-                }
-            };
-            for effect in more.into_iter().rev() {
-                queue.push_front(effect);
             }
+            Applied::Committed { watermark, .. } => {
+                self.committed += 1;
+                vec![watermark]
+            }
+            Applied::Pending | Applied::RolledBack => Vec::new(),
+        })
+    }
+
+    fn settle(&mut self) -> anyhow::Result<Vec<Watermark>> {
+        // Every message is applied as it comes.
+        Ok(Vec::new())
+    }
+
+    fn confirm(&mut self, lsn: Lsn) {
+        self.stream.ack(lsn);
+    }
+
+    fn ack_frames(&mut self, _ids: Vec<u64>) {
+        tracing::warn!("a Postgres source has no frames to acknowledge");
+    }
+
+    fn reconnect(&mut self, reason: String, _restore: bool, _acks: Vec<u64>) {
+        tracing::warn!(%reason, "a Postgres source has no primary to reconnect to");
+    }
+
+    fn replica(&self) -> &Replica {
+        self.writer.replica()
+    }
+
+    fn publications(&self) -> &[String] {
+        self.publications
+    }
+
+    fn reconcile(&mut self, relation: &Relation) -> anyhow::Result<Vec<Change>> {
+        Ok(reconcile_relation(
+            self.handle,
+            Some(&mut *self.catalog),
+            self.writer.replica(),
+            relation,
+        )?)
+    }
+
+    fn idle(&mut self) {}
+
+    fn start_backfill(&mut self) -> anyhow::Result<bool> {
+        // Backfills run here to their end, written straight to the replica.
+        if self.writer.replica().has_pending_backfills() {
+            self.backfills.run(self.handle, self.writer)?;
         }
-        Ok(())
+        Ok(false)
     }
 }

@@ -1,14 +1,16 @@
 //! The host's side of the engine's upstream session (`highwater_engine::upstream`), shared by
-//! `replicate` and `serve` (a Postgres source or a relay's primary): how a session is set up
-//! over a replica, and how the effects that need the replica's schema or upstream's catalog
-//! are carried out. Neither command decides here what to skip, what to confirm or when: the
-//! session does; these functions only compute what it asked for.
+//! `replicate` and `serve` (a Postgres source or a relay's primary): the one effect loop
+//! ([`feed`], [`carry`]) that both commands run their session through, what each command
+//! supplies to it ([`EffectHost`]: where messages are stored, where confirmations go), and the
+//! effects that need the replica's schema or upstream's catalog. Nothing here decides what to
+//! skip, what to confirm or when: the session does; this only carries out what it asked for,
+//! in its order, and reports completions back.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
-use highwater_engine::change_stream::Change;
+use highwater_engine::change_stream::{Change, DownstreamMessage};
 use highwater_engine::pgoutput::{Relation, ReplicaIdentity};
-use highwater_engine::upstream::{SessionConfig, UpstreamSession};
+use highwater_engine::upstream::{Effect, Input, SessionConfig, SessionError, UpstreamSession};
 use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio_postgres::Client;
@@ -33,6 +35,97 @@ pub enum EffectError {
     Catalog(#[from] tokio_postgres::Error),
     #[error("a Relation message arrived from a source without a Postgres catalog")]
     NoCatalog,
+}
+
+/// What a command carries the session's effects out with.
+pub trait EffectHost {
+    type Error: From<SessionError> + From<EffectError>;
+
+    fn session(&mut self) -> &mut UpstreamSession;
+
+    /// Hands a message on to storage; returns the commits that are durable now (a store
+    /// that commits later reports them from [`EffectHost::settle`] or on its own).
+    fn apply(&mut self, message: DownstreamMessage) -> Result<Vec<Watermark>, Self::Error>;
+
+    /// Carries out every store asked for so far; returns the commits that became durable.
+    fn settle(&mut self) -> Result<Vec<Watermark>, Self::Error>;
+
+    /// Confirms `lsn` to Postgres.
+    fn confirm(&mut self, lsn: Lsn);
+
+    /// Acknowledges frames of the primary (a relay).
+    fn ack_frames(&mut self, ids: Vec<u64>);
+
+    /// Ends the connection to the primary once `acks` are sent (a relay).
+    fn reconnect(&mut self, reason: String, restore: bool, acks: Vec<u64>);
+
+    /// The replica, as of every message applied and settled.
+    fn replica(&self) -> &Replica;
+
+    fn publications(&self) -> &[String];
+
+    /// [`reconcile_relation`] with this command's catalog.
+    fn reconcile(&mut self, relation: &Relation) -> Result<Vec<Change>, Self::Error>;
+
+    /// The source is between transactions with nothing new.
+    fn idle(&mut self);
+
+    /// A backfill may start: starts one if the replica waits for one and it streams through
+    /// the session; `true` then.
+    fn start_backfill(&mut self) -> Result<bool, Self::Error>;
+}
+
+/// Feeds `input` to the host's session and carries out what it says.
+pub fn feed<H: EffectHost>(host: &mut H, input: Input<'_>) -> Result<(), H::Error> {
+    let effects = host.session().handle(input)?;
+    carry(host, effects)
+}
+
+/// Carries out `effects` in order; what a completion feeds back is carried out before the
+/// rest.
+pub fn carry<H: EffectHost>(host: &mut H, effects: Vec<Effect>) -> Result<(), H::Error> {
+    let mut queue: VecDeque<Effect> = effects.into();
+    while let Some(effect) = queue.pop_front() {
+        let mut inputs: Vec<Input<'static>> = Vec::new();
+        let stored = |watermark| Input::Stored { watermark };
+        match effect {
+            Effect::Apply(message) => inputs.extend(host.apply(message)?.into_iter().map(stored)),
+            Effect::Ack(lsn) => host.confirm(lsn),
+            Effect::AckFrames(ids) => host.ack_frames(ids),
+            Effect::Reconnect {
+                reason,
+                restore,
+                acks,
+            } => host.reconnect(reason, restore, acks),
+            Effect::ResolveDdl { content } => {
+                // Against the replica as of every message before.
+                inputs.extend(host.settle()?.into_iter().map(stored));
+                let changes = resolve_ddl(host.replica(), host.publications(), &content)?;
+                inputs.push(Input::SchemaChanges(changes));
+            }
+            Effect::ReconcileRelation(relation) => {
+                inputs.extend(host.settle()?.into_iter().map(stored));
+                inputs.push(Input::SchemaChanges(host.reconcile(&relation)?));
+            }
+            Effect::Idle { .. } => host.idle(),
+            Effect::BackfillDue => {
+                // The replica's schema and pending columns as of the last commit forwarded.
+                inputs.extend(host.settle()?.into_iter().map(stored));
+                if host.start_backfill()? {
+                    inputs.push(Input::BackfillStarted);
+                }
+            }
+            Effect::Warn(message) => tracing::warn!("{message}"),
+        }
+        let mut more = Vec::new();
+        for input in inputs {
+            more.extend(host.session().handle(input)?);
+        }
+        for effect in more.into_iter().rev() {
+            queue.push_front(effect);
+        }
+    }
+    Ok(())
 }
 
 /// A session over storage whose newest durable commit is `stored`, started from `start`.

@@ -12,26 +12,25 @@
 //! its deadline passes with nothing more to apply (the thread never waits for input past it),
 //! and before anything that must see the store committed: a catch-up read (one asked for in
 //! the middle of a transaction waits for that transaction's commit, which then closes the
-//! group), a backfill, a purge, a stop. Only then are its commits reported stored (the
-//! streamer, and the session, which releases the upstream confirmation of the last one) and
-//! their scope-feed entries routed. Subscribers see every upstream transaction as its own
-//! `begin … commit` regardless: the streamer forwards messages as they arrive.
+//! group), a purge, a stop (a backfill starts only with everything durable, by the session's
+//! rule). Only then are its commits reported stored (the streamer, and the session, which
+//! releases the upstream confirmation of the last one) and their scope-feed entries routed.
+//! Subscribers see every upstream transaction as its own `begin … commit` regardless: the
+//! streamer forwards messages as they arrive.
 //!
 //! Backfills (`replica::backfill`) are a second source of transactions. When the session says
 //! one may start (between upstream transactions, everything before stored) the thread starts
 //! the backfill the replica waits for and takes its messages instead of upstream's until its
 //! commit: forwarded, stored and (being `skipAck`) never confirmed upstream.
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use highwater_engine::change_stream::{DownstreamMessage, Rollback};
+use highwater_engine::change_stream::{Change, DownstreamMessage, Rollback};
+use highwater_engine::pgoutput::Relation;
 use highwater_engine::streamer::{ConnId, LogOp, StoredChange};
-use highwater_engine::upstream::{
-    Effect, GroupCommit, GroupDecision, GroupLimits, Input, UpstreamSession,
-};
-use highwater_engine::watermark::Watermark;
+use highwater_engine::upstream::{GroupCommit, GroupDecision, GroupLimits, Input, UpstreamSession};
+use highwater_engine::watermark::{Lsn, Watermark};
 use rusqlite::Connection;
 use tokio::runtime::Handle;
 use tokio::sync::{mpsc, watch};
@@ -46,8 +45,8 @@ use crate::replica::backfill::{
 };
 use crate::replica::feed::CommittedChanges;
 use crate::replica::initial_sync::SyncError;
-use crate::replica::{Applied, ReplicaWriter};
-use crate::upstream::{reconcile_relation, resolve_ddl, Catalog, EffectError};
+use crate::replica::{Applied, Replica, ReplicaWriter};
+use crate::upstream::{feed, reconcile_relation, Catalog, EffectError, EffectHost};
 
 pub(crate) struct Ingest {
     hub: Arc<Hub>,
@@ -71,8 +70,8 @@ pub(crate) struct Ingest {
     catalog: Option<Catalog>,
     /// Scope sync: where committed feed entries go; `None` when `/sync` is off.
     sync: Option<SyncFeed>,
-    /// On the way out: only stores of transactions already forwarded are carried out.
-    stopping: bool,
+    /// The storage queue the streamer fills, carried out here in order.
+    ops: mpsc::UnboundedReceiver<StorageOp>,
     /// The open group of applied, not yet durable commits.
     group: GroupCommit<Watermark>,
     /// Their scope-feed entries, routed once the group is durable.
@@ -170,6 +169,7 @@ impl Ingest {
         confirm: Confirm,
         backfills: Option<Backfills>,
         sync: Option<SyncFeed>,
+        ops: mpsc::UnboundedReceiver<StorageOp>,
     ) -> Ingest {
         let catalog = backfills.as_ref().map(|b| Catalog::new(b.upstream.clone()));
         writer.set_group_commit(true);
@@ -187,7 +187,7 @@ impl Ingest {
             backfills,
             catalog,
             sync,
-            stopping: false,
+            ops,
             group: GroupCommit::new(GroupLimits::default()),
             grouped: Vec::new(),
             deferred_catchups: Vec::new(),
@@ -200,13 +200,10 @@ impl Ingest {
         u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
-    /// Makes the open group durable (between transactions only), then reports its last
-    /// commit stored — to the streamer and the session, whose confirmations it releases —
-    /// routes its scope-feed entries, and starts what waited for it.
-    fn make_durable(
-        &mut self,
-        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
-    ) -> Result<(), ServeError> {
+    /// Makes the open group durable (between transactions only), tells the streamer, routes
+    /// the group's scope-feed entries and starts what waited for it; returns the group's last
+    /// commit, for the session ([`Ingest::report`]).
+    fn make_durable(&mut self) -> Result<Option<Watermark>, ServeError> {
         if self.writer.in_transaction() {
             return Err(ServeError::Invariant {
                 expected: "a group made durable between transactions".to_owned(),
@@ -231,7 +228,7 @@ impl Ingest {
             self.prune_exits()?;
             let watermark = durable.last.clone();
             self.hub.set_last_watermark(watermark.clone());
-            self.hub.with(|s| s.on_stored(watermark.clone()));
+            self.hub.with(|s| s.on_stored(watermark));
         }
         for (conn, from, through) in std::mem::take(&mut self.deferred_catchups) {
             self.spawn_catchup(conn, from, through);
@@ -239,13 +236,7 @@ impl Ingest {
         if let Some(below) = self.pending_purge.take() {
             self.purge(&below)?;
         }
-        if let Some(durable) = durable {
-            let effects = self.session.handle(Input::Stored {
-                watermark: durable.last,
-            })?;
-            self.carry(effects, ops)?;
-        }
-        Ok(())
+        Ok(durable.map(|durable| durable.last))
     }
 
     /// Prunes exits older than the retention window, when due.
@@ -278,20 +269,19 @@ impl Ingest {
     /// Runs until `shutdown`, the source failing, or a storage error. Blocking.
     pub fn run(
         mut self,
-        mut ops: mpsc::UnboundedReceiver<StorageOp>,
         mut events: mpsc::Receiver<SourceEvent>,
         mut shutdown: watch::Receiver<bool>,
     ) -> Result<(), ServeError> {
         let mut paused = self.hub.upstream_paused();
         let result = loop {
-            if let Err(e) = self.drain(&mut ops) {
+            if let Err(e) = self.settle_and_report() {
                 break Err(e);
             }
             // About to wait for input: an open group waits no longer than its deadline.
             let now = self.now_us();
             let in_transaction = self.writer.in_transaction();
             if self.group.flush_due(now, in_transaction) {
-                if let Err(e) = self.make_durable(&mut ops) {
+                if let Err(e) = self.make_durable().and_then(|stored| self.report(stored)) {
                     break Err(e);
                 }
                 continue;
@@ -308,7 +298,7 @@ impl Ingest {
             let backfilling = self.session.backfill_running();
             let upstream = self.session.accepts_upstream();
             let handle = self.handle.clone();
-            let backfills = &mut self.backfills;
+            let (ops, backfills) = (&mut self.ops, &mut self.backfills);
             let next = handle.block_on(async {
                 tokio::select! {
                     biased;
@@ -333,21 +323,22 @@ impl Ingest {
             let step = match next {
                 Next::Stop => break Ok(()),
                 Next::Resumed => Ok(()),
-                Next::Flush => self.make_durable(&mut ops),
-                Next::Op(op) => self.execute(op, &mut ops),
-                Next::Source(event) => self.on_source(event, &mut ops),
-                Next::Backfill(item) => self.on_backfill(item, &mut ops),
+                Next::Flush => self.make_durable().and_then(|stored| self.report(stored)),
+                Next::Op(op) => self.execute(op).and_then(|stored| self.report(stored)),
+                Next::Source(event) => self.on_source(event),
+                Next::Backfill(item) => self.on_backfill(item),
             };
             if let Err(e) = step {
                 break Err(e);
             }
         };
         // Whatever was in flight upstream is not stored; the source sends it again next time.
-        self.stopping = true;
         self.hub.call(|s, _| s.upstream_ended());
-        while let Ok(op) = ops.try_recv() {
+        // Stores of transactions already forwarded still happen; their confirmation waits for
+        // the next start, where the session skips what is stored and confirms it.
+        while let Ok(op) = self.ops.try_recv() {
             if matches!(op, StorageOp::Store(_)) {
-                let _ = self.execute_store_only(op);
+                let _ = self.execute(op);
             }
         }
         if self.writer.in_transaction() {
@@ -355,12 +346,10 @@ impl Ingest {
                 .writer
                 .apply(&DownstreamMessage::Rollback(Rollback::default()));
         }
-        // The group's transactions are whole: stored after a stop, sent again after a failure.
+        // The group's transactions are whole: stored after a stop (confirmed at the next
+        // start, as above), sent again after a failure.
         let stored = match &result {
-            Ok(()) => {
-                let mut none = mpsc::unbounded_channel().1;
-                self.make_durable(&mut none).is_ok()
-            }
+            Ok(()) => self.make_durable().is_ok(),
             Err(_) => false,
         };
         if !stored {
@@ -375,164 +364,44 @@ impl Ingest {
         result
     }
 
-    /// Carries out every queued storage op.
-    fn drain(&mut self, ops: &mut mpsc::UnboundedReceiver<StorageOp>) -> Result<(), ServeError> {
-        while let Ok(op) = ops.try_recv() {
-            self.execute(op, ops)?;
+    /// Carries out every queued storage op; returns the commits that became durable.
+    fn drain(&mut self) -> Result<Vec<Watermark>, ServeError> {
+        let mut stored = Vec::new();
+        while let Ok(op) = self.ops.try_recv() {
+            stored.extend(self.execute(op)?);
+        }
+        Ok(stored)
+    }
+
+    fn settle_and_report(&mut self) -> Result<(), ServeError> {
+        for watermark in self.drain()? {
+            feed(self, Input::Stored { watermark })?;
         }
         Ok(())
     }
 
-    fn on_source(
-        &mut self,
-        event: SourceEvent,
-        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
-    ) -> Result<(), ServeError> {
-        let effects = match event {
-            SourceEvent::Started => {
-                self.source_sessions += 1;
-                self.session.handle(Input::Started)?
-            }
-            SourceEvent::Wal(bytes) => self.session.handle(Input::WalData(&bytes))?,
-            SourceEvent::Frame { id, messages } => {
-                self.session.handle(Input::RelayFrame { id, messages })?
-            }
-            SourceEvent::Failed(reason) => return Err(ServeError::Source(reason)),
-        };
-        self.carry(effects, ops)
-    }
-
-    /// Carries out the session's effects in order, a follow-up input's effects before the
-    /// rest.
-    fn carry(
-        &mut self,
-        effects: Vec<Effect>,
-        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
-    ) -> Result<(), ServeError> {
-        let mut queue: VecDeque<Effect> = effects.into();
-        while let Some(effect) = queue.pop_front() {
-            let more = match effect {
-                Effect::Apply(message) => {
-                    self.forward(message)?;
-                    Vec::new()
-                }
-                Effect::Ack(lsn) => {
-                    self.confirm.ack(lsn);
-                    Vec::new()
-                }
-                Effect::AckFrames(ids) => {
-                    if let Confirm::Primary(feedback) = &self.confirm {
-                        feedback.ack(self.source_sessions, ids);
-                    }
-                    Vec::new()
-                }
-                Effect::Reconnect {
-                    reason,
-                    restore,
-                    acks,
-                } => {
-                    if let Confirm::Primary(feedback) = &self.confirm {
-                        feedback.reconnect(self.source_sessions, acks, reason, restore);
-                    }
-                    Vec::new()
-                }
-                Effect::ResolveDdl { content } => {
-                    // Against the replica as of every message before.
-                    self.drain(ops)?;
-                    let changes = resolve_ddl(self.writer.replica(), &self.publications, &content)?;
-                    self.session.handle(Input::SchemaChanges(changes))?
-                }
-                Effect::ReconcileRelation(relation) => {
-                    self.drain(ops)?;
-                    let changes = reconcile_relation(
-                        &self.handle,
-                        self.catalog.as_mut(),
-                        self.writer.replica(),
-                        &relation,
-                    )?;
-                    self.session.handle(Input::SchemaChanges(changes))?
-                }
-                Effect::Idle { .. } => {
-                    self.hub.call(|s, _| s.on_idle());
-                    Vec::new()
-                }
-                Effect::BackfillDue => self.start_backfill(ops)?,
-                Effect::Warn(message) => {
-                    tracing::warn!("{message}");
-                    Vec::new()
-                }
-            };
-            for effect in more.into_iter().rev() {
-                queue.push_front(effect);
-            }
-        }
-        Ok(())
-    }
-
-    /// Hands a message the session let through to the streamer, which forwards it and asks
-    /// for its storing.
-    fn forward(&mut self, message: DownstreamMessage) -> Result<(), ServeError> {
-        if let (DownstreamMessage::Begin(begin), Some(backfills)) =
-            (&message, self.backfills.as_mut())
-        {
-            backfills.recent_xids.note(begin);
-        }
-        let mut rejected = None;
-        self.hub.call(|s, _| match s.on_upstream(message) {
-            Ok(effects) => effects,
-            Err(e) => {
-                rejected = Some(e);
-                Vec::new()
-            }
-        });
-        match rejected {
-            Some(e) => Err(e.into()),
+    fn report(&mut self, stored: Option<Watermark>) -> Result<(), ServeError> {
+        match stored {
+            Some(watermark) => feed(self, Input::Stored { watermark }),
             None => Ok(()),
         }
     }
 
-    /// Starts the next backfill the replica waits for; the session said one may start now.
-    fn start_backfill(
-        &mut self,
-        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
-    ) -> Result<Vec<Effect>, ServeError> {
-        if self.stopping
-            || self.backfills.is_none()
-            || !self.writer.replica().has_pending_backfills()
-        {
-            return Ok(Vec::new());
+    fn on_source(&mut self, event: SourceEvent) -> Result<(), ServeError> {
+        match event {
+            SourceEvent::Started => {
+                self.source_sessions += 1;
+                feed(self, Input::Started)
+            }
+            SourceEvent::Wal(bytes) => feed(self, Input::WalData(&bytes)),
+            SourceEvent::Frame { id, messages } => feed(self, Input::RelayFrame { id, messages }),
+            SourceEvent::Failed(reason) => Err(ServeError::Source(reason)),
         }
-        // The replica's schema and pending columns as of the last commit forwarded.
-        self.drain(ops)?;
-        let position = self.hub.inspect(|s| s.last_commit().clone());
-        let Some(backfills) = self.backfills.as_mut() else {
-            return Ok(Vec::new());
-        };
-        let xids = backfills.recent_xids.to_vec();
-        let Some(job) = backfills.planner.next_job(
-            self.writer.replica(),
-            &position,
-            &xids,
-            BACKFILL_BATCH_ROWS,
-        ) else {
-            return Ok(Vec::new());
-        };
-        tracing::info!(
-            table = %job.table.name,
-            columns = ?job.pending.columns,
-            watermark = %job.commit_watermark,
-            "backfilling"
-        );
-        let table = job.table.name.clone();
-        let stream = BackfillStream::spawn(&self.handle, &backfills.upstream, job);
-        backfills.running = Some((stream, table));
-        Ok(self.session.handle(Input::BackfillStarted)?)
     }
 
     fn on_backfill(
         &mut self,
         item: Option<Result<BackfillItem, SyncError>>,
-        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
     ) -> Result<(), ServeError> {
         let Some(backfills) = self.backfills.as_mut() else {
             return Ok(());
@@ -545,10 +414,9 @@ impl Ingest {
         let failure = match item {
             Some(Ok(BackfillItem::Message(message))) => {
                 let commit = matches!(message, DownstreamMessage::Commit(_));
-                let effects = self.session.handle(Input::Backfill(message))?;
-                self.carry(effects, ops)?;
+                feed(self, Input::Backfill(message))?;
                 if commit {
-                    self.end_backfill(ops)?;
+                    self.end_backfill()?;
                 }
                 return Ok(());
             }
@@ -565,7 +433,7 @@ impl Ingest {
         };
         // Subscribers that saw a failed backfill's beginning get a rollback (the session
         // hands it on); nothing of it is stored.
-        self.end_backfill(ops)?;
+        self.end_backfill()?;
         if let Some(error) = failure {
             let position = self.hub.inspect(|s| s.last_commit().clone());
             tracing::warn!(%table, %error, "backfill failed; retrying after the next transaction");
@@ -576,43 +444,33 @@ impl Ingest {
         Ok(())
     }
 
-    fn end_backfill(
-        &mut self,
-        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
-    ) -> Result<(), ServeError> {
+    fn end_backfill(&mut self) -> Result<(), ServeError> {
         if let Some(backfills) = self.backfills.as_mut() {
             backfills.running = None;
         }
-        let effects = self.session.handle(Input::BackfillEnded)?;
-        self.carry(effects, ops)
+        feed(self, Input::BackfillEnded)
     }
 
-    /// On the way out: stores of transactions already forwarded, nothing else.
-    fn execute_store_only(&mut self, op: StorageOp) -> Result<(), ServeError> {
-        let mut none = mpsc::unbounded_channel().1;
-        self.execute(op, &mut none)
-    }
-
-    fn execute(
-        &mut self,
-        op: StorageOp,
-        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
-    ) -> Result<(), ServeError> {
+    /// Carries out one storage op; returns the commit it made durable, if it did.
+    fn execute(&mut self, op: StorageOp) -> Result<Option<Watermark>, ServeError> {
         match op {
             StorageOp::Store(LogOp::Begin(row)) => {
                 let message = typed(&row)?;
                 // A group never holds its first transaction back longer than its delay.
-                if self
+                let stored = if self
                     .group
                     .flush_due(self.now_us(), self.writer.in_transaction())
                 {
-                    self.make_durable(ops)?;
-                }
+                    self.make_durable()?
+                } else {
+                    None
+                };
                 self.txn_bytes = row.change_json().len();
                 // Replica and log commit together, so the replica is never ahead of the log;
                 // the writer refuses a transaction not after its position.
                 self.writer.apply(message)?;
                 self.append(&row)?;
+                return Ok(stored);
             }
             StorageOp::Store(LogOp::Append(row)) => {
                 let message = typed(&row)?;
@@ -645,16 +503,16 @@ impl Ingest {
                 let decision = self
                     .group
                     .applied(row.watermark().clone(), bytes, self.now_us());
-                // A catch-up read waits for this commit: the group closes here.
+                // A catch-up read waiting for this commit closes the group here too.
                 if decision == GroupDecision::Flush || !self.deferred_catchups.is_empty() {
-                    self.make_durable(ops)?;
+                    return self.make_durable();
                 }
             }
             StorageOp::Store(LogOp::Abort) => {
                 self.writer
                     .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
                 if !self.deferred_catchups.is_empty() {
-                    self.make_durable(ops)?;
+                    return self.make_durable();
                 }
             }
             StorageOp::FetchCatchup {
@@ -668,8 +526,9 @@ impl Ingest {
                 } else if self.writer.in_transaction() {
                     self.deferred_catchups.push((conn, from, through));
                 } else {
-                    self.make_durable(ops)?;
+                    let stored = self.make_durable()?;
                     self.spawn_catchup(conn, from, through);
+                    return Ok(stored);
                 }
             }
             StorageOp::Purge { below } => {
@@ -688,7 +547,7 @@ impl Ingest {
                 tracing::warn!(%reason, "a subscriber needs backfills the Postgres source cannot re-request");
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     fn append(&self, row: &StoredChange) -> Result<(), ServeError> {
@@ -732,6 +591,107 @@ impl Ingest {
             self.db_path.clone(),
             self.catchup_limits,
         ));
+    }
+}
+
+impl EffectHost for Ingest {
+    type Error = ServeError;
+
+    fn session(&mut self) -> &mut UpstreamSession {
+        &mut self.session
+    }
+
+    /// Hands a message the session let through to the streamer, which forwards it and asks
+    /// for its storing (carried out from the storage queue).
+    fn apply(&mut self, message: DownstreamMessage) -> Result<Vec<Watermark>, ServeError> {
+        if let (DownstreamMessage::Begin(begin), Some(backfills)) =
+            (&message, self.backfills.as_mut())
+        {
+            backfills.recent_xids.note(begin);
+        }
+        let mut rejected = None;
+        self.hub.call(|s, _| match s.on_upstream(message) {
+            Ok(effects) => effects,
+            Err(e) => {
+                rejected = Some(e);
+                Vec::new()
+            }
+        });
+        match rejected {
+            Some(e) => Err(e.into()),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn settle(&mut self) -> Result<Vec<Watermark>, ServeError> {
+        self.drain()
+    }
+
+    fn confirm(&mut self, lsn: Lsn) {
+        self.confirm.ack(lsn);
+    }
+
+    fn ack_frames(&mut self, ids: Vec<u64>) {
+        if let Confirm::Primary(feedback) = &self.confirm {
+            feedback.ack(self.source_sessions, ids);
+        }
+    }
+
+    fn reconnect(&mut self, reason: String, restore: bool, acks: Vec<u64>) {
+        if let Confirm::Primary(feedback) = &self.confirm {
+            feedback.reconnect(self.source_sessions, acks, reason, restore);
+        }
+    }
+
+    fn replica(&self) -> &Replica {
+        self.writer.replica()
+    }
+
+    fn publications(&self) -> &[String] {
+        &self.publications
+    }
+
+    fn reconcile(&mut self, relation: &Relation) -> Result<Vec<Change>, ServeError> {
+        Ok(reconcile_relation(
+            &self.handle,
+            self.catalog.as_mut(),
+            self.writer.replica(),
+            relation,
+        )?)
+    }
+
+    fn idle(&mut self) {
+        self.hub.call(|s, _| s.on_idle());
+    }
+
+    /// Starts the next backfill the replica waits for, streamed through the session.
+    fn start_backfill(&mut self) -> Result<bool, ServeError> {
+        if self.backfills.is_none() || !self.writer.replica().has_pending_backfills() {
+            return Ok(false);
+        }
+        let position = self.hub.inspect(|s| s.last_commit().clone());
+        let Some(backfills) = self.backfills.as_mut() else {
+            return Ok(false);
+        };
+        let xids = backfills.recent_xids.to_vec();
+        let Some(job) = backfills.planner.next_job(
+            self.writer.replica(),
+            &position,
+            &xids,
+            BACKFILL_BATCH_ROWS,
+        ) else {
+            return Ok(false);
+        };
+        tracing::info!(
+            table = %job.table.name,
+            columns = ?job.pending.columns,
+            watermark = %job.commit_watermark,
+            "backfilling"
+        );
+        let table = job.table.name.clone();
+        let stream = BackfillStream::spawn(&self.handle, &backfills.upstream, job);
+        backfills.running = Some((stream, table));
+        Ok(true)
     }
 }
 

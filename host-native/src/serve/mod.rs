@@ -525,13 +525,14 @@ async fn run_server(
         sync_hub
             .clone()
             .map(|hub| ingest::SyncFeed::new(hub, settings.sync_retention)),
+        ops,
     );
     let ingest_task = {
         let shutdown_tx = shutdown_tx.clone();
         let shutdown = shutdown.clone();
         let events = source.events;
         tokio::task::spawn_blocking(move || {
-            let result = ingest.run(ops, events, shutdown);
+            let result = ingest.run(events, shutdown);
             shutdown_tx.send_replace(true);
             result
         })
