@@ -862,3 +862,60 @@ async fn the_last_of_a_burst_of_small_transactions_reaches_scope_clients_and_sub
     );
     server.stop().await;
 }
+
+/// Group commit, as the client end-to-end suite exercises it: bursts of a hundred single-row
+/// transactions of every kind (inserts, owner changes moving rows between scopes, updates,
+/// deletes) while a `/sync` client's socket is cut and it resumes from its cursor. After each
+/// burst its scope must equal Postgres within a second, with no further upstream traffic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_resuming_during_bursts_of_grouped_transactions_is_equal_within_a_second() {
+    let pg = start_pg().await;
+    let db = Arc::new(pg.connect().await.unwrap());
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    let files = SyncFiles::new();
+    let data = DataDir::new("scope-sync-resume-burst");
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    let mut client = Client::connect(server.addr).await;
+    client
+        .subscribe("a", "ada", Some(&token("ada")), json!({}))
+        .await;
+    client.until_subscribed("a").await;
+    for batch in 0..10_i64 {
+        let sql: String = (batch * 100..batch * 100 + 100)
+            .map(|i| {
+                let id = 2000 + i % 50;
+                let owner = if i % 3 == 0 { "grace" } else { "ada" };
+                let statement = match i % 4 {
+                    0 => format!("INSERT INTO todos (id, owner, title) VALUES ({id}, '{owner}', 't{i}') ON CONFLICT (id) DO UPDATE SET title = excluded.title"),
+                    1 => format!("UPDATE todos SET owner = CASE owner WHEN 'ada' THEN 'grace' ELSE 'ada' END WHERE id = {id}"),
+                    2 => format!("UPDATE todos SET done = NOT done, secret_note = 's{i}' WHERE id = {id}"),
+                    _ => format!("DELETE FROM todos WHERE id = {id}"),
+                };
+                format!("BEGIN; {statement}; COMMIT;")
+            })
+            .collect();
+        let writer = db.clone();
+        let burst = tokio::spawn(async move { writer.batch_execute(&sql).await.unwrap() });
+        if batch % 2 == 0 {
+            // The socket cut while the burst is stored; the client resumes from its cursor.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let scopes = std::mem::take(&mut client.scopes);
+            drop(client);
+            client = Client::connect(server.addr).await;
+            client.scopes = scopes;
+            client
+                .subscribe("a", "ada", Some(&token("ada")), json!({}))
+                .await;
+        }
+        burst.await.unwrap();
+        let want = pg_scope(&db, "ada").await;
+        let by = tokio::time::Instant::now() + Duration::from_secs(1);
+        assert!(
+            equal_by(&mut client, "a", &want, by).await,
+            "batch {batch}: the client holds {} rows, Postgres {}, a second after the burst",
+            client.scopes["a"].rows.len(),
+            want.len()
+        );
+    }
+    server.stop().await;
+}

@@ -316,3 +316,92 @@ async fn schema_changes_reach_subscribers_and_the_replica_in_order() {
         .unwrap();
     assert_eq!(note, "in the same transaction");
 }
+
+/// Group commit: a subscriber that connects while a burst is being stored catches up from the
+/// change log on another connection, so that read must wait until every transaction handed on
+/// before it is durable — including a group still open, and one whose next transaction is
+/// half applied. Each subscriber must end with every transaction once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribers_catching_up_while_groups_are_stored_miss_no_transaction() {
+    let pg = start_pg().await;
+    let client = Arc::new(pg.connect().await.unwrap());
+    client.batch_execute(ITEMS_DDL).await.unwrap();
+    let data = DataDir::new("grouped-catchup");
+    let server = InProcess::start(serve_args(&pg.url(), data.path(), free_port())).await;
+    let rv = replica_version(server.addr).await;
+    let total = 3000;
+    let sql: String = (1..=total)
+        .map(|i| format!("BEGIN; INSERT INTO items VALUES ({i}, 'v{i}'); COMMIT;"))
+        .collect();
+    let writer = client.clone();
+    let burst = tokio::spawn(async move { writer.batch_execute(&sql).await.unwrap() });
+    let mut subscribers = Vec::new();
+    for _ in 0..12 {
+        subscribers.push(Subscriber::connect(server.addr, &changes_path(6, &rv, &rv)).await);
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    burst.await.unwrap();
+    let expected = pg_items(&client).await;
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    for (n, subscriber) in subscribers.iter_mut().enumerate() {
+        let done = subscriber.follow(until, |m| m.commits.len() >= total).await;
+        assert!(
+            done && subscriber.model.rows == expected,
+            "subscriber {n} has {} of {total} transactions and {} of {} rows",
+            subscriber.model.commits.len(),
+            subscriber.model.rows.len(),
+            expected.len()
+        );
+        assert_eq!(subscriber.model.commits.len(), total, "subscriber {n}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactions_stored_in_one_group_reach_subscribers_each_as_its_own_transaction() {
+    let pg = start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client.batch_execute(ITEMS_DDL).await.unwrap();
+    let data = DataDir::new("grouped");
+    let server = InProcess::start(serve_args(&pg.url(), data.path(), free_port())).await;
+    let rv = replica_version(server.addr).await;
+    let mut live = Subscriber::connect(server.addr, &changes_path(6, &rv, &rv)).await;
+
+    // 2,000 single-row transactions committed in one round trip: they queue up, and the
+    // server stores several of them per SQLite commit.
+    let sql: String = (1..=2000)
+        .map(|i| format!("BEGIN; INSERT INTO items VALUES ({i}, 'v{i}'); COMMIT;"))
+        .collect();
+    client.batch_execute(&sql).await.unwrap();
+    let expected = pg_items(&client).await;
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    assert!(live.follow(until, |m| m.rows == expected).await);
+    // The model checks that every begin is followed by its own commit, in increasing order.
+    assert_eq!(live.model.commits.len(), 2000);
+    assert_eq!(live.model.rollbacks, 0);
+
+    let stored_by = tokio::time::Instant::now() + Duration::from_secs(5);
+    let health = loop {
+        let health = health(server.addr).await;
+        if health["storedTransactions"].as_u64().unwrap() >= 2000 {
+            break health;
+        }
+        assert!(
+            tokio::time::Instant::now() < stored_by,
+            "not stored: {health}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let commits = health["storeCommits"].as_u64().unwrap();
+    let transactions = health["storedTransactions"].as_u64().unwrap();
+    assert!(
+        commits < transactions,
+        "no two transactions shared a commit: {health}"
+    );
+
+    // A subscriber catching up from the change log sees the same transactions.
+    let mut later = Subscriber::connect(server.addr, &changes_path(6, &rv, &rv)).await;
+    assert!(later.follow(until, |m| m.rows == expected).await);
+    assert_eq!(later.model.commits, live.model.commits);
+    server.stop().await;
+}
