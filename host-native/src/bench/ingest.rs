@@ -3,7 +3,7 @@
 //!
 //! Setup: a table of ~170-byte order rows and a publication for it; Highwater's replicator
 //! (the real `replicate` code path, in this process: replication stream → `engine::pgoutput`
-//! mapper → replica apply → one durable SQLite commit per upstream transaction) does its
+//! mapper → replica apply → durable SQLite commits, grouped while more is queued) does its
 //! initial sync, which creates its slot; then a second pgoutput slot on the same publication is
 //! created for `pg_recvlogical`. Both slots exist before the workload, so both see the same WAL.
 //!
