@@ -46,11 +46,17 @@ fn other_ca_pem() -> String {
         .pem()
 }
 
-/// A private server where `pw_user` logs in with a cleartext password over TCP.
+/// A private server where `pw_user` logs in with a cleartext password over TCP, and
+/// `scram_user` with SCRAM.
 async fn server() -> PrivatePg {
     let hba = ["all", "replication"]
         .iter()
-        .map(|db| format!("host {db} pw_user 127.0.0.1/32 password"))
+        .flat_map(|db| {
+            [
+                format!("host {db} pw_user 127.0.0.1/32 password"),
+                format!("host {db} scram_user 127.0.0.1/32 scram-sha-256"),
+            ]
+        })
         .collect();
     let pg = PrivatePg::start(PgOptions {
         hba_lines: hba,
@@ -61,7 +67,11 @@ async fn server() -> PrivatePg {
     pg.connect()
         .await
         .unwrap()
-        .batch_execute("CREATE ROLE pw_user LOGIN REPLICATION PASSWORD 'pw secret'")
+        .batch_execute(
+            "CREATE ROLE pw_user LOGIN REPLICATION PASSWORD 'pw secret';
+             SET password_encryption = 'scram-sha-256';
+             CREATE ROLE scram_user LOGIN PASSWORD 'scram secret';",
+        )
         .await
         .unwrap();
     pg
@@ -165,6 +175,34 @@ async fn sslmode_and_sslrootcert_govern_every_postgres_connection() {
     ))
     .await
     .expect("sslmode=disable allows a cleartext password");
+    // The same on tokio-postgres query connections: prefer over plain TCP refuses to answer
+    // a cleartext-password request, disable answers it, and SCRAM still works under prefer.
+    let query = |user: &str, query: &str| -> ConnectParams {
+        url(&pg, "127.0.0.1", user, query).parse().unwrap()
+    };
+    let error = query("pw_user:pw%20secret", "sslmode=prefer")
+        .upstream()
+        .connect()
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(error, ReplicationError::Auth { .. }), "{error}");
+    let error = error.to_string();
+    assert!(error.contains("cleartext password"), "{error}");
+    assert!(error.contains("sslmode=disable"), "{error}");
+    for (user, mode) in [
+        ("pw_user:pw%20secret", "sslmode=disable"),
+        ("scram_user:scram%20secret", "sslmode=prefer"),
+    ] {
+        let (client, connection) = query(user, mode)
+            .upstream()
+            .connect()
+            .await
+            .unwrap_or_else(|e| panic!("{user} with {mode}: {e}"));
+        tokio::spawn(connection);
+        let one: i32 = client.query_one("SELECT 1", &[]).await.unwrap().get(0);
+        assert_eq!(one, 1);
+    }
 
     enable_tls(&pg, &certs).await;
 

@@ -38,6 +38,8 @@ pub enum SyncError {
     #[error("upstream query failed: {0}")]
     Postgres(#[from] tokio_postgres::Error),
     #[error(transparent)]
+    Connect(#[from] crate::replication::ReplicationError),
+    #[error(transparent)]
     Replica(#[from] ReplicaError),
     #[error("malformed COPY data: {0}")]
     Copy(#[from] CopyTextError),

@@ -10,8 +10,11 @@
 //!
 //! Without `sslrootcert`, `verify-ca` and `verify-full` read `~/.postgresql/root.crt` as libpq
 //! does. Both the hand-written replication connection and every `tokio-postgres` connection
-//! use the same settings. tokio-postgres does not know `verify-ca`, `verify-full` or
-//! `sslrootcert`, so they are taken out of the URL here before it parses the rest.
+//! use the same settings and the same negotiation ([`PgTls::negotiate`]): tokio-postgres is
+//! handed the stream once TLS is on (or declined), so a cleartext-password request over plain
+//! TCP can be refused on its connections too. tokio-postgres does not know `verify-ca`,
+//! `verify-full` or `sslrootcert`, so they are taken out of the URL here before it parses the
+//! rest.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -25,7 +28,6 @@ use rustls::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio_postgres::config::SslMode as PgSslMode;
 
 /// libpq's `sslmode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -133,20 +135,6 @@ impl PgTls {
 
     pub fn mode(&self) -> SslMode {
         self.mode
-    }
-
-    /// The mode tokio-postgres understands; verification is in the rustls config.
-    pub(crate) fn postgres_mode(&self) -> PgSslMode {
-        match self.mode {
-            SslMode::Disable => PgSslMode::Disable,
-            SslMode::Prefer => PgSslMode::Prefer,
-            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => PgSslMode::Require,
-        }
-    }
-
-    /// What `tokio-postgres` connects with.
-    pub fn make_connect(&self) -> tokio_postgres_rustls::MakeRustlsConnect {
-        tokio_postgres_rustls::MakeRustlsConnect::new((*self.config).clone())
     }
 
     /// Postgres's TLS negotiation on a fresh TCP stream: `SSLRequest`, then the handshake when
