@@ -142,12 +142,14 @@ pub fn run(args: ZeroReplicaArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The snapshot URL of a Highwater at `base` (`http://host:port`, `ws://host:port`, or the
-/// snapshot URL itself).
+/// The snapshot URL of a Highwater at `base` (`http(s)://host:port`, `ws(s)://host:port`, or
+/// the snapshot URL itself).
 pub fn snapshot_url(base: &str) -> String {
     let base = base.trim_end_matches('/');
     let base = if let Some(rest) = base.strip_prefix("ws://") {
         format!("http://{rest}")
+    } else if let Some(rest) = base.strip_prefix("wss://") {
+        format!("https://{rest}")
     } else {
         base.to_owned()
     };
@@ -168,11 +170,16 @@ pub async fn export_from(
     let url = snapshot_url(base);
     let download = sibling(out, "download");
     let _cleanup = RemoveOnDrop(download.clone());
-    let headers = snapshot_download::download(&url, &download, token)
+    let client = snapshot_download::PeerClient::system();
+    let headers = snapshot_download::download(&url, &download, token, &client)
         .await
         .map_err(|error| match error {
             DownloadError::Failed { url, reason } => ZeroReplicaError::Download { url, reason },
             DownloadError::Io(error) => ZeroReplicaError::Io(error),
+            other => ZeroReplicaError::Download {
+                url: url.clone(),
+                reason: other.reason(),
+            },
         })?;
     let out = out.to_owned();
     let exported = tokio::task::spawn_blocking(move || export(&download, &out))
