@@ -286,3 +286,136 @@ async fn sslmode_and_sslrootcert_govern_every_postgres_connection() {
     assert!(params.upstream().connect().await.is_err());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A client certificate and key for `user`, signed by `ca`, written into `dir`.
+fn client_cert(dir: &Path, ca: &CertifiedIssuer<'_, KeyPair>, user: &str) -> (PathBuf, PathBuf) {
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.distinguished_name.push(DnType::CommonName, user);
+    let cert = params.signed_by(&key, ca).unwrap();
+    let cert_path = write(dir, &format!("{user}.crt"), &cert.pem());
+    let key_path = write(dir, &format!("{user}.key"), &key.serialize_pem());
+    (cert_path, key_path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_certificates_from_sslcert_and_sslkey_satisfy_clientcert_verify_full() {
+    // Over TLS, `cert_user` needs a certificate the server's CA signed, naming it.
+    let hba = ["all", "replication"]
+        .iter()
+        .map(|db| format!("hostssl {db} cert_user 127.0.0.1/32 trust clientcert=verify-full"))
+        .collect();
+    let pg = PrivatePg::start(PgOptions {
+        hba_lines: hba,
+        settings: vec![],
+    })
+    .await
+    .unwrap();
+    pg.connect()
+        .await
+        .unwrap()
+        .batch_execute("CREATE ROLE cert_user LOGIN REPLICATION")
+        .await
+        .unwrap();
+    let dir = scratch().join("client-certs");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "highwater client test CA");
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let server_key = KeyPair::generate().unwrap();
+    let server = CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&server_key, &ca)
+        .unwrap();
+    let certs = Certs {
+        ca_pem: ca.pem(),
+        server_pem: server.pem(),
+        server_key_pem: server_key.serialize_pem(),
+    };
+    // The server checks client certificates against the same CA.
+    let data = pg.data_dir();
+    let owner = std::fs::metadata(&data).unwrap();
+    let root = data.join("root.crt");
+    std::fs::write(&root, &certs.ca_pem).unwrap();
+    std::os::unix::fs::chown(&root, Some(owner.uid()), Some(owner.gid())).unwrap();
+    pg.connect()
+        .await
+        .unwrap()
+        .batch_execute("ALTER SYSTEM SET ssl_ca_file = 'root.crt'")
+        .await
+        .unwrap();
+    enable_tls(&pg, &certs).await;
+    let ca_file = write(&dir, "ca.pem", &certs.ca_pem);
+    let (cert, key) = client_cert(&dir, &ca, "cert_user");
+    let (other_cert, other_key) = client_cert(&dir, &ca, "someone_else");
+    let query = |extra: &str| {
+        format!(
+            "sslmode=verify-full&sslrootcert={}{extra}",
+            ca_file.display()
+        )
+    };
+    let with_cert = query(&format!(
+        "&sslcert={}&sslkey={}",
+        cert.display(),
+        key.display()
+    ));
+
+    // With the certificate: the replication connection and a query connection get in.
+    let conn = replication(&url(&pg, "localhost", "cert_user", &with_cert))
+        .await
+        .expect("replication with a client certificate");
+    assert!(is_encrypted(&pg, conn.backend_pid()).await);
+    let params: ConnectParams = url(&pg, "localhost", "cert_user", &with_cert)
+        .parse()
+        .unwrap();
+    let (client, connection) = params.upstream().connect().await.expect("query connection");
+    tokio::spawn(connection);
+    let user: String = client
+        .query_one("SELECT current_user::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(user, "cert_user");
+
+    // Without one, or with one naming another user, the server refuses.
+    for (what, extra, expected) in [
+        ("no certificate", query(""), "certificate"),
+        (
+            "another user's certificate",
+            query(&format!(
+                "&sslcert={}&sslkey={}",
+                other_cert.display(),
+                other_key.display()
+            )),
+            "authentication failed",
+        ),
+    ] {
+        let error = replication(&url(&pg, "localhost", "cert_user", &extra))
+            .await
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains(expected), "{what}: {error}");
+        let params: ConnectParams = url(&pg, "localhost", "cert_user", &extra).parse().unwrap();
+        assert!(params.upstream().connect().await.is_err(), "{what}");
+    }
+    // A key that is not PEM is a clear configuration error.
+    let junk = write(&dir, "junk.key", "not a key");
+    let error = url(
+        &pg,
+        "localhost",
+        "cert_user",
+        &query(&format!(
+            "&sslcert={}&sslkey={}",
+            cert.display(),
+            junk.display()
+        )),
+    )
+    .parse::<ConnectParams>()
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("cannot read sslkey"), "{error}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
