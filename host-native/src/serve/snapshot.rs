@@ -213,7 +213,8 @@ fn copy_without_change_log(replica: &Path, copy: &Path) -> rusqlite::Result<()> 
     let conn = Connection::open(copy)?;
     conn.busy_timeout(std::time::Duration::from_secs(30))?;
     // A half-built copy is deleted, never used: no journal needed while building.
-    conn.execute_batch("PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF;")?;
+    // For the copy only (`main`); the replica attached below keeps its WAL.
+    conn.execute_batch("PRAGMA main.journal_mode = OFF; PRAGMA main.synchronous = OFF;")?;
     conn.execute(
         "ATTACH DATABASE ?1 AS source",
         [replica.to_string_lossy().as_ref()],
@@ -258,7 +259,7 @@ fn copy_without_change_log(replica: &Path, copy: &Path) -> rusqlite::Result<()> 
     let user_version: i64 = tx.query_row("PRAGMA source.user_version", [], |r| r.get(0))?;
     tx.pragma_update(Some("main"), "user_version", user_version)?;
     tx.commit()?;
-    conn.execute_batch("DETACH DATABASE source; PRAGMA journal_mode = DELETE;")?;
+    conn.execute_batch("DETACH DATABASE source; PRAGMA main.journal_mode = DELETE;")?;
     Ok(())
 }
 
@@ -408,6 +409,15 @@ mod tests {
             .expect("version");
         assert_eq!(version, 5);
         drop(copied);
+        // The replica itself is untouched: still in WAL mode, its log still there.
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .expect("mode");
+        assert_eq!(mode, "wal");
+        let logged: i64 = conn
+            .query_row(r#"SELECT count(*) FROM "_hw_change_log""#, [], |r| r.get(0))
+            .expect("log");
+        assert_eq!(logged, 2000);
         drop(conn);
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
