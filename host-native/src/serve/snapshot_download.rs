@@ -178,13 +178,15 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> PeerIo for T {}
 pub(crate) type PeerStream = Box<dyn PeerIo>;
 
 /// `GET url` (`http://` or `https://`) into `path` (created anew, synced), with the token as
-/// `Authorization: Bearer`. On failure `path` is removed.
+/// `Authorization: Bearer`. On failure, or when dropped before it ends, `path` is removed.
 pub(crate) async fn download(
     url: &str,
     path: &Path,
     token: Option<&ReplicationToken>,
     client: &PeerClient,
 ) -> Result<SnapshotHeaders, DownloadError> {
+    // Also when this future is dropped half-way (the caller gave up on it).
+    let mut partial = RemoveOnDrop(Some(path.to_owned()));
     let overall = client.snapshot_timeout;
     let result = match tokio::time::timeout(overall, fetch(url, path, token, client)).await {
         Ok(result) => result,
@@ -194,10 +196,21 @@ pub(crate) async fn download(
             limit: overall,
         }),
     };
-    if result.is_err() {
-        let _ = tokio::fs::remove_file(path).await;
+    if result.is_ok() {
+        partial.0 = None;
     }
     result
+}
+
+/// Removes the file at its path when dropped, unless taken out.
+struct RemoveOnDrop(Option<std::path::PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
 
 async fn fetch(
@@ -485,13 +498,25 @@ mod tests {
         }
 
         // A peer that stops sending: the idle timeout ends it, nothing is stored.
-        let port = server(config, Answer::Stall).await;
+        let port = server(config.clone(), Answer::Stall).await;
         let error = download(&url(port), &file, None, &client(&ca, 1000))
             .await
             .expect_err("stalled");
         let text = error.to_string();
         assert!(matches!(error, DownloadError::TimedOut { .. }), "{text}");
         assert!(text.contains("expected more bytes within 300 ms"), "{text}");
+        assert!(!file.exists());
+
+        // Given up on half-way (a caller's select dropped it): nothing is left either.
+        let port = server(config.clone(), Answer::Stall).await;
+        let mut slow = client(&ca, 1000);
+        slow.idle_timeout = Duration::from_secs(20);
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(500),
+            download(&url(port), &file, None, &slow),
+        )
+        .await;
+        assert!(dropped.is_err(), "still downloading when dropped");
         assert!(!file.exists());
 
         // Without trust for TLS peers, an https URL is refused with the reason.
