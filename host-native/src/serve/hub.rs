@@ -170,7 +170,13 @@ impl Hub {
         let now = self.now_ms();
         let mut streamer = self.fault.lock(&self.streamer, "streamer");
         let effects = f(&mut streamer, now);
-        self.dispatch(effects);
+        let mut overflowed = self.dispatch(effects);
+        // A connection whose queue overflowed is closed in the streamer at once, so its backlog
+        // holds up no one while its task writes out what was queued.
+        while let Some(conn) = overflowed.pop() {
+            let effects = streamer.on_close(conn);
+            overflowed.extend(self.dispatch(effects));
+        }
     }
 
     /// Reads the streamer without producing effects.
@@ -183,21 +189,27 @@ impl Hub {
         f(&mut self.fault.lock(&self.streamer, "streamer"))
     }
 
-    fn dispatch(&self, effects: Vec<Effect>) {
+    /// Carries out `effects`; returns the connections whose queue overflowed (see [`queue`]).
+    fn dispatch(&self, effects: Vec<Effect>) -> Vec<ConnId> {
+        let mut overflowed = Vec::new();
         if effects.is_empty() {
-            return;
+            return overflowed;
         }
         let mut links = self.fault.lock(&self.links, "links");
         for effect in effects {
             match effect {
                 Effect::Send { conn, frame } => {
-                    queue(&mut links, conn, ConnCommand::Frame(frame));
+                    if !queue(&mut links, conn, ConnCommand::Frame(frame)) {
+                        overflowed.push(conn);
+                    }
                 }
                 Effect::Close { conn, code, reason } => {
                     if let Some(link) = links.get(&conn) {
                         link.closing.send_replace(Some((code, reason.clone())));
                     }
-                    queue(&mut links, conn, ConnCommand::Close { code, reason });
+                    if !queue(&mut links, conn, ConnCommand::Close { code, reason }) {
+                        overflowed.push(conn);
+                    }
                 }
                 Effect::Store(op) => self.enqueue(StorageOp::Store(op)),
                 Effect::FetchCatchup {
@@ -234,6 +246,7 @@ impl Hub {
                 },
             }
         }
+        overflowed
     }
 
     fn enqueue(&self, op: StorageOp) {
@@ -351,7 +364,8 @@ impl Hub {
                 link.closing.send_replace(Some((code, reason.to_owned())));
             }
             let reason = reason.to_owned();
-            queue(&mut links, conn, ConnCommand::Close { code, reason });
+            // Shutting down: a full queue is dropped all the same, and the streamer goes too.
+            let _ = queue(&mut links, conn, ConnCommand::Close { code, reason });
         }
     }
 }
@@ -363,16 +377,17 @@ fn queue_frames(backlog_high_water_bytes: usize) -> usize {
     (backlog_high_water_bytes / MIN_FRAME_BYTES).saturating_add(QUEUE_SLACK_FRAMES)
 }
 
-/// Queues `command` for `conn`. A full queue ends the connection as a subscriber over its
-/// backlog is ended: its link goes (nothing more is queued, so what it still gets is a gap-free
-/// prefix of its stream), it is told to close with 1013, and once its task has written what
-/// was queued — or given up on a peer that stopped reading — it closes and tells the streamer.
-fn queue(links: &mut HashMap<ConnId, Link>, conn: ConnId, command: ConnCommand) {
+/// Queues `command` for `conn`; `false` when its queue was full. A full queue ends the
+/// connection as a subscriber over its backlog is ended: its link goes (nothing more is queued,
+/// so what it still gets is a gap-free prefix of its stream), it is told to close with 1013,
+/// the caller closes it in the streamer, and once its task has written what was queued — or
+/// given up on a peer that stopped reading — it closes the socket.
+fn queue(links: &mut HashMap<ConnId, Link>, conn: ConnId, command: ConnCommand) -> bool {
     let Some(link) = links.get(&conn) else {
-        return;
+        return true;
     };
     match link.out.try_send(command) {
-        Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {}
+        Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => true,
         Err(mpsc::error::TrySendError::Full(_)) => {
             tracing::warn!(%conn, "the outbound queue of a connection is full: closing it");
             if let Some(link) = links.remove(&conn) {
@@ -386,6 +401,7 @@ fn queue(links: &mut HashMap<ConnId, Link>, conn: ConnId, command: ConnCommand) 
                     unset
                 });
             }
+            false
         }
     }
 }
@@ -433,6 +449,26 @@ mod tests {
         let (flooded, mut commands) = hub.connect();
         let (other, mut other_commands) = hub.connect();
         let closing = hub.closing_signal(flooded).expect("open");
+        hub.call(|s, now| {
+            use highwater_engine::change_stream::{Extra, SubscribeContext, SubscriberMode};
+            s.open(flooded, 6, false);
+            let context = SubscribeContext {
+                task_id: "t".to_owned(),
+                id: "flooded".to_owned(),
+                mode: SubscriberMode::Serving,
+                replica_version: w(1),
+                watermark: w(1),
+                backfills: None,
+                extra: Extra::new(),
+            };
+            s.subscribe(flooded, context, now)
+        });
+        assert!(hub.inspect(|s| s.subscriber(flooded).is_some()));
+        // What the subscription sent so far (its status) comes first.
+        let mut early = Vec::new();
+        while let Ok(ConnCommand::Frame(frame)) = commands.try_recv() {
+            early.push(frame);
+        }
         let acks = |conn, ids: std::ops::Range<u64>| {
             ids.map(|id| Effect::Send {
                 conn,
@@ -465,6 +501,8 @@ mod tests {
             commands.try_recv(),
             Err(mpsc::error::TryRecvError::Disconnected)
         ));
+        // The streamer forgot it at once: nothing it holds counts against anyone.
+        assert!(hub.inspect(|s| s.subscriber(flooded).is_none()));
         // Later frames for it go nowhere; the other connection's three arrived.
         hub.call(|_, _| acks(flooded, sent..sent + 1));
         assert!(commands.try_recv().is_err());
