@@ -399,7 +399,12 @@ async fn client_certificates_from_sslcert_and_sslkey_satisfy_clientcert_verify_f
             .to_string();
         assert!(error.contains(expected), "{what}: {error}");
         let params: ConnectParams = url(&pg, "localhost", "cert_user", &extra).parse().unwrap();
-        assert!(params.upstream().connect().await.is_err(), "{what}");
+        let error = params.upstream().connect().await.map(|_| ()).unwrap_err();
+        assert!(
+            matches!(error, ReplicationError::Auth { .. }),
+            "{what}: {error}"
+        );
+        assert!(error.to_string().contains(expected), "{what}: {error}");
     }
     // A key that is not PEM is a clear configuration error.
     let junk = write(&dir, "junk.key", "not a key");

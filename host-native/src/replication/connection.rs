@@ -78,7 +78,17 @@ impl PgConfig {
                     user: params.user().to_owned(),
                     reason: CLEARTEXT_REFUSED.to_owned(),
                 }),
-                Err(error) => Err(ReplicationError::Query(error)),
+                // 28xxx: invalid authorization (a wrong password, a missing certificate).
+                Err(error) => match error
+                    .as_db_error()
+                    .filter(|e| e.code().code().starts_with("28"))
+                {
+                    Some(db) => Err(ReplicationError::Auth {
+                        user: params.user().to_owned(),
+                        reason: format!("{} {}: {}", db.severity(), db.code().code(), db.message()),
+                    }),
+                    None => Err(ReplicationError::Query(error)),
+                },
             }
         };
         match self.config.get_connect_timeout() {
