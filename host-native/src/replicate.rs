@@ -23,10 +23,8 @@ use tokio::runtime::Handle;
 use tokio::sync::watch;
 
 use crate::pause_point::{self, Point};
-use crate::replication::PgConfig;
-use crate::upstream::{feed, reconcile_relation, Catalog, EffectHost};
+use crate::upstream::{backfill_item, feed, reconcile_relation, Backfills, Catalog, EffectHost};
 
-use crate::replica::backfill::{run_backfills, BackfillPlanner, RecentXids};
 use crate::replica::bootstrap::{BootstrapError, Upstream};
 use crate::replica::initial_sync::SyncError;
 use crate::replica::{Applied, Replica, ReplicaWriter};
@@ -76,28 +74,6 @@ pub fn run(args: ReplicateArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Backfills between upstream transactions: what to run next, and the transactions the next
-/// backfill's snapshot must see.
-struct Backfills {
-    upstream: PgConfig,
-    planner: BackfillPlanner,
-    recent_xids: RecentXids,
-}
-
-impl Backfills {
-    /// Runs the backfills the replica waits for, each committed on its own (no group is open
-    /// when one may start).
-    fn run(&mut self, handle: &Handle, writer: &mut ReplicaWriter) -> Result<(), SyncError> {
-        let xids = self.recent_xids.to_vec();
-        let grouping = writer.group_commit();
-        writer.set_group_commit(false);
-        let result = run_backfills(handle, &self.upstream, writer, &mut self.planner, &xids);
-        writer.set_group_commit(grouping);
-        result?;
-        Ok(())
-    }
-}
-
 /// Replicates until `stop` turns true. Blocking: run it on a blocking thread of `handle`'s
 /// runtime.
 pub fn replicate(
@@ -122,13 +98,9 @@ pub fn replicate(
 
     let mut writer = ReplicaWriter::new(replica);
     let mut catalog = Catalog::new(upstream.params.upstream());
-    let mut backfills = Backfills {
-        upstream: upstream.params.upstream(),
-        planner: BackfillPlanner::new(),
-        recent_xids: RecentXids::default(),
-    };
-    // Pending since before a crash or a stop: recorded with the schema change that asked.
-    backfills.run(handle, &mut writer)?;
+    // Backfills pending since before a crash or a stop (recorded with the schema change that
+    // asked) start when the session first says one may.
+    let mut backfills = Backfills::new(upstream.params.upstream());
     let state = writer
         .replica()
         .state()
@@ -217,12 +189,37 @@ impl Replicator<'_> {
         }))
     }
 
+    /// At a stop: what is applied between transactions is whole, so it is made durable (and
+    /// acknowledged); a transaction half applied is rolled back by the caller.
+    fn stop(&mut self) -> anyhow::Result<()> {
+        if !self.writer.in_transaction() {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
     /// Makes the open group durable and reports it to the session (acknowledging it).
     fn flush(&mut self) -> anyhow::Result<()> {
         match self.make_durable()? {
             Some(watermark) => feed(self, Input::Stored { watermark }),
             None => Ok(()),
         }
+    }
+
+    /// When an open group with no transaction half applied must be flushed if nothing more
+    /// arrives; flushes it now if that has passed. `None`: wait for input without a deadline.
+    fn flush_deadline(&mut self) -> anyhow::Result<Option<Duration>> {
+        let now = self.now_us();
+        let in_transaction = self.writer.in_transaction();
+        if self.group.flush_due(now, in_transaction) {
+            self.flush()?;
+        }
+        Ok(match self.group.deadline_us() {
+            Some(deadline) if !self.writer.in_transaction() => {
+                Some(Duration::from_micros(deadline.saturating_sub(now)))
+            }
+            _ => None,
+        })
     }
 }
 
@@ -262,11 +259,28 @@ fn stream_changes(
     let mut queued = VecDeque::new();
     loop {
         if *stop.borrow() {
-            // What is applied between transactions is whole: durable, then acknowledged.
-            if !replicator.writer.in_transaction() {
-                replicator.flush()?;
+            return replicator.stop();
+        }
+        // The session says what it takes: a running backfill is the only source until its
+        // commit.
+        if replicator.session.backfill_running() {
+            // About to wait for input: an open group waits no longer than its deadline.
+            let flush_in = replicator.flush_deadline()?;
+            let backfills = &mut *replicator.backfills;
+            let item = handle.block_on(async {
+                tokio::select! {
+                    _ = stop.changed() => None,
+                    item = backfills.next() => Some(Some(item)),
+                    _ = tokio::time::sleep(flush_in.unwrap_or_default()),
+                        if flush_in.is_some() => Some(None),
+                }
+            });
+            match item {
+                None => return replicator.stop(),
+                Some(None) => replicator.flush()?,
+                Some(Some(item)) => backfill_item(&mut replicator, item)?,
             }
-            return Ok(());
+            continue;
         }
         if queued.is_empty() {
             // Whatever is queued is taken in one wake-up.
@@ -275,18 +289,7 @@ fn stream_changes(
         }
         if queued.is_empty() {
             // About to wait for input: an open group waits no longer than its deadline.
-            let now = replicator.now_us();
-            let in_transaction = replicator.writer.in_transaction();
-            if replicator.group.flush_due(now, in_transaction) {
-                replicator.flush()?;
-                continue;
-            }
-            let flush_in = match replicator.group.deadline_us() {
-                Some(deadline) if !in_transaction => {
-                    Some(Duration::from_micros(deadline.saturating_sub(now)))
-                }
-                _ => None,
-            };
+            let flush_in = replicator.flush_deadline()?;
             let stream = &mut *replicator.stream;
             let taken = handle.block_on(async {
                 tokio::select! {
@@ -297,7 +300,7 @@ fn stream_changes(
                 }
             });
             match taken {
-                None => continue,
+                None => return replicator.stop(),
                 Some(None) => {
                     replicator.flush()?;
                     continue;
@@ -341,7 +344,7 @@ impl EffectHost for Replicator<'_> {
 
     fn apply(&mut self, message: DownstreamMessage) -> anyhow::Result<Vec<Watermark>> {
         if let DownstreamMessage::Begin(begin) = &message {
-            self.backfills.recent_xids.note(begin);
+            self.backfills.note(begin);
         }
         Ok(match self.writer.apply(&message)? {
             Applied::Grouped { watermark, .. } => {
@@ -397,11 +400,11 @@ impl EffectHost for Replicator<'_> {
 
     fn idle(&mut self) {}
 
-    fn start_backfill(&mut self) -> anyhow::Result<bool> {
-        // Backfills run here to their end, written straight to the replica.
-        if self.writer.replica().has_pending_backfills() {
-            self.backfills.run(self.handle, self.writer)?;
-        }
-        Ok(false)
+    fn backfills(&mut self) -> Option<(&mut Backfills, &Replica)> {
+        Some((&mut *self.backfills, self.writer.replica()))
+    }
+
+    fn handle(&self) -> &Handle {
+        self.handle
     }
 }

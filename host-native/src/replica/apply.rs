@@ -115,12 +115,6 @@ impl ReplicaWriter {
         self.grouping = on;
     }
 
-    /// Whether a commit leaves the SQLite transaction open (see
-    /// [`ReplicaWriter::set_group_commit`]).
-    pub fn group_commit(&self) -> bool {
-        self.grouping
-    }
-
     /// Whether grouped transactions wait for [`ReplicaWriter::commit_group`].
     pub fn group_open(&self) -> bool {
         self.group_open
