@@ -307,6 +307,14 @@ async fn start_server(pg_url: &str, data: &Path, files: &SyncFiles) -> InProcess
     InProcess::start(args).await
 }
 
+/// [`start_server`] with group commit.
+async fn start_grouping_server(pg_url: &str, data: &Path, files: &SyncFiles) -> InProcess {
+    let mut args = serve_args(pg_url, data, free_port());
+    files.apply(&mut args);
+    args.group_commit = true;
+    InProcess::start(args).await
+}
+
 /// A thousand writes of every kind to ada's and grace's rows, with owner changes moving rows
 /// in and out of both scopes; with `truncate`, a truncate near the end.
 async fn churn(pg: &tokio_postgres::Client, base: i64, truncate: bool) {
@@ -801,7 +809,7 @@ async fn the_last_of_a_burst_of_small_transactions_reaches_scope_clients_and_sub
     db.batch_execute(TODOS_DDL).await.unwrap();
     let files = SyncFiles::new();
     let data = DataDir::new("scope-sync-burst");
-    let server = start_server(&pg.url(), data.path(), &files).await;
+    let server = start_grouping_server(&pg.url(), data.path(), &files).await;
     let rv = replica_version(server.addr).await;
     let mut live = Subscriber::connect(server.addr, &changes_path(6, &rv, &rv)).await;
     let mut steady = Client::connect(server.addr).await;
@@ -874,7 +882,7 @@ async fn a_client_resuming_during_bursts_of_grouped_transactions_is_equal_within
     db.batch_execute(TODOS_DDL).await.unwrap();
     let files = SyncFiles::new();
     let data = DataDir::new("scope-sync-resume-burst");
-    let server = start_server(&pg.url(), data.path(), &files).await;
+    let server = start_grouping_server(&pg.url(), data.path(), &files).await;
     let mut client = Client::connect(server.addr).await;
     client
         .subscribe("a", "ada", Some(&token("ada")), json!({}))

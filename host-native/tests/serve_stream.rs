@@ -327,7 +327,9 @@ async fn subscribers_catching_up_while_groups_are_stored_miss_no_transaction() {
     let client = Arc::new(pg.connect().await.unwrap());
     client.batch_execute(ITEMS_DDL).await.unwrap();
     let data = DataDir::new("grouped-catchup");
-    let server = InProcess::start(serve_args(&pg.url(), data.path(), free_port())).await;
+    let mut args = serve_args(&pg.url(), data.path(), free_port());
+    args.group_commit = true;
+    let server = InProcess::start(args).await;
     let rv = replica_version(server.addr).await;
     let total = 3000;
     let sql: String = (1..=total)
@@ -363,7 +365,9 @@ async fn transactions_stored_in_one_group_reach_subscribers_each_as_its_own_tran
     let client = pg.connect().await.unwrap();
     client.batch_execute(ITEMS_DDL).await.unwrap();
     let data = DataDir::new("grouped");
-    let server = InProcess::start(serve_args(&pg.url(), data.path(), free_port())).await;
+    let mut args = serve_args(&pg.url(), data.path(), free_port());
+    args.group_commit = true;
+    let server = InProcess::start(args).await;
     let rv = replica_version(server.addr).await;
     let mut live = Subscriber::connect(server.addr, &changes_path(6, &rv, &rv)).await;
 

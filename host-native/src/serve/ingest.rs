@@ -6,7 +6,8 @@
 //! (which releases the upstream confirmation); catch-up reads start once every store before
 //! them is committed.
 //!
-//! Group commit (the engine's `upstream::GroupCommit` holds the rule): while more upstream
+//! Group commit (the engine's `upstream::GroupCommit` holds the rule; on with `serve
+//! --group-commit`, otherwise one transaction per SQLite commit): while more upstream
 //! transactions are queued, the next ones are applied into the same SQLite transaction, each
 //! in a savepoint of its own. The group is made durable when the engine says it is full, when
 //! its deadline passes with nothing more to apply (the thread never waits for input past it),
@@ -142,6 +143,7 @@ impl Ingest {
         confirm: Confirm,
         backfills: Option<(Backfills, crate::replication::PgConfig)>,
         sync: Option<SyncFeed>,
+        group: GroupLimits,
         ops: mpsc::UnboundedReceiver<StorageOp>,
     ) -> Ingest {
         let catalog = backfills
@@ -164,7 +166,7 @@ impl Ingest {
             catalog,
             sync,
             ops,
-            group: GroupCommit::new(GroupLimits::default()),
+            group: GroupCommit::new(group),
             grouped: Vec::new(),
             deferred_catchups: Vec::new(),
             txn_bytes: 0,

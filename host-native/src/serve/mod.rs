@@ -46,6 +46,7 @@ use highwater_engine::streamer::{
     BackupWatermark, ChangeLogState, Streamer, StreamerConfig, DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
     DEFAULT_BACKLOG_HIGH_WATER_BYTES, DEFAULT_PURGE_DELAY_MS,
 };
+use highwater_engine::upstream::GroupLimits;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -149,6 +150,11 @@ pub struct ServeArgs {
     /// (1013, "slow consumer").
     #[arg(long, default_value_t = DEFAULT_SLOW_CONSUMER_MS, hide = true)]
     pub sync_slow_consumer_ms: u64,
+    /// Store queued upstream transactions in one SQLite commit (group commit). Off by default
+    /// for `serve`: with it, the client end-to-end test with severed connections still fails
+    /// now and then (DEVELOPMENT.md, known gaps).
+    #[arg(long, hide = true)]
+    pub group_commit: bool,
     /// Boxed: the security options would make every `highwater` command as large as `serve`.
     #[command(flatten)]
     pub security: Box<SecurityArgs>,
@@ -190,6 +196,7 @@ impl ServeArgs {
             sync_secret: SyncSecretArgs::default(),
             sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,
             sync_slow_consumer_ms: DEFAULT_SLOW_CONSUMER_MS,
+            group_commit: false,
             security: Box::default(),
             extra_routes: None,
         }
@@ -380,6 +387,7 @@ fn settings(
         sync,
         sync_retention: Duration::from_secs(args.sync_retention_secs),
         sync_slow_consumer_ms: args.sync_slow_consumer_ms,
+        group_commit: args.group_commit,
         data: args.data.clone(),
         public_url: args.public_url(),
         purge_delay: Duration::from_millis(args.purge_delay_ms),
@@ -405,6 +413,8 @@ struct Settings {
     sync: Option<Arc<SyncAuth>>,
     sync_retention: Duration,
     sync_slow_consumer_ms: u64,
+    /// Group commit in the ingest thread (`--group-commit`).
+    group_commit: bool,
     data: PathBuf,
     public_url: String,
     purge_delay: Duration,
@@ -528,6 +538,11 @@ async fn run_server(
         sync_hub
             .clone()
             .map(|hub| ingest::SyncFeed::new(hub, settings.sync_retention)),
+        if settings.group_commit {
+            GroupLimits::default()
+        } else {
+            GroupLimits::off()
+        },
         ops,
     );
     let ingest_task = {
