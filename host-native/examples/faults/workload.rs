@@ -1,0 +1,275 @@
+//! The workload and its ledger: a few writers commit small transactions of inserts, updates
+//! (some moving a row to another owner, some changing its key) and deletes on `items`. Every
+//! transaction first inserts one row into `ledger` with a tag unique to it, so the set of
+//! committed transactions is read back from Postgres itself at the end, whatever the writers
+//! could not learn (a connection lost during COMMIT leaves its outcome unknown to them).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+use tokio::sync::watch;
+
+use crate::rng::Rng;
+
+pub const ITEMS: &str = "items";
+pub const LEDGER: &str = "ledger";
+pub const OWNERS: [&str; 3] = ["ada", "grace", "linus"];
+
+pub const SCHEMA: &str = "CREATE TABLE items (id int8 PRIMARY KEY, owner text NOT NULL, v text);
+     CREATE TABLE ledger (tag int8 PRIMARY KEY, writer int4 NOT NULL)";
+
+/// Tags and ids of writer `w` are `w * ID_SPACE + k`.
+const ID_SPACE: i64 = 1_000_000_000;
+/// A writer deletes more once it holds this many rows.
+const LIVE_ROWS: usize = 150;
+
+/// What the writers learnt about their own transactions.
+#[derive(Debug, Default)]
+pub struct Tally {
+    /// COMMIT answered OK.
+    pub committed: AtomicU64,
+    /// The connection failed during COMMIT: it may or may not have committed.
+    pub unknown: AtomicU64,
+    /// Failed before COMMIT (rolled back).
+    pub failed: AtomicU64,
+    /// Tags whose COMMIT answered OK, for the check that Postgres kept them.
+    pub acknowledged: std::sync::Mutex<BTreeSet<i64>>,
+}
+
+/// A column value as text, the same for a change-stream row, a scope row and a Postgres row.
+pub fn text_of(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        Value::Null => "<null>".to_owned(),
+        Value::Number(n) => n.to_string(),
+        other => other.to_string(),
+    }
+}
+
+pub fn int_of(value: &Value) -> Option<i64> {
+    match value {
+        Value::Number(n) => n.as_i64(),
+        Value::String(s) => s.parse().ok(),
+        _ => None,
+    }
+}
+
+pub fn row_key(row: &Map<String, Value>) -> Option<i64> {
+    int_of(row.get("id")?)
+}
+
+pub fn row_values(row: &Map<String, Value>) -> BTreeMap<String, String> {
+    row.iter().map(|(k, v)| (k.clone(), text_of(v))).collect()
+}
+
+/// `items` as Postgres has it now, and the ledger's tags.
+pub struct PgState {
+    pub rows: BTreeMap<i64, BTreeMap<String, String>>,
+    pub tags: BTreeSet<i64>,
+}
+
+pub async fn pg_state(client: &tokio_postgres::Client) -> anyhow::Result<PgState> {
+    let rows = client
+        .query("SELECT id, owner, v FROM items", &[])
+        .await?
+        .iter()
+        .map(|r| {
+            let id: i64 = r.get(0);
+            let owner: String = r.get(1);
+            let v: Option<String> = r.get(2);
+            let mut row = BTreeMap::new();
+            row.insert("id".to_owned(), id.to_string());
+            row.insert("owner".to_owned(), owner);
+            row.insert("v".to_owned(), v.unwrap_or_else(|| "<null>".to_owned()));
+            (id, row)
+        })
+        .collect();
+    let tags = client
+        .query("SELECT tag FROM ledger", &[])
+        .await?
+        .iter()
+        .map(|r| r.get::<_, i64>(0))
+        .collect();
+    Ok(PgState { rows, tags })
+}
+
+/// One writer until `stop`, reconnecting (directly to Postgres) after every failure.
+pub async fn writer(
+    w: i64,
+    url: String,
+    mut rng: Rng,
+    tally: Arc<Tally>,
+    stop: watch::Receiver<bool>,
+) {
+    let mut next = w * ID_SPACE;
+    let mut live: Vec<i64> = Vec::new();
+    while !*stop.borrow() {
+        let Ok((mut client, connection)) =
+            tokio_postgres::connect(&url, tokio_postgres::NoTls).await
+        else {
+            tokio::time::sleep(Duration::from_millis(rng.range(100, 300))).await;
+            continue;
+        };
+        let connection = tokio::spawn(connection);
+        while !*stop.borrow() {
+            next += 1;
+            let tag = next;
+            let plan = plan(&mut rng, &mut next, &live);
+            match transaction(&mut client, w, tag, &plan).await {
+                Outcome::Committed => {
+                    tally.committed.fetch_add(1, Ordering::Relaxed);
+                    tally
+                        .acknowledged
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(tag);
+                    for op in &plan {
+                        op.learn(&mut live);
+                    }
+                }
+                Outcome::Unknown => {
+                    tally.unknown.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+                Outcome::Failed => {
+                    tally.failed.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(rng.range(5, 40))).await;
+        }
+        connection.abort();
+        tokio::time::sleep(Duration::from_millis(rng.range(50, 200))).await;
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Insert {
+        id: i64,
+        owner: &'static str,
+        v: String,
+    },
+    Update {
+        id: i64,
+        v: String,
+    },
+    Move {
+        id: i64,
+        owner: &'static str,
+    },
+    Rekey {
+        id: i64,
+        to: i64,
+    },
+    Delete {
+        id: i64,
+    },
+}
+
+impl Op {
+    fn learn(&self, live: &mut Vec<i64>) {
+        match self {
+            Op::Insert { id, .. } => live.push(*id),
+            Op::Rekey { id, to } => {
+                live.retain(|x| x != id);
+                live.push(*to);
+            }
+            Op::Delete { id } => live.retain(|x| x != id),
+            Op::Update { .. } | Op::Move { .. } => {}
+        }
+    }
+}
+
+fn plan(rng: &mut Rng, next: &mut i64, live: &[i64]) -> Vec<Op> {
+    let mut ops = Vec::new();
+    let mut mine: Vec<i64> = live.to_vec();
+    for _ in 0..rng.range(1, 4) {
+        let roll = rng.range(0, 100);
+        let delete_bias = if mine.len() > LIVE_ROWS { 40 } else { 0 };
+        let target = rng.pick(&mine).copied();
+        let owner = OWNERS[rng.range(0, OWNERS.len() as u64) as usize];
+        let op = match target {
+            Some(id) if roll < 15 + delete_bias => Op::Delete { id },
+            Some(id) if roll < 45 + delete_bias => Op::Update {
+                id,
+                v: format!("v{}", rng.next_u64() % 1_000_000),
+            },
+            Some(id) if roll < 60 + delete_bias => Op::Move { id, owner },
+            Some(id) if roll < 65 + delete_bias => {
+                *next += 1;
+                Op::Rekey { id, to: *next }
+            }
+            _ => {
+                *next += 1;
+                Op::Insert {
+                    id: *next,
+                    owner,
+                    v: format!("v{}", rng.next_u64() % 1_000_000),
+                }
+            }
+        };
+        op.learn(&mut mine);
+        ops.push(op);
+    }
+    ops
+}
+
+enum Outcome {
+    Committed,
+    Unknown,
+    Failed,
+}
+
+async fn transaction(
+    client: &mut tokio_postgres::Client,
+    w: i64,
+    tag: i64,
+    plan: &[Op],
+) -> Outcome {
+    let writer = i32::try_from(w).unwrap_or(i32::MAX);
+    let body = async {
+        let tx = client.transaction().await?;
+        tx.execute(
+            "INSERT INTO ledger (tag, writer) VALUES ($1, $2)",
+            &[&tag, &writer],
+        )
+        .await?;
+        for op in plan {
+            match op {
+                Op::Insert { id, owner, v } => {
+                    tx.execute(
+                        "INSERT INTO items (id, owner, v) VALUES ($1, $2, $3)",
+                        &[id, owner, v],
+                    )
+                    .await?
+                }
+                Op::Update { id, v } => {
+                    tx.execute("UPDATE items SET v = $2 WHERE id = $1", &[id, v])
+                        .await?
+                }
+                Op::Move { id, owner } => {
+                    tx.execute("UPDATE items SET owner = $2 WHERE id = $1", &[id, owner])
+                        .await?
+                }
+                Op::Rekey { id, to } => {
+                    tx.execute("UPDATE items SET id = $2 WHERE id = $1", &[id, to])
+                        .await?
+                }
+                Op::Delete { id } => tx.execute("DELETE FROM items WHERE id = $1", &[id]).await?,
+            };
+        }
+        Ok::<_, tokio_postgres::Error>(tx)
+    };
+    let tx = match tokio::time::timeout(Duration::from_secs(10), body).await {
+        Ok(Ok(tx)) => tx,
+        _ => return Outcome::Failed,
+    };
+    match tokio::time::timeout(Duration::from_secs(10), tx.commit()).await {
+        Ok(Ok(())) => Outcome::Committed,
+        _ => Outcome::Unknown,
+    }
+}
