@@ -56,6 +56,25 @@ pub struct SubState {
     pub errors: Vec<String>,
 }
 
+impl SubState {
+    /// A subscriber that holds nothing yet, at the replica version.
+    pub fn new(name: String, replica_version: Watermark) -> SubState {
+        SubState {
+            name,
+            durable: Durable {
+                watermark: replica_version,
+                rows: BTreeMap::new(),
+                tags: BTreeMap::new(),
+                commits: 0,
+            },
+            connects: 0,
+            resent: 0,
+            duplicate_commits: 0,
+            errors: Vec::new(),
+        }
+    }
+}
+
 pub struct StreamSub {
     pub state: Arc<Mutex<SubState>>,
     pub task: tokio::task::JoinHandle<()>,
@@ -76,19 +95,10 @@ impl StreamSub {
         mut rng: Rng,
         stop: watch::Receiver<bool>,
     ) -> StreamSub {
-        let state = Arc::new(Mutex::new(SubState {
-            name: name.clone(),
-            durable: Durable {
-                watermark: replica_version.clone(),
-                rows: BTreeMap::new(),
-                tags: BTreeMap::new(),
-                commits: 0,
-            },
-            connects: 0,
-            resent: 0,
-            duplicate_commits: 0,
-            errors: Vec::new(),
-        }));
+        let state = Arc::new(Mutex::new(SubState::new(
+            name.clone(),
+            replica_version.clone(),
+        )));
         let shared = state.clone();
         let task = tokio::spawn(async move {
             let mut stop = stop;
@@ -137,19 +147,15 @@ async fn connection(
     )
     .await??;
     let (mut sink, mut stream) = socket.split();
-    lock(shared).connects += 1;
-    let mut open: Option<Received> = None;
-    let mut held: Vec<Received> = Vec::new();
-    let mut unacked_frames: Vec<u64> = Vec::new();
+    let mut session = Session::new(&mut lock(shared));
     let mut hold = rng.range(0, 4) as usize;
-    // The last commit received on this connection: each must be above it.
-    let mut last = lock(shared).durable.watermark.clone();
     let result = loop {
         let next = tokio::time::timeout(Duration::from_millis(300), stream.next()).await;
         let text = match next {
             // Quiet: make what is held durable.
             Err(_) => {
-                if let Err(error) = flush(shared, &mut held, &mut unacked_frames, &mut sink).await {
+                let ids = session.flush(&mut lock(shared));
+                if let Err(error) = ack(&mut sink, ids).await {
                     break Err(error);
                 }
                 continue;
@@ -169,94 +175,132 @@ async fn connection(
                 break Ok(());
             }
         };
-        let id = match &frame {
-            Frame::Ack { .. } => continue,
-            other => other.id(),
-        };
-        let mut give_up = false;
-        for message in frame.into_messages() {
-            match message {
-                DownstreamMessage::Begin(begin) => {
-                    if open.is_some() {
-                        lock(shared)
-                            .errors
-                            .push("expected a commit or rollback, got another begin".to_owned());
-                    }
-                    open = Some(Received {
-                        watermark: begin.commit_watermark,
-                        changes: Vec::new(),
-                    });
-                }
-                DownstreamMessage::Data(change) => match open.as_mut() {
-                    Some(tx) => tx.changes.push(change),
-                    None => lock(shared).errors.push(format!(
-                        "expected data inside a transaction, got {}",
-                        change.tag()
-                    )),
-                },
-                DownstreamMessage::Commit(commit) => {
-                    let Some(mut tx) = open.take() else {
-                        lock(shared)
-                            .errors
-                            .push("expected a commit of an open transaction".to_owned());
-                        continue;
-                    };
-                    tx.watermark = commit.watermark;
-                    if tx.watermark <= last {
-                        let mut state = lock(shared);
-                        state.duplicate_commits += 1;
-                        state.errors.push(format!(
-                            "commit {} delivered at or below {last}, already held",
-                            tx.watermark
-                        ));
-                        continue;
-                    }
-                    last = tx.watermark.clone();
-                    held.push(tx);
-                }
-                DownstreamMessage::Rollback(_) => open = None,
-                DownstreamMessage::Status(_) | DownstreamMessage::Reserved(_) => {}
-                DownstreamMessage::Error(error) => {
-                    lock(shared)
-                        .errors
-                        .push(format!("stream error from the server: {error:?}"));
-                    // A WatermarkTooOld repeats at every resume: give this connection up
-                    // but keep trying, so the run ends with the failure reported.
-                    give_up = true;
-                }
-            }
-        }
-        if give_up {
+        if session.receive(&mut lock(shared), frame) == Next::GiveUp {
+            // A WatermarkTooOld repeats at every resume: this connection is given up, the
+            // next tried a little later, so the run ends with the failure reported.
             tokio::time::sleep(Duration::from_secs(1)).await;
             break Ok(());
         }
-        if let Some(id) = id {
-            unacked_frames.push(id);
-        }
-        if held.len() > hold {
-            if let Err(error) = flush(shared, &mut held, &mut unacked_frames, &mut sink).await {
+        if session.held() > hold {
+            let ids = session.flush(&mut lock(shared));
+            if let Err(error) = ack(&mut sink, ids).await {
                 break Err(error);
             }
             hold = rng.range(0, 4) as usize;
         }
     };
-    lock(shared).resent += held.len() as u64;
+    session.end(&mut lock(shared));
     result
 }
 
-/// Makes the held transactions durable, then acks every frame received so far, in order.
-async fn flush<S>(
-    shared: &Mutex<SubState>,
-    held: &mut Vec<Received>,
-    unacked_frames: &mut Vec<u64>,
-    sink: &mut S,
-) -> anyhow::Result<()>
+async fn ack<S>(sink: &mut S, ids: Vec<u64>) -> anyhow::Result<()>
 where
     S: futures::Sink<Message, Error = tokio_tungstenite::tungstenite::Error> + Unpin,
 {
-    {
-        let mut state = lock(shared);
-        for tx in held.drain(..) {
+    for id in ids {
+        sink.send(Message::text(format!(r#"{{"ack":{id}}}"#)))
+            .await?;
+    }
+    Ok(())
+}
+
+/// What to do after a frame.
+#[derive(Debug, PartialEq, Eq)]
+enum Next {
+    Go,
+    GiveUp,
+}
+
+/// One connection's part of the subscriber: the open transaction, the commits received and not
+/// yet durable, the frames not yet acked.
+struct Session {
+    open: Option<Received>,
+    held: Vec<Received>,
+    unacked_frames: Vec<u64>,
+    /// The last commit received on this connection (at first, the watermark it resumed from):
+    /// each commit must be above it.
+    last: Watermark,
+}
+
+impl Session {
+    fn new(state: &mut SubState) -> Session {
+        state.connects += 1;
+        Session {
+            open: None,
+            held: Vec::new(),
+            unacked_frames: Vec::new(),
+            last: state.durable.watermark.clone(),
+        }
+    }
+
+    fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    fn receive(&mut self, state: &mut SubState, frame: Frame<DownstreamMessage>) -> Next {
+        let id = match &frame {
+            Frame::Ack { .. } => return Next::Go,
+            other => other.id(),
+        };
+        let mut next = Next::Go;
+        for message in frame.into_messages() {
+            match message {
+                DownstreamMessage::Begin(begin) => {
+                    if self.open.is_some() {
+                        state
+                            .errors
+                            .push("expected a commit or rollback, got another begin".to_owned());
+                    }
+                    self.open = Some(Received {
+                        watermark: begin.commit_watermark,
+                        changes: Vec::new(),
+                    });
+                }
+                DownstreamMessage::Data(change) => match self.open.as_mut() {
+                    Some(tx) => tx.changes.push(change),
+                    None => state.errors.push(format!(
+                        "expected data inside a transaction, got {}",
+                        change.tag()
+                    )),
+                },
+                DownstreamMessage::Commit(commit) => {
+                    let Some(mut tx) = self.open.take() else {
+                        state
+                            .errors
+                            .push("expected a commit of an open transaction".to_owned());
+                        continue;
+                    };
+                    tx.watermark = commit.watermark;
+                    if tx.watermark <= self.last {
+                        state.duplicate_commits += 1;
+                        state.errors.push(format!(
+                            "commit {} delivered at or below {}, already held",
+                            tx.watermark, self.last
+                        ));
+                        continue;
+                    }
+                    self.last = tx.watermark.clone();
+                    self.held.push(tx);
+                }
+                DownstreamMessage::Rollback(_) => self.open = None,
+                DownstreamMessage::Status(_) | DownstreamMessage::Reserved(_) => {}
+                DownstreamMessage::Error(error) => {
+                    state
+                        .errors
+                        .push(format!("stream error from the server: {error:?}"));
+                    next = Next::GiveUp;
+                }
+            }
+        }
+        if let Some(id) = id {
+            self.unacked_frames.push(id);
+        }
+        next
+    }
+
+    /// Makes the held transactions durable; returns the frames to ack now, in order.
+    fn flush(&mut self, state: &mut SubState) -> Vec<u64> {
+        for tx in self.held.drain(..) {
             if tx.watermark <= state.durable.watermark {
                 let error = format!(
                     "commit {} made durable at or below {}",
@@ -270,12 +314,14 @@ where
             state.durable.watermark = tx.watermark;
             state.durable.commits += 1;
         }
+        std::mem::take(&mut self.unacked_frames)
     }
-    for id in unacked_frames.drain(..) {
-        sink.send(Message::text(format!(r#"{{"ack":{id}}}"#)))
-            .await?;
+
+    /// The connection ended: what was received and not made durable is dropped (the server
+    /// sends it again, legally).
+    fn end(self, state: &mut SubState) {
+        state.resent += self.held.len() as u64;
     }
-    Ok(())
 }
 
 fn apply(durable: &mut Durable, changes: &[Change]) {
@@ -324,4 +370,81 @@ pub fn duplicated_tags(durable: &Durable) -> BTreeSet<i64> {
         .filter(|(_, n)| **n > 1)
         .map(|(t, _)| *t)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(text: &str) -> Watermark {
+        Watermark::parse(text).expect("watermark")
+    }
+
+    /// One transaction, as a v8 batch frame: its ledger row and one item.
+    fn tx(frame: u64, watermark: &str, tag: i64, item: i64) -> Frame<DownstreamMessage> {
+        let relation = |name: &str| {
+            format!(
+                r#"{{"schema":"public","name":"{name}","rowKey":{{"columns":["{}"]}}}}"#,
+                if name == LEDGER { "tag" } else { "id" }
+            )
+        };
+        let text = format!(
+            r#"{{"id":{frame},"batch":[["begin",{{"tag":"begin"}},{{"commitWatermark":"{watermark}"}}],["data",{{"tag":"insert","relation":{},"new":{{"tag":{tag},"writer":1}}}}],["data",{{"tag":"insert","relation":{},"new":{{"id":{item},"owner":"ada","v":"x"}}}}],["commit",{{"tag":"commit"}},{{"watermark":"{watermark}"}}]]}}"#,
+            relation(LEDGER),
+            relation(ITEMS)
+        );
+        decode_downstream_frame(&text).expect("a valid frame")
+    }
+
+    #[test]
+    fn a_resend_of_an_unacked_transaction_is_legal_and_a_resend_of_an_acked_one_is_a_duplicate() {
+        let mut state = SubState::new("t".into(), w("01"));
+        // Received, not made durable, then the connection drops.
+        let mut first = Session::new(&mut state);
+        assert_eq!(first.receive(&mut state, tx(1, "02", 7, 70)), Next::Go);
+        first.end(&mut state);
+        assert_eq!((state.resent, state.durable.commits), (1, 0));
+        assert!(state.durable.tags.is_empty());
+
+        // Sent again after the resume: legal, and now durable and acked.
+        let mut second = Session::new(&mut state);
+        second.receive(&mut state, tx(1, "02", 7, 70));
+        assert_eq!(second.flush(&mut state), vec![1]);
+        second.end(&mut state);
+        assert_eq!(state.duplicate_commits, 0);
+        assert_eq!(state.durable.watermark, w("02"));
+        assert_eq!(state.durable.tags.get(&7), Some(&1));
+        assert!(state.durable.rows.contains_key(&70));
+        assert!(state.errors.is_empty());
+
+        // Sent again on a subscription that resumed at 02: a duplicate.
+        let mut third = Session::new(&mut state);
+        third.receive(&mut state, tx(1, "02", 7, 70));
+        assert_eq!(third.flush(&mut state), vec![1]);
+        assert_eq!(state.duplicate_commits, 1);
+        assert_eq!(state.durable.tags.get(&7), Some(&1));
+    }
+
+    #[test]
+    fn a_transaction_under_a_second_watermark_is_a_duplicate_by_its_ledger_row() {
+        let mut state = SubState::new("t".into(), w("01"));
+        let mut session = Session::new(&mut state);
+        session.receive(&mut state, tx(1, "02", 7, 70));
+        session.receive(&mut state, tx(2, "03", 7, 71));
+        assert_eq!(session.flush(&mut state), vec![1, 2]);
+        assert_eq!(duplicated_tags(&state.durable), BTreeSet::from([7]));
+        assert_eq!(state.durable.commits, 2);
+    }
+
+    #[test]
+    fn commits_must_rise_within_a_connection() {
+        let mut state = SubState::new("t".into(), w("01"));
+        let mut session = Session::new(&mut state);
+        session.receive(&mut state, tx(1, "05", 1, 10));
+        session.receive(&mut state, tx(2, "04", 2, 20));
+        session.flush(&mut state);
+        assert_eq!(state.duplicate_commits, 1);
+        assert_eq!(state.errors.len(), 1);
+        assert!(!state.durable.tags.contains_key(&2));
+    }
 }
