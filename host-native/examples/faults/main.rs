@@ -59,6 +59,10 @@ struct Args {
     /// Seconds to wait, after the workload, for every subscriber and client to equal Postgres.
     #[arg(long, default_value_t = 60)]
     quiet_seconds: u64,
+    /// Rows in `items` before the servers start (their initial sync and the relay's snapshot
+    /// restore carry them).
+    #[arg(long, default_value_t = 3000)]
+    initial_rows: i64,
     /// Concurrent writers.
     #[arg(long, default_value_t = 3)]
     writers: i64,
@@ -203,6 +207,13 @@ async fn with_work_dir(
     let mut pg = PrivatePg::start(PgOptions::default()).await?;
     let db = pg.connect().await?;
     db.batch_execute(workload::SCHEMA).await?;
+    db.execute(
+        "INSERT INTO items (id, owner, v) SELECT g, (ARRAY['ada','grace','linus'])[g % 3 + 1], \
+         'initial' FROM generate_series(1, $1::int8) AS g",
+        &[&args.initial_rows],
+    )
+    .await?;
+    let initial = pg_state(&db).await?.rows;
     drop(db);
     let pg_addr = std::net::SocketAddr::from(([127, 0, 0, 1], pg.port()));
     let pg_proxy = Proxy::start("postgres", pg_addr).await?;
@@ -251,7 +262,17 @@ async fn with_work_dir(
         primary_args,
         work.join("primary.log"),
     );
+    let mut faults = Faults::default();
     primary.spawn()?;
+    // Sometimes a kill -9 during the initial sync, then a start on the same data directory.
+    if rng.chance(50) {
+        tokio::time::sleep(Duration::from_millis(rng.range(50, 1_500))).await;
+        if primary.kill9() {
+            faults.kill_serve += 1;
+            println!("# kill -9 serve during its initial sync");
+        }
+        primary.spawn()?;
+    }
     let health = primary.wait_ready(READY).await?;
     let replica_version = health["replicaVersion"]
         .as_str()
@@ -280,6 +301,15 @@ async fn with_work_dir(
         work.join("relay.log"),
     );
     relay.spawn()?;
+    // Sometimes a kill -9 while the relay restores the primary's snapshot.
+    if rng.chance(50) {
+        tokio::time::sleep(Duration::from_millis(rng.range(50, 1_500))).await;
+        if relay.kill9() {
+            faults.kill_relay += 1;
+            println!("# kill -9 relay during its snapshot restore");
+        }
+        relay.spawn()?;
+    }
     relay.wait_ready(READY).await?;
     let relay_proxy = Proxy::start("relay", relay.addr).await?;
 
@@ -290,6 +320,7 @@ async fn with_work_dir(
             primary_proxy.addr,
             token.clone(),
             replica_version.clone(),
+            initial.clone(),
             rng.fork(),
             stop_rx.clone(),
         ),
@@ -298,6 +329,7 @@ async fn with_work_dir(
             primary_proxy.addr,
             token.clone(),
             replica_version.clone(),
+            initial.clone(),
             rng.fork(),
             stop_rx.clone(),
         ),
@@ -306,6 +338,7 @@ async fn with_work_dir(
             relay_proxy.addr,
             relay_token.clone(),
             replica_version.clone(),
+            initial.clone(),
             rng.fork(),
             stop_rx.clone(),
         ),
@@ -342,7 +375,6 @@ async fn with_work_dir(
     }
 
     // Faults at random points until the workload's time is up.
-    let mut faults = Faults::default();
     let started = Instant::now();
     let end = started + Duration::from_secs(args.seconds);
     loop {

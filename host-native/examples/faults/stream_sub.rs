@@ -92,13 +92,14 @@ impl StreamSub {
         addr: SocketAddr,
         token: String,
         replica_version: Watermark,
+        initial: BTreeMap<i64, BTreeMap<String, String>>,
         mut rng: Rng,
         stop: watch::Receiver<bool>,
     ) -> StreamSub {
-        let state = Arc::new(Mutex::new(SubState::new(
-            name.clone(),
-            replica_version.clone(),
-        )));
+        let mut state = SubState::new(name.clone(), replica_version.clone());
+        // What the replica held at its version, as a view-syncer restores it from a snapshot.
+        state.durable.rows = initial;
+        let state = Arc::new(Mutex::new(state));
         let shared = state.clone();
         let task = tokio::spawn(async move {
             let mut stop = stop;

@@ -117,7 +117,7 @@ pub async fn writer(
         while !*stop.borrow() {
             next += 1;
             let tag = next;
-            let plan = plan(&mut rng, &mut next, &live);
+            let plan = plan(&mut rng, &mut next, &live, w);
             match transaction(&mut client, w, tag, &plan).await {
                 Outcome::Committed => {
                     tally.committed.fetch_add(1, Ordering::Relaxed);
@@ -168,6 +168,21 @@ enum Op {
     Delete {
         id: i64,
     },
+    /// Many rows in one statement: a large transaction, so that a kill lands inside its store.
+    InsertMany {
+        first: i64,
+        count: i64,
+        owner: &'static str,
+    },
+    /// Every row of this writer.
+    UpdateAll {
+        lo: i64,
+        hi: i64,
+        v: String,
+    },
+    DeleteMany {
+        ids: Vec<i64>,
+    },
 }
 
 impl Op {
@@ -179,14 +194,45 @@ impl Op {
                 live.push(*to);
             }
             Op::Delete { id } => live.retain(|x| x != id),
-            Op::Update { .. } | Op::Move { .. } => {}
+            Op::InsertMany { first, count, .. } => live.extend(*first..*first + *count),
+            Op::DeleteMany { ids } => live.retain(|x| !ids.contains(x)),
+            Op::Update { .. } | Op::Move { .. } | Op::UpdateAll { .. } => {}
         }
     }
 }
 
-fn plan(rng: &mut Rng, next: &mut i64, live: &[i64]) -> Vec<Op> {
+fn plan(rng: &mut Rng, next: &mut i64, live: &[i64], w: i64) -> Vec<Op> {
     let mut ops = Vec::new();
     let mut mine: Vec<i64> = live.to_vec();
+    // One transaction in 50 is large.
+    match rng.range(0, 150) {
+        0 => {
+            let count = rng.range(100, 400) as i64;
+            let first = *next + 1;
+            *next += count;
+            let owner = OWNERS[rng.range(0, OWNERS.len() as u64) as usize];
+            ops.push(Op::InsertMany {
+                first,
+                count,
+                owner,
+            });
+        }
+        1 => ops.push(Op::UpdateAll {
+            lo: w * ID_SPACE,
+            hi: (w + 1) * ID_SPACE,
+            v: format!("all{}", rng.next_u64() % 1_000_000),
+        }),
+        2 if mine.len() > LIVE_ROWS => {
+            let keep = mine.len() - LIVE_ROWS / 2;
+            ops.push(Op::DeleteMany {
+                ids: mine[..keep].to_vec(),
+            })
+        }
+        _ => {}
+    }
+    for op in &ops {
+        op.learn(&mut mine);
+    }
     for _ in 0..rng.range(1, 4) {
         let roll = rng.range(0, 100);
         let delete_bias = if mine.len() > LIVE_ROWS { 40 } else { 0 };
@@ -260,6 +306,29 @@ async fn transaction(
                         .await?
                 }
                 Op::Delete { id } => tx.execute("DELETE FROM items WHERE id = $1", &[id]).await?,
+                Op::InsertMany {
+                    first,
+                    count,
+                    owner,
+                } => {
+                    tx.execute(
+                        "INSERT INTO items (id, owner, v) \
+                         SELECT g, $3, 'bulk' || g FROM generate_series($1::int8, $2::int8) AS g",
+                        &[first, &(first + count - 1), owner],
+                    )
+                    .await?
+                }
+                Op::UpdateAll { lo, hi, v } => {
+                    tx.execute(
+                        "UPDATE items SET v = $3 WHERE id > $1 AND id < $2",
+                        &[lo, hi, v],
+                    )
+                    .await?
+                }
+                Op::DeleteMany { ids } => {
+                    tx.execute("DELETE FROM items WHERE id = ANY($1)", &[ids])
+                        .await?
+                }
             };
         }
         Ok::<_, tokio_postgres::Error>(tx)
