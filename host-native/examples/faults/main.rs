@@ -386,14 +386,23 @@ async fn with_work_dir(
         let at = started.elapsed().as_secs_f64();
         match rng.range(0, 100) {
             0..=24 => {
+                let large = rng.chance(40);
+                if large {
+                    // Aimed inside the store of a large transaction: just after one commits.
+                    let committed = tally.large_committed.notified();
+                    let _ = tokio::time::timeout(Duration::from_secs(3), committed).await;
+                    tokio::time::sleep(Duration::from_millis(rng.range(0, 60))).await;
+                }
+                let at = started.elapsed().as_secs_f64();
                 if primary.kill9() {
                     faults.kill_serve += 1;
-                    println!("# {at:6.1}s kill -9 serve");
+                    let when = if large { " after a large commit" } else { "" };
+                    println!("# {at:6.1}s kill -9 serve{when}");
                 }
                 tokio::time::sleep(Duration::from_millis(rng.range(0, 1_500))).await;
                 primary.spawn()?;
             }
-            25..=44 => {
+            25..=42 => {
                 if relay.kill9() {
                     faults.kill_relay += 1;
                     println!("# {at:6.1}s kill -9 relay");
@@ -401,7 +410,7 @@ async fn with_work_dir(
                 tokio::time::sleep(Duration::from_millis(rng.range(0, 1_500))).await;
                 relay.spawn()?;
             }
-            45..=64 => {
+            43..=60 => {
                 let immediate = rng.chance(60);
                 if immediate {
                     pg.crash_server().await?;
@@ -414,18 +423,35 @@ async fn with_work_dir(
                 let mode = if immediate { "immediate" } else { "fast" };
                 println!("# {at:6.1}s postgres restart (-m {mode})");
             }
+            61..=65 => {
+                // Both servers at once, restarted in a random order.
+                let killed = (primary.kill9(), relay.kill9());
+                faults.kill_serve += u64::from(killed.0);
+                faults.kill_relay += u64::from(killed.1);
+                println!("# {at:6.1}s kill -9 serve and relay together");
+                tokio::time::sleep(Duration::from_millis(rng.range(0, 1_500))).await;
+                if rng.chance(50) {
+                    relay.spawn()?;
+                    primary.spawn()?;
+                } else {
+                    primary.spawn()?;
+                    relay.spawn()?;
+                }
+            }
             _ => {
-                let proxy = match rng.range(0, 3) {
-                    0 => &pg_proxy,
-                    1 => &primary_proxy,
-                    _ => &relay_proxy,
+                let proxies = [&pg_proxy, &primary_proxy, &relay_proxy];
+                let chosen: Vec<&Proxy> = if rng.chance(20) {
+                    proxies.to_vec()
+                } else {
+                    vec![proxies[rng.range(0, 3) as usize]]
                 };
-                let cut = proxy.cut_all();
+                let cut: u64 = chosen.iter().map(|p| p.cut_all()).sum();
+                let names: Vec<&str> = chosen.iter().map(|p| p.name).collect();
                 faults.cuts += 1;
                 faults.connections_cut += cut;
                 println!(
                     "# {at:6.1}s cut {cut} connections through the {} proxy",
-                    proxy.name
+                    names.join(" + ")
                 );
             }
         }

@@ -37,6 +37,8 @@ pub struct Tally {
     pub failed: AtomicU64,
     /// Tags whose COMMIT answered OK, for the check that Postgres kept them.
     pub acknowledged: std::sync::Mutex<BTreeSet<i64>>,
+    /// Woken whenever a large transaction commits, for a kill aimed at its store.
+    pub large_committed: tokio::sync::Notify,
 }
 
 /// A column value as text, the same for a change-stream row, a scope row and a Postgres row.
@@ -129,6 +131,9 @@ pub async fn writer(
                     for op in &plan {
                         op.learn(&mut live);
                     }
+                    if plan.iter().any(Op::is_large) {
+                        tally.large_committed.notify_waiters();
+                    }
                 }
                 Outcome::Unknown => {
                     tally.unknown.fetch_add(1, Ordering::Relaxed);
@@ -186,6 +191,13 @@ enum Op {
 }
 
 impl Op {
+    fn is_large(&self) -> bool {
+        matches!(
+            self,
+            Op::InsertMany { .. } | Op::UpdateAll { .. } | Op::DeleteMany { .. }
+        )
+    }
+
     fn learn(&self, live: &mut Vec<i64>) {
         match self {
             Op::Insert { id, .. } => live.push(*id),
