@@ -624,6 +624,28 @@ async fn with_work_dir(
             || format!("{} regressions", state.cursor_regressions),
         );
     }
+    for server in [&primary, &relay] {
+        let log = std::fs::read_to_string(server.log()).unwrap_or_default();
+        let panics: Vec<&str> = log.lines().filter(|l| l.contains("panicked")).collect();
+        checks.check(
+            panics.is_empty(),
+            format!("{}: no panic in its log", server.name),
+            || {
+                panics
+                    .iter()
+                    .take(5)
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            },
+        );
+        let errors = log.lines().filter(|l| l.contains(" ERROR ")).count();
+        println!(
+            "# {}: {errors} ERROR lines in {}",
+            server.name,
+            server.log().display()
+        );
+    }
     let exits: Vec<String> = [&primary, &relay]
         .iter()
         .flat_map(|s| s.unexpected_exits.clone())
