@@ -69,6 +69,8 @@ impl Server {
                 "127.0.0.1",
             ])
             .env("RUST_LOG", "warn")
+            // Plain log files (tracing colours stderr unless told not to).
+            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::from(log.try_clone()?))
             .stderr(Stdio::from(log))
