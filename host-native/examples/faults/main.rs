@@ -119,6 +119,8 @@ struct Faults {
     cuts: u64,
     /// Connections the cuts ended.
     connections_cut: u64,
+    /// Scope clients restarted from their stores (client-side, not in the total).
+    client_restarts: u64,
 }
 
 impl Faults {
@@ -219,14 +221,21 @@ async fn with_work_dir(
     let pg_proxy = Proxy::start("postgres", pg_addr).await?;
 
     // Secrets as a user sets them: files only the owner reads, never command-line values.
-    let token = format!("faults-{:016x}{:016x}", rng.next_u64(), rng.next_u64());
-    let relay_token = format!("faults-{:016x}{:016x}", rng.next_u64(), rng.next_u64());
-    let secret_text = format!(
-        "{:016x}{:016x}{:016x}",
-        rng.next_u64(),
-        rng.next_u64(),
-        rng.next_u64()
+    // Drawn apart from the seed, which is printed.
+    let mut entropy = Rng::new(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ u64::from(std::process::id()),
     );
+    let mut secret = |n: usize| {
+        (0..n)
+            .map(|_| format!("{:016x}", entropy.next_u64()))
+            .collect::<String>()
+    };
+    let token = secret(2);
+    let relay_token = secret(2);
+    let secret_text = secret(3);
     write_secret(&work.join("replication.token"), &token)?;
     write_secret(&work.join("relay.token"), &relay_token)?;
     write_secret(&work.join("sync.secret"), &secret_text)?;
@@ -267,9 +276,10 @@ async fn with_work_dir(
     // Sometimes a kill -9 during the initial sync, then a start on the same data directory.
     if rng.chance(50) {
         tokio::time::sleep(Duration::from_millis(rng.range(50, 1_500))).await;
+        let phase = startup_phase(primary.addr, "its initial sync").await;
         if primary.kill9() {
             faults.kill_serve += 1;
-            println!("# kill -9 serve during its initial sync");
+            println!("# kill -9 serve {phase}");
         }
         primary.spawn()?;
     }
@@ -304,9 +314,10 @@ async fn with_work_dir(
     // Sometimes a kill -9 while the relay restores the primary's snapshot.
     if rng.chance(50) {
         tokio::time::sleep(Duration::from_millis(rng.range(50, 1_500))).await;
+        let phase = startup_phase(relay.addr, "its snapshot restore").await;
         if relay.kill9() {
             faults.kill_relay += 1;
-            println!("# kill -9 relay during its snapshot restore");
+            println!("# kill -9 relay {phase}");
         }
         relay.spawn()?;
     }
@@ -437,6 +448,19 @@ async fn with_work_dir(
                     primary.spawn()?;
                     relay.spawn()?;
                 }
+            }
+            66..=73 => {
+                let i = rng.range(0, scopes.len() as u64) as usize;
+                let client = &mut scopes[i];
+                client.restart(rng.fork()).await?;
+                faults.client_restarts += 1;
+                let name = client
+                    .state
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .name
+                    .clone();
+                println!("# {at:6.1}s scope client {name} restarts from its store");
             }
             _ => {
                 let proxies = [&pg_proxy, &primary_proxy, &relay_proxy];
@@ -592,9 +616,10 @@ async fn with_work_dir(
         let expected = scope_rows(&truth, &state.owner);
         let name = &state.name;
         println!(
-            "# scope client {name} (owner = {}): {} sockets opened, {} resets, {} errors survived",
+            "# scope client {name} (owner = {}): {} sockets opened, {} restarts, {} resets, {} errors survived",
             state.owner,
             state.sockets_opened,
+            state.restarts,
             state.resets,
             state.errors.len()
         );
@@ -665,8 +690,9 @@ async fn with_work_dir(
         },
     );
     println!(
-        "# quiet {quiet_after:.1}s after the workload stopped; {} connections cut in all",
-        faults.connections_cut
+        "# quiet {quiet_after:.1}s after the workload stopped; {} connections cut in all; {} \
+         scope-client restarts from their stores",
+        faults.connections_cut, faults.client_restarts
     );
     println!(
         "fault run: seed {seed}, {} faults injected ({} kill -9 serve, {} kill -9 relay, {} pg restarts, {} connections cut), {} transactions, {lost_total} lost, {duplicated_total} duplicated",
@@ -684,6 +710,15 @@ async fn with_work_dir(
     relay.kill9();
     pg.stop_server().await?;
     Ok(checks.failed == 0)
+}
+
+/// Where a starting server stands, for the log of a kill: still in `work`, or serving.
+async fn startup_phase(addr: std::net::SocketAddr, work: &str) -> String {
+    if cluster::health(addr).await.is_ok() {
+        "just after it started serving".to_owned()
+    } else {
+        format!("during {work}")
+    }
 }
 
 /// Sleeps `duration` while restarting, as a supervisor would, a server that exited on its own.

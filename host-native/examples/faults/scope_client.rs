@@ -15,7 +15,7 @@ use highwater_engine::backoff::BackoffPolicy;
 use highwater_engine::cursor::{compare_cursors, SyncCursor};
 use highwater_engine::scope_sync::SubscribeParams;
 use highwater_engine::sync_client::{
-    ClientConfig, ClientEffect, ClientInput, SocketId, StoredScope, SyncClient,
+    ClientConfig, ClientEffect, ClientInput, SocketId, StoredRow, StoredScope, SyncClient,
 };
 use highwater_host::sync_auth::{mint_token, SyncSecret};
 use serde_json::json;
@@ -39,6 +39,10 @@ pub struct ScopeState {
     /// The store: `resourceId` → columns, as persisted.
     pub stored: BTreeMap<String, BTreeMap<String, String>>,
     pub cursor: Option<SyncCursor>,
+    /// The store's rows as written, for a restart from the store.
+    pub raw: BTreeMap<String, StoredRow>,
+    /// Times the app restarted from its store.
+    pub restarts: u64,
     /// The state machine's own rows.
     pub held: BTreeMap<String, BTreeMap<String, String>>,
     pub sockets_opened: u64,
@@ -56,6 +60,11 @@ pub struct ScopeState {
 pub struct ScopeClient {
     pub state: Arc<Mutex<ScopeState>>,
     pub task: tokio::task::JoinHandle<()>,
+    halt: watch::Sender<bool>,
+    stop: watch::Receiver<bool>,
+    addr: SocketAddr,
+    owner: &'static str,
+    secret: SyncSecret,
 }
 
 enum Event {
@@ -82,6 +91,34 @@ impl ScopeClient {
         addr: SocketAddr,
         owner: &'static str,
         secret: SyncSecret,
+        rng: Rng,
+        stop: watch::Receiver<bool>,
+    ) -> anyhow::Result<ScopeClient> {
+        let state = ScopeState {
+            name,
+            owner: owner.to_owned(),
+            ..ScopeState::default()
+        };
+        ScopeClient::launch(state, addr, owner, secret, rng, stop)
+    }
+
+    /// The app restarts: this client stops (its socket with it) and a new one starts from
+    /// what the store holds, as a page reload starts from IndexedDB.
+    pub async fn restart(&mut self, rng: Rng) -> anyhow::Result<()> {
+        let _ = self.halt.send(true);
+        let _ = (&mut self.task).await;
+        let state = lock(&self.state).clone();
+        let stop = self.stop.clone();
+        *self = ScopeClient::launch(state, self.addr, self.owner, self.secret.clone(), rng, stop)?;
+        lock(&self.state).restarts += 1;
+        Ok(())
+    }
+
+    fn launch(
+        state: ScopeState,
+        addr: SocketAddr,
+        owner: &'static str,
+        secret: SyncSecret,
         mut rng: Rng,
         stop: watch::Receiver<bool>,
     ) -> anyhow::Result<ScopeClient> {
@@ -91,11 +128,11 @@ impl ScopeClient {
             ("limit".to_owned(), json!(50)),
         ]);
         let params = SubscribeParams::from_params(&params)?;
-        let state = Arc::new(Mutex::new(ScopeState {
-            name,
-            owner: owner.to_owned(),
-            ..ScopeState::default()
-        }));
+        let stored = StoredScope {
+            rows: state.raw.values().cloned().collect(),
+            cursor: state.cursor.clone(),
+        };
+        let state = Arc::new(Mutex::new(state));
         let config = ClientConfig {
             backoff: BackoffPolicy {
                 initial_ms: 100,
@@ -109,21 +146,52 @@ impl ScopeClient {
             page_limit: Some(50),
         };
         let client = SyncClient::new(config, rng.next_u64());
-        let shared = state.clone();
-        let task = tokio::spawn(drive(client, params, addr, owner, secret, shared, stop));
-        Ok(ScopeClient { state, task })
+        let (halt, halt_rx) = watch::channel(false);
+        let task = tokio::spawn(drive(
+            client,
+            Subscription {
+                params,
+                stored,
+                addr,
+                owner,
+                secret: secret.clone(),
+            },
+            state.clone(),
+            [stop.clone(), halt_rx],
+        ));
+        Ok(ScopeClient {
+            state,
+            task,
+            halt,
+            stop,
+            addr,
+            owner,
+            secret,
+        })
     }
+}
+
+struct Subscription {
+    params: SubscribeParams,
+    stored: StoredScope,
+    addr: SocketAddr,
+    owner: &'static str,
+    secret: SyncSecret,
 }
 
 async fn drive(
     mut client: SyncClient,
-    params: SubscribeParams,
-    addr: SocketAddr,
-    owner: &'static str,
-    secret: SyncSecret,
+    subscription: Subscription,
     shared: Arc<Mutex<ScopeState>>,
-    mut stop: watch::Receiver<bool>,
+    [mut stop, mut halt]: [watch::Receiver<bool>; 2],
 ) {
+    let Subscription {
+        params,
+        stored,
+        addr,
+        owner,
+        secret,
+    } = subscription;
     let started = Instant::now();
     let now = || u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let (events_tx, mut events) = mpsc::unbounded_channel::<Event>();
@@ -132,7 +200,7 @@ async fn drive(
         ClientInput::Subscribe {
             scope: SCOPE,
             params: Box::new(params),
-            stored: StoredScope::default(),
+            stored,
         },
     ]);
     let mut sink: Option<(SocketId, Box<Sink>)> = None;
@@ -187,13 +255,16 @@ async fn drive(
                         let mut state = lock(&shared);
                         if write.reset {
                             state.stored.clear();
+                            state.raw.clear();
                             state.cursor = None;
                         }
                         for row in &write.upserts {
                             state.stored.insert(row.id.clone(), row_values(&row.data));
+                            state.raw.insert(row.id.clone(), row.clone());
                         }
                         for id in &write.deletes {
                             state.stored.remove(id);
+                            state.raw.remove(id);
                         }
                         if let Some(cursor) = write.cursor {
                             if compare_cursors(Some(&cursor), state.cursor.as_ref())
@@ -242,6 +313,7 @@ async fn drive(
         });
         tokio::select! {
             _ = stop.wait_for(|s| *s) => break,
+            _ = halt.wait_for(|s| *s) => break,
             event = events.recv() => match event {
                 Some(Event::Opened(socket, out)) => {
                     sink = Some((socket, out));
