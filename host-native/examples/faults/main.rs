@@ -374,6 +374,7 @@ async fn with_work_dir(
     // The workload, straight to Postgres (its writers reconnect after a restart).
     let tally = Arc::new(Tally::default());
     let (stop_writers, writers_rx) = watch::channel(false);
+    let note = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut writers = Vec::new();
     for w in 1..=args.writers {
         writers.push(tokio::spawn(workload::writer(
@@ -381,9 +382,17 @@ async fn with_work_dir(
             pg.url(),
             rng.fork(),
             tally.clone(),
+            note.clone(),
             writers_rx.clone(),
         )));
     }
+    // Schema changes at seeded points of the run, under the same faults.
+    let ms = args.seconds * 1000;
+    let ddl_at = [
+        Duration::from_millis(rng.range(ms / 5, ms * 2 / 5)),
+        Duration::from_millis(rng.range(ms / 2, ms * 4 / 5)),
+    ];
+    let ddl = tokio::spawn(workload::schema_changes(pg.url(), ddl_at, note.clone()));
 
     // Faults at random points until the workload's time is up.
     let started = Instant::now();
@@ -489,6 +498,10 @@ async fn with_work_dir(
     for writer in writers {
         let _ = writer.await;
     }
+    let ddl = match ddl.await {
+        Ok(result) => result,
+        Err(error) => Err(error.into()),
+    };
     println!(
         "# workload stopped after {:.1}s: {} commits acknowledged, {} with unknown outcome, {} failed",
         started.elapsed().as_secs_f64(),
@@ -550,6 +563,15 @@ async fn with_work_dir(
             acknowledged.len()
         ),
         || format!("missing tags: {:?}", &forgotten[..forgotten.len().min(20)]),
+    );
+    checks.check(
+        ddl.as_ref()
+            .is_ok_and(|n| *n == workload::SCHEMA_CHANGES.len()),
+        format!(
+            "the schema changes ran: {}",
+            workload::SCHEMA_CHANGES.join("; ")
+        ),
+        || format!("{ddl:?}"),
     );
     let mut lost_total = 0_u64;
     let mut duplicated_total = 0_u64;

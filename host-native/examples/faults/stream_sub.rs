@@ -30,7 +30,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
 use crate::rng::Rng;
-use crate::workload::{row_key, row_values, ITEMS, LEDGER};
+use crate::workload::{merge_values, row_key, row_values, ITEMS, LEDGER};
 
 /// A subscriber's durable state: what a view-syncer's replica would hold.
 #[derive(Debug, Clone)]
@@ -334,14 +334,15 @@ fn apply(durable: &mut Durable, changes: &[Change]) {
                 }
             }
             Change::Update(update) if update.relation.name == ITEMS => {
-                if let Some(old) = update.key.as_ref().and_then(row_key) {
-                    durable.rows.remove(&old);
-                }
-                if let Some(key) = row_key(&update.new) {
-                    let row = durable.rows.entry(key).or_default();
-                    // Unchanged TOASTed columns are absent: keep what was held.
-                    row.extend(row_values(&update.new));
-                }
+                let Some(key) = row_key(&update.new) else {
+                    continue;
+                };
+                // A key change moves the row; its old key is sent only then.
+                let old = update.key.as_ref().and_then(row_key).unwrap_or(key);
+                let mut row = durable.rows.remove(&old).unwrap_or_default();
+                // Unchanged TOASTed columns are absent: they keep what was held.
+                merge_values(&mut row, &update.new);
+                durable.rows.insert(key, row);
             }
             Change::Delete(delete) if delete.relation.name == ITEMS => {
                 if let Some(key) = row_key(&delete.key) {

@@ -63,8 +63,24 @@ pub fn row_key(row: &Map<String, Value>) -> Option<i64> {
     int_of(row.get("id")?)
 }
 
+/// A row's columns as text. A null column is left out, so a column added (with no default)
+/// after a row was sent compares equal to the same column present and null.
 pub fn row_values(row: &Map<String, Value>) -> BTreeMap<String, String> {
-    row.iter().map(|(k, v)| (k.clone(), text_of(v))).collect()
+    row.iter()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(k, v)| (k.clone(), text_of(v)))
+        .collect()
+}
+
+/// Applies an update's new values to a held row (columns absent from it keep their value).
+pub fn merge_values(row: &mut BTreeMap<String, String>, new: &Map<String, Value>) {
+    for (k, v) in new {
+        if v.is_null() {
+            row.remove(k);
+        } else {
+            row.insert(k.clone(), text_of(v));
+        }
+    }
 }
 
 /// `items` as Postgres has it now, and the ledger's tags.
@@ -74,21 +90,18 @@ pub struct PgState {
 }
 
 pub async fn pg_state(client: &tokio_postgres::Client) -> anyhow::Result<PgState> {
-    let rows = client
-        .query("SELECT id, owner, v FROM items", &[])
+    let mut rows = BTreeMap::new();
+    for row in client
+        .query("SELECT row_to_json(i)::text FROM items AS i", &[])
         .await?
-        .iter()
-        .map(|r| {
-            let id: i64 = r.get(0);
-            let owner: String = r.get(1);
-            let v: Option<String> = r.get(2);
-            let mut row = BTreeMap::new();
-            row.insert("id".to_owned(), id.to_string());
-            row.insert("owner".to_owned(), owner);
-            row.insert("v".to_owned(), v.unwrap_or_else(|| "<null>".to_owned()));
-            (id, row)
-        })
-        .collect();
+    {
+        let text: String = row.get(0);
+        let Value::Object(object) = serde_json::from_str(&text)? else {
+            anyhow::bail!("expected a JSON object for a row, got {text}");
+        };
+        let id = row_key(&object).ok_or_else(|| anyhow::anyhow!("a row without an id: {text}"))?;
+        rows.insert(id, row_values(&object));
+    }
     let tags = client
         .query("SELECT tag FROM ledger", &[])
         .await?
@@ -98,12 +111,66 @@ pub async fn pg_state(client: &tokio_postgres::Client) -> anyhow::Result<PgState
     Ok(PgState { rows, tags })
 }
 
+/// Schema changes made once each during the run, in order, at seeded times: a column added
+/// (no default: existing rows hold null), then an index.
+pub const SCHEMA_CHANGES: [&str; 2] = [
+    "ALTER TABLE items ADD COLUMN note text",
+    "CREATE INDEX items_owner ON items (owner)",
+];
+
+fn already_exists(error: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    error.code().is_some_and(|code| {
+        *code == SqlState::DUPLICATE_COLUMN || *code == SqlState::DUPLICATE_TABLE
+    })
+}
+
+/// Runs `SCHEMA_CHANGES[i]` at `at[i]` after the start, retrying while Postgres restarts; the
+/// column exists for the writers once `note` is set.
+pub async fn schema_changes(
+    url: String,
+    at: [Duration; 2],
+    note: Arc<std::sync::atomic::AtomicBool>,
+) -> anyhow::Result<usize> {
+    let started = tokio::time::Instant::now();
+    let mut done = 0;
+    for (ddl, at) in SCHEMA_CHANGES.iter().zip(at) {
+        tokio::time::sleep_until(started + at).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let attempt = async {
+                let (client, connection) =
+                    tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+                let connection = tokio::spawn(connection);
+                let result = client.batch_execute(ddl).await;
+                connection.abort();
+                result
+            };
+            match tokio::time::timeout(Duration::from_secs(10), attempt).await {
+                Ok(Ok(())) => break,
+                // Lost with the connection: it may have committed (then it fails as a repeat).
+                Ok(Err(error)) if already_exists(&error) => break,
+                _ if tokio::time::Instant::now() > deadline => {
+                    anyhow::bail!("could not run `{ddl}` within a minute")
+                }
+                _ => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+        if ddl.contains("ADD COLUMN note") {
+            note.store(true, Ordering::Relaxed);
+        }
+        done += 1;
+    }
+    Ok(done)
+}
+
 /// One writer until `stop`, reconnecting (directly to Postgres) after every failure.
 pub async fn writer(
     w: i64,
     url: String,
     mut rng: Rng,
     tally: Arc<Tally>,
+    note: Arc<std::sync::atomic::AtomicBool>,
     stop: watch::Receiver<bool>,
 ) {
     let mut next = w * ID_SPACE;
@@ -120,7 +187,8 @@ pub async fn writer(
             next += 1;
             let tag = next;
             let plan = plan(&mut rng, &mut next, &live, w);
-            match transaction(&mut client, w, tag, &plan).await {
+            let note = note.load(Ordering::Relaxed);
+            match transaction(&mut client, w, tag, &plan, note).await {
                 Outcome::Committed => {
                     tally.committed.fetch_add(1, Ordering::Relaxed);
                     tally
@@ -287,6 +355,7 @@ async fn transaction(
     w: i64,
     tag: i64,
     plan: &[Op],
+    note: bool,
 ) -> Outcome {
     let writer = i32::try_from(w).unwrap_or(i32::MAX);
     let body = async {
@@ -302,6 +371,15 @@ async fn transaction(
                     tx.execute(
                         "INSERT INTO items (id, owner, v) VALUES ($1, $2, $3)",
                         &[id, owner, v],
+                    )
+                    .await?
+                }
+                // Once the column exists, updates set it too (null now and then).
+                Op::Update { id, v } if note => {
+                    let note = (!v.ends_with('7')).then(|| format!("note {v}"));
+                    tx.execute(
+                        "UPDATE items SET v = $2, note = $3 WHERE id = $1",
+                        &[id, v, &note],
                     )
                     .await?
                 }
