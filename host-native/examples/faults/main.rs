@@ -97,7 +97,20 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(&args, seed)) {
+    // On Ctrl-C or SIGTERM the run is dropped: every server it started is killed by its pid
+    // and the private Postgres stopped, before the exit.
+    let outcome = runtime.block_on(async {
+        tokio::select! {
+            outcome = run(&args, seed) => Some(outcome),
+            () = highwater_host::runtime::wait_for_signal() => None,
+        }
+    });
+    let Some(outcome) = outcome else {
+        println!("Bail out! interrupted; replay with --seed {seed}");
+        println!("# work directory kept: {}", work_dir().display());
+        return ExitCode::FAILURE;
+    };
+    match outcome {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(error) => {
@@ -184,10 +197,15 @@ fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
+/// Data directories, logs, tokens and rules of this run.
+fn work_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("highwater-faults-{}", std::process::id()))
+}
+
 async fn run(args: &Args, seed: u64) -> anyhow::Result<bool> {
     let highwater = binary(args)?;
     let mut rng = Rng::new(seed);
-    let work = std::env::temp_dir().join(format!("highwater-faults-{}", std::process::id()));
+    let work = work_dir();
     std::fs::create_dir_all(&work)?;
     let result = with_work_dir(args, seed, &highwater, &mut rng, &work).await;
     match &result {
