@@ -108,6 +108,9 @@ fn main() -> ExitCode {
     let Some(outcome) = outcome else {
         println!("Bail out! interrupted; replay with --seed {seed}");
         println!("# work directory kept: {}", work_dir().display());
+        println!("fault run: seed {seed} was interrupted");
+        println!("# pass 0");
+        println!("# fail 1");
         return ExitCode::FAILURE;
     };
     match outcome {
