@@ -31,7 +31,7 @@ pub(crate) mod snapshot_download;
 mod source;
 mod startup;
 mod sync;
-mod tls;
+pub(crate) mod tls;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
