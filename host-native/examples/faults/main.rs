@@ -1,10 +1,20 @@
 //! Real-process fault runs: a private Postgres, `highwater serve` with scope sync, a relay
 //! (`serve --from` the primary), change-stream subscribers and scope-sync clients, with an
 //! in-process TCP proxy in front of Postgres, the primary and the relay. While writers commit
-//! a workload, faults drawn from one seed hit at random points: `kill -9` of the primary or the
-//! relay (restarted on the same data directory), a Postgres restart (immediate, as a crash, or
-//! fast), and every connection through one proxy cut. Then the run waits for quiet and compares
-//! every subscriber and client with Postgres.
+//! a workload (with a column added and an index created along the way), faults drawn from one
+//! seed hit at random points: `kill -9` of the primary, the relay or both (restarted on the
+//! same data directories; also during the initial sync and the snapshot restore, and just after
+//! a large commit), a Postgres restart (immediate, as a crash, or fast), every connection
+//! through a proxy cut, and a scope client restarted from its store. Then the run waits for
+//! quiet and compares every subscriber and client with Postgres. `RELIABILITY.md` says what
+//! is checked and how lost and duplicated transactions are counted.
+//!
+//! - `cluster.rs`: the server processes, started and killed by pid;
+//! - `proxy.rs`: the cutting TCP proxy;
+//! - `stream_sub.rs`: the change-stream subscriber and the duplicate rule;
+//! - `scope_client.rs`: the engine's `SyncClient` over tokio-tungstenite;
+//! - `workload.rs`: the writers, the ledger, the schema changes, Postgres's state;
+//! - `rng.rs`: the seeded generator.
 //!
 //! Output: TAP lines (`ok N - …` / `not ok N - …`), one line starting `fault run:` with the
 //! counts, then `# pass P` and `# fail F`. Exits non-zero on any loss, duplicate or mismatch.
