@@ -22,8 +22,13 @@ pub struct Server {
     args: Vec<OsString>,
     log: PathBuf,
     child: Option<Child>,
-    /// Exits this run did not cause, with their status.
+    /// Whether the running process answered `/health` since it was started.
+    serving: bool,
+    /// Exits this run did not cause, after the process had started serving.
     pub unexpected_exits: Vec<String>,
+    /// Exits this run did not cause while the process was still starting (an error such as a
+    /// lost Postgres connection during startup ends it; a supervisor starts it again).
+    pub startup_exits: Vec<String>,
 }
 
 impl Server {
@@ -41,7 +46,9 @@ impl Server {
             args,
             log,
             child: None,
+            serving: false,
             unexpected_exits: Vec::new(),
+            startup_exits: Vec::new(),
         }
     }
 
@@ -77,7 +84,15 @@ impl Server {
             .spawn()
             .with_context(|| format!("start {} ({})", self.name, self.binary.display()))?;
         self.child = Some(child);
+        self.serving = false;
         Ok(())
+    }
+
+    /// Notes whether a process still starting answers `/health` now.
+    pub async fn poll_serving(&mut self) {
+        if self.child.is_some() && !self.serving && health(self.addr).await.is_ok() {
+            self.serving = true;
+        }
     }
 
     /// `kill -9` of the process this run started; returns whether one was running.
@@ -97,8 +112,15 @@ impl Server {
         match child.try_wait() {
             Ok(Some(status)) => {
                 self.child = None;
-                let text = format!("{} exited on its own ({status})", self.name);
-                self.unexpected_exits.push(text.clone());
+                let text = if self.serving {
+                    let text = format!("{} exited on its own ({status})", self.name);
+                    self.unexpected_exits.push(text.clone());
+                    text
+                } else {
+                    let text = format!("{} exited while starting ({status})", self.name);
+                    self.startup_exits.push(text.clone());
+                    text
+                };
                 Some(text)
             }
             _ => None,
@@ -113,6 +135,7 @@ impl Server {
                 bail!("{exit} while starting; see {}", self.log.display());
             }
             if let Ok(health) = health(self.addr).await {
+                self.serving = true;
                 return Ok(health);
             }
             if tokio::time::Instant::now() > deadline {
