@@ -17,4 +17,5 @@ pub mod scope_server;
 pub mod scope_sync;
 pub mod streamer;
 pub mod sync_client;
+pub mod upstream;
 pub mod watermark;

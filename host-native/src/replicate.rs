@@ -240,17 +240,17 @@ fn stream_changes(
         let Some(event) = mapper.map_frame(&bytes)? else {
             continue;
         };
+        let event = match event {
+            PgoutputEvent::Commit { commit, end_lsn } => {
+                commit_end = Some(end_lsn);
+                PgoutputEvent::Downstream(DownstreamMessage::Commit(commit))
+            }
+            other => other,
+        };
         match event {
             PgoutputEvent::Downstream(message) => {
                 if let DownstreamMessage::Begin(begin) = &message {
                     backfills.recent_xids.note(begin);
-                }
-                if let DownstreamMessage::Commit(commit) = &message {
-                    commit_end = commit
-                        .extra
-                        .get("commitEndLsn")
-                        .and_then(serde_json::Value::as_str)
-                        .and_then(|text| text.parse().ok());
                 }
                 match writer.apply(&message)? {
                     Applied::Committed { lsn, .. } | Applied::Skipped { lsn, .. } => {
@@ -287,8 +287,9 @@ fn stream_changes(
             PgoutputEvent::Relation { relation, .. } if !writer.replaying() => {
                 reconcile_relation(handle, catalog, writer, &relation)?
             }
-            PgoutputEvent::Relation { .. } => {}
-            PgoutputEvent::LogicalMessage(_) => {}
+            PgoutputEvent::Relation { .. }
+            | PgoutputEvent::LogicalMessage(_)
+            | PgoutputEvent::Commit { .. } => {}
         }
         if last_report.elapsed() >= PROGRESS_EVERY {
             if let Some(state) = writer.replica().state() {

@@ -23,8 +23,15 @@ use crate::watermark::{Lsn, Watermark};
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PgoutputEvent {
-    /// `begin`, `data` (insert/update/delete/truncate) or `commit`, ready to forward and store.
+    /// `begin` or `data` (insert/update/delete/truncate), ready to forward and store.
     Downstream(DownstreamMessage),
+    /// The transaction's `commit`, and the end LSN of its commit record: the position to
+    /// confirm upstream once the transaction is durable (the commit LSN, which names the
+    /// transaction, is the record's start; confirming it would have Postgres send it again).
+    Commit {
+        commit: change_stream::Commit,
+        end_lsn: Lsn,
+    },
     /// A primary keepalive: the server's WAL end as a watermark, and whether it wants a
     /// standby status update now. Becomes a change-source status, not a downstream message.
     Keepalive(Keepalive),
@@ -178,11 +185,11 @@ impl PgoutputMapper {
                     .insert("commitLsn".into(), c.commit_lsn.to_string().into());
                 commit
                     .extra
-                    .insert("commitEndLsn".into(), c.end_lsn.to_string().into());
-                commit
-                    .extra
                     .insert("commitTime".into(), unix_micros(c.commit_time.0));
-                return Ok(Some(downstream(DownstreamMessage::Commit(commit))));
+                return Ok(Some(PgoutputEvent::Commit {
+                    commit,
+                    end_lsn: c.end_lsn,
+                }));
             }
             PgoutputMessage::Origin(_) => return Ok(None),
             PgoutputMessage::Type(t) => {
@@ -509,6 +516,10 @@ mod tests {
             Some(PgoutputEvent::Downstream(message)) => {
                 serde_json::from_str(&encode_downstream(&message)).unwrap()
             }
+            Some(PgoutputEvent::Commit { commit, .. }) => {
+                serde_json::from_str(&encode_downstream(&DownstreamMessage::Commit(commit)))
+                    .unwrap()
+            }
             other => panic!("expected a downstream message, got {other:?}"),
         }
     }
@@ -554,10 +565,17 @@ mod tests {
         )
         .unwrap();
         assert!(!mapper.in_transaction());
+        assert!(
+            matches!(&event, Some(PgoutputEvent::Commit { end_lsn, .. }) if *end_lsn == Lsn(0x1A2B_3C80)),
+            "the commit carries its end LSN: {event:?}"
+        );
         let value = wire(event);
         assert_eq!(value[0], "commit");
         assert_eq!(value[1]["commitTimeMs"], json!(1_547_249_435_381_i64));
-        assert_eq!(value[1]["commitEndLsn"], "0/1A2B3C80");
+        assert!(
+            value[1].get("commitEndLsn").is_none(),
+            "no position hidden in unknown keys"
+        );
         assert_eq!(value[2], json!({"watermark": "579e6a5"}));
     }
 
@@ -575,7 +593,7 @@ mod tests {
             }),
         )
         .unwrap();
-        let Some(PgoutputEvent::Downstream(DownstreamMessage::Commit(commit))) = event else {
+        let Some(PgoutputEvent::Commit { commit, .. }) = event else {
             panic!("expected a commit");
         };
         assert_eq!(commit.commit_time_ms, None);
@@ -1086,6 +1104,13 @@ mod tests {
     fn transcript_line(event: Option<PgoutputEvent>) -> String {
         match event {
             None => "null".into(),
+            Some(PgoutputEvent::Commit { commit, end_lsn }) => {
+                let message = DownstreamMessage::Commit(commit);
+                let text = encode_downstream(&message);
+                let again = crate::change_stream::decode_downstream(&text).unwrap();
+                assert_eq!(again, message, "{text}");
+                format!("{text} end {end_lsn}")
+            }
             Some(PgoutputEvent::Downstream(message)) => {
                 let text = encode_downstream(&message);
                 // Whatever the mapper emits is a valid change-stream message.

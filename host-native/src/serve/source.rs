@@ -101,6 +101,15 @@ async fn pump(
                 Err(error) => SourceEvent::Failed(format!("cannot decode pgoutput: {error}")),
                 Ok(None) => continue,
                 Ok(Some(PgoutputEvent::Downstream(message))) => SourceEvent::Message(message),
+                Ok(Some(PgoutputEvent::Commit {
+                    mut commit,
+                    end_lsn,
+                })) => {
+                    commit
+                        .extra
+                        .insert("commitEndLsn".into(), end_lsn.to_string().into());
+                    SourceEvent::Message(DownstreamMessage::Commit(commit))
+                }
                 Ok(Some(PgoutputEvent::LogicalMessage(message))) if message.prefix == prefix => {
                     SourceEvent::Ddl(message.content)
                 }
