@@ -1,83 +1,150 @@
-//! The ingest adapter: replication frames in, what to hand the [`Streamer`] out. The one place
-//! the simulation stands in for the engine's upstream session, so that switching to it is a
-//! local change.
+//! The ingest adapter: the host side of the engine's [`UpstreamSession`], as `serve` drives it.
 //!
-//! What it does, as `serve`'s ingest does today: maps every CopyData frame with the engine's
-//! [`PgoutputMapper`] (a new one per replication session); skips a transaction the change log
-//! already holds (its commit at or below the last commit forwarded, re-sent after a restart);
-//! turns a Relation message that names a table or column the replica lacks into
-//! `create-table` / `add-column` changes at that point of the transaction (following DDL through
-//! Relation messages, as `replicate` does); turns keepalives into
-//! [`Streamer::on_keepalive`] calls; and tells Postgres an ack's commit LSN.
-//!
-//! [`Streamer`]: highwater_engine::streamer::Streamer
-//! [`Streamer::on_keepalive`]: highwater_engine::streamer::Streamer::on_keepalive
+//! Every rule lives in the session: what is already stored (skipped), which LSN to confirm
+//! to Postgres and when (a commit's end LSN once durable, a keepalive's WAL end between
+//! transactions), restarts, and that a Relation message needs reconciling. This adapter only
+//! carries out what the session asks: it answers [`Effect::ReconcileRelation`] with the
+//! `create-table` / `add-column` changes the replica's schema lacks (as the host's
+//! `replica::ddl::relation_changes` does), and hands the rest back to the world as
+//! [`Ingested`] values.
 
 use std::collections::BTreeMap;
 
 use highwater_engine::change_stream::{
     AddColumn, Change, ColumnDef, ColumnSpec, CreateTable, DownstreamMessage, Identifier, TableSpec,
 };
-use highwater_engine::pgoutput::{PgoutputEvent, PgoutputMapper, Relation};
+use highwater_engine::pgoutput::Relation;
+use highwater_engine::upstream::{Effect, Input, SessionConfig, UpstreamSession};
 use highwater_engine::watermark::{Lsn, Watermark};
 use indexmap::IndexMap;
 use serde_json::Number;
 
 use crate::upstream::INT4;
 
-/// What one frame asks of the streamer.
+/// What the session asks of the rest of the server.
 // Forwarded messages are the common case; boxing them would add an allocation each.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum Ingested {
+    /// Hand this message to the streamer.
     Forward(DownstreamMessage),
-    Keepalive {
-        watermark: Watermark,
-        reply_requested: bool,
-    },
+    /// Confirm this position to Postgres.
+    Ack(Lsn),
+    /// Between transactions: upstream sent everything before `watermark`.
+    Idle(Watermark),
+    Warn(String),
 }
 
-/// A defect to plant in the adapter, so tests can show that the simulation catches it.
+/// A defect to plant in the host's side, so tests can show that the simulation catches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IngestBug {
-    /// Acknowledge every commit to Postgres as soon as it is forwarded, before it is stored.
+    /// Report every commit durable to the session as soon as it is forwarded, before it is
+    /// stored (a host that acks early).
     AcksOnForward,
 }
 
 #[derive(Debug)]
 pub struct Ingest {
-    mapper: PgoutputMapper,
+    session: UpstreamSession,
     /// Replica schema as of the messages forwarded so far: table → columns.
     schema: BTreeMap<String, Vec<String>>,
     /// Schema changes of the open transaction, undone if it does not commit.
     open_ddl: Vec<(String, Option<String>)>,
-    /// Inside a transaction that is already stored.
-    skipping: bool,
-    in_tx: bool,
     pub bug: Option<IngestBug>,
 }
 
 impl Ingest {
-    /// A new replication session over a replica with `schema`.
-    pub fn new(schema: BTreeMap<String, Vec<String>>, bug: Option<IngestBug>) -> Self {
+    /// A session over a replica with `schema` whose newest durable commit is `stored`; the
+    /// replication slot starts at `confirmed`.
+    pub fn new(
+        schema: BTreeMap<String, Vec<String>>,
+        stored: Watermark,
+        confirmed: Lsn,
+        bug: Option<IngestBug>,
+    ) -> Self {
+        let config = SessionConfig {
+            ddl_prefix: "highwater/ddl".to_owned(),
+        };
         Ingest {
-            mapper: PgoutputMapper::new(),
+            session: UpstreamSession::new(config, stored, confirmed),
             schema,
             open_ddl: Vec::new(),
-            skipping: false,
-            in_tx: false,
             bug,
         }
     }
 
-    /// A new replication session (the mapper's relation cache starts empty).
-    pub fn restart(&mut self) {
-        self.mapper = PgoutputMapper::new();
-        self.rollback();
+    /// A new replication session (the previous connection is gone).
+    pub fn started(&mut self) -> Result<Vec<Ingested>, String> {
+        self.run(Input::Started)
     }
 
-    /// The open transaction will not commit: forget its schema changes.
-    pub fn rollback(&mut self) {
+    /// One CopyData frame of the replication stream.
+    pub fn frame(&mut self, bytes: &[u8]) -> Result<Vec<Ingested>, String> {
+        self.run(Input::WalData(bytes))
+    }
+
+    /// Every commit up to `watermark` is durable.
+    pub fn stored(&mut self, watermark: Watermark) -> Result<Vec<Ingested>, String> {
+        self.run(Input::Stored { watermark })
+    }
+
+    fn run(&mut self, input: Input<'_>) -> Result<Vec<Ingested>, String> {
+        let mut out = Vec::new();
+        let mut effects = self.session.handle(input).map_err(|e| e.to_string())?;
+        while !effects.is_empty() {
+            let mut next = Vec::new();
+            for effect in effects {
+                match effect {
+                    Effect::Apply(message) => {
+                        match &message {
+                            DownstreamMessage::Begin(_) | DownstreamMessage::Commit(_) => {
+                                self.open_ddl.clear();
+                            }
+                            DownstreamMessage::Rollback(_) => self.undo_open_ddl(),
+                            _ => {}
+                        }
+                        let early = match (&message, self.bug) {
+                            (DownstreamMessage::Commit(c), Some(IngestBug::AcksOnForward)) => {
+                                Some(c.watermark.clone())
+                            }
+                            _ => None,
+                        };
+                        out.push(Ingested::Forward(message));
+                        if let Some(watermark) = early {
+                            next.extend(
+                                self.session
+                                    .handle(Input::Stored { watermark })
+                                    .map_err(|e| e.to_string())?,
+                            );
+                        }
+                    }
+                    Effect::Ack(lsn) => out.push(Ingested::Ack(lsn)),
+                    Effect::ReconcileRelation(relation) => {
+                        let changes = self.relation_changes(&relation);
+                        next.extend(
+                            self.session
+                                .handle(Input::SchemaChanges(changes))
+                                .map_err(|e| e.to_string())?,
+                        );
+                    }
+                    Effect::ResolveDdl { .. } => {
+                        return Err("a DDL event, which the simulated upstream never sends".into())
+                    }
+                    Effect::Idle { watermark } => out.push(Ingested::Idle(watermark)),
+                    // No backfills are modelled: none is ever waiting.
+                    Effect::BackfillDue => {}
+                    Effect::AckFrames(_) | Effect::Reconnect { .. } => {
+                        return Err("a relay effect from a Postgres source".into())
+                    }
+                    Effect::Warn(message) => out.push(Ingested::Warn(message)),
+                }
+            }
+            effects = next;
+        }
+        Ok(out)
+    }
+
+    fn undo_open_ddl(&mut self) {
         for (table, column) in self.open_ddl.drain(..).rev() {
             match column {
                 None => {
@@ -90,65 +157,6 @@ impl Ingest {
                 }
             }
         }
-        self.skipping = false;
-        self.in_tx = false;
-    }
-
-    /// One CopyData frame; `last_commit` is the streamer's last commit forwarded.
-    pub fn frame(
-        &mut self,
-        bytes: &[u8],
-        last_commit: &Watermark,
-    ) -> Result<Vec<Ingested>, String> {
-        let Some(event) = self.mapper.map_frame(bytes).map_err(|e| e.to_string())? else {
-            return Ok(Vec::new());
-        };
-        Ok(match event {
-            PgoutputEvent::Keepalive(k) => vec![Ingested::Keepalive {
-                watermark: k.watermark,
-                reply_requested: k.reply_requested,
-            }],
-            PgoutputEvent::LogicalMessage(_) => Vec::new(),
-            PgoutputEvent::Relation { relation, .. } => {
-                if self.skipping || !self.in_tx {
-                    Vec::new()
-                } else {
-                    self.relation_changes(&relation)
-                        .into_iter()
-                        .map(|c| Ingested::Forward(DownstreamMessage::Data(c)))
-                        .collect()
-                }
-            }
-            PgoutputEvent::Downstream(message) => match &message {
-                DownstreamMessage::Begin(begin) => {
-                    self.in_tx = true;
-                    self.open_ddl.clear();
-                    self.skipping = begin.commit_watermark <= *last_commit;
-                    if self.skipping {
-                        Vec::new()
-                    } else {
-                        vec![Ingested::Forward(message)]
-                    }
-                }
-                DownstreamMessage::Commit(_) => {
-                    self.in_tx = false;
-                    self.open_ddl.clear();
-                    if std::mem::take(&mut self.skipping) {
-                        Vec::new()
-                    } else {
-                        vec![Ingested::Forward(message)]
-                    }
-                }
-                _ if self.skipping => Vec::new(),
-                _ => vec![Ingested::Forward(message)],
-            },
-        })
-    }
-
-    /// The LSN to confirm to Postgres for an ack of `watermark` (a commit's watermark is its
-    /// commit LSN; a keepalive's is the WAL end it reported).
-    pub fn ack_position(watermark: &Watermark) -> Option<Lsn> {
-        watermark.to_lsn().ok()
     }
 
     fn relation_changes(&mut self, relation: &Relation) -> Vec<Change> {

@@ -543,21 +543,22 @@ impl World {
         let Some(server) = self.server.as_mut() else {
             return;
         };
-        let last = server.streamer.last_commit().clone();
-        let items = match server.ingest.frame(frame, &last) {
+        let items = server.ingest.frame(frame);
+        self.ingested(items);
+    }
+
+    /// Carries out what the upstream session asked for.
+    fn ingested(&mut self, items: Result<Vec<Ingested>, String>) {
+        let items = match items {
             Ok(items) => items,
-            Err(e) => return self.fail(format!("ingest rejected a frame: {e}")),
+            Err(e) => return self.fail(format!("the upstream session rejected its input: {e}")),
         };
         for item in items {
-            let Some(server) = self.server.as_mut() else {
+            if self.server.is_none() || self.out.failure.is_some() {
                 return;
-            };
+            }
             match item {
                 Ingested::Forward(message) => {
-                    let commit = match &message {
-                        DownstreamMessage::Commit(c) => Some(c.watermark.clone()),
-                        _ => None,
-                    };
                     let text = highwater_engine::change_stream::encode_downstream(&message);
                     self.log(format!("upstream -> streamer {}", short(&text)));
                     let server = self.server.as_mut().expect("checked");
@@ -565,29 +566,20 @@ impl World {
                         Ok(effects) => self.streamer_effects(effects),
                         Err(e) => return self.fail(format!("the streamer rejected {text}: {e}")),
                     }
-                    if let (Some(w), Some(IngestBug::AcksOnForward)) =
-                        (commit, self.server.as_ref().and_then(|s| s.ingest.bug))
-                    {
-                        self.ack(&w);
-                    }
                 }
-                Ingested::Keepalive {
-                    watermark,
-                    reply_requested,
-                } => {
-                    let line = format!("keepalive {watermark} reply={reply_requested}");
-                    let effects = server.streamer.on_keepalive(watermark, reply_requested);
-                    self.log(line);
+                Ingested::Ack(lsn) => self.ack(lsn),
+                Ingested::Idle(watermark) => {
+                    self.log(format!("upstream idle at {watermark}"));
+                    let server = self.server.as_mut().expect("checked");
+                    let effects = server.streamer.on_keepalive(watermark, false);
                     self.streamer_effects(effects);
                 }
+                Ingested::Warn(message) => self.log(format!("upstream session: {message}")),
             }
         }
     }
 
-    fn ack(&mut self, watermark: &Watermark) {
-        let Some(lsn) = Ingest::ack_position(watermark) else {
-            return self.fail(format!("an ack of {watermark}, which is no LSN"));
-        };
+    fn ack(&mut self, lsn: Lsn) {
         if let Some(last) = self.last_ack {
             if lsn < last {
                 return self.fail(format!("upstream ack moved backwards: {last} then {lsn}"));
@@ -626,9 +618,8 @@ impl World {
         self.log("replication connection lost".to_owned());
         self.pg.end_replication();
         let server = self.server.as_mut().expect("checked");
-        server.ingest.restart();
-        let effects = server.streamer.upstream_ended();
-        self.streamer_effects(effects);
+        let items = server.ingest.started();
+        self.ingested(items);
         let d = self.rng.range(100, 2000);
         self.at(d, Ev::ReplConnect);
         if !self.quiet && self.rng.chance(400) {
@@ -677,7 +668,12 @@ impl World {
             gen,
             streamer,
             scope: ScopeServer::new(scope_config),
-            ingest: Ingest::new(schema, self.opts.ingest_bug),
+            ingest: Ingest::new(
+                schema,
+                durable.last_watermark.clone(),
+                self.pg.confirmed,
+                self.opts.ingest_bug,
+            ),
             ops: VecDeque::new(),
             catchups: BTreeMap::new(),
             upstream_paused: false,
@@ -786,8 +782,12 @@ impl World {
                             }
                         }
                         let server = self.server.as_mut().expect("checked");
-                        let effects = server.streamer.on_stored(w);
+                        let effects = server.streamer.on_stored(w.clone());
                         self.streamer_effects(effects);
+                        if let Some(server) = self.server.as_mut() {
+                            let items = server.ingest.stored(w);
+                            self.ingested(items);
+                        }
                         self.scope_input(ServerInput::Committed { entries });
                     }
                     Ok(None) => {}
@@ -817,9 +817,8 @@ impl World {
                 self.log("restarting upstream".to_owned());
                 self.pg.end_replication();
                 let server = self.server.as_mut().expect("checked");
-                server.ingest.restart();
-                let effects = server.streamer.upstream_ended();
-                self.streamer_effects(effects);
+                let items = server.ingest.started();
+                self.ingested(items);
                 self.at(1, Ev::ReplConnect);
             }
         }
@@ -935,9 +934,14 @@ impl World {
                     }
                     self.kick_catchup();
                 }
+                // The upstream session confirms positions to Postgres; the streamer's own ack
+                // must still never run ahead of durable storage.
                 Effect::AckUpstream { watermark } => {
-                    if server.ingest.bug != Some(IngestBug::AcksOnForward) {
-                        self.ack(&watermark);
+                    if watermark > *self.storage.last_watermark() {
+                        let stored = self.storage.last_watermark().clone();
+                        self.fail(format!(
+                            "the streamer acked {watermark} with storage durable through {stored}"
+                        ));
                     }
                 }
                 Effect::PauseUpstream => {
@@ -1577,7 +1581,14 @@ impl World {
         let mut inputs = VecDeque::from([input]);
         while let Some(input) = inputs.pop_front() {
             let now = self.now;
+            let dbg = std::env::var_os("SIM_DEBUG_CLIENT").is_some();
+            if dbg {
+                eprintln!("{now} client{c} <- {input:?}");
+            }
             let effects = self.clients[c].client.handle(now, input);
+            if dbg {
+                eprintln!("{now} client{c} -> {effects:?}");
+            }
             for effect in effects {
                 self.client_effect(c, effect, &mut inputs);
                 if self.out.failure.is_some() {
