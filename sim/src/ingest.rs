@@ -224,3 +224,79 @@ impl Ingest {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+    use crate::upstream::{SimPg, EPOCH_UNIX_MS, TEXT};
+
+    fn schema(pg: &SimPg) -> BTreeMap<String, Vec<String>> {
+        pg.tables
+            .iter()
+            .map(|(n, t)| {
+                let cols = t
+                    .relation()
+                    .columns
+                    .iter()
+                    .map(|c| c.name.clone())
+                    .collect();
+                (n.clone(), cols)
+            })
+            .collect()
+    }
+
+    fn tags(items: &[Ingested]) -> Vec<String> {
+        items
+            .iter()
+            .filter_map(|i| match i {
+                Ingested::Forward(DownstreamMessage::Data(c)) => Some(c.tag().to_owned()),
+                Ingested::Forward(DownstreamMessage::Begin(_)) => Some("begin".to_owned()),
+                Ingested::Forward(DownstreamMessage::Commit(_)) => Some("commit".to_owned()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn drain(pg: &mut SimPg, ingest: &mut Ingest) -> Vec<Ingested> {
+        let mut out = Vec::new();
+        while let Some(frame) = pg.next_frame() {
+            out.extend(ingest.frame(&frame).expect("accepted"));
+        }
+        out
+    }
+
+    #[test]
+    fn an_added_column_is_reconciled_once_and_a_resent_stored_transaction_is_skipped() {
+        let mut rng = Rng::new(11);
+        let mut pg = SimPg::new(&mut rng);
+        let mut ingest = Ingest::new(schema(&pg), SimPg::replica_version(), pg.confirmed, None);
+        pg.add_column("todos", "extra", TEXT);
+        pg.create_unscoped_table("events");
+        for i in 0..6 {
+            pg.transaction(&mut rng, 4, EPOCH_UNIX_MS + i);
+        }
+        pg.start_replication();
+        let items = drain(&mut pg, &mut ingest);
+        let seen = tags(&items);
+        let adds = seen.iter().filter(|t| *t == "add-column").count();
+        let creates = seen.iter().filter(|t| *t == "create-table").count();
+        assert_eq!(adds, 1, "{seen:?}");
+        assert_eq!(creates, 1, "{seen:?}");
+        // Nothing is confirmed before it is durable.
+        assert!(!items.iter().any(|i| matches!(i, Ingested::Ack(_))));
+        let first = pg.wal[0].clone();
+        let acks = ingest.stored(first.watermark()).expect("accepted");
+        assert!(
+            acks.iter()
+                .any(|i| matches!(i, Ingested::Ack(lsn) if *lsn == first.end_lsn)),
+            "{acks:?}"
+        );
+        // A new session from the commit LSN re-sends the first transaction: skipped whole.
+        pg.confirmed = first.commit_lsn;
+        ingest.started().expect("accepted");
+        pg.start_replication();
+        let again = tags(&drain(&mut pg, &mut ingest));
+        assert!(again.is_empty(), "{again:?}");
+    }
+}

@@ -4,6 +4,7 @@
 //! highwater-sim --seed S [--trace]        one seed; --trace prints its whole event list
 //! highwater-sim --seeds N [--from S]      seeds S..S+N (S defaults to 1)
 //!               [--transactions T]        upstream transactions per seed (default 120)
+//!               [--plant loses-commit|early-ack]  plant a defect the run must catch
 //! ```
 //!
 //! Ends with `simulation: N seeds, F failed, S steps, K crashes, D disconnects, X transactions`
@@ -11,6 +12,8 @@
 
 use std::process::ExitCode;
 
+use highwater_sim::ingest::IngestBug;
+use highwater_sim::storage::StorageBug;
 use highwater_sim::{describe, run, Options};
 
 fn usage() -> ExitCode {
@@ -27,6 +30,7 @@ fn main() -> ExitCode {
     let mut from = 1u64;
     let mut trace = false;
     let mut transactions = None;
+    let mut plant = None;
     let mut i = 0;
     while i < args.len() {
         let value = |i: usize| args.get(i + 1).and_then(|v| v.parse::<u64>().ok());
@@ -51,6 +55,13 @@ fn main() -> ExitCode {
                 transactions = Some(v as usize);
                 i += 1;
             }
+            "--plant" => {
+                plant = args.get(i + 1).cloned();
+                if !matches!(plant.as_deref(), Some("loses-commit" | "early-ack")) {
+                    return usage();
+                }
+                i += 1;
+            }
             "--trace" => trace = true,
             _ => return usage(),
         }
@@ -67,6 +78,11 @@ fn main() -> ExitCode {
         opts.full_trace = trace;
         if let Some(t) = transactions {
             opts.transactions = t;
+        }
+        match plant.as_deref() {
+            Some("loses-commit") => opts.storage_bug = Some(StorageBug::LosesLastCommit),
+            Some("early-ack") => opts.ingest_bug = Some(IngestBug::AcksOnForward),
+            _ => {}
         }
         let outcome = run(opts);
         steps += outcome.steps;

@@ -1804,44 +1804,38 @@ impl World {
         }
         for (c, client) in self.clients.iter().enumerate() {
             for (key, (table, owner)) in &client.scopes {
-                let mut want: Vec<String> = self
+                let want: BTreeMap<String, Map<String, Value>> = self
                     .pg
                     .rows_json(table)
-                    .values()
-                    .filter(|r| r.get(OWNER).and_then(Value::as_str) == Some(owner))
-                    .map(|r| Value::Object(without_nulls(r)).to_string())
+                    .into_iter()
+                    .filter(|(_, r)| r.get(OWNER).and_then(Value::as_str) == Some(owner))
+                    .map(|(id, r)| (id.to_string(), without_nulls(&r)))
                     .collect();
-                want.sort();
-                let mut held: Vec<String> = client
+                let held: BTreeMap<String, Map<String, Value>> = client
                     .client
                     .rows(*key)
                     .into_iter()
-                    .map(|r| Value::Object(without_nulls(r)).to_string())
+                    .map(|r| {
+                        (
+                            r.get("id").map(|v| v.to_string()).unwrap_or_default(),
+                            without_nulls(r),
+                        )
+                    })
                     .collect();
-                held.sort();
-                let mut stored: Vec<String> = client
+                let stored: BTreeMap<String, Map<String, Value>> = client
                     .store
                     .get(key)
                     .map(|s| {
                         s.rows
                             .iter()
-                            .map(|r: &StoredRow| Value::Object(without_nulls(&r.data)).to_string())
+                            .map(|r: &StoredRow| (r.id.clone(), without_nulls(&r.data)))
                             .collect()
                     })
                     .unwrap_or_default();
-                stored.sort();
-                if held != want {
-                    problems.push(format!(
-                        "client{c} scope {table}/{owner} holds {} rows, upstream has {}: held {held:?} want {want:?}",
-                        held.len(),
-                        want.len()
-                    ));
-                } else if stored != want {
-                    problems.push(format!(
-                        "client{c} scope {table}/{owner} stored {} rows, upstream has {}",
-                        stored.len(),
-                        want.len()
-                    ));
+                for (what, rows) in [("holds", &held), ("stored", &stored)] {
+                    if let Some(diff) = row_diff(rows, &want) {
+                        problems.push(format!("client{c} scope {table}/{owner} {what}: {diff}"));
+                    }
                 }
             }
         }
@@ -1855,6 +1849,45 @@ impl World {
             self.log("quiet: every subscriber and client matches upstream".to_owned());
         }
     }
+}
+
+/// Which rows are missing, extra or different, by id; `None` when equal.
+fn row_diff(
+    got: &BTreeMap<String, Map<String, Value>>,
+    want: &BTreeMap<String, Map<String, Value>>,
+) -> Option<String> {
+    let missing: Vec<&str> = want
+        .keys()
+        .filter(|k| !got.contains_key(*k))
+        .map(String::as_str)
+        .collect();
+    let extra: Vec<&str> = got
+        .keys()
+        .filter(|k| !want.contains_key(*k))
+        .map(String::as_str)
+        .collect();
+    let differ: Vec<String> = want
+        .iter()
+        .filter_map(|(k, w)| {
+            let g = got.get(k)?;
+            (g != w).then(|| {
+                format!(
+                    "{k} (has {}, upstream {})",
+                    Value::Object(g.clone()),
+                    Value::Object(w.clone())
+                )
+            })
+        })
+        .take(3)
+        .collect();
+    if missing.is_empty() && extra.is_empty() && differ.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "{} rows, upstream {}; missing {missing:?}, extra {extra:?}, different {differ:?}",
+        got.len(),
+        want.len()
+    ))
 }
 
 /// A short summary line for a trace header.
