@@ -163,6 +163,8 @@ struct Client {
     store: BTreeMap<ScopeKey, StoredScope>,
     sockets: BTreeMap<SocketId, u64>,
     timer_gen: u64,
+    /// Reads its socket slowly: frames to it take seconds (the server's outbound budget fills).
+    slow: bool,
     /// Per (link, subscription id): entries received, for the no-repeat check.
     seen: BTreeMap<(u64, String), BTreeSet<(String, i64)>>,
 }
@@ -300,11 +302,11 @@ impl World {
                 ack_at: 0,
             })
             .collect();
-        let n_clients = rng.range(1, 3) as usize;
+        let n_clients = rng.range(1, 4) as usize;
         let mut clients = Vec::new();
         for _ in 0..n_clients {
             let mut scopes = BTreeMap::new();
-            for key in 0..rng.range(1, 2) as u32 {
+            for key in 0..rng.range(1, 3) as u32 {
                 let table = rng.pick(&SCOPED_TABLES).expect("tables");
                 let owner = rng.pick(&OWNERS).expect("owners");
                 scopes.insert(key, ((*table).to_owned(), (*owner).to_owned()));
@@ -316,6 +318,7 @@ impl World {
                 store: BTreeMap::new(),
                 sockets: BTreeMap::new(),
                 timer_gen: 0,
+                slow: false,
                 seen: BTreeMap::new(),
             });
         }
@@ -397,7 +400,7 @@ impl World {
             self.at(d, Ev::ClientReload(i));
         }
         // Crashes at random points of the workload.
-        for _ in 0..self.rng.range(0, 3) {
+        for _ in 0..self.rng.range(0, 5) {
             let t = self.rng.range(200, 12_000);
             self.at(t, Ev::Crash);
         }
@@ -472,6 +475,9 @@ impl World {
         let done = self.out.transactions as usize;
         if done >= self.opts.transactions {
             self.quiet = true;
+            for client in &mut self.clients {
+                client.slow = false;
+            }
             self.log("workload done; quiet from here".to_owned());
             self.at(QUIET_MS, Ev::Quiet);
             return;
@@ -1080,7 +1086,13 @@ impl World {
 
     /// Queues `msg` on one direction of `link`, after the frames already in flight there.
     fn push(&mut self, link: u64, to_server: bool, msg: Msg) {
-        let delay = if self.rng.chance(30) {
+        let slow_reader = match self.links.get(&link).map(|l| l.peer) {
+            Some(Peer::Scope(c, _)) => !to_server && self.clients[c].slow,
+            _ => false,
+        };
+        let delay = if slow_reader {
+            self.rng.range(300, 2500)
+        } else if self.rng.chance(30) {
             self.rng.range(100, 800)
         } else {
             self.rng.range(1, 40)
@@ -1527,6 +1539,14 @@ impl World {
         }
         let d = self.rng.range(5000, 30_000);
         self.at(d, Ev::ClientReload(c));
+        if self.rng.chance(150) {
+            self.clients[c].slow = !self.clients[c].slow;
+            let slow = self.clients[c].slow;
+            self.log(format!(
+                "client{c} reads {}",
+                if slow { "slowly" } else { "promptly" }
+            ));
+        }
         let first = self.clients[c].sockets.is_empty() && self.clients[c].store.is_empty();
         if !first && !self.rng.chance(300) {
             return;
