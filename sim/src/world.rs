@@ -158,8 +158,8 @@ struct CsSub {
 
 struct Client {
     client: SyncClient,
-    /// Scope key → (table, owner).
-    scopes: BTreeMap<ScopeKey, (String, String)>,
+    /// Scope key → (table, owner); no owner: the whole table.
+    scopes: BTreeMap<ScopeKey, (String, Option<String>)>,
     store: BTreeMap<ScopeKey, StoredScope>,
     sockets: BTreeMap<SocketId, u64>,
     timer_gen: u64,
@@ -309,7 +309,8 @@ impl World {
             for key in 0..rng.range(1, 3) as u32 {
                 let table = rng.pick(&SCOPED_TABLES).expect("tables");
                 let owner = rng.pick(&OWNERS).expect("owners");
-                scopes.insert(key, ((*table).to_owned(), (*owner).to_owned()));
+                let owner = (!rng.chance(200)).then(|| (*owner).to_owned());
+                scopes.insert(key, ((*table).to_owned(), owner));
             }
             let client = SyncClient::new(Self::client_config(&mut rng), rng.next_u64());
             clients.push(Client {
@@ -1570,14 +1571,16 @@ impl World {
         client.client = SyncClient::new(config, seed);
         client.sockets.clear();
         client.timer_gen += 1;
-        let scopes: Vec<(ScopeKey, (String, String))> =
+        let scopes: Vec<(ScopeKey, (String, Option<String>))> =
             client.scopes.iter().map(|(k, v)| (*k, v.clone())).collect();
         for (key, (table, owner)) in scopes {
             let stored = self.clients[c].store.get(&key).cloned().unwrap_or_default();
             let params = SubscribeParams {
                 scope: ChangesScope {
                     resource_type: Some(table),
-                    conditions: Map::from_iter([(OWNER.to_owned(), Value::String(owner))]),
+                    conditions: owner
+                        .map(|o| Map::from_iter([(OWNER.to_owned(), Value::String(o))]))
+                        .unwrap_or_default(),
                     resource_types: None,
                 },
                 after: None,
@@ -1828,7 +1831,10 @@ impl World {
                     .pg
                     .rows_json(table)
                     .into_iter()
-                    .filter(|(_, r)| r.get(OWNER).and_then(Value::as_str) == Some(owner))
+                    .filter(|(_, r)| {
+                        owner.is_none()
+                            || r.get(OWNER).and_then(Value::as_str) == owner.as_deref()
+                    })
                     .map(|(id, r)| (id.to_string(), without_nulls(&r)))
                     .collect();
                 let held: BTreeMap<String, Map<String, Value>> = client
@@ -1854,6 +1860,7 @@ impl World {
                     .unwrap_or_default();
                 for (what, rows) in [("holds", &held), ("stored", &stored)] {
                     if let Some(diff) = row_diff(rows, &want) {
+                        let owner = owner.as_deref().unwrap_or("*");
                         problems.push(format!("client{c} scope {table}/{owner} {what}: {diff}"));
                     }
                 }
