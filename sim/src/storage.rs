@@ -425,13 +425,22 @@ impl Open {
                 Self::checked(t, &name, &update.new)?;
                 let id = id_text(update.new.get(&t.key))
                     .ok_or_else(|| format!("expected a key in an update of {name}"))?;
-                let before = t.rows.get(&id).map(|r| scope_of(&r.data));
-                let mut data = t.rows.get(&id).map(|r| r.data.clone()).unwrap_or_default();
+                let old_id = update
+                    .key
+                    .as_ref()
+                    .and_then(|k| id_text(k.get(&t.key)))
+                    .filter(|old| *old != id);
+                let scoped = t.scoped;
+                // A key change: the row moves to its new key; the old key's tombstone takes
+                // the next seq, and the old key leaves every scope it was in.
+                let moved = old_id.as_ref().and_then(|old| t.rows.remove(old));
+                let source = moved.as_ref().or_else(|| t.rows.get(&id));
+                let before = source.map(|r| scope_of(&r.data));
+                let mut data = source.map(|r| r.data.clone()).unwrap_or_default();
                 for (k, v) in &update.new {
                     data.insert(k.clone(), v.clone());
                 }
                 let now = scope_of(&data);
-                let scoped = t.scoped;
                 t.rows.insert(
                     id.clone(),
                     ReplicaRow {
@@ -440,7 +449,21 @@ impl Open {
                         updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
                     },
                 );
-                if let Some(before) = before.filter(|b| scoped && *b != now) {
+                if let (Some(old), Some(before)) = (old_id, moved.map(|r| scope_of(&r.data))) {
+                    let tombstone = self.take_seq(&name);
+                    if scoped {
+                        self.exits.push((
+                            name,
+                            Exit {
+                                resource_id: old,
+                                seq: tombstone,
+                                old: before,
+                                new: None,
+                                updated_at: String::new(),
+                            },
+                        ));
+                    }
+                } else if let Some(before) = before.filter(|b| scoped && *b != now) {
                     self.exits.push((
                         name,
                         Exit {

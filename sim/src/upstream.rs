@@ -79,6 +79,8 @@ pub enum WalOp {
     Update {
         oid: u32,
         version: usize,
+        /// The old key, when the update changed it.
+        old_id: Option<i64>,
         values: Vec<Option<String>>,
     },
     Delete {
@@ -291,11 +293,25 @@ impl SimPg {
                             random_value(c, rng)
                         };
                     }
-                    digest.push(format!("update {name} {id}"));
+                    let mut values = row.clone();
+                    // Now and then the key changes too.
+                    let old_id = if rng.chance(100) {
+                        let new_id = t.next_id;
+                        t.next_id += 1;
+                        values[0] = Some(new_id.to_string());
+                        t.rows.remove(&id);
+                        t.rows.insert(new_id, values.clone());
+                        Some(id)
+                    } else {
+                        None
+                    };
+                    let shown = key_of(&values);
+                    digest.push(format!("update {name} {shown}"));
                     ops.push(WalOp::Update {
                         oid: t_oid,
                         version,
-                        values: row.clone(),
+                        old_id,
+                        values,
                     });
                 }
                 _ => {
@@ -480,11 +496,18 @@ fn encode_tx(
                 relation_oid: oid,
                 new: text_tuple(&values[..width.min(values.len())]),
             })),
-            WalOp::Update { values, .. } => xlog(&PgoutputMessage::Update(Update {
-                relation_oid: oid,
-                old: None,
-                new: text_tuple(&values[..width.min(values.len())]),
-            })),
+            WalOp::Update { values, old_id, .. } => {
+                let old_key = old_id.map(|id| {
+                    let mut key = vec![Some(id.to_string())];
+                    key.resize(width, None);
+                    key
+                });
+                xlog(&PgoutputMessage::Update(Update {
+                    relation_oid: oid,
+                    old: old_key.as_deref().map(|k| OldTuple::Key(text_tuple(k))),
+                    new: text_tuple(&values[..width.min(values.len())]),
+                }))
+            }
             WalOp::Delete { id, .. } => {
                 let mut key = vec![Some(id.to_string())];
                 key.resize(width, None);

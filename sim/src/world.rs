@@ -1832,8 +1832,7 @@ impl World {
                     .rows_json(table)
                     .into_iter()
                     .filter(|(_, r)| {
-                        owner.is_none()
-                            || r.get(OWNER).and_then(Value::as_str) == owner.as_deref()
+                        owner.is_none() || r.get(OWNER).and_then(Value::as_str) == owner.as_deref()
                     })
                     .map(|(id, r)| (id.to_string(), without_nulls(&r)))
                     .collect();
