@@ -154,6 +154,9 @@ struct CsSub {
     connecting: bool,
     /// When the last ack queued goes out: acks leave in frame order.
     ack_at: u64,
+    /// Protocol version (v7+: `start-subscription` on the socket) and the legacy batched flag.
+    version: u32,
+    batched: bool,
 }
 
 struct Client {
@@ -291,8 +294,18 @@ impl World {
         }
         let storage = Storage::new(rv(), tables, seq, opts.storage_bug);
         let n_cs = rng.range(1, 3) as usize;
+        let versions: Vec<(u32, bool)> = (0..n_cs)
+            .map(|_| match rng.below(4) {
+                0 => (5, true),
+                1 => (6, false),
+                2 => (7, false),
+                _ => (8, false),
+            })
+            .collect();
         let cs = (0..n_cs)
             .map(|i| CsSub {
+                version: versions[i].0,
+                batched: versions[i].1,
                 id: format!("cs{i}"),
                 link: None,
                 last: rv(),
@@ -1189,7 +1202,12 @@ impl World {
             match peer {
                 Peer::Cs(i) => {
                     let server = self.server.as_mut().expect("checked");
-                    server.streamer.open(ConnId(conn), 6, false);
+                    let (version, batched) = (self.cs[i].version, self.cs[i].batched);
+                    server.streamer.open(ConnId(conn), version, batched);
+                    if version >= 7 {
+                        // The subscription comes as a frame on the socket.
+                        return;
+                    }
                     let ctx = SubscribeContext {
                         task_id: format!("task-{i}"),
                         id: self.cs[i].id.clone(),
@@ -1272,6 +1290,22 @@ impl World {
                 self.links.get_mut(&link).expect("link").client_open = false;
                 self.log(format!("{} disconnected: {reason}", self.cs[i].id));
                 self.cs_lost(i, link);
+            }
+            (Peer::Cs(i), Msg::Accepted) => {
+                if self.cs[i].version >= 7 && self.cs[i].link == Some(link) {
+                    let sub = &self.cs[i];
+                    let text = format!(
+                        r#"{{"id":1,"msg":["start-subscription",{{"taskID":"task-{i}","id":"{}","mode":"serving","replicaVersion":"{}","watermark":"{}"}}]}}"#,
+                        sub.id,
+                        rv(),
+                        sub.last
+                    );
+                    self.log(format!(
+                        "{} sends start-subscription at {}",
+                        sub.id, sub.last
+                    ));
+                    self.push(link, true, Msg::Text(text));
+                }
             }
             (Peer::Cs(_), _) => {}
             (Peer::Scope(c, socket), Msg::Text(text)) => {
@@ -1415,6 +1449,10 @@ impl World {
 
     fn cs_receive(&mut self, i: usize, link: u64, text: &str) {
         if self.cs[i].link != Some(link) {
+            return;
+        }
+        // The server's ack of the subscriber's own frame (v7+).
+        if text.starts_with(r#"{"ack":"#) {
             return;
         }
         let frame = match decode_downstream_frame(text) {
