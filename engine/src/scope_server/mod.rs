@@ -602,6 +602,7 @@ impl ScopeServer {
                 ReplayEffect::Reset { envelope, .. } => {
                     if let Some(sub) = self.subscription_mut(conn, id) {
                         sub.start_seq = None;
+                        sub.sent_live.clear();
                     }
                     let text = message_text(id, &envelope);
                     self.send_text(conn, text, out);
@@ -706,6 +707,9 @@ impl ScopeServer {
                 sub.pinned = None;
                 sub.done = 0;
                 sub.total = None;
+                // The client drops every row of the scope at the reset marker, the ones sent
+                // live too: the full replay must not leave them out as already sent.
+                sub.sent_live.clear();
                 self.send_reset(conn, &id, "table-truncated", None, out);
                 self.begin_pass(conn, &id, None, out);
             }

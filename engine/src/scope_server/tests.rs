@@ -451,6 +451,52 @@ fn a_resume_in_the_epoch_starts_after_the_cursor_unless_retention_or_a_truncate_
     assert_eq!(fetch(&effects).map(|f| f.2), Some(None));
 }
 
+/// Found by the simulation (seed 236): a row sent live while a replay ran
+/// was dropped by the client with everything else at a truncate's reset marker, and the full
+/// replay that followed left it out as "already sent live": the client lost the row.
+#[test]
+fn a_row_sent_live_before_a_truncate_reset_comes_again_in_the_full_replay() {
+    let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z", "limit": 1});
+    let mut server = server();
+    let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
+    let pass = fetch(&effects).unwrap().1;
+    // The first page pins the high-water at 8; more pages follow.
+    page(&mut server, ticket, pass, 8, vec![upsert(6, 1, "ada")]);
+    // Row 2 is written above the pin: sent live while the replay runs.
+    let live = server.handle(
+        ServerInput::Committed {
+            entries: vec![upsert(9, 2, "ada")],
+        },
+        0,
+    );
+    assert_eq!(sent(&live)[0]["body"]["syncs"][0]["resourceId"], json!("2"));
+    // The next page finds the table truncated after the cursor: reset, then a full replay.
+    let truncated = server.handle(
+        ServerInput::PageFetched {
+            conn: C,
+            ticket,
+            pass,
+            result: PageResult::Truncated,
+        },
+        0,
+    );
+    assert_eq!(
+        sent(&truncated)[0]["body"]["reset"]["reason"],
+        json!("table-truncated")
+    );
+    let (_, pass, after, ..) = fetch(&truncated).unwrap();
+    assert_eq!(after, None);
+    // The client dropped row 2 with the reset: the full replay must bring it again.
+    let effects = page(&mut server, ticket, pass, 9, vec![upsert(9, 2, "ada")]);
+    let ids: Vec<Value> = sent(&effects)
+        .iter()
+        .filter(|f| f["type"] == "channel-message")
+        .flat_map(|f| f["body"]["syncs"].as_array().cloned().unwrap_or_default())
+        .map(|e| e["resourceId"].clone())
+        .collect();
+    assert_eq!(ids, vec![json!("2")]);
+}
+
 #[test]
 fn replay_pages_wait_for_room_and_a_socket_that_stays_full_is_closed() {
     let mut config = ServerConfig::new(EPOCH);
