@@ -56,6 +56,8 @@ pub struct ReplicaTable {
     pub scoped: bool,
     pub rows: BTreeMap<String, ReplicaRow>,
     pub exits: Vec<Exit>,
+    /// The seq of the newest truncate: a replay from an older cursor starts over.
+    pub truncated: Option<i64>,
 }
 
 /// What survives a crash.
@@ -78,6 +80,8 @@ struct Open {
     /// Per touched table: the first seq the transaction took in it.
     touched: BTreeMap<String, i64>,
     exits: Vec<(String, Exit)>,
+    /// Exits routed live but not journalled (a truncate's).
+    live_exits: Vec<(String, Exit)>,
     updated_at: String,
 }
 
@@ -181,6 +185,7 @@ impl Storage {
                     next_seq: self.durable.next_seq,
                     touched: BTreeMap::new(),
                     exits: Vec::new(),
+                    live_exits: Vec::new(),
                     updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
                 });
                 Ok(None)
@@ -267,6 +272,11 @@ impl Storage {
             };
         };
         let up_to = up_to.unwrap_or(self.durable.next_seq - 1);
+        if let (Some(after), Some(truncated)) = (after, t.truncated) {
+            if truncated > after {
+                return PageResult::Truncated;
+            }
+        }
         let lo = after.unwrap_or(0);
         let in_range = |seq: i64| seq > lo && seq <= up_to;
         let mut rows: Vec<FeedEntry> = t
@@ -499,6 +509,31 @@ impl Open {
                     ));
                 }
             }
+            Change::Truncate(truncate) => {
+                for relation in &truncate.relations {
+                    let name = relation.name.clone();
+                    let seq = self.take_seq(&name);
+                    let t = self.table(&name)?;
+                    let gone = std::mem::take(&mut t.rows);
+                    t.truncated = Some(seq);
+                    if !t.scoped {
+                        continue;
+                    }
+                    // Routed live; not journalled (the marker resets older cursors).
+                    for (id, row) in gone {
+                        self.live_exits.push((
+                            name.clone(),
+                            Exit {
+                                resource_id: id,
+                                seq,
+                                old: scope_of(&row.data),
+                                new: None,
+                                updated_at: String::new(),
+                            },
+                        ));
+                    }
+                }
+            }
             other => {
                 return Err(format!(
                     "expected a change the simulated replica models, got {}",
@@ -551,6 +586,18 @@ impl Open {
             if let Some(t) = self.tables.get_mut(&name) {
                 t.exits.push(exit);
             }
+        }
+        for (name, exit) in std::mem::take(&mut self.live_exits) {
+            exits.push(FeedEntry {
+                table: name,
+                resource_id: exit.resource_id,
+                seq: exit.seq,
+                updated_at: self.updated_at.clone(),
+                change: FeedChange::Exit {
+                    old: exit.old,
+                    new: exit.new,
+                },
+            });
         }
         out.extend(exits);
         out.sort_by_key(|e| e.seq);

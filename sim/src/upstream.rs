@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use highwater_engine::pgoutput::test_encoder::{keepalive_frame, xlog};
 use highwater_engine::pgoutput::{
     Begin, Commit, Delete, Insert, OldTuple, PgTimestamp, PgoutputMessage, PrimaryKeepalive,
-    Relation, RelationColumn, ReplicaIdentity, Tuple, TupleValue, Update,
+    Relation, RelationColumn, ReplicaIdentity, Truncate, Tuple, TupleValue, Update,
 };
 use highwater_engine::watermark::{Lsn, Watermark};
 use serde_json::{Map, Value};
@@ -87,6 +87,10 @@ pub enum WalOp {
         oid: u32,
         version: usize,
         id: i64,
+    },
+    Truncate {
+        oid: u32,
+        version: usize,
     },
 }
 
@@ -247,9 +251,34 @@ impl SimPg {
 
     /// Runs one random transaction of `size` row changes and appends it to the WAL.
     pub fn transaction(&mut self, rng: &mut Rng, size: usize, commit_time_ms: i64) -> &WalTx {
+        self.transaction_with(rng, size, false, commit_time_ms)
+    }
+
+    /// `TRUNCATE` of one random table, in a transaction of its own.
+    pub fn truncate(&mut self, rng: &mut Rng, commit_time_ms: i64) -> &WalTx {
+        self.transaction_with(rng, 0, true, commit_time_ms)
+    }
+
+    fn transaction_with(
+        &mut self,
+        rng: &mut Rng,
+        size: usize,
+        truncate: bool,
+        commit_time_ms: i64,
+    ) -> &WalTx {
         let names: Vec<String> = self.tables.keys().cloned().collect();
         let mut ops = Vec::new();
         let mut digest = Vec::new();
+        if truncate {
+            let name = rng.pick(&names).expect("tables").clone();
+            let t = self.tables.get_mut(&name).expect("table");
+            t.rows.clear();
+            digest.push(format!("truncate {name}"));
+            ops.push(WalOp::Truncate {
+                oid: t.relation().oid,
+                version: t.versions.len() - 1,
+            });
+        }
         for _ in 0..size {
             let name = rng.pick(&names).expect("tables").clone();
             let existing: Vec<i64> = self.tables[&name].rows.keys().copied().collect();
@@ -482,7 +511,8 @@ fn encode_tx(
         let (oid, version) = match op {
             WalOp::Insert { oid, version, .. }
             | WalOp::Update { oid, version, .. }
-            | WalOp::Delete { oid, version, .. } => (*oid, *version),
+            | WalOp::Delete { oid, version, .. }
+            | WalOp::Truncate { oid, version } => (*oid, *version),
         };
         let table = &tables[&oids[&oid]];
         let relation = &table.versions[version];
@@ -508,6 +538,10 @@ fn encode_tx(
                     new: text_tuple(&values[..width.min(values.len())]),
                 }))
             }
+            WalOp::Truncate { .. } => xlog(&PgoutputMessage::Truncate(Truncate {
+                options: 0,
+                relation_oids: vec![oid],
+            })),
             WalOp::Delete { id, .. } => {
                 let mut key = vec![Some(id.to_string())];
                 key.resize(width, None);

@@ -511,7 +511,11 @@ impl World {
             self.rng.range(1, 4) as usize
         };
         let time = EPOCH_UNIX_MS + self.now as i64;
-        let tx = self.pg.transaction(&mut self.rng, size, time);
+        let tx = if self.rng.chance(15) {
+            self.pg.truncate(&mut self.rng, time)
+        } else {
+            self.pg.transaction(&mut self.rng, size, time)
+        };
         let (w, digest) = (tx.watermark(), tx.digest.join(", "));
         self.wal_index.insert(w.clone(), self.pg.wal.len() - 1);
         self.out.transactions += 1;
@@ -1503,6 +1507,11 @@ impl World {
                     Change::Delete(c) => Some(("delete", &c.relation.name, c.key.get("id"))),
                     _ => None,
                 };
+                if let Change::Truncate(t) = change {
+                    for r in &t.relations {
+                        changes.push(format!("truncate {}", r.name));
+                    }
+                }
                 if let Some((tag, table, id)) = item {
                     let id = id.map(|v| v.to_string()).unwrap_or_default();
                     changes.push(format!("{tag} {table} {id}"));
