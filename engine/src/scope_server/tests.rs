@@ -497,6 +497,49 @@ fn a_row_sent_live_before_a_truncate_reset_comes_again_in_the_full_replay() {
     assert_eq!(ids, vec![json!("2")]);
 }
 
+/// Found by the simulation (seed 5011): exits were pruned past a subscription's cursor while
+/// its replay ran; the pages read after the prune lacked those removals, and the client kept
+/// rows that were gone.
+#[test]
+fn a_retention_floor_that_passes_a_running_replay_restarts_it_with_a_reset() {
+    let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z", "limit": 1});
+    let mut server = server();
+    let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
+    let pass = fetch(&effects).unwrap().1;
+    let effects = page(&mut server, ticket, pass, 9, vec![upsert(6, 1, "ada")]);
+    assert!(fetch(&effects).is_some(), "more pages follow");
+    // Exits up to seq 7 are pruned while the next page is read.
+    assert!(server
+        .handle(ServerInput::RetentionFloor(Some(7)), 0)
+        .is_empty());
+    let effects = page(&mut server, ticket, pass, 9, vec![upsert(8, 2, "ada")]);
+    let frames = sent(&effects);
+    assert_eq!(
+        frames[0]["body"]["reset"]["reason"],
+        json!("cursor-before-retention"),
+        "{frames:?}"
+    );
+    assert!(
+        !frames
+            .iter()
+            .any(|f| f["body"]["syncs"].as_array().is_some_and(|s| !s.is_empty())),
+        "the page read past the floor is not delivered"
+    );
+    let (_, _, after, ..) = fetch(&effects).unwrap();
+    assert_eq!(after, None, "a full replay follows");
+    // A subscription that starts above the floor goes on as before.
+    let mut server = self::server();
+    server.handle(ServerInput::RetentionFloor(Some(3)), 0);
+    let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z", "limit": 1});
+    let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
+    let pass = fetch(&effects).unwrap().1;
+    let effects = page(&mut server, ticket, pass, 9, vec![upsert(6, 1, "ada")]);
+    assert_eq!(
+        sent(&effects)[0]["body"]["syncs"][0]["resourceId"],
+        json!("1")
+    );
+}
+
 #[test]
 fn replay_pages_wait_for_room_and_a_socket_that_stays_full_is_closed() {
     let mut config = ServerConfig::new(EPOCH);
