@@ -68,6 +68,8 @@ pub struct Durable {
     pub tables: BTreeMap<String, ReplicaTable>,
     /// The next seq to assign.
     pub next_seq: i64,
+    /// Seqs at or below this may have lost their exits to retention.
+    pub exit_floor: Option<i64>,
 }
 
 /// The open store transaction.
@@ -131,6 +133,7 @@ impl Storage {
                 last_watermark: replica_version,
                 tables,
                 next_seq,
+                exit_floor: None,
             },
             flushed: None,
             open: None,
@@ -217,6 +220,7 @@ impl Storage {
                     last_watermark: open.watermark.clone(),
                     tables: open.tables,
                     next_seq: open.next_seq,
+                    exit_floor: self.durable.exit_floor,
                 };
                 next.log.extend(open.log);
                 self.durable = next;
@@ -244,6 +248,26 @@ impl Storage {
                 row.watermark()
             )),
         }
+    }
+
+    /// Drops exits journalled before `older_than` (ISO-8601) and raises the retention floor to
+    /// the highest seq dropped, in one store transaction between upstream transactions.
+    /// Returns the floor.
+    pub fn prune_exits(&mut self, older_than: &str) -> Option<i64> {
+        let mut pruned = None;
+        for t in self.durable.tables.values_mut() {
+            t.exits.retain(|e| {
+                let old = e.updated_at.as_str() < older_than;
+                if old {
+                    pruned = pruned.max(Some(e.seq));
+                }
+                !old
+            });
+        }
+        if pruned > self.durable.exit_floor {
+            self.durable.exit_floor = pruned;
+        }
+        self.durable.exit_floor
     }
 
     /// Change-log rows with `from <= watermark <= through`, in `(watermark, pos)` order.

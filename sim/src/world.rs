@@ -197,14 +197,32 @@ enum Ev {
     Restart,
     ReplDrop,
     ReplConnect,
-    Net { link: u64, to_server: bool },
+    Net {
+        link: u64,
+        to_server: bool,
+    },
     CsConnect(usize),
-    CsAck { sub: usize, link: u64, id: u64 },
+    CsAck {
+        sub: usize,
+        link: u64,
+        id: u64,
+    },
     CsFlip(usize),
-    ClientTimer { client: usize, gen: u64 },
+    ClientTimer {
+        client: usize,
+        gen: u64,
+    },
     ClientReload(usize),
     Fault,
-    Page { gen: u64, req: Box<PageReq> },
+    Page {
+        gen: u64,
+        req: Box<PageReq>,
+    },
+    /// The retention floor reaches the scope server (after the prune that raised it).
+    Floor {
+        gen: u64,
+        floor: Option<i64>,
+    },
     Quiet,
 }
 
@@ -228,6 +246,9 @@ struct World {
     history: BTreeMap<(String, String, i64), Map<String, Value>>,
     last_ack: Option<Lsn>,
     stored_high: Watermark,
+    /// Exits older than this (simulated ms) are pruned.
+    retention_ms: u64,
+    next_prune: u64,
     pg_send_due: bool,
     storage_due: bool,
     catchup_due: bool,
@@ -353,6 +374,8 @@ impl World {
             history,
             last_ack: None,
             stored_high: rv(),
+            retention_ms: 0,
+            next_prune: 0,
             pg_send_due: false,
             storage_due: false,
             catchup_due: false,
@@ -397,6 +420,8 @@ impl World {
     }
 
     fn run(&mut self) {
+        self.retention_ms = self.rng.range(3_000, 30_000);
+        self.next_prune = self.rng.range(1_000, 5_000);
         self.at(0, Ev::Restart);
         self.at(1, Ev::Workload);
         self.at(500, Ev::ServerTick);
@@ -477,6 +502,11 @@ impl World {
                         pass: req.pass,
                         result,
                     });
+                }
+            }
+            Ev::Floor { gen, floor } => {
+                if self.server.as_ref().is_some_and(|s| s.gen == gen) {
+                    self.scope_input(ServerInput::RetentionFloor(floor));
                 }
             }
             Ev::Quiet => self.final_check(),
@@ -705,6 +735,8 @@ impl World {
             heard: BTreeMap::new(),
             next_conn: 1,
         });
+        let floor = self.storage.durable().exit_floor;
+        self.scope_input(ServerInput::RetentionFloor(floor));
         self.log(format!(
             "server started (generation {gen}) at {}",
             self.storage.last_watermark()
@@ -813,6 +845,7 @@ impl World {
                             self.ingested(items);
                         }
                         self.scope_input(ServerInput::Committed { entries });
+                        self.maybe_prune();
                     }
                     Ok(None) => {}
                 }
@@ -848,6 +881,24 @@ impl World {
         }
         if more {
             self.kick_storage();
+        }
+    }
+
+    /// After a commit, now and then: prune exits older than the retention window, then hand
+    /// the new floor to the scope server.
+    fn maybe_prune(&mut self) {
+        if self.now < self.next_prune || self.storage.in_transaction() {
+            return;
+        }
+        self.next_prune = self.now + self.rng.range(1_000, 5_000);
+        let cutoff = EPOCH_UNIX_MS + self.now.saturating_sub(self.retention_ms) as i64;
+        let floor = self
+            .storage
+            .prune_exits(&crate::storage::iso_from_ms(cutoff));
+        self.log(format!("pruned exits before {cutoff}: floor {floor:?}"));
+        if let Some(gen) = self.server.as_ref().map(|s| s.gen) {
+            let d = self.rng.range(0, 5);
+            self.at(d, Ev::Floor { gen, floor });
         }
     }
 
