@@ -13,5 +13,6 @@ pub mod replication;
 pub mod runtime;
 pub mod serve;
 pub mod sync_auth;
+pub mod upstream;
 pub mod watch;
 pub mod zero_replica;

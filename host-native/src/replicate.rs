@@ -6,26 +6,22 @@
 //! loses nothing and applies nothing twice. Ctrl-C / SIGTERM stop at the next message: a
 //! transaction in progress is discarded (Postgres sends it again on the next start).
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use highwater_engine::change_stream::{Change, DownstreamMessage};
-use highwater_engine::pgoutput::{PgoutputEvent, PgoutputMapper};
-use highwater_engine::watermark::Lsn;
+use highwater_engine::pgoutput::Relation;
+use highwater_engine::upstream::{Input, UpstreamSession};
+use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
-use tokio_postgres::Client;
 
 use crate::replication::PgConfig;
+use crate::upstream::{feed, reconcile_relation, Catalog, EffectHost};
 
 use crate::replica::backfill::{run_backfills, BackfillPlanner, RecentXids};
 use crate::replica::bootstrap::{BootstrapError, Upstream};
-use crate::replica::ddl::{
-    ddl_prefix, in_publications, parse_ddl_event, relation_changes, schema_changes, RelationType,
-    PRIMARY_KEY_SQL, RELATION_TYPES_SQL,
-};
 use crate::replica::initial_sync::SyncError;
 use crate::replica::{Applied, Replica, ReplicaWriter};
 use crate::replication::setup::DEFAULT_APP_ID;
@@ -74,31 +70,6 @@ pub fn run(args: ReplicateArgs) -> anyhow::Result<()> {
     })
 }
 
-/// An ordinary connection for catalog queries, reopened after upstream restarts.
-struct Catalog {
-    config: PgConfig,
-    client: Option<Client>,
-}
-
-impl Catalog {
-    fn client(&mut self, handle: &Handle) -> anyhow::Result<&Client> {
-        if self.client.as_ref().is_none_or(Client::is_closed) {
-            let (client, connection) = handle
-                .block_on(self.config.connect())
-                .context("cannot connect to the upstream Postgres")?;
-            handle.spawn(async move {
-                if let Err(error) = connection.await {
-                    tracing::debug!(%error, "upstream query connection ended");
-                }
-            });
-            self.client = Some(client);
-        }
-        self.client
-            .as_ref()
-            .context("the upstream connection is missing")
-    }
-}
-
 /// Backfills between upstream transactions: what to run next, and the transactions the next
 /// backfill's snapshot must see.
 struct Backfills {
@@ -138,10 +109,7 @@ pub fn replicate(
     }
 
     let mut writer = ReplicaWriter::new(replica);
-    let mut catalog = Catalog {
-        config: upstream.params.upstream(),
-        client: None,
-    };
+    let mut catalog = Catalog::new(upstream.params.upstream());
     let mut backfills = Backfills {
         upstream: upstream.params.upstream(),
         planner: BackfillPlanner::new(),
@@ -191,6 +159,19 @@ pub fn replicate(
 /// How often progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
+/// What the replicator's loop carries effects out with: the upstream session's effect loop
+/// without a hub, storing into the replica directly.
+struct Replicator<'a> {
+    session: UpstreamSession,
+    handle: &'a Handle,
+    catalog: &'a mut Catalog,
+    backfills: &'a mut Backfills,
+    writer: &'a mut ReplicaWriter,
+    stream: &'a mut WalStream,
+    publications: &'a [String],
+    committed: u64,
+}
+
 // The replicator's whole state, passed down from `replicate`.
 #[allow(clippy::too_many_arguments)]
 fn stream_changes(
@@ -203,10 +184,21 @@ fn stream_changes(
     app_id: &str,
     stop: &mut watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let prefix = ddl_prefix(app_id);
-    let mut mapper = PgoutputMapper::new();
-    let mut commit_end: Option<Lsn> = None;
-    let mut committed: u64 = 0;
+    let state = writer
+        .replica()
+        .state()
+        .context("the replica has no replication state")?
+        .clone();
+    let mut replicator = Replicator {
+        session: crate::upstream::session(app_id, state.watermark, state.lsn),
+        handle,
+        catalog,
+        backfills,
+        writer,
+        stream,
+        publications,
+        committed: 0,
+    };
     let mut last_report = Instant::now();
     loop {
         if *stop.borrow() {
@@ -215,7 +207,7 @@ fn stream_changes(
         let event = handle.block_on(async {
             tokio::select! {
                 _ = stop.changed() => None,
-                event = stream.recv() => Some(event),
+                event = replicator.stream.recv() => Some(event),
             }
         });
         let Some(event) = event else {
@@ -224,77 +216,17 @@ fn stream_changes(
         let Some(event) = event else {
             bail!("the replication stream ended");
         };
-        let bytes = match event? {
+        match event? {
             WalEvent::Started { start, .. } => {
                 tracing::debug!(%start, "replication session started");
-                // Relation messages are sent again in a new session, and a partial
-                // transaction will be sent again from its beginning.
-                mapper = PgoutputMapper::new();
-                if writer.in_transaction() {
-                    writer.apply(&DownstreamMessage::Rollback(Default::default()))?;
-                }
-                continue;
+                feed(&mut replicator, Input::Started)?;
             }
-            WalEvent::CopyData(bytes) => bytes,
-        };
-        let Some(event) = mapper.map_frame(&bytes)? else {
-            continue;
-        };
-        let event = match event {
-            PgoutputEvent::Commit { commit, end_lsn } => {
-                commit_end = Some(end_lsn);
-                PgoutputEvent::Downstream(DownstreamMessage::Commit(commit))
-            }
-            other => other,
-        };
-        match event {
-            PgoutputEvent::Downstream(message) => {
-                if let DownstreamMessage::Begin(begin) = &message {
-                    backfills.recent_xids.note(begin);
-                }
-                match writer.apply(&message)? {
-                    Applied::Committed { lsn, .. } | Applied::Skipped { lsn, .. } => {
-                        stream.ack(commit_end.take().unwrap_or(lsn).max(lsn));
-                        committed += 1;
-                        if writer.replica().has_pending_backfills() {
-                            backfills.run(handle, writer)?;
-                        }
-                    }
-                    Applied::Pending | Applied::RolledBack => {}
-                }
-            }
-            PgoutputEvent::LogicalMessage(message) if message.prefix == prefix => {
-                if !writer.in_transaction() {
-                    continue;
-                }
-                let ddl = parse_ddl_event(&message.content)
-                    .context("cannot parse a DDL event message")?;
-                let tables = in_publications(ddl.schema, publications);
-                let changes = schema_changes(writer.replica(), &tables, &ddl.tag)?;
-                for change in changes {
-                    log_schema_change(&change);
-                    writer.apply(&DownstreamMessage::Data(change))?;
-                }
-            }
-            PgoutputEvent::Keepalive(keepalive) => {
-                // Between transactions everything received is durable: let the slot advance
-                // over WAL that holds nothing for us.
-                if !writer.in_transaction() && !mapper.in_transaction() {
-                    stream.ack(keepalive.wal_end);
-                }
-            }
-            // A replayed transaction shows the schema of its time, older than the replica's.
-            PgoutputEvent::Relation { relation, .. } if !writer.replaying() => {
-                reconcile_relation(handle, catalog, writer, &relation)?
-            }
-            PgoutputEvent::Relation { .. }
-            | PgoutputEvent::LogicalMessage(_)
-            | PgoutputEvent::Commit { .. } => {}
+            WalEvent::CopyData(bytes) => feed(&mut replicator, Input::WalData(&bytes))?,
         }
         if last_report.elapsed() >= PROGRESS_EVERY {
-            if let Some(state) = writer.replica().state() {
+            if let Some(state) = replicator.writer.replica().state() {
                 tracing::info!(
-                    transactions = committed,
+                    transactions = replicator.committed,
                     position = %state.lsn,
                     "replicating"
                 );
@@ -304,62 +236,67 @@ fn stream_changes(
     }
 }
 
-fn log_schema_change(change: &Change) {
-    tracing::info!(change = change.tag(), "applying schema change");
-}
+impl EffectHost for Replicator<'_> {
+    type Error = anyhow::Error;
 
-/// Creates what a Relation message shows but the replica lacks (see
-/// `replica::ddl::relation_changes`), inside the open transaction, before its rows.
-fn reconcile_relation(
-    handle: &Handle,
-    catalog: &mut Catalog,
-    writer: &mut ReplicaWriter,
-    relation: &highwater_engine::pgoutput::Relation,
-) -> anyhow::Result<()> {
-    let name = crate::replica::schema::replica_table_name(&relation.namespace, &relation.name);
-    let known = writer.replica().table(&name).is_some_and(|table| {
-        relation
-            .columns
-            .iter()
-            .all(|c| table.column(&c.name).is_some())
-    });
-    if known || !writer.in_transaction() {
-        return Ok(());
+    fn session(&mut self) -> &mut UpstreamSession {
+        &mut self.session
     }
-    let client = catalog.client(handle)?;
-    let oids: Vec<u32> = relation.columns.iter().map(|c| c.type_oid).collect();
-    let types = handle
-        .block_on(client.query(RELATION_TYPES_SQL, &[&oids]))?
-        .iter()
-        .map(|row| {
-            Ok((
-                row.try_get::<_, u32>(0)?,
-                RelationType {
-                    data_type: row.try_get(1)?,
-                    typtype: row.try_get(2)?,
-                    elem_typtype: row.try_get(3)?,
-                },
-            ))
+
+    fn apply(&mut self, message: DownstreamMessage) -> anyhow::Result<Vec<Watermark>> {
+        if let DownstreamMessage::Begin(begin) = &message {
+            self.backfills.recent_xids.note(begin);
+        }
+        Ok(match self.writer.apply(&message)? {
+            Applied::Committed { watermark, .. } => {
+                self.committed += 1;
+                vec![watermark]
+            }
+            Applied::Pending | Applied::RolledBack => Vec::new(),
         })
-        .collect::<Result<HashMap<_, _>, tokio_postgres::Error>>()?;
-    let key = if relation.replica_identity == highwater_engine::pgoutput::ReplicaIdentity::Full {
-        let rows = handle.block_on(client.query(PRIMARY_KEY_SQL, &[&relation.oid]))?;
-        Some(
-            rows.iter()
-                .map(|r| r.try_get(0))
-                .collect::<Result<Vec<String>, _>>()?,
-        )
-    } else {
-        None
-    };
-    for change in relation_changes(writer.replica(), relation, &types, key) {
-        tracing::warn!(
-            table = %name,
-            change = change.tag(),
-            "the replica learns of a table or column from the stream rather than from a DDL \
-             event; it is backfilled"
-        );
-        writer.apply(&DownstreamMessage::Data(change))?;
     }
-    Ok(())
+
+    fn settle(&mut self) -> anyhow::Result<Vec<Watermark>> {
+        // Every message is applied as it comes.
+        Ok(Vec::new())
+    }
+
+    fn confirm(&mut self, lsn: Lsn) {
+        self.stream.ack(lsn);
+    }
+
+    fn ack_frames(&mut self, _ids: Vec<u64>) {
+        tracing::warn!("a Postgres source has no frames to acknowledge");
+    }
+
+    fn reconnect(&mut self, reason: String, _restore: bool, _acks: Vec<u64>) {
+        tracing::warn!(%reason, "a Postgres source has no primary to reconnect to");
+    }
+
+    fn replica(&self) -> &Replica {
+        self.writer.replica()
+    }
+
+    fn publications(&self) -> &[String] {
+        self.publications
+    }
+
+    fn reconcile(&mut self, relation: &Relation) -> anyhow::Result<Vec<Change>> {
+        Ok(reconcile_relation(
+            self.handle,
+            Some(&mut *self.catalog),
+            self.writer.replica(),
+            relation,
+        )?)
+    }
+
+    fn idle(&mut self) {}
+
+    fn start_backfill(&mut self) -> anyhow::Result<bool> {
+        // Backfills run here to their end, written straight to the replica.
+        if self.writer.replica().has_pending_backfills() {
+            self.backfills.run(self.handle, self.writer)?;
+        }
+        Ok(false)
+    }
 }

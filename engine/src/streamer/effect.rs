@@ -103,10 +103,6 @@ pub enum Effect {
     },
     /// Write to the change log.
     Store(LogOp),
-    /// Acknowledge upstream up to `watermark` (durable in the change log).
-    AckUpstream {
-        watermark: Watermark,
-    },
     /// Read the change log for a subscriber: rows with `from <= watermark <= through` in
     /// `(watermark, pos)` order, fed to
     /// [`Streamer::catchup_rows`](super::Streamer::catchup_rows), then
@@ -164,7 +160,6 @@ impl fmt::Display for Effect {
                     row.change_json()
                 )
             }
-            Effect::AckUpstream { watermark } => write!(f, "ack upstream {watermark}"),
             Effect::FetchCatchup {
                 conn,
                 from,

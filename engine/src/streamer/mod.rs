@@ -12,7 +12,8 @@
 //!
 //! * [`Effect::Store`] and [`Effect::FetchCatchup`] go through one storage queue, in order: a
 //!   catch-up read must see every store asked for before it. After a [`LogOp::Commit`] is
-//!   durable, report it with [`Streamer::on_stored`].
+//!   durable, report it with [`Streamer::on_stored`]. What to confirm to the change source, and
+//!   when, is the upstream session's rule (`crate::upstream`), not the streamer's.
 //! * [`Effect::PauseUpstream`]: feed no more upstream messages until [`Effect::ResumeUpstream`].
 //!   [`Effect::PauseCatchup`]: read no more catch-up rows for that connection until
 //!   [`Effect::ResumeCatchup`].
@@ -30,7 +31,6 @@ mod purge;
 mod registry;
 mod reservation;
 mod subscriber;
-mod upstream;
 
 #[cfg(test)]
 mod tests;
@@ -59,7 +59,6 @@ use purge::purge_floor;
 use registry::Connection;
 use reservation::Reservations;
 use subscriber::{Delivery, Subscriber, WaterMarks};
-use upstream::UpstreamAcks;
 
 /// Zero's backlog high-water mark: 16 MiB.
 pub const DEFAULT_BACKLOG_HIGH_WATER_BYTES: usize = 16 * 1024 * 1024;
@@ -181,7 +180,6 @@ pub struct SubscriberStatus {
 #[derive(Debug, Clone)]
 struct OpenTx {
     watermark: Watermark,
-    skip_ack: bool,
     next_pos: u64,
 }
 
@@ -194,7 +192,8 @@ pub struct Streamer {
     tracker: BackfillStateTracker,
     reservations: Reservations,
     purge: purge::PurgeSchedule,
-    acks: UpstreamAcks,
+    /// The newest commit durable in the change log.
+    stored: Watermark,
     /// The earliest watermark in the change log.
     log_min: Watermark,
     /// The last commit forwarded.
@@ -218,7 +217,7 @@ impl Streamer {
             tracker: BackfillStateTracker::new(),
             reservations: Reservations::default(),
             purge: purge::PurgeSchedule::default(),
-            acks: UpstreamAcks::new(log.last_watermark.clone()),
+            stored: log.last_watermark.clone(),
             log_min: log.min_watermark,
             last_commit: log.last_watermark,
             tx: None,
@@ -302,7 +301,6 @@ impl Streamer {
                 let watermark = begin.commit_watermark.clone();
                 self.tx = Some(OpenTx {
                     watermark: watermark.clone(),
-                    skip_ack: begin.skip_ack == Some(true),
                     next_pos: 1,
                 });
                 let entry = self.entry(DownstreamMessage::Begin(begin), Some(watermark.clone()));
@@ -337,7 +335,7 @@ impl Streamer {
                         found: commit.watermark,
                     });
                 }
-                let (pos, skip_ack) = (tx.next_pos, tx.skip_ack);
+                let pos = tx.next_pos;
                 self.tx = None;
                 let watermark = commit.watermark.clone();
                 let entry = self.entry(DownstreamMessage::Commit(commit), Some(watermark.clone()));
@@ -346,11 +344,6 @@ impl Streamer {
                 ))));
                 self.last_commit = watermark.clone();
                 self.forward(&entry, &mut out);
-                let acks = self.acks.commit(watermark, skip_ack);
-                out.extend(
-                    acks.into_iter()
-                        .map(|watermark| Effect::AckUpstream { watermark }),
-                );
                 self.activate_queued(&mut out);
                 self.at_boundary(&mut out);
             }
@@ -384,30 +377,21 @@ impl Streamer {
         Ok(out)
     }
 
-    /// A change-source keepalive at `watermark`; with `reply_requested` it is answered (an
-    /// [`Effect::AckUpstream`]) once every earlier commit is durable.
-    pub fn on_keepalive(&mut self, watermark: Watermark, reply_requested: bool) -> Vec<Effect> {
+    /// The change source is between transactions with nothing new (a keepalive): a boundary
+    /// at which the source may be restarted.
+    pub fn on_idle(&mut self) -> Vec<Effect> {
         let mut out = Vec::new();
-        if reply_requested {
-            let acks = self.acks.keepalive(watermark, self.tx.is_some());
-            out.extend(
-                acks.into_iter()
-                    .map(|watermark| Effect::AckUpstream { watermark }),
-            );
-        }
         if self.tx.is_none() {
             self.at_boundary(&mut out);
         }
         out
     }
 
-    /// The commit at `watermark` is durable in the change log.
-    pub fn on_stored(&mut self, watermark: Watermark) -> Vec<Effect> {
-        self.acks
-            .on_stored(watermark)
-            .into_iter()
-            .map(|watermark| Effect::AckUpstream { watermark })
-            .collect()
+    /// The commit at `watermark` (and everything before it) is durable in the change log.
+    pub fn on_stored(&mut self, watermark: Watermark) {
+        if watermark > self.stored {
+            self.stored = watermark;
+        }
     }
 
     /// The upstream stream ended (error, close, or a restart). A transaction in flight is
@@ -417,7 +401,6 @@ impl Streamer {
         if self.tx.is_some() {
             self.end_transaction(Rollback::default(), &mut out);
         }
-        self.acks.upstream_ended();
         self.update_gate(&mut out);
         out
     }
@@ -429,11 +412,6 @@ impl Streamer {
         out.push(Effect::Store(LogOp::Abort));
         let entry = self.entry(DownstreamMessage::Rollback(rollback), Some(tx.watermark));
         self.forward(&entry, out);
-        let acks = self.acks.rollback();
-        out.extend(
-            acks.into_iter()
-                .map(|watermark| Effect::AckUpstream { watermark }),
-        );
         self.activate_queued(out);
         self.at_boundary(out);
     }
@@ -847,7 +825,7 @@ impl Streamer {
                 &backup,
                 acks,
                 self.reservations.reserved_watermarks(),
-                self.acks.stored(),
+                &self.stored,
             )
             .clone();
             if below > self.log_min && self.purge.advance(&below) {

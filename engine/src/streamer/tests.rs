@@ -183,8 +183,7 @@ fn golden_v6_subscription_lifecycle_catchup_backlog_live_purge() {
     t.upstream(commit("0d"));
     let e = t.streamer.catchup_done(c);
     t.record("catchup done #1", e);
-    let e = t.streamer.on_stored(w("0d"));
-    t.record("stored 0d", e);
+    t.streamer.on_stored(w("0d"));
     for id in 1..=7 {
         let e = t.streamer.on_ack(c, id, 100);
         t.record(&format!("ack #1 {id}"), e);
@@ -225,8 +224,6 @@ store commit 0d/2 {"tag":"commit"}
 send #1 {"id":5,"msg":["begin",{"tag":"begin"},{"commitWatermark":"0d"}]}
 send #1 {"id":6,"msg":["data",{"tag":"insert","relation":{"schema":"s","name":"t","rowKey":{"columns":["id"]}},"new":{"id":4}}]}
 send #1 {"id":7,"msg":["commit",{"tag":"commit"},{"watermark":"0d"}]}
-> stored 0d
-ack upstream 0d
 > ack #1 1
 > ack #1 2
 > ack #1 3
@@ -777,24 +774,6 @@ fn live_messages_share_one_serialization() {
 // ---- upstream (§7.3, §8.1, §8.4) ----
 
 #[test]
-fn upstream_acks_wait_for_durable_storage_and_skip_backfill_transactions() {
-    let mut s = streamer_at("0c", RV);
-    unwrap_ok(s.on_upstream(begin("0d")));
-    let e = unwrap_ok(s.on_upstream(commit("0d")));
-    assert!(!e.iter().any(|e| matches!(e, Effect::AckUpstream { .. })));
-    let mut backfill_begin = Begin::new(w("0d.01"));
-    backfill_begin.skip_ack = Some(true);
-    unwrap_ok(s.on_upstream(DownstreamMessage::Begin(backfill_begin)));
-    unwrap_ok(s.on_upstream(commit("0d.01")));
-    // A keepalive asking for a reply waits for both.
-    assert!(s.on_keepalive(w("0e"), true).is_empty());
-    assert_eq!(lines(&s.on_stored(w("0d"))), ["ack upstream 0d"]);
-    assert_eq!(lines(&s.on_stored(w("0d.01"))), ["ack upstream 0e"]);
-    assert_eq!(lines(&s.on_keepalive(w("0f"), true)), ["ack upstream 0f"]);
-    assert!(s.on_keepalive(w("0g"), false).is_empty());
-}
-
-#[test]
 fn upstream_protocol_violations_are_rejected_without_effect() {
     let mut s = streamer_at("0c", RV);
     assert_eq!(
@@ -1033,7 +1012,7 @@ fn aligned_v8_subscriber_with_uncovered_backfills_restarts_upstream_at_a_boundar
         "restart upstream: subscriber vs/1 needs backfills that are not covered by the current stream: s.t.b"
     ));
     // Signalled once; the new stream requests the subscriber's backfill from its mark.
-    assert!(s.on_keepalive(w("0e"), false).is_empty());
+    assert!(s.on_idle().is_empty());
     s.upstream_ended();
     let requests = s.start_upstream(Vec::new());
     assert_eq!(requests, [backfill_request("b", Some("m5"))]);
@@ -1141,7 +1120,7 @@ mod simulation {
     enum Step {
         Message(Box<DownstreamMessage>),
         Ended,
-        Keepalive(Watermark),
+        Idle,
     }
 
     /// A committed upstream transaction: its insert ids.
@@ -1178,7 +1157,7 @@ mod simulation {
                 committed.insert(wm.clone(), ids);
             }
             if spec.keepalive_after {
-                steps.push_back(Step::Keepalive(wm));
+                steps.push_back(Step::Idle);
             }
         }
         (steps, committed)
@@ -1214,12 +1193,10 @@ mod simulation {
         paused: bool,
         conns: Vec<Received>,
         max_message: usize,
-        acked_upstream: Option<Watermark>,
-        committed: Committed,
     }
 
     impl Host {
-        fn new(steps: VecDeque<Step>, committed: Committed) -> Self {
+        fn new(steps: VecDeque<Step>) -> Self {
             let mut config = StreamerConfig::new(w(RV));
             config.backlog_high_water_bytes = HIGH;
             config.backlog_full_timeout_ms = None;
@@ -1240,8 +1217,6 @@ mod simulation {
                 paused: false,
                 conns: Vec::new(),
                 max_message: 0,
-                acked_upstream: None,
-                committed,
             }
         }
 
@@ -1278,18 +1253,6 @@ mod simulation {
                             through,
                         });
                     }
-                    Effect::AckUpstream { watermark } => {
-                        // A committed transaction is acked only once it is in the log.
-                        if self.committed.contains_key(&watermark) {
-                            let stored = self
-                                .log
-                                .iter()
-                                .any(|r| r.tag == "commit" && r.watermark == watermark);
-                            assert!(stored, "acked {watermark} before storing it");
-                        }
-                        assert!(self.acked_upstream.as_ref() <= Some(&watermark));
-                        self.acked_upstream = Some(watermark);
-                    }
                     Effect::PauseCatchup { conn } => {
                         self.conns[conn.0 as usize].catchup_paused = true
                     }
@@ -1323,7 +1286,7 @@ mod simulation {
                     unwrap_ok(self.streamer.on_upstream(*message))
                 }
                 Step::Ended => self.streamer.upstream_ended(),
-                Step::Keepalive(wm) => self.streamer.on_keepalive(wm, true),
+                Step::Idle => self.streamer.on_idle(),
             };
             self.apply(effects);
             true
@@ -1350,8 +1313,7 @@ mod simulation {
                         row.change_json(),
                     ));
                     self.log.append(&mut self.open_tx);
-                    let effects = self.streamer.on_stored(row.watermark().clone());
-                    self.apply(effects);
+                    self.streamer.on_stored(row.watermark().clone());
                 }
                 Queued::Fetch {
                     conn,
@@ -1529,7 +1491,7 @@ mod simulation {
             ops in proptest::collection::vec(op(), 0..120),
         ) {
             let (steps, committed) = script(&specs);
-            let mut host = Host::new(steps, committed.clone());
+            let mut host = Host::new(steps);
             for op in ops {
                 match op {
                     Op::Feed => { host.feed(); }

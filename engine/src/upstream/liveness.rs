@@ -63,11 +63,11 @@ impl Liveness {
             .is_some_and(|every| now_ms.saturating_sub(self.last_sent_ms) >= every)
     }
 
-    /// How long the server has been silent, when that is past the limit.
+    /// How long the server has been silent, once that reached the limit.
     pub fn silent_past_limit(&self, now_ms: u64) -> Option<u64> {
         let silence = now_ms.saturating_sub(self.last_received_ms);
         self.silence_limit_ms
-            .filter(|limit| silence > *limit)
+            .filter(|limit| silence >= *limit)
             .map(|_| silence)
     }
 }
@@ -83,10 +83,10 @@ mod tests {
         assert!(live.status_due(1_000 + 45_000));
         live.sent(46_000);
         assert!(!live.status_due(46_000 + 44_999));
-        assert_eq!(live.silent_past_limit(1_000 + 120_000), None);
-        assert_eq!(live.silent_past_limit(1_000 + 120_001), Some(120_001));
+        assert_eq!(live.silent_past_limit(1_000 + 119_999), None);
+        assert_eq!(live.silent_past_limit(1_000 + 120_000), Some(120_000));
         live.received(100_000);
-        assert_eq!(live.silent_past_limit(121_002), None);
+        assert_eq!(live.silent_past_limit(121_000), None);
         assert_eq!(live.check_every_ms(30_000), 9_000);
     }
 
@@ -104,7 +104,7 @@ mod tests {
         live.received(20);
         live.sent(20);
         assert!(!live.status_due(59));
-        assert_eq!(live.silent_past_limit(150), None);
-        assert_eq!(live.silent_past_limit(151), Some(101));
+        assert_eq!(live.silent_past_limit(149), None);
+        assert_eq!(live.silent_past_limit(150), Some(100));
     }
 }

@@ -45,10 +45,12 @@
 //! * [`Effect::BackfillDue`]: a backfill may start now. If the replica waits for one, start it
 //!   and feed [`Input::BackfillStarted`], then its messages as [`Input::Backfill`] and
 //!   [`Input::BackfillEnded`] when its stream ends; feed no upstream input meanwhile
-//!   ([`UpstreamSession::accepts_upstream`]).
-//! * [`Effect::Reconnect`]: the primary refused or failed this subscription: close the
-//!   connection and connect again after a backoff, or, with `restore`, restore the replica from
-//!   a new snapshot first. Feed [`Input::Started`] for the new connection.
+//!   ([`UpstreamSession::accepts_upstream`]). (A host may instead run the backfill to its end
+//!   right there, storing it itself, as long as it feeds nothing in between.)
+//! * [`Effect::Reconnect`]: the primary refused or failed this subscription: acknowledge its
+//!   `acks` (the primary closes once its error is acknowledged), close the connection and
+//!   connect again after a backoff, or, with `restore`, restore the replica from a new snapshot
+//!   first. Feed [`Input::Started`] for the new connection.
 //! * [`Effect::Warn`]: worth a log line.
 //!
 //! Liveness (status updates due, silence limits) belongs to the transport that owns the socket
@@ -130,11 +132,13 @@ pub enum Effect {
     },
     /// A backfill may start now.
     BackfillDue,
-    /// End this connection to the primary and connect again (after restoring the replica
-    /// from a new snapshot with `restore`).
+    /// Acknowledge `acks` (the primary waits for them to close), then end this connection to
+    /// the primary and connect again (after restoring the replica from a new snapshot with
+    /// `restore`).
     Reconnect {
         reason: String,
         restore: bool,
+        acks: Vec<u64>,
     },
     Warn(String),
 }
@@ -429,7 +433,7 @@ impl UpstreamSession {
                 DownstreamMessage::Error(error) => {
                     // Acknowledged so the primary can close; nothing after it is used.
                     self.refused = true;
-                    self.release_frames(out);
+                    let acks = self.frames.release();
                     let reason = format!(
                         "{} (error type {})",
                         error.message.as_deref().unwrap_or("no message"),
@@ -439,7 +443,11 @@ impl UpstreamSession {
                         error.kind(),
                         Some(ErrorKind::WrongReplicaVersion | ErrorKind::WatermarkTooOld)
                     );
-                    out.push(Effect::Reconnect { reason, restore });
+                    out.push(Effect::Reconnect {
+                        reason,
+                        restore,
+                        acks,
+                    });
                     return Ok(());
                 }
                 DownstreamMessage::Reserved(_) => out.push(Effect::Warn(

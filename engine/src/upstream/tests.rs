@@ -120,7 +120,9 @@ fn line(effect: &Effect) -> String {
         Effect::ReconcileRelation(r) => format!("relation {} {}", r.name, r.columns.len()),
         Effect::Idle { watermark } => format!("idle {watermark}"),
         Effect::BackfillDue => "backfill due".to_owned(),
-        Effect::Reconnect { restore, .. } => format!("reconnect restore={restore}"),
+        Effect::Reconnect { restore, acks, .. } => {
+            format!("reconnect restore={restore} acks {acks:?}")
+        }
         Effect::Warn(message) => format!("warn {message}"),
     }
 }
@@ -565,12 +567,12 @@ fn an_error_from_the_primary_acks_what_came_before_and_asks_for_a_restore_or_a_r
         1,
         vec![error(ErrorKind::WatermarkTooOld), status_msg()],
     );
-    assert_eq!(out, ["ack frames [1]", "reconnect restore=true"]);
+    assert_eq!(out, ["reconnect restore=true acks [1]"]);
     // Nothing after it is used.
     assert!(frame(&mut s, 2, vec![begin_msg(20)]).is_empty());
     feed(&mut s, Input::Started);
     let out = frame(&mut s, 1, vec![error(ErrorKind::Unknown)]);
-    assert_eq!(out, ["ack frames [1]", "reconnect restore=false"]);
+    assert_eq!(out, ["reconnect restore=false acks [1]"]);
 }
 
 // ---- properties ----
@@ -738,5 +740,184 @@ proptest! {
         if let Some(&(last, _)) = m.wal.last() {
             prop_assert_eq!(m.acked, end(last));
         }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum RelayStep {
+    /// The primary sends a frame of up to this many messages.
+    Frame(usize),
+    /// Storage catches up with everything handed on.
+    Store,
+    /// The connection drops; the relay subscribes again from its durable watermark.
+    Reconnect,
+}
+
+fn relay_step() -> impl Strategy<Value = RelayStep> {
+    prop_oneof![
+        5 => (1usize..5).prop_map(RelayStep::Frame),
+        2 => Just(RelayStep::Store),
+        1 => Just(RelayStep::Reconnect),
+    ]
+}
+
+/// A relay's storage and its connection to the primary, around a session.
+struct RelayModel {
+    /// The primary's change log: each message and its transaction's index.
+    log: Vec<(DownstreamMessage, usize)>,
+    /// Rows per transaction.
+    rows: Vec<usize>,
+    applied: Vec<usize>,
+    open: Option<(usize, usize)>,
+    /// The newest durable transaction.
+    durable: Option<usize>,
+    /// This connection: the next message to send, the next frame id, what each frame sent
+    /// carried, and the next id an ack must name.
+    next: usize,
+    next_id: u64,
+    frames: Vec<Vec<usize>>,
+    next_ack: u64,
+}
+
+fn tx_watermark(tx: usize) -> Watermark {
+    w(0x10 * (tx as u64 + 1))
+}
+
+impl RelayModel {
+    fn feed(&mut self, s: &mut UpstreamSession, input: Input<'_>) -> Result<(), TestCaseError> {
+        let effects = s
+            .handle(input)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        for effect in effects {
+            match effect {
+                Effect::Apply(DownstreamMessage::Begin(b)) => {
+                    prop_assert!(self.open.is_none());
+                    let tx = (0..self.rows.len())
+                        .find(|t| tx_watermark(*t) == b.commit_watermark)
+                        .expect("a known transaction");
+                    self.open = Some((tx, 0));
+                }
+                Effect::Apply(DownstreamMessage::Data(_)) => {
+                    self.open.as_mut().expect("open").1 += 1
+                }
+                Effect::Apply(DownstreamMessage::Commit(_)) => {
+                    let (tx, rows) = self.open.take().expect("open");
+                    prop_assert!(!self.applied.contains(&tx), "applied twice");
+                    prop_assert_eq!(rows, self.rows[tx], "applied whole");
+                    self.applied.push(tx);
+                }
+                Effect::Apply(DownstreamMessage::Rollback(_)) => self.open = None,
+                Effect::Apply(DownstreamMessage::Status(_)) => {}
+                Effect::AckFrames(ids) => {
+                    for id in ids {
+                        prop_assert_eq!(id, self.next_ack, "acks once each, in id order");
+                        self.next_ack += 1;
+                        for tx in &self.frames[(id - 1) as usize] {
+                            prop_assert!(
+                                self.durable.is_some_and(|d| d >= *tx),
+                                "frame {} acked before transaction {} is durable",
+                                id,
+                                tx
+                            );
+                        }
+                    }
+                }
+                Effect::BackfillDue | Effect::Idle { .. } => {}
+                other => prop_assert!(false, "unexpected {:?}", other),
+            }
+        }
+        Ok(())
+    }
+
+    fn frame(&mut self, s: &mut UpstreamSession, count: usize) -> Result<(), TestCaseError> {
+        let mut messages = Vec::new();
+        let mut carried = Vec::new();
+        if self.next_id == 1 {
+            messages.push(status_msg());
+        }
+        for (message, tx) in self.log.iter().skip(self.next).take(count) {
+            messages.push(message.clone());
+            if !carried.contains(tx) {
+                carried.push(*tx);
+            }
+        }
+        self.next = (self.next + count).min(self.log.len());
+        self.frames.push(carried);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.feed(s, Input::RelayFrame { id, messages })
+    }
+
+    fn store(&mut self, s: &mut UpstreamSession) -> Result<(), TestCaseError> {
+        if let Some(&last) = self.applied.last() {
+            self.durable = Some(last);
+            self.feed(
+                s,
+                Input::Stored {
+                    watermark: tx_watermark(last),
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// A new connection, subscribed from the durable watermark.
+    fn reconnect(&mut self, s: &mut UpstreamSession) -> Result<(), TestCaseError> {
+        self.feed(s, Input::Started)?;
+        let from = self.durable.map_or(0, |d| d + 1);
+        self.next = self
+            .log
+            .iter()
+            .position(|(_, tx)| *tx >= from)
+            .unwrap_or(self.log.len());
+        self.next_id = 1;
+        self.frames.clear();
+        self.next_ack = 1;
+        Ok(())
+    }
+}
+
+proptest! {
+    /// However the primary's stream is cut into frames, whenever storage catches up and the
+    /// connection drops: every transaction is applied once, whole, in order; frames are acked
+    /// once each, in id order, never before every transaction they carried is durable; and once
+    /// storage has everything, every frame of the connection is acked.
+    #[test]
+    fn relay_frames_are_acked_once_in_order_and_never_before_their_transactions_are_durable(
+        txs in prop::collection::vec((0usize..3, any::<bool>()), 1..8),
+        steps in prop::collection::vec(relay_step(), 1..60),
+    ) {
+        let mut log = Vec::new();
+        for (tx, &(rows, skip_ack)) in txs.iter().enumerate() {
+            let mut begin = Begin::new(tx_watermark(tx));
+            begin.skip_ack = skip_ack.then_some(true);
+            log.push((DownstreamMessage::Begin(begin), tx));
+            log.extend((0..rows).map(|_| (data_msg(), tx)));
+            log.push((DownstreamMessage::Commit(Commit::new(tx_watermark(tx))), tx));
+        }
+        let mut m = RelayModel {
+            log,
+            rows: txs.iter().map(|t| t.0).collect(),
+            applied: Vec::new(),
+            open: None,
+            durable: None,
+            next: 0,
+            next_id: 1,
+            frames: Vec::new(),
+            next_ack: 1,
+        };
+        let mut s = started(0x08);
+        for step in steps {
+            match step {
+                RelayStep::Frame(count) => m.frame(&mut s, count)?,
+                RelayStep::Store => m.store(&mut s)?,
+                RelayStep::Reconnect => m.reconnect(&mut s)?,
+            }
+        }
+        let rest = m.log.len() - m.next;
+        m.frame(&mut s, rest)?;
+        m.store(&mut s)?;
+        prop_assert_eq!(&m.applied, &(0..txs.len()).collect::<Vec<_>>());
+        prop_assert_eq!(m.next_ack, m.next_id, "every frame acked");
     }
 }

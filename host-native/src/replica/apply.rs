@@ -36,10 +36,8 @@ use super::{Replica, ReplicaError, ReplicaState};
 pub enum Applied {
     /// Nothing durable changed yet (a message inside a transaction, or a status).
     Pending,
-    /// The transaction is committed durably; upstream may be acknowledged up to `lsn`.
+    /// The transaction is committed durably (report it to the upstream session).
     Committed { watermark: Watermark, lsn: Lsn },
-    /// The transaction was already in the replica (a replay); it is durable as well.
-    Skipped { watermark: Watermark, lsn: Lsn },
     /// The open transaction was discarded.
     RolledBack,
 }
@@ -60,7 +58,6 @@ pub struct PendingBackfill {
 
 struct Txn {
     watermark: Watermark,
-    skip: bool,
     json: JsonFormat,
     schema_changed: bool,
     /// Zero's `commitTime` of the `begin` (Unix microseconds), if the source sent it.
@@ -118,11 +115,6 @@ impl ReplicaWriter {
         self.txn.is_some()
     }
 
-    /// Whether the open transaction is one the replica already has (being skipped).
-    pub fn replaying(&self) -> bool {
-        self.txn.as_ref().is_some_and(|t| t.skip)
-    }
-
     /// Applies one message. On an error inside a transaction the transaction is rolled back.
     pub fn apply(&mut self, message: &DownstreamMessage) -> Result<Applied, ReplicaError> {
         let result = match message {
@@ -152,14 +144,19 @@ impl ReplicaWriter {
                 next: begin.commit_watermark.clone(),
             });
         }
-        let skip = begin.commit_watermark <= self.state()?.watermark;
-        if !skip {
-            self.replica.conn.execute_batch("BEGIN IMMEDIATE")?;
+        // What is already stored is the upstream session's to skip: one reaching here would
+        // be applied twice.
+        let position = &self.state()?.watermark;
+        if begin.commit_watermark <= *position {
+            return Err(ReplicaError::NotAfterPosition {
+                position: position.clone(),
+                found: begin.commit_watermark.clone(),
+            });
         }
+        self.replica.conn.execute_batch("BEGIN IMMEDIATE")?;
         self.committed = None;
         self.txn = Some(Txn {
             watermark: begin.commit_watermark.clone(),
-            skip,
             json: begin.json.unwrap_or(JsonFormat::Parsed),
             schema_changed: false,
             begin_time_us: begin.extra.get("commitTime").and_then(Value::as_i64),
@@ -180,10 +177,6 @@ impl ReplicaWriter {
         }
         let watermark = txn.watermark.clone();
         let lsn = watermark.to_lsn()?;
-        if txn.skip {
-            self.txn = None;
-            return Ok(Applied::Skipped { watermark, lsn });
-        }
         if let Some(capture) = self.feed.as_mut() {
             // Deterministic: the upstream commit time, the same on the primary and relays.
             let ms = commit
@@ -219,12 +212,10 @@ impl ReplicaWriter {
             capture.discard();
         }
         self.committed = None;
-        if !txn.skip {
-            self.replica.conn.execute_batch("ROLLBACK")?;
-            self.next_seq = self.state()?.next_seq;
-            if txn.schema_changed {
-                self.replica.reload()?;
-            }
+        self.replica.conn.execute_batch("ROLLBACK")?;
+        self.next_seq = self.state()?.next_seq;
+        if txn.schema_changed {
+            self.replica.reload()?;
         }
         Ok(Applied::RolledBack)
     }
@@ -239,9 +230,6 @@ impl ReplicaWriter {
             .txn
             .as_mut()
             .ok_or(ReplicaError::NotInTransaction { what: "`data`" })?;
-        if txn.skip {
-            return Ok(());
-        }
         if !change.is_row_change() {
             txn.schema_changed = true;
         }
@@ -1356,17 +1344,14 @@ mod tests {
     }
 
     #[test]
-    fn replayed_transactions_at_or_below_the_position_are_skipped() {
+    fn a_transaction_at_or_below_the_position_is_refused_not_applied_twice() {
         let mut w = writer();
         txn(&mut w, 0x200, vec![insert(1, "a")]);
-        let replay = txn(&mut w, 0x200, vec![insert(1, "changed"), insert(9, "x")]);
-        assert!(matches!(
-            replay,
-            Applied::Skipped {
-                lsn: Lsn(0x200),
-                ..
-            }
-        ));
+        let replay = w.apply(&DownstreamMessage::Begin(Begin::new(
+            Lsn(0x200).to_watermark(),
+        )));
+        assert!(matches!(replay, Err(ReplicaError::NotAfterPosition { .. })));
+        assert!(!w.in_transaction());
         assert_eq!(
             rows(&w, "issue"),
             vec![json!({"id": 1, "title": "a", "meta": null})]
@@ -2054,7 +2039,8 @@ mod tests {
 
     proptest::proptest! {
         /// Any history of transactions, some rolled back and some delivered twice (a replay
-        /// after a reconnect), leaves the replica equal to the upstream table.
+        /// after a reconnect: a committed one is refused, a rolled-back one applies again),
+        /// leaves the replica equal to the upstream table.
         #[test]
         fn replica_equals_upstream_after_any_history_with_rollbacks_and_replays(
             txns in proptest::collection::vec(
@@ -2075,8 +2061,17 @@ mod tests {
                     }
                 }
                 let deliveries = if *replayed { 2 } else { 1 };
-                for _ in 0..deliveries {
-                    w.apply(&DownstreamMessage::Begin(Begin::new(wm.clone()))).unwrap();
+                for delivery in 0..deliveries {
+                    let begin = w.apply(&DownstreamMessage::Begin(Begin::new(wm.clone())));
+                    if delivery > 0 && !rolled_back {
+                        proptest::prop_assert!(
+                            matches!(begin, Err(ReplicaError::NotAfterPosition { .. })),
+                            "a committed transaction delivered again: {:?}",
+                            begin
+                        );
+                        continue;
+                    }
+                    begin.unwrap();
                     for change in &changes {
                         w.apply(&DownstreamMessage::Data(change.clone())).unwrap();
                     }

@@ -55,6 +55,11 @@ pub enum ReplicaError {
     NotInTransaction { what: &'static str },
     #[error("expected `commit` or `rollback` of transaction {open}, got `begin` of {next}")]
     NestedTransaction { open: Watermark, next: Watermark },
+    #[error("expected a transaction after the replica's position {position}, got one at {found}")]
+    NotAfterPosition {
+        position: Watermark,
+        found: Watermark,
+    },
     #[error("expected commit watermark {begin} (from `begin`), got {commit}")]
     WatermarkMismatch { begin: Watermark, commit: Watermark },
     #[error("the replica has no replication state yet: it needs an initial sync")]

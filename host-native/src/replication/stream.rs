@@ -368,51 +368,56 @@ impl Driver {
     }
 }
 
-/// The two liveness clocks of a session.
+/// The two liveness clocks of a session: the engine's rules
+/// ([`highwater_engine::upstream::Liveness`]) read against this task's tokio clock.
 struct Liveness {
-    status_every: Option<Duration>,
-    silence_limit: Option<Duration>,
-    last_sent: Instant,
-    last_received: Instant,
+    epoch: Instant,
+    rules: highwater_engine::upstream::Liveness,
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl Liveness {
     fn new(wal_sender_timeout: Option<Duration>) -> Self {
-        let now = Instant::now();
         Liveness {
-            status_every: wal_sender_timeout.map(|t| t * 3 / 4),
-            silence_limit: wal_sender_timeout.map(|t| t * 2),
-            last_sent: now,
-            last_received: now,
+            epoch: Instant::now(),
+            rules: highwater_engine::upstream::Liveness::for_wal_sender_timeout(
+                wal_sender_timeout.map(millis),
+                0,
+            ),
         }
     }
 
-    /// A fifth of the status interval, so a due status is late by at most that much.
+    fn now_ms(&self) -> u64 {
+        millis(self.epoch.elapsed())
+    }
+
     fn tick_period(&self) -> Duration {
-        self.status_every
-            .map(|every| (every / 5).max(Duration::from_millis(10)))
-            .unwrap_or(IDLE_TICK)
+        Duration::from_millis(self.rules.check_every_ms(millis(IDLE_TICK)))
     }
 
     fn received(&mut self) {
-        self.last_received = Instant::now();
+        let now = self.now_ms();
+        self.rules.received(now);
     }
 
     fn sent(&mut self) {
-        self.last_sent = Instant::now();
+        let now = self.now_ms();
+        self.rules.sent(now);
     }
 
     fn status_due(&self) -> bool {
-        self.status_every
-            .is_some_and(|every| self.last_sent.elapsed() >= every)
+        self.rules.status_due(self.now_ms())
     }
 
     fn check_silence(&self) -> Result<(), ReplicationError> {
-        match self.silence_limit {
-            Some(limit) if self.last_received.elapsed() >= limit => Err(ReplicationError::Silent {
-                silence: self.last_received.elapsed(),
+        match self.rules.silent_past_limit(self.now_ms()) {
+            Some(silence) => Err(ReplicationError::Silent {
+                silence: Duration::from_millis(silence),
             }),
-            _ => Ok(()),
+            None => Ok(()),
         }
     }
 }
@@ -463,8 +468,6 @@ mod tests {
     #[test]
     fn liveness_uses_three_quarters_and_twice_the_timeout() {
         let liveness = Liveness::new(Some(Duration::from_secs(60)));
-        assert_eq!(liveness.status_every, Some(Duration::from_secs(45)));
-        assert_eq!(liveness.silence_limit, Some(Duration::from_secs(120)));
         assert_eq!(liveness.tick_period(), Duration::from_secs(9));
         assert!(!liveness.status_due());
         assert!(liveness.check_silence().is_ok());

@@ -8,13 +8,13 @@
 //! before it. The lock is never held across an await: all of it is plain, non-blocking code
 //! (channel sends), and SQLite work happens on the ingest thread that drains the queue.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use highwater_engine::streamer::{ConnId, Effect, LogOp, Outgoing, Streamer};
-use highwater_engine::watermark::{Lsn, Watermark};
+use highwater_engine::watermark::Watermark;
 use tokio::sync::{mpsc, watch};
 
 use super::fault::Fault;
@@ -44,9 +44,6 @@ pub(crate) enum StorageOp {
     },
 }
 
-/// Reports durable positions to the upstream change source.
-pub(crate) type AckSink = Arc<dyn Fn(Lsn) + Send + Sync>;
-
 /// The hub's side of one WebSocket.
 struct Link {
     out: mpsc::UnboundedSender<ConnCommand>,
@@ -55,27 +52,6 @@ struct Link {
     /// The close (code, reason), set with the close command: a connection stuck writing to a
     /// peer that stopped reading would otherwise never get to the command.
     closing: watch::Sender<Option<(u16, String)>>,
-}
-
-/// Upstream acknowledgement positions: a commit's watermark is its commit LSN, but Postgres
-/// should be told the commit's *end* LSN so it does not send the transaction again.
-#[derive(Default)]
-struct CommitEnds {
-    ends: BTreeMap<Watermark, Lsn>,
-}
-
-impl CommitEnds {
-    fn position(&mut self, watermark: &Watermark) -> Option<Lsn> {
-        let lsn = watermark.to_lsn().ok();
-        let mut end = None;
-        while let Some(entry) = self.ends.first_entry() {
-            if entry.key() > watermark {
-                break;
-            }
-            end = end.max(Some(entry.remove()));
-        }
-        lsn.max(end)
-    }
 }
 
 /// Positions shown by `/health` and used for backup watermarks.
@@ -103,8 +79,6 @@ pub(crate) struct Hub {
     links: Mutex<HashMap<ConnId, Link>>,
     storage: mpsc::UnboundedSender<StorageOp>,
     upstream_paused: watch::Sender<bool>,
-    ack_sink: Mutex<Option<AckSink>>,
-    commit_ends: Mutex<CommitEnds>,
     positions: Mutex<Positions>,
     next_conn: AtomicU64,
     epoch: Instant,
@@ -128,8 +102,6 @@ impl Hub {
             links: Mutex::new(HashMap::new()),
             storage,
             upstream_paused: watch::channel(false).0,
-            ack_sink: Mutex::new(None),
-            commit_ends: Mutex::new(CommitEnds::default()),
             positions: Mutex::new(positions),
             next_conn: AtomicU64::new(1),
             epoch: Instant::now(),
@@ -198,7 +170,6 @@ impl Hub {
                 Effect::RestartUpstream { reason } => {
                     self.enqueue(StorageOp::RestartUpstream { reason })
                 }
-                Effect::AckUpstream { watermark } => self.ack_upstream(&watermark),
                 Effect::PauseCatchup { conn } | Effect::ResumeCatchup { conn } => {
                     let paused = matches!(effect, Effect::PauseCatchup { .. });
                     if let Some(link) = links.get(&conn) {
@@ -227,33 +198,6 @@ impl Hub {
     }
 
     // ---- upstream ----
-
-    /// Where durable positions are reported (the replication stream's acker).
-    pub fn set_ack_sink(&self, sink: AckSink) {
-        *self.fault.lock(&self.ack_sink, "ack sink") = Some(sink);
-    }
-
-    /// Remembers a commit's end LSN, acknowledged upstream once the commit is durable.
-    pub fn note_commit_end(&self, watermark: Watermark, end: Lsn) {
-        self.fault
-            .lock(&self.commit_ends, "commit ends")
-            .ends
-            .insert(watermark, end);
-    }
-
-    fn ack_upstream(&self, watermark: &Watermark) {
-        let Some(lsn) = self
-            .fault
-            .lock(&self.commit_ends, "commit ends")
-            .position(watermark)
-        else {
-            tracing::warn!(%watermark, "cannot acknowledge a watermark that is not an LSN");
-            return;
-        };
-        if let Some(sink) = self.fault.lock(&self.ack_sink, "ack sink").as_ref() {
-            sink(lsn);
-        }
-    }
 
     /// Follows whether the streamer wants the upstream stream paused.
     pub fn upstream_paused(&self) -> watch::Receiver<bool> {
@@ -332,29 +276,5 @@ impl Hub {
             });
             link.closing.send_replace(Some((code, reason.to_owned())));
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn w(n: u64) -> Watermark {
-        Lsn(n).to_watermark()
-    }
-
-    #[test]
-    fn acks_report_the_end_of_the_newest_durable_commit() {
-        let mut ends = CommitEnds::default();
-        ends.ends.insert(w(100), Lsn(130));
-        ends.ends.insert(w(200), Lsn(230));
-        ends.ends.insert(w(300), Lsn(330));
-        // Both commits up to 200 are durable: their entries go, the later end wins.
-        assert_eq!(ends.position(&w(200)), Some(Lsn(230)));
-        assert_eq!(ends.ends.len(), 1);
-        // A keepalive position with no commit of its own is acknowledged as is.
-        assert_eq!(ends.position(&w(250)), Some(Lsn(250)));
-        assert_eq!(ends.position(&w(400)), Some(Lsn(400)));
-        assert!(ends.ends.is_empty());
     }
 }

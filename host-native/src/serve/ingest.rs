@@ -1,33 +1,38 @@
-//! The ingest thread: takes upstream events into the streamer and carries out the storage
-//! queue in order — each upstream transaction applied to the replica and appended to the change
-//! log in one SQLite transaction, then reported durable (which releases the upstream ack) — and
-//! starts catch-up reads once every store before them is committed.
+//! The ingest thread: feeds upstream events to the engine's upstream session and carries out
+//! what it says — messages into the streamer, confirmations back to the source, schema
+//! changes computed against the replica, backfills when one may start — and carries out the
+//! storage queue in order: each upstream transaction applied to the replica and appended to the
+//! change log in one SQLite transaction, then reported durable to the streamer and the session
+//! (which releases the upstream confirmation); catch-up reads start once every store before
+//! them is committed.
 //!
-//! Backfills (`replica::backfill`) are a second source of transactions. Between upstream
-//! transactions, once everything before is stored, the thread starts the backfill the replica
-//! waits for and takes its messages instead of upstream's until its commit: forwarded, stored
-//! and (being `skipAck`) never acknowledged upstream, like any other transaction.
+//! Backfills (`replica::backfill`) are a second source of transactions. When the session says
+//! one may start (between upstream transactions, everything before stored) the thread starts
+//! the backfill the replica waits for and takes its messages instead of upstream's until its
+//! commit: forwarded, stored and (being `skipAck`) never confirmed upstream.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use highwater_engine::change_stream::{DownstreamMessage, Rollback};
+use highwater_engine::change_stream::{Change, DownstreamMessage, Rollback};
+use highwater_engine::pgoutput::Relation;
 use highwater_engine::streamer::{ConnId, LogOp, StoredChange};
+use highwater_engine::upstream::{Input, UpstreamSession};
 use highwater_engine::watermark::{Lsn, Watermark};
 use rusqlite::Connection;
 use tokio::runtime::Handle;
 use tokio::sync::{mpsc, watch};
 
 use super::hub::{Hub, StorageOp};
-use super::source::SourceEvent;
+use super::source::{Confirm, SourceEvent};
 use super::ServeError;
 use crate::change_log::{self, CatchupLimits, CatchupReader};
 use crate::replica::backfill::{
     BackfillItem, BackfillPlanner, BackfillStream, RecentXids, BACKFILL_BATCH_ROWS,
 };
-use crate::replica::ddl::{in_publications, parse_ddl_event, schema_changes};
 use crate::replica::initial_sync::SyncError;
-use crate::replica::{Applied, ReplicaWriter};
+use crate::replica::{Applied, Replica, ReplicaWriter};
+use crate::upstream::{feed, reconcile_relation, Catalog, EffectError, EffectHost};
 
 pub(crate) struct Ingest {
     hub: Arc<Hub>,
@@ -35,15 +40,24 @@ pub(crate) struct Ingest {
     db_path: PathBuf,
     publications: Vec<String>,
     handle: Handle,
-    /// Inside an upstream transaction that is already stored (sent again after a restart).
-    skipping: bool,
+    /// Every rule of the upstream stream.
+    session: UpstreamSession,
+    /// Where the session's confirmations go.
+    confirm: Confirm,
+    /// The source's sessions so far (numbers the relay's connections).
+    source_sessions: u64,
     /// A purge that came in mid-transaction, run at the next commit.
     pending_purge: Option<Watermark>,
     catchup_limits: CatchupLimits,
     /// Backfills read from Postgres; `None` when the source streams its own (a relay).
     backfills: Option<Backfills>,
+    /// Upstream's catalog, for Relation messages that show what the replica lacks; `None`
+    /// for a relay.
+    catalog: Option<Catalog>,
     /// Scope sync: where committed feed entries go; `None` when `/sync` is off.
     sync: Option<SyncFeed>,
+    /// The storage queue the streamer fills, carried out here in order.
+    ops: mpsc::UnboundedReceiver<StorageOp>,
 }
 
 /// Scope sync's side of the ingest thread: route each commit's feed entries after the commit,
@@ -73,8 +87,6 @@ pub(crate) struct Backfills {
     planner: BackfillPlanner,
     /// The one running, and its table.
     running: Option<(BackfillStream, String)>,
-    /// Whether a backfill may be waiting: at startup and after every commit.
-    due: bool,
     recent_xids: RecentXids,
 }
 
@@ -84,7 +96,6 @@ impl Backfills {
             upstream,
             planner: BackfillPlanner::new(),
             running: None,
-            due: true,
             recent_xids: RecentXids::default(),
         }
     }
@@ -107,27 +118,49 @@ enum Next {
     Resumed,
 }
 
+impl From<EffectError> for ServeError {
+    fn from(error: EffectError) -> Self {
+        match error {
+            EffectError::Replica(error) => ServeError::Replica(error),
+            EffectError::Catalog(error) => ServeError::Postgres(error),
+            other => ServeError::Invariant {
+                expected: "schema changes for the upstream session".to_owned(),
+                found: other.to_string(),
+            },
+        }
+    }
+}
+
 impl Ingest {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         hub: Arc<Hub>,
         writer: ReplicaWriter,
         db_path: PathBuf,
         publications: Vec<String>,
         handle: Handle,
+        session: UpstreamSession,
+        confirm: Confirm,
         backfills: Option<Backfills>,
         sync: Option<SyncFeed>,
+        ops: mpsc::UnboundedReceiver<StorageOp>,
     ) -> Ingest {
+        let catalog = backfills.as_ref().map(|b| Catalog::new(b.upstream.clone()));
         Ingest {
             hub,
             writer,
             db_path,
             publications,
             handle,
-            skipping: false,
+            session,
+            confirm,
+            source_sessions: 0,
             pending_purge: None,
             catchup_limits: CatchupLimits::default(),
             backfills,
+            catalog,
             sync,
+            ops,
         }
     }
 
@@ -165,29 +198,27 @@ impl Ingest {
     /// Runs until `shutdown`, the source failing, or a storage error. Blocking.
     pub fn run(
         mut self,
-        mut ops: mpsc::UnboundedReceiver<StorageOp>,
         mut events: mpsc::Receiver<SourceEvent>,
         mut shutdown: watch::Receiver<bool>,
     ) -> Result<(), ServeError> {
         let mut paused = self.hub.upstream_paused();
         let result = loop {
-            if let Err(e) = self.drain(&mut ops) {
-                break Err(e);
-            }
-            if let Err(e) = self.start_backfill(&mut ops) {
+            if let Err(e) = self.settle_and_report() {
                 break Err(e);
             }
             let is_paused = *paused.borrow_and_update();
-            let backfilling = self.backfills.as_ref().is_some_and(|b| b.running.is_some());
+            // The session says what it takes: a running backfill is the only source until its
+            // commit.
+            let backfilling = self.session.backfill_running();
+            let upstream = self.session.accepts_upstream();
             let handle = self.handle.clone();
-            let backfills = &mut self.backfills;
+            let (ops, backfills) = (&mut self.ops, &mut self.backfills);
             let next = handle.block_on(async {
                 tokio::select! {
                     biased;
                     _ = shutdown.wait_for(|s| *s) => Next::Stop,
                     op = ops.recv() => op.map_or(Next::Stop, Next::Op),
                     _ = paused.changed(), if is_paused => Next::Resumed,
-                    // A running backfill is the only source until its commit.
                     item = async {
                         match backfills {
                             Some(b) => b.next().await,
@@ -195,7 +226,7 @@ impl Ingest {
                         }
                     }, if !is_paused && backfilling => Next::Backfill(item),
                     // A source that fails says so; one that just ends was stopped.
-                    event = events.recv(), if !is_paused && !backfilling => {
+                    event = events.recv(), if !is_paused && upstream => {
                         event.map_or(Next::Stop, Next::Source)
                     }
                 }
@@ -203,17 +234,19 @@ impl Ingest {
             let step = match next {
                 Next::Stop => break Ok(()),
                 Next::Resumed => Ok(()),
-                Next::Op(op) => self.execute(op),
-                Next::Source(event) => self.on_source(event, &mut ops),
+                Next::Op(op) => self.execute(op).and_then(|stored| self.report(stored)),
+                Next::Source(event) => self.on_source(event),
                 Next::Backfill(item) => self.on_backfill(item),
             };
             if let Err(e) = step {
                 break Err(e);
             }
         };
-        // Whatever was in flight upstream is not stored; Postgres sends it again next time.
+        // Whatever was in flight upstream is not stored; the source sends it again next time.
         self.hub.call(|s, _| s.upstream_ended());
-        while let Ok(op) = ops.try_recv() {
+        // Stores of transactions already forwarded still happen; their confirmation waits for
+        // the next start, where the session skips what is stored and confirms it.
+        while let Ok(op) = self.ops.try_recv() {
             if matches!(op, StorageOp::Store(_)) {
                 let _ = self.execute(op);
             }
@@ -229,85 +262,39 @@ impl Ingest {
         result
     }
 
-    /// Carries out every queued storage op.
-    fn drain(&mut self, ops: &mut mpsc::UnboundedReceiver<StorageOp>) -> Result<(), ServeError> {
-        while let Ok(op) = ops.try_recv() {
-            self.execute(op)?;
+    /// Carries out every queued storage op; returns the commits that became durable.
+    fn drain(&mut self) -> Result<Vec<Watermark>, ServeError> {
+        let mut stored = Vec::new();
+        while let Ok(op) = self.ops.try_recv() {
+            stored.extend(self.execute(op)?);
+        }
+        Ok(stored)
+    }
+
+    fn settle_and_report(&mut self) -> Result<(), ServeError> {
+        for watermark in self.drain()? {
+            feed(self, Input::Stored { watermark })?;
         }
         Ok(())
     }
 
-    fn on_source(
-        &mut self,
-        event: SourceEvent,
-        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
-    ) -> Result<(), ServeError> {
+    fn report(&mut self, stored: Option<Watermark>) -> Result<(), ServeError> {
+        match stored {
+            Some(watermark) => feed(self, Input::Stored { watermark }),
+            None => Ok(()),
+        }
+    }
+
+    fn on_source(&mut self, event: SourceEvent) -> Result<(), ServeError> {
         match event {
-            SourceEvent::Message(message) => self.on_message(message),
-            SourceEvent::Ddl(content) => {
-                // Schema changes are computed against the replica as of the messages before.
-                self.drain(ops)?;
-                self.on_ddl(&content)
+            SourceEvent::Started => {
+                self.source_sessions += 1;
+                feed(self, Input::Started)
             }
-            SourceEvent::Keepalive(watermark) => {
-                if !self.skipping {
-                    self.hub.call(|s, _| s.on_keepalive(watermark, true));
-                }
-                Ok(())
-            }
-            SourceEvent::Restarted => {
-                self.skipping = false;
-                if self.hub.inspect(|s| s.in_transaction()) {
-                    self.hub.call(|s, _| s.upstream_ended());
-                }
-                Ok(())
-            }
+            SourceEvent::Wal(bytes) => feed(self, Input::WalData(&bytes)),
+            SourceEvent::Frame { id, messages } => feed(self, Input::RelayFrame { id, messages }),
             SourceEvent::Failed(reason) => Err(ServeError::Source(reason)),
         }
-    }
-
-    /// Starts the next backfill the replica waits for, if one may run now: between
-    /// transactions, with everything before it stored.
-    fn start_backfill(
-        &mut self,
-        ops: &mut mpsc::UnboundedReceiver<StorageOp>,
-    ) -> Result<(), ServeError> {
-        let ready = self
-            .backfills
-            .as_ref()
-            .is_some_and(|b| b.due && b.running.is_none());
-        if !ready || self.skipping || self.hub.inspect(|s| s.in_transaction()) {
-            return Ok(());
-        }
-        // The replica's schema and pending columns as of the last commit forwarded.
-        self.drain(ops)?;
-        let Some(backfills) = self.backfills.as_mut() else {
-            return Ok(());
-        };
-        backfills.due = false;
-        if !self.writer.replica().has_pending_backfills() {
-            return Ok(());
-        }
-        let position = self.hub.inspect(|s| s.last_commit().clone());
-        let xids = backfills.recent_xids.to_vec();
-        let Some(job) = backfills.planner.next_job(
-            self.writer.replica(),
-            &position,
-            &xids,
-            BACKFILL_BATCH_ROWS,
-        ) else {
-            return Ok(());
-        };
-        tracing::info!(
-            table = %job.table.name,
-            columns = ?job.pending.columns,
-            watermark = %job.commit_watermark,
-            "backfilling"
-        );
-        let table = job.table.name.clone();
-        let stream = BackfillStream::spawn(&self.handle, &backfills.upstream, job);
-        backfills.running = Some((stream, table));
-        Ok(())
     }
 
     fn on_backfill(
@@ -325,9 +312,9 @@ impl Ingest {
         let failure = match item {
             Some(Ok(BackfillItem::Message(message))) => {
                 let commit = matches!(message, DownstreamMessage::Commit(_));
-                self.on_message(message)?;
+                feed(self, Input::Backfill(message))?;
                 if commit {
-                    self.end_backfill();
+                    self.end_backfill()?;
                 }
                 return Ok(());
             }
@@ -337,119 +324,38 @@ impl Ingest {
                 return Ok(());
             }
             Some(Err(error)) => Some(error.to_string()),
-            None if self.hub.inspect(|s| s.in_transaction()) => {
+            None if self.session.in_transaction() => {
                 Some("the backfill ended before its commit".to_owned())
             }
             None => None,
         };
+        // Subscribers that saw a failed backfill's beginning get a rollback (the session
+        // hands it on); nothing of it is stored.
+        self.end_backfill()?;
         if let Some(error) = failure {
-            // Subscribers that saw its beginning get a rollback; nothing of it is stored.
-            if self.hub.inspect(|s| s.in_transaction()) {
-                self.on_message(DownstreamMessage::Rollback(Rollback::default()))?;
-            }
             let position = self.hub.inspect(|s| s.last_commit().clone());
             tracing::warn!(%table, %error, "backfill failed; retrying after the next transaction");
             if let Some(backfills) = self.backfills.as_mut() {
                 backfills.planner.on_failed(&table, &position);
             }
         }
-        self.end_backfill();
         Ok(())
     }
 
-    fn end_backfill(&mut self) {
+    fn end_backfill(&mut self) -> Result<(), ServeError> {
         if let Some(backfills) = self.backfills.as_mut() {
             backfills.running = None;
-            backfills.due = true;
         }
+        feed(self, Input::BackfillEnded)
     }
 
-    fn on_message(&mut self, message: DownstreamMessage) -> Result<(), ServeError> {
-        if self.skipping {
-            if matches!(
-                message,
-                DownstreamMessage::Commit(_) | DownstreamMessage::Rollback(_)
-            ) {
-                self.skipping = false;
-            }
-            return Ok(());
-        }
-        match &message {
-            DownstreamMessage::Begin(begin) => {
-                if let Some(backfills) = self.backfills.as_mut() {
-                    backfills.recent_xids.note(begin);
-                }
-                let last = self.hub.inspect(|s| s.last_commit().clone());
-                if begin.commit_watermark <= last {
-                    // Stored before the stream restarted (acknowledged too late to be skipped
-                    // by Postgres): nothing to forward or store.
-                    tracing::debug!(watermark = %begin.commit_watermark, "skipping a transaction already stored");
-                    self.skipping = true;
-                    return Ok(());
-                }
-            }
-            DownstreamMessage::Commit(commit) => {
-                let end = commit
-                    .extra
-                    .get("commitEndLsn")
-                    .and_then(serde_json::Value::as_str)
-                    .and_then(|text| text.parse::<Lsn>().ok());
-                if let Some(end) = end {
-                    self.hub.note_commit_end(commit.watermark.clone(), end);
-                }
-                if let Some(backfills) = self.backfills.as_mut() {
-                    backfills.due = true;
-                }
-            }
-            _ => {}
-        }
-        let mut rejected = None;
-        self.hub.call(|s, _| match s.on_upstream(message) {
-            Ok(effects) => effects,
-            Err(e) => {
-                rejected = Some(e);
-                Vec::new()
-            }
-        });
-        match rejected {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
-        }
-    }
-
-    fn on_ddl(&mut self, content: &[u8]) -> Result<(), ServeError> {
-        if !self.writer.in_transaction() {
-            return Ok(());
-        }
-        let ddl = parse_ddl_event(content).map_err(|e| ServeError::Invariant {
-            expected: "a DDL event as JSON".to_owned(),
-            found: e.to_string(),
-        })?;
-        let tables = in_publications(ddl.schema, &self.publications);
-        let changes = schema_changes(self.writer.replica(), &tables, &ddl.tag)?;
-        for change in changes {
-            tracing::info!(change = change.tag(), "schema change");
-            self.on_message(DownstreamMessage::Data(change))?;
-        }
-        Ok(())
-    }
-
-    fn execute(&mut self, op: StorageOp) -> Result<(), ServeError> {
+    /// Carries out one storage op; returns the commit it made durable, if it did.
+    fn execute(&mut self, op: StorageOp) -> Result<Option<Watermark>, ServeError> {
         match op {
             StorageOp::Store(LogOp::Begin(row)) => {
                 let message = typed(&row)?;
-                // Replica and log commit together, so the replica is never ahead of the log.
-                if let Some(state) = self.writer.replica().state() {
-                    if state.watermark >= *row.watermark() {
-                        return Err(ServeError::Invariant {
-                            expected: format!(
-                                "a transaction after the replica's {}",
-                                state.watermark
-                            ),
-                            found: format!("a transaction at {}", row.watermark()),
-                        });
-                    }
-                }
+                // Replica and log commit together, so the replica is never ahead of the log;
+                // the writer refuses a transaction not after its position.
                 self.writer.apply(message)?;
                 self.append(&row)?;
             }
@@ -480,10 +386,11 @@ impl Ingest {
                 self.route_committed()?;
                 let watermark = row.watermark().clone();
                 self.hub.set_last_watermark(watermark.clone());
-                self.hub.call(|s, _| s.on_stored(watermark));
+                self.hub.with(|s| s.on_stored(watermark.clone()));
                 if let Some(below) = self.pending_purge.take() {
                     self.purge(&below)?;
                 }
+                return Ok(Some(watermark));
             }
             StorageOp::Store(LogOp::Abort) => {
                 self.writer
@@ -510,7 +417,7 @@ impl Ingest {
                 tracing::warn!(%reason, "a subscriber needs backfills the Postgres source cannot re-request");
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     fn append(&self, row: &StoredChange) -> Result<(), ServeError> {
@@ -554,6 +461,107 @@ impl Ingest {
             self.db_path.clone(),
             self.catchup_limits,
         ));
+    }
+}
+
+impl EffectHost for Ingest {
+    type Error = ServeError;
+
+    fn session(&mut self) -> &mut UpstreamSession {
+        &mut self.session
+    }
+
+    /// Hands a message the session let through to the streamer, which forwards it and asks
+    /// for its storing (carried out from the storage queue).
+    fn apply(&mut self, message: DownstreamMessage) -> Result<Vec<Watermark>, ServeError> {
+        if let (DownstreamMessage::Begin(begin), Some(backfills)) =
+            (&message, self.backfills.as_mut())
+        {
+            backfills.recent_xids.note(begin);
+        }
+        let mut rejected = None;
+        self.hub.call(|s, _| match s.on_upstream(message) {
+            Ok(effects) => effects,
+            Err(e) => {
+                rejected = Some(e);
+                Vec::new()
+            }
+        });
+        match rejected {
+            Some(e) => Err(e.into()),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn settle(&mut self) -> Result<Vec<Watermark>, ServeError> {
+        self.drain()
+    }
+
+    fn confirm(&mut self, lsn: Lsn) {
+        self.confirm.ack(lsn);
+    }
+
+    fn ack_frames(&mut self, ids: Vec<u64>) {
+        if let Confirm::Primary(feedback) = &self.confirm {
+            feedback.ack(self.source_sessions, ids);
+        }
+    }
+
+    fn reconnect(&mut self, reason: String, restore: bool, acks: Vec<u64>) {
+        if let Confirm::Primary(feedback) = &self.confirm {
+            feedback.reconnect(self.source_sessions, acks, reason, restore);
+        }
+    }
+
+    fn replica(&self) -> &Replica {
+        self.writer.replica()
+    }
+
+    fn publications(&self) -> &[String] {
+        &self.publications
+    }
+
+    fn reconcile(&mut self, relation: &Relation) -> Result<Vec<Change>, ServeError> {
+        Ok(reconcile_relation(
+            &self.handle,
+            self.catalog.as_mut(),
+            self.writer.replica(),
+            relation,
+        )?)
+    }
+
+    fn idle(&mut self) {
+        self.hub.call(|s, _| s.on_idle());
+    }
+
+    /// Starts the next backfill the replica waits for, streamed through the session.
+    fn start_backfill(&mut self) -> Result<bool, ServeError> {
+        if self.backfills.is_none() || !self.writer.replica().has_pending_backfills() {
+            return Ok(false);
+        }
+        let position = self.hub.inspect(|s| s.last_commit().clone());
+        let Some(backfills) = self.backfills.as_mut() else {
+            return Ok(false);
+        };
+        let xids = backfills.recent_xids.to_vec();
+        let Some(job) = backfills.planner.next_job(
+            self.writer.replica(),
+            &position,
+            &xids,
+            BACKFILL_BATCH_ROWS,
+        ) else {
+            return Ok(false);
+        };
+        tracing::info!(
+            table = %job.table.name,
+            columns = ?job.pending.columns,
+            watermark = %job.commit_watermark,
+            "backfilling"
+        );
+        let table = job.table.name.clone();
+        let stream = BackfillStream::spawn(&self.handle, &backfills.upstream, job);
+        backfills.running = Some((stream, table));
+        Ok(true)
     }
 }
 

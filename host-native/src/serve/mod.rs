@@ -4,20 +4,23 @@
 //! are routed from the ingest thread once the replica commit is durable).
 //!
 //! ```text
-//!  Postgres ──WalStream──▶ source task ──SourceEvent──▶ ingest thread ◀── storage queue ──┐
-//!                (pgoutput → change-stream messages)       │  ReplicaWriter + change_log  │
-//!                                                           ▼                              │
-//!                                    Hub::call(Streamer::on_upstream) ── effects ──────────┤
-//!  WebSocket tasks ── client frames ──▶ Hub::call(Streamer::…) ──── Send/Close ──▶ sockets │
-//!  catch-up readers ── rows ─────────▶ Hub::call(Streamer::catchup_rows)                   │
-//!  ticker ── tick / backup watermark ▶ Hub::call(…)  ── Store/FetchCatchup/Purge ──────────┘
+//!  Postgres ──WalStream──▶ source task ──SourceEvent (raw pgoutput / primary frames)──┐
+//!     ▲ Ack(lsn) / AckFrames(ids)                                                     ▼
+//!     └──────────────── ingest thread: UpstreamSession::handle ── Apply ──▶ Hub::call(Streamer::on_upstream)
+//!                        ReplicaWriter + change_log ◀── storage queue ── Store/FetchCatchup/Purge ─┐
+//!  WebSocket tasks ── client frames ──▶ Hub::call(Streamer::…) ──── Send/Close ──▶ sockets         │
+//!  catch-up readers ── rows ─────────▶ Hub::call(Streamer::catchup_rows)                           │
+//!  ticker ── tick / backup watermark ▶ Hub::call(…)  ──────────────────────────────────────────────┘
 //! ```
 //!
-//! The engine's [`Streamer`](highwater_engine::streamer::Streamer) holds every rule; this module
-//! only carries its effects out. The loop is forward, store, ack: a message is forwarded to
-//! live subscribers as soon as it is decoded, the whole upstream transaction is applied to the
-//! replica and appended to the change log in one SQLite transaction, and only once that commit
-//! is durable does Postgres hear the acknowledgement.
+//! The engine holds every rule; this module only carries effects out. The engine's
+//! `UpstreamSession` decides what of the source is already stored, what to confirm and when,
+//! where schema changes go and when a backfill may start; its
+//! [`Streamer`](highwater_engine::streamer::Streamer) decides what each subscriber gets. The
+//! loop is forward, store, ack: a message is forwarded to live subscribers as soon as it is
+//! decoded, the whole upstream transaction is applied to the replica and appended to the
+//! change log in one SQLite transaction, and only once that commit is durable does the source
+//! hear the confirmation.
 
 mod connection;
 mod endpoints;
@@ -233,6 +236,8 @@ pub enum ServeError {
     Postgres(#[from] tokio_postgres::Error),
     #[error("the change source broke the change-stream protocol: {0}")]
     Upstream(#[from] highwater_engine::streamer::UpstreamError),
+    #[error("the change source cannot continue: {0}")]
+    Session(#[from] highwater_engine::upstream::SessionError),
     #[error("cannot listen on {addr}: {source}")]
     Listen {
         addr: String,
@@ -306,7 +311,7 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     let public_url = args.public_url();
     let mut settings = settings(&args, token, sync, args.security.tls_config()?);
     settings.backfill_from = Some(prepared.backfill_from);
-    let source = source::spawn_postgres(prepared.stream, &args.app_id, stop.clone());
+    let source = source::spawn_postgres(prepared.stream, stop.clone());
     tracing::info!(
         address = %listener.local_addr()?,
         %public_url,
@@ -381,6 +386,7 @@ fn settings(
         backup_interval: Duration::from_millis(args.backup_interval_ms.max(1)),
         ping_interval: PING_INTERVAL,
         owner: format!("{}@{}", args.app_id, std::process::id()),
+        app_id: args.app_id.clone(),
         backlog_high_water_bytes: args.backlog_high_water_bytes,
         backlog_full_timeout_ms: args.backlog_full_timeout_ms,
         max_connections: args.max_connections,
@@ -405,6 +411,8 @@ struct Settings {
     backup_interval: Duration,
     ping_interval: Duration,
     owner: String,
+    /// Names the event trigger's DDL messages (`<app>/ddl`).
+    app_id: String,
     backlog_high_water_bytes: usize,
     backlog_full_timeout_ms: u64,
     /// Open WebSocket connections served at once.
@@ -447,7 +455,8 @@ async fn run_server(
         },
     );
     let (hub, ops) = Hub::new(streamer, Positions::from(&log));
-    hub.set_ack_sink(source.ack_sink.clone());
+    let session =
+        crate::upstream::session(&settings.app_id, log.last_watermark.clone(), source.start);
     let db_path = settings.data.join("replica.db");
     crate::change_log::set_owner(
         writer.replica().connection(),
@@ -510,17 +519,20 @@ async fn run_server(
         db_path.clone(),
         publications,
         handle.clone(),
+        session,
+        source.confirm.clone(),
         settings.backfill_from.clone().map(ingest::Backfills::new),
         sync_hub
             .clone()
             .map(|hub| ingest::SyncFeed::new(hub, settings.sync_retention)),
+        ops,
     );
     let ingest_task = {
         let shutdown_tx = shutdown_tx.clone();
         let shutdown = shutdown.clone();
         let events = source.events;
         tokio::task::spawn_blocking(move || {
-            let result = ingest.run(ops, events, shutdown);
+            let result = ingest.run(events, shutdown);
             shutdown_tx.send_replace(true);
             result
         })

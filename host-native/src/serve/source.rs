@@ -1,18 +1,18 @@
-//! The change source: upstream events as the ingest thread consumes them, and the Postgres
-//! implementation (the replication stream decoded by `engine::pgoutput`).
+//! The change source: what the ingest thread's upstream session takes in (raw pgoutput
+//! payloads from Postgres, or a relay's frames from its primary), and where the session's
+//! confirmations go back to. No rule lives here: the engine's `UpstreamSession` on the ingest
+//! thread decodes, skips, orders and decides every confirmation.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use bytes::Bytes;
 use highwater_engine::change_stream::DownstreamMessage;
-use highwater_engine::pgoutput::{PgoutputEvent, PgoutputMapper};
-use highwater_engine::watermark::Watermark;
-use tokio::sync::{mpsc, watch};
+use highwater_engine::watermark::Lsn;
+use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::JoinHandle;
 
-use super::hub::AckSink;
-use crate::replica::ddl::ddl_prefix;
-use crate::replication::{StreamConfig, WalEvent, WalStream};
+use crate::replication::{Acker, StreamConfig, WalEvent, WalStream};
 
 /// Upstream events buffered ahead of the ingest thread. While it does not take them (the
 /// streamer paused upstream), the replication stream stops reading the socket.
@@ -20,62 +20,151 @@ const EVENT_CAPACITY: usize = 1024;
 /// The same buffer bounded in bytes (pgoutput bytes of its messages), so large rows do not
 /// multiply it; a larger message still goes through, alone.
 const EVENT_BUDGET_BYTES: usize = 4 * 1024 * 1024;
-/// Raw payloads the replication stream reads ahead of decoding: the decoded buffer above is
-/// the real one.
+/// Raw payloads the replication stream reads ahead of the pump: the buffer above is the real
+/// one.
 const PAYLOADS_AHEAD: usize = 64;
 
-/// One upstream event.
-// Messages are the common variant; boxing them would add an allocation per message.
-#[allow(clippy::large_enum_variant)]
+/// One upstream event: an input of the ingest thread's upstream session.
 #[derive(Debug)]
 pub(crate) enum SourceEvent {
-    /// `begin`, `data`, `commit` or `rollback`.
-    Message(DownstreamMessage),
-    /// A DDL event (the content of a `<app>/ddl` logical message) inside the open transaction:
-    /// turned into schema changes against the replica's schema.
-    Ddl(Vec<u8>),
-    /// Upstream has sent everything up to `watermark` (between transactions).
-    Keepalive(Watermark),
-    /// The stream (re)started: a transaction in flight will be sent again from its beginning.
-    Restarted,
-    /// The stream gave up.
+    /// A new session: the replication stream (re)started, or a new connection to the primary.
+    Started,
+    /// One CopyData payload of the replication stream.
+    Wal(Bytes),
+    /// One frame of the primary (a relay).
+    Frame {
+        id: u64,
+        messages: Vec<DownstreamMessage>,
+    },
+    /// The source gave up.
     Failed(String),
+}
+
+/// Where the session's confirmations go.
+#[derive(Clone)]
+pub(crate) enum Confirm {
+    /// Standby status updates of the replication stream.
+    Postgres(Acker),
+    /// `{"ack":id}` frames and reconnect requests, carried out by the relay's socket task.
+    Primary(Arc<PrimaryFeedback>),
+}
+
+impl Confirm {
+    pub fn ack(&self, lsn: Lsn) {
+        match self {
+            Confirm::Postgres(acker) => acker.ack(lsn),
+            // A primary's transactions carry no LSN to confirm: the session never asks.
+            Confirm::Primary(_) => {
+                tracing::debug!(%lsn, "no LSN confirmation for a primary");
+            }
+        }
+    }
+}
+
+/// What the ingest thread tells the relay's socket task, per connection: the frames to
+/// acknowledge (in order) and whether to reconnect. Connections are numbered by the
+/// [`SourceEvent::Started`] that opened them, on both sides, so nothing meant for an old
+/// connection reaches a new one.
+#[derive(Debug, Default)]
+pub(crate) struct PrimaryFeedback {
+    state: Mutex<FeedbackState>,
+    notify: Notify,
+}
+
+#[derive(Debug, Default)]
+struct FeedbackState {
+    connection: u64,
+    acks: Vec<u64>,
+    reconnect: Option<(String, bool)>,
+}
+
+/// What the socket task is to do on its connection.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Feedback {
+    pub acks: Vec<u64>,
+    /// Reconnect, with the reason and whether the replica must be restored first.
+    pub reconnect: Option<(String, bool)>,
+}
+
+impl PrimaryFeedback {
+    fn on(&self, connection: u64, f: impl FnOnce(&mut FeedbackState)) {
+        {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            if state.connection != connection {
+                *state = FeedbackState {
+                    connection,
+                    ..FeedbackState::default()
+                };
+            }
+            f(&mut state);
+        }
+        self.notify.notify_one();
+    }
+
+    /// Frames `ids` of `connection` are consumed.
+    pub fn ack(&self, connection: u64, ids: Vec<u64>) {
+        self.on(connection, |state| state.acks.extend(ids));
+    }
+
+    /// Frames `ids` of `connection` are consumed, and then the connection must end: both
+    /// at once, so the socket task never sends the acks (after which the primary closes)
+    /// without knowing why it is to end.
+    pub fn reconnect(&self, connection: u64, ids: Vec<u64>, reason: String, restore: bool) {
+        self.on(connection, |state| {
+            state.acks.extend(ids);
+            state.reconnect.get_or_insert((reason, restore));
+        });
+    }
+
+    /// What `connection` is to do now (and nothing left for an older one).
+    pub fn take(&self, connection: u64) -> Feedback {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.connection != connection {
+            return Feedback::default();
+        }
+        Feedback {
+            acks: std::mem::take(&mut state.acks),
+            reconnect: state.reconnect.take(),
+        }
+    }
+
+    /// Resolves once there may be something to take.
+    pub async fn changed(&self) {
+        self.notify.notified().await;
+    }
 }
 
 /// A running change source.
 pub(crate) struct Source {
     pub events: mpsc::Receiver<SourceEvent>,
-    /// Where durable positions are reported.
-    pub ack_sink: AckSink,
+    pub confirm: Confirm,
+    /// Where the source starts (confirmations only move past it).
+    pub start: Lsn,
     pub task: Option<JoinHandle<()>>,
 }
 
 /// Streams from Postgres with `config` until `stop`.
-pub(crate) fn spawn_postgres(
-    config: StreamConfig,
-    app_id: &str,
-    stop: watch::Receiver<bool>,
-) -> Source {
+pub(crate) fn spawn_postgres(config: StreamConfig, stop: watch::Receiver<bool>) -> Source {
     let mut config = config;
     config.capacity = config.capacity.min(PAYLOADS_AHEAD);
+    let start = config.start;
     let stream = WalStream::spawn(config);
     let acker = stream.acker();
     let (tx, events) = mpsc::channel(EVENT_CAPACITY);
-    let task = tokio::spawn(pump(stream, ddl_prefix(app_id), tx, stop));
+    let task = tokio::spawn(pump(stream, tx, stop));
     Source {
         events,
-        ack_sink: Arc::new(move |lsn| acker.ack(lsn)),
+        confirm: Confirm::Postgres(acker),
+        start,
         task: Some(task),
     }
 }
 
 async fn pump(
     mut stream: WalStream,
-    prefix: String,
     tx: mpsc::Sender<SourceEvent>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut mapper = PgoutputMapper::new();
     let mut queued = Queued::default();
     loop {
         let event = tokio::select! {
@@ -84,41 +173,20 @@ async fn pump(
             _ = tx.closed() => break,
             event = stream.recv() => event,
         };
-        let size = match &event {
-            Some(Ok(WalEvent::CopyData(bytes))) => bytes.len(),
-            _ => 0,
-        };
-        let event = match event {
-            None => SourceEvent::Failed("the replication stream ended".to_owned()),
-            Some(Err(error)) => SourceEvent::Failed(error.to_string()),
+        let (event, size) = match event {
+            None => (
+                SourceEvent::Failed("the replication stream ended".to_owned()),
+                0,
+            ),
+            Some(Err(error)) => (SourceEvent::Failed(error.to_string()), 0),
             Some(Ok(WalEvent::Started { start, backend_pid })) => {
                 tracing::debug!(%start, backend_pid, "replication session started");
-                // Relation messages are sent again in a new session.
-                mapper = PgoutputMapper::new();
-                SourceEvent::Restarted
+                (SourceEvent::Started, 0)
             }
-            Some(Ok(WalEvent::CopyData(bytes))) => match mapper.map_frame(&bytes) {
-                Err(error) => SourceEvent::Failed(format!("cannot decode pgoutput: {error}")),
-                Ok(None) => continue,
-                Ok(Some(PgoutputEvent::Downstream(message))) => SourceEvent::Message(message),
-                Ok(Some(PgoutputEvent::Commit {
-                    mut commit,
-                    end_lsn,
-                })) => {
-                    commit
-                        .extra
-                        .insert("commitEndLsn".into(), end_lsn.to_string().into());
-                    SourceEvent::Message(DownstreamMessage::Commit(commit))
-                }
-                Ok(Some(PgoutputEvent::LogicalMessage(message))) if message.prefix == prefix => {
-                    SourceEvent::Ddl(message.content)
-                }
-                // Only between transactions does the server's position cover all we have.
-                Ok(Some(PgoutputEvent::Keepalive(keepalive))) if !mapper.in_transaction() => {
-                    SourceEvent::Keepalive(keepalive.watermark)
-                }
-                Ok(Some(_)) => continue,
-            },
+            Some(Ok(WalEvent::CopyData(bytes))) => {
+                let size = bytes.len();
+                (SourceEvent::Wal(bytes), size)
+            }
         };
         let failed = matches!(event, SourceEvent::Failed(_));
         let sent = tokio::select! {
@@ -183,7 +251,29 @@ mod tests {
     use super::*;
 
     fn event() -> SourceEvent {
-        SourceEvent::Restarted
+        SourceEvent::Started
+    }
+
+    #[test]
+    fn feedback_for_an_old_connection_never_reaches_a_new_one() {
+        let feedback = PrimaryFeedback::default();
+        feedback.ack(1, vec![1, 2]);
+        feedback.ack(1, vec![3]);
+        assert_eq!(feedback.take(1).acks, [1, 2, 3]);
+        feedback.ack(1, vec![4]);
+        feedback.reconnect(1, vec![5], "gone".to_owned(), false);
+        // The socket task moved on to connection 2: what was meant for 1 is dropped.
+        assert_eq!(feedback.take(2), Feedback::default());
+        feedback.reconnect(2, vec![1], "refused".to_owned(), true);
+        feedback.ack(2, vec![2]);
+        assert_eq!(feedback.take(1), Feedback::default());
+        assert_eq!(
+            feedback.take(2),
+            Feedback {
+                acks: vec![1, 2],
+                reconnect: Some(("refused".to_owned(), true))
+            }
+        );
     }
 
     #[tokio::test]

@@ -1,8 +1,10 @@
-//! Serve end to end with a scripted change source instead of Postgres: real SQLite, real
-//! WebSockets, the engine's decoder on every frame.
+//! Serve end to end with a scripted change source instead of Postgres — frames as a primary
+//! sends them to a relay, one message each: real SQLite, real WebSockets, the engine's decoder
+//! on every frame and its upstream session deciding every acknowledgement.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,7 +21,7 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use super::source::{Source, SourceEvent};
+use super::source::{Confirm, PrimaryFeedback, Source, SourceEvent};
 use super::{run_server, ServeError, Settings};
 use crate::change_log::{self, ChangeLogConfig};
 use crate::replica::{Replica, ReplicaState, ReplicaWriter};
@@ -77,7 +79,12 @@ impl Default for Tuning {
 struct Harness {
     addr: SocketAddr,
     source: mpsc::Sender<SourceEvent>,
-    acks: Arc<Mutex<Vec<Lsn>>>,
+    /// The source's connection (numbered by `Started`) and its next frame id.
+    connection: AtomicU64,
+    next_id: AtomicU64,
+    feedback: Arc<PrimaryFeedback>,
+    /// Frames acknowledged on the current connection.
+    acks: Mutex<Vec<u64>>,
     stop: watch::Sender<bool>,
     server: JoinHandle<Result<(), ServeError>>,
     dir: TempDir,
@@ -149,8 +156,7 @@ impl Harness {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("listen");
         let addr = listener.local_addr().expect("addr");
         let (source, events) = mpsc::channel(64);
-        let acks = Arc::new(Mutex::new(Vec::new()));
-        let sink = acks.clone();
+        let feedback = Arc::new(PrimaryFeedback::default());
         let settings = Settings {
             sync: None,
             sync_retention: Duration::from_secs(super::DEFAULT_SYNC_RETENTION_SECS),
@@ -161,6 +167,7 @@ impl Harness {
             backup_interval: Duration::from_millis(50),
             ping_interval,
             owner: "test".to_owned(),
+            app_id: "highwater".to_owned(),
             backlog_high_water_bytes: tuning.backlog_high_water_bytes,
             backlog_full_timeout_ms: highwater_engine::streamer::DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
             max_connections: tuning.max_connections,
@@ -178,7 +185,8 @@ impl Harness {
             vec!["pub".to_owned()],
             Source {
                 events,
-                ack_sink: Arc::new(move |lsn| sink.lock().expect("acks").push(lsn)),
+                confirm: Confirm::Primary(feedback.clone()),
+                start: Lsn(0),
                 task: None,
             },
             settings,
@@ -187,7 +195,10 @@ impl Harness {
         Harness {
             addr,
             source,
-            acks,
+            connection: AtomicU64::new(0),
+            next_id: AtomicU64::new(1),
+            feedback,
+            acks: Mutex::new(Vec::new()),
             stop,
             server,
             dir,
@@ -197,9 +208,23 @@ impl Harness {
     async fn send(&self, message: &str) {
         let message = decode_downstream(message).expect("a valid scripted message");
         self.source
-            .send(SourceEvent::Message(message))
+            .send(SourceEvent::Frame {
+                id: self.next_id.fetch_add(1, Ordering::SeqCst),
+                messages: vec![message],
+            })
             .await
             .expect("server running");
+    }
+
+    /// The source reconnects: frame ids start over.
+    async fn restart(&self) {
+        self.source
+            .send(SourceEvent::Started)
+            .await
+            .expect("server running");
+        self.connection.fetch_add(1, Ordering::SeqCst);
+        self.next_id.store(1, Ordering::SeqCst);
+        self.acks.lock().expect("acks").clear();
     }
 
     /// A transaction at LSN `n` inserting `ids` (creating the table first when `create`).
@@ -218,9 +243,8 @@ impl Harness {
             ))
             .await;
         }
-        let end = Lsn(n + 8);
         self.send(&format!(
-            r#"["commit",{{"tag":"commit","commitEndLsn":"{end}"}},{{"watermark":"{wm}"}}]"#
+            r#"["commit",{{"tag":"commit"}},{{"watermark":"{wm}"}}]"#
         ))
         .await;
     }
@@ -229,8 +253,12 @@ impl Harness {
         format!("ws://{}{path}", self.addr)
     }
 
-    fn acks(&self) -> Vec<Lsn> {
-        self.acks.lock().expect("acks").clone()
+    fn acks(&self) -> Vec<u64> {
+        let taken = self.feedback.take(self.connection.load(Ordering::SeqCst));
+        assert_eq!(taken.reconnect, None, "the session ended the connection");
+        let mut acks = self.acks.lock().expect("acks");
+        acks.extend(taken.acks);
+        acks.clone()
     }
 
     fn db(&self) -> rusqlite::Connection {
@@ -431,14 +459,13 @@ async fn upstream_is_acked_only_once_the_transaction_is_durable() {
     assert!(h.acks().is_empty());
     assert_eq!(stored_last_watermark(&h.db()), w(VERSION).as_str());
     h.send(&format!(
-        r#"["commit",{{"tag":"commit","commitEndLsn":"{}"}},{{"watermark":"{}"}}]"#,
-        Lsn(0x208),
+        r#"["commit",{{"tag":"commit"}},{{"watermark":"{}"}}]"#,
         w(0x200)
     ))
     .await;
     wait_until(|| !h.acks().is_empty()).await;
-    // The acknowledged position is the commit's end, and it is on disk by then.
-    assert_eq!(h.acks(), [Lsn(0x208)]);
+    // Every frame of the transaction is acknowledged, once, in order, and it is on disk by then.
+    assert_eq!(h.acks(), [1, 2, 3]);
     assert_eq!(stored_last_watermark(&h.db()), w(0x200).as_str());
     h.stop().await;
 }
@@ -828,10 +855,7 @@ async fn a_restarted_source_resends_without_duplicates_or_half_transactions() {
         r#"["data",{{"tag":"insert","relation":{ITEMS},"new":{{"id":2,"v":"first try"}}}}]"#
     ))
     .await;
-    h.source
-        .send(SourceEvent::Restarted)
-        .await
-        .expect("running");
+    h.restart().await;
     // ...and upstream sends again from its last acknowledged position: 0x200 is stored already.
     h.transaction(0x200, &[1], true).await;
     h.transaction(0x300, &[2], false).await;

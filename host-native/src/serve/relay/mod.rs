@@ -14,7 +14,6 @@
 //! `WrongReplicaVersion` or `WatermarkTooOld`, the replica cannot follow it any more: the relay
 //! stops serving, wipes it and restores a new snapshot.
 
-mod frame_acks;
 mod restore;
 mod upstream;
 

@@ -1,6 +1,8 @@
 //! The relay's side of its primary's `/replication/v8/subscribe` socket (§3.3): the framed
-//! connection, and the change source that subscribes from the relay's durable watermark and
-//! feeds every downstream message to the ingest thread, acking each frame once consumed.
+//! connection, and the change source that subscribes from the relay's durable watermark,
+//! hands every frame to the ingest thread's upstream session, and carries out what the session
+//! says back: which frames to acknowledge, and when to end the connection. It decides none of
+//! it; liveness (silence past the ping interval) is the engine's `Liveness` on plain values.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,19 +12,20 @@ use std::time::Duration;
 use futures::{SinkExt, StreamExt};
 use highwater_engine::change_stream::{
     ack_frame, decode_downstream_frame, encode_upstream, message_frame, AckQueue, BackfillRequest,
-    DownstreamMessage, ErrorKind, Extra, Frame, SubscribeContext, SubscriberMode, UpstreamMessage,
+    DownstreamMessage, Extra, Frame, SubscribeContext, SubscriberMode, UpstreamMessage,
 };
+use highwater_engine::upstream::Liveness;
+use highwater_engine::watermark::Lsn;
 use highwater_engine::watermark::Watermark;
 use rusqlite::{Connection as Sqlite, OpenFlags};
-use tokio::sync::{mpsc, watch, Notify};
+use tokio::sync::{mpsc, watch};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::{http, Message};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use super::frame_acks::FrameAcks;
 use super::{Backoff, RelayError, Upstream};
 use crate::change_log::{self, ChangeLogError};
-use crate::serve::source::{Source, SourceEvent};
+use crate::serve::source::{Confirm, PrimaryFeedback, Source, SourceEvent};
 
 type Socket = WebSocketStream<MaybeTlsStream<tokio::net::TcpStream>>;
 
@@ -33,9 +36,8 @@ const EVENT_CAPACITY: usize = 1024;
 /// How long the WebSocket handshake with the primary may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Fallback re-read of the durable position while frames wait for storage (acks are normally
-/// released by the durable-commit notification).
-const DURABLE_POLL: Duration = Duration::from_millis(250);
+/// How often the silence limit is looked at.
+const LIVENESS_CHECK: Duration = Duration::from_millis(500);
 
 /// What arrived from the primary.
 #[derive(Debug)]
@@ -200,8 +202,8 @@ enum Ended {
 }
 
 /// Streams from the primary into the ingest thread until `stop`. `handover` is the socket a
-/// fresh restore reserved its snapshot on: the subscription starts on it. When the primary
-/// rejects the replica, `restore_required` is set and the source fails.
+/// fresh restore reserved its snapshot on: the subscription starts on it. When the session
+/// says the primary rejected the replica, `restore_required` is set and the source fails.
 pub(super) fn spawn(
     target: SubscribeTarget,
     handover: Option<UpstreamConnection>,
@@ -209,11 +211,11 @@ pub(super) fn spawn(
     stop: watch::Receiver<bool>,
 ) -> Source {
     let (tx, events) = mpsc::channel(EVENT_CAPACITY);
-    let durable = Arc::new(Notify::new());
+    let feedback = Arc::new(PrimaryFeedback::default());
     let task = {
-        let durable = durable.clone();
+        let feedback = feedback.clone();
         tokio::spawn(async move {
-            let failure = run(target, handover, &tx, &durable, &restore_required, stop).await;
+            let failure = run(target, handover, &tx, &feedback, &restore_required, stop).await;
             if let Some(reason) = failure {
                 let _ = tx.send(SourceEvent::Failed(reason)).await;
             }
@@ -221,8 +223,9 @@ pub(super) fn spawn(
     };
     Source {
         events,
-        // The hub reports durable commits as LSNs; the exact watermark is read from the log.
-        ack_sink: Arc::new(move |_| durable.notify_one()),
+        confirm: Confirm::Primary(feedback),
+        // A primary's stream has no LSN to confirm.
+        start: Lsn(0),
         task: Some(task),
     }
 }
@@ -232,7 +235,7 @@ async fn run(
     target: SubscribeTarget,
     mut handover: Option<UpstreamConnection>,
     events: &mpsc::Sender<SourceEvent>,
-    durable_notify: &Notify,
+    feedback: &PrimaryFeedback,
     restore_required: &AtomicBool,
     mut stop: watch::Receiver<bool>,
 ) -> Option<String> {
@@ -243,9 +246,11 @@ async fn run(
         Err(error) => return Some(format!("cannot read the relay's change log: {error}")),
     };
     let mut backoff = Backoff::default();
+    // Connections numbered as the ingest thread numbers them: by the `Started` that opens each.
+    let mut connection = 0u64;
     loop {
-        // Whether the primary accepted this subscription (a later failure starts the backoff
-        // over).
+        // Whether the primary sent anything on this subscription (a later failure starts the
+        // backoff over).
         let mut accepted = false;
         let connected = match handover.take() {
             Some(conn) => Ok(conn),
@@ -257,8 +262,9 @@ async fn run(
         };
         let ended = match connected {
             Ok(conn) => {
+                connection += 1;
                 // A transaction cut off with the previous connection will not be completed.
-                if !hand_on(events, SourceEvent::Restarted, &mut stop).await {
+                if !hand_on(events, SourceEvent::Started, &mut stop).await {
                     return None;
                 }
                 let subscribed = subscribe(
@@ -266,7 +272,10 @@ async fn run(
                     conn,
                     &mut log,
                     events,
-                    durable_notify,
+                    Feedbacks {
+                        feedback,
+                        connection,
+                    },
                     &mut stop,
                     &mut accepted,
                 );
@@ -322,14 +331,41 @@ async fn hand_on(
     }
 }
 
+/// The ingest thread's word for one connection.
+#[derive(Clone, Copy)]
+struct Feedbacks<'a> {
+    feedback: &'a PrimaryFeedback,
+    connection: u64,
+}
+
+impl Feedbacks<'_> {
+    /// Sends the acks the session released; `Some` when it says the connection must end.
+    async fn carry_out(&self, conn: &mut UpstreamConnection) -> Result<Option<Ended>, RelayError> {
+        let feedback = self.feedback.take(self.connection);
+        conn.ack(&feedback.acks).await?;
+        Ok(feedback.reconnect.map(|(reason, restore)| {
+            if restore {
+                Ended::RestoreRequired(reason)
+            } else {
+                Ended::Reconnect(reason)
+            }
+        }))
+    }
+}
+
+/// Milliseconds on this process's monotonic clock, for [`Liveness`].
+fn now_ms(epoch: tokio::time::Instant) -> u64 {
+    u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
 /// One subscription: `start-subscription` from the durable watermark, then the stream.
-/// `accepted` turns true once the primary accepted it.
+/// `accepted` turns true once the primary sent a frame.
 async fn subscribe(
     target: &SubscribeTarget,
     mut conn: UpstreamConnection,
     log: &mut DurableLog,
     events: &mpsc::Sender<SourceEvent>,
-    durable_notify: &Notify,
+    feedback: Feedbacks<'_>,
     stop: &mut watch::Receiver<bool>,
     accepted: &mut bool,
 ) -> Result<Ended, RelayError> {
@@ -346,126 +382,58 @@ async fn subscribe(
     conn.send(&UpstreamMessage::StartSubscription(context))
         .await?;
     tracing::info!(url = %target.upstream.url, %watermark, "subscribing to the primary");
-    let mut stream = Subscription {
-        acks: FrameAcks::new(watermark),
-        subscribed: false,
-        skip_ack: false,
-    };
-    let mut poll = tokio::time::interval(DURABLE_POLL);
-    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut heard = tokio::time::Instant::now();
+    let epoch = tokio::time::Instant::now();
+    let silence_limit = u64::try_from(target.liveness.as_millis()).unwrap_or(u64::MAX);
+    let mut liveness = Liveness::new(None, Some(silence_limit), now_ms(epoch));
+    let mut check = tokio::time::interval(LIVENESS_CHECK);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The frame handler needs `stop` too, while the select holds this one.
     let mut stopped = stop.clone();
     let ended = loop {
-        let waits = stream.acks.waits_for_storage();
         tokio::select! {
             biased;
             _ = until_stopped(&mut stopped) => break Ended::Stopped,
             _ = events.closed() => break Ended::Stopped,
-            _ = durable_notify.notified() => stream.acks.on_durable(log.last_watermark()?),
-            _ = poll.tick(), if waits => stream.acks.on_durable(log.last_watermark()?),
-            _ = tokio::time::sleep_until(heard + target.liveness) => {
-                break Ended::Reconnect(format!(
-                    "no message or ping from the primary for {} s",
-                    target.liveness.as_secs()
-                ));
+            _ = feedback.feedback.changed() => {
+                if let Some(ended) = feedback.carry_out(&mut conn).await? {
+                    break ended;
+                }
+            }
+            _ = check.tick() => {
+                if let Some(silence) = liveness.silent_past_limit(now_ms(epoch)) {
+                    break Ended::Reconnect(format!(
+                        "no message or ping from the primary for {} s",
+                        silence / 1000
+                    ));
+                }
             }
             incoming = conn.recv() => {
-                heard = tokio::time::Instant::now();
+                liveness.received(now_ms(epoch));
                 match incoming? {
                     Incoming::Alive => {}
                     Incoming::Closed(close) => {
+                        // The session may have asked to end first (the primary closes once its
+                        // error is acknowledged).
+                        if let Some(ended) = feedback.carry_out(&mut conn).await.ok().flatten() {
+                            break ended;
+                        }
                         break Ended::Reconnect(match close {
                             Some(close) => format!("the primary closed the connection ({close})"),
                             None => "the primary closed the connection".to_owned(),
                         });
                     }
                     Incoming::Frame { id, messages } => {
-                        let ended = stream.on_frame(id, messages, &mut conn, events, stop).await?;
-                        *accepted = stream.subscribed;
-                        if let Some(ended) = ended {
-                            break ended;
+                        *accepted = true;
+                        if !hand_on(events, SourceEvent::Frame { id, messages }, stop).await {
+                            break Ended::Stopped;
                         }
+                        // Waiting for the ingest thread is not the primary's silence.
+                        liveness.received(now_ms(epoch));
                     }
                 }
             }
         }
-        conn.ack(&stream.acks.release()).await?;
     };
     conn.close().await;
     Ok(ended)
-}
-
-/// The state of one subscription's stream.
-struct Subscription {
-    acks: FrameAcks,
-    /// Whether the primary accepted the subscription (its first status, or any change).
-    subscribed: bool,
-    /// Whether the open transaction is one the primary does not want acknowledged.
-    skip_ack: bool,
-}
-
-impl Subscription {
-    /// Hands the messages of frame `id` on; `Some` when the subscription ends with it.
-    async fn on_frame(
-        &mut self,
-        id: u64,
-        messages: Vec<DownstreamMessage>,
-        conn: &mut UpstreamConnection,
-        events: &mpsc::Sender<SourceEvent>,
-        stop: &mut watch::Receiver<bool>,
-    ) -> Result<Option<Ended>, RelayError> {
-        self.acks.on_frame(id, &messages);
-        for message in messages {
-            let mut keepalive = None;
-            match &message {
-                // The first status confirms the subscription; it is the relay's alone.
-                DownstreamMessage::Status(_) if !self.subscribed => {
-                    self.subscribed = true;
-                    tracing::info!("the primary accepted the subscription");
-                    continue;
-                }
-                DownstreamMessage::Error(error) => {
-                    // Acked so the primary can close; nothing after it is used.
-                    conn.ack(&self.acks.release()).await?;
-                    let reason = format!(
-                        "{} (error type {})",
-                        error.message.as_deref().unwrap_or("no message"),
-                        error.error_type
-                    );
-                    return Ok(Some(match error.kind() {
-                        Some(ErrorKind::WrongReplicaVersion | ErrorKind::WatermarkTooOld) => {
-                            Ended::RestoreRequired(reason)
-                        }
-                        _ => Ended::Reconnect(reason),
-                    }));
-                }
-                DownstreamMessage::Reserved(_) => {
-                    tracing::warn!(
-                        "ignoring a snapshot reservation answer inside the change stream"
-                    );
-                    continue;
-                }
-                DownstreamMessage::Begin(begin) => {
-                    self.subscribed = true;
-                    self.skip_ack = begin.skip_ack == Some(true);
-                }
-                // A transaction that is never acked upstream is not reported durable by the
-                // hub either: a keepalive at its watermark is answered once it is.
-                DownstreamMessage::Commit(commit) if self.skip_ack => {
-                    keepalive = Some(commit.watermark.clone());
-                }
-                _ => {}
-            }
-            if !hand_on(events, SourceEvent::Message(message), stop).await {
-                return Ok(Some(Ended::Stopped));
-            }
-            if let Some(watermark) = keepalive {
-                if !hand_on(events, SourceEvent::Keepalive(watermark), stop).await {
-                    return Ok(Some(Ended::Stopped));
-                }
-            }
-        }
-        Ok(None)
-    }
 }

@@ -1,0 +1,245 @@
+//! The host's side of the engine's upstream session (`highwater_engine::upstream`), shared by
+//! `replicate` and `serve` (a Postgres source or a relay's primary): the one effect loop
+//! ([`feed`], [`carry`]) that both commands run their session through, what each command
+//! supplies to it ([`EffectHost`]: where messages are stored, where confirmations go), and the
+//! effects that need the replica's schema or upstream's catalog. Nothing here decides what to
+//! skip, what to confirm or when: the session does; this only carries out what it asked for,
+//! in its order, and reports completions back.
+
+use std::collections::{HashMap, VecDeque};
+
+use highwater_engine::change_stream::{Change, DownstreamMessage};
+use highwater_engine::pgoutput::{Relation, ReplicaIdentity};
+use highwater_engine::upstream::{Effect, Input, SessionConfig, SessionError, UpstreamSession};
+use highwater_engine::watermark::{Lsn, Watermark};
+use tokio::runtime::Handle;
+use tokio_postgres::Client;
+
+use crate::replica::ddl::{
+    ddl_prefix, in_publications, parse_ddl_event, relation_changes, schema_changes, RelationType,
+    PRIMARY_KEY_SQL, RELATION_TYPES_SQL,
+};
+use crate::replica::{Replica, ReplicaError};
+use crate::replication::PgConfig;
+
+/// Why an effect could not be carried out.
+#[derive(Debug, thiserror::Error)]
+pub enum EffectError {
+    #[error("expected a DDL event as JSON, found {0}")]
+    DdlEvent(serde_json::Error),
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
+    #[error("cannot connect to the upstream Postgres: {0}")]
+    Connect(String),
+    #[error("upstream catalog query failed: {0}")]
+    Catalog(#[from] tokio_postgres::Error),
+    #[error("a Relation message arrived from a source without a Postgres catalog")]
+    NoCatalog,
+}
+
+/// What a command carries the session's effects out with.
+pub trait EffectHost {
+    type Error: From<SessionError> + From<EffectError>;
+
+    fn session(&mut self) -> &mut UpstreamSession;
+
+    /// Hands a message on to storage; returns the commits that are durable now (a store
+    /// that commits later reports them from [`EffectHost::settle`] or on its own).
+    fn apply(&mut self, message: DownstreamMessage) -> Result<Vec<Watermark>, Self::Error>;
+
+    /// Carries out every store asked for so far; returns the commits that became durable.
+    fn settle(&mut self) -> Result<Vec<Watermark>, Self::Error>;
+
+    /// Confirms `lsn` to Postgres.
+    fn confirm(&mut self, lsn: Lsn);
+
+    /// Acknowledges frames of the primary (a relay).
+    fn ack_frames(&mut self, ids: Vec<u64>);
+
+    /// Ends the connection to the primary once `acks` are sent (a relay).
+    fn reconnect(&mut self, reason: String, restore: bool, acks: Vec<u64>);
+
+    /// The replica, as of every message applied and settled.
+    fn replica(&self) -> &Replica;
+
+    fn publications(&self) -> &[String];
+
+    /// [`reconcile_relation`] with this command's catalog.
+    fn reconcile(&mut self, relation: &Relation) -> Result<Vec<Change>, Self::Error>;
+
+    /// The source is between transactions with nothing new.
+    fn idle(&mut self);
+
+    /// A backfill may start: starts one if the replica waits for one and it streams through
+    /// the session; `true` then.
+    fn start_backfill(&mut self) -> Result<bool, Self::Error>;
+}
+
+/// Feeds `input` to the host's session and carries out what it says.
+pub fn feed<H: EffectHost>(host: &mut H, input: Input<'_>) -> Result<(), H::Error> {
+    let effects = host.session().handle(input)?;
+    carry(host, effects)
+}
+
+/// Carries out `effects` in order; what a completion feeds back is carried out before the
+/// rest.
+pub fn carry<H: EffectHost>(host: &mut H, effects: Vec<Effect>) -> Result<(), H::Error> {
+    let mut queue: VecDeque<Effect> = effects.into();
+    while let Some(effect) = queue.pop_front() {
+        let mut inputs: Vec<Input<'static>> = Vec::new();
+        let stored = |watermark| Input::Stored { watermark };
+        match effect {
+            Effect::Apply(message) => inputs.extend(host.apply(message)?.into_iter().map(stored)),
+            Effect::Ack(lsn) => host.confirm(lsn),
+            Effect::AckFrames(ids) => host.ack_frames(ids),
+            Effect::Reconnect {
+                reason,
+                restore,
+                acks,
+            } => host.reconnect(reason, restore, acks),
+            Effect::ResolveDdl { content } => {
+                // Against the replica as of every message before.
+                inputs.extend(host.settle()?.into_iter().map(stored));
+                let changes = resolve_ddl(host.replica(), host.publications(), &content)?;
+                inputs.push(Input::SchemaChanges(changes));
+            }
+            Effect::ReconcileRelation(relation) => {
+                inputs.extend(host.settle()?.into_iter().map(stored));
+                inputs.push(Input::SchemaChanges(host.reconcile(&relation)?));
+            }
+            Effect::Idle { .. } => host.idle(),
+            Effect::BackfillDue => {
+                // The replica's schema and pending columns as of the last commit forwarded.
+                inputs.extend(host.settle()?.into_iter().map(stored));
+                if host.start_backfill()? {
+                    inputs.push(Input::BackfillStarted);
+                }
+            }
+            Effect::Warn(message) => tracing::warn!("{message}"),
+        }
+        let mut more = Vec::new();
+        for input in inputs {
+            more.extend(host.session().handle(input)?);
+        }
+        for effect in more.into_iter().rev() {
+            queue.push_front(effect);
+        }
+    }
+    Ok(())
+}
+
+/// A session over storage whose newest durable commit is `stored`, started from `start`.
+pub fn session(app_id: &str, stored: Watermark, start: Lsn) -> UpstreamSession {
+    UpstreamSession::new(
+        SessionConfig {
+            ddl_prefix: ddl_prefix(app_id),
+        },
+        stored,
+        start,
+    )
+}
+
+/// [`Effect::ResolveDdl`](highwater_engine::upstream::Effect::ResolveDdl): the schema changes a
+/// DDL event implies for the replica as it is now.
+pub fn resolve_ddl(
+    replica: &Replica,
+    publications: &[String],
+    content: &[u8],
+) -> Result<Vec<Change>, EffectError> {
+    let ddl = parse_ddl_event(content).map_err(EffectError::DdlEvent)?;
+    let tables = in_publications(ddl.schema, publications);
+    let changes = schema_changes(replica, &tables, &ddl.tag)?;
+    for change in &changes {
+        tracing::info!(change = change.tag(), "schema change");
+    }
+    Ok(changes)
+}
+
+/// An ordinary connection for catalog queries, opened when first needed and reopened after
+/// upstream restarts.
+pub struct Catalog {
+    config: PgConfig,
+    client: Option<Client>,
+}
+
+impl Catalog {
+    pub fn new(config: PgConfig) -> Catalog {
+        Catalog {
+            config,
+            client: None,
+        }
+    }
+
+    fn client(&mut self, handle: &Handle) -> Result<&Client, EffectError> {
+        if self.client.as_ref().is_none_or(Client::is_closed) {
+            let (client, connection) = handle
+                .block_on(self.config.connect())
+                .map_err(|e| EffectError::Connect(e.to_string()))?;
+            handle.spawn(async move {
+                if let Err(error) = connection.await {
+                    tracing::debug!(%error, "upstream query connection ended");
+                }
+            });
+            self.client = Some(client);
+        }
+        self.client.as_ref().ok_or(EffectError::NoCatalog)
+    }
+}
+
+/// [`Effect::ReconcileRelation`](highwater_engine::upstream::Effect::ReconcileRelation): what
+/// the Relation message shows and the replica lacks (see `replica::ddl::relation_changes`);
+/// nothing when the replica has every column already (the DDL event came first). Blocking:
+/// call it on a thread of `handle`'s runtime that may block.
+pub fn reconcile_relation(
+    handle: &Handle,
+    catalog: Option<&mut Catalog>,
+    replica: &Replica,
+    relation: &Relation,
+) -> Result<Vec<Change>, EffectError> {
+    let name = crate::replica::schema::replica_table_name(&relation.namespace, &relation.name);
+    let known = replica.table(&name).is_some_and(|table| {
+        relation
+            .columns
+            .iter()
+            .all(|c| table.column(&c.name).is_some())
+    });
+    if known {
+        return Ok(Vec::new());
+    }
+    let client = catalog.ok_or(EffectError::NoCatalog)?.client(handle)?;
+    let oids: Vec<u32> = relation.columns.iter().map(|c| c.type_oid).collect();
+    let types = handle
+        .block_on(client.query(RELATION_TYPES_SQL, &[&oids]))?
+        .iter()
+        .map(|row| {
+            Ok((
+                row.try_get::<_, u32>(0)?,
+                RelationType {
+                    data_type: row.try_get(1)?,
+                    typtype: row.try_get(2)?,
+                    elem_typtype: row.try_get(3)?,
+                },
+            ))
+        })
+        .collect::<Result<HashMap<_, _>, tokio_postgres::Error>>()?;
+    let key = if relation.replica_identity == ReplicaIdentity::Full {
+        let rows = handle.block_on(client.query(PRIMARY_KEY_SQL, &[&relation.oid]))?;
+        Some(
+            rows.iter()
+                .map(|r| r.try_get(0))
+                .collect::<Result<Vec<String>, _>>()?,
+        )
+    } else {
+        None
+    };
+    let changes = relation_changes(replica, relation, &types, key);
+    for change in &changes {
+        tracing::warn!(
+            table = %name,
+            change = change.tag(),
+            "the replica learns of a table or column from the stream rather than from a DDL \
+             event; it is backfilled"
+        );
+    }
+    Ok(changes)
+}

@@ -1,0 +1,71 @@
+//! `highwater serve` follows schema changes however the upstream announces them: with the DDL
+//! event trigger (a superuser upstream) and, without one, from the stream's Relation messages.
+
+// Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
+#![allow(clippy::unwrap_used)]
+
+mod replica_support;
+mod serve_support;
+
+use replica_support::{assert_replica_matches, catch_up, MARKER_DDL};
+use serve_support::*;
+
+/// Regression: `serve` used to ignore Relation messages, so against a user that may not
+/// create the event trigger it missed every added column and table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_against_a_non_superuser_upstream_learns_added_columns_and_tables() {
+    let pg = start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client
+        .batch_execute(&format!(
+            "{MARKER_DDL}
+             CREATE TABLE items (id int8 PRIMARY KEY, v text);
+             INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, 40) g;
+             CREATE ROLE repl LOGIN REPLICATION;
+             GRANT SELECT ON ALL TABLES IN SCHEMA public TO repl;
+             ALTER DEFAULT PRIVILEGES IN SCHEMA public GRANT SELECT ON TABLES TO repl;
+             CREATE PUBLICATION hw_all FOR ALL TABLES;"
+        ))
+        .await
+        .unwrap();
+    let data = DataDir::new("serve-nosuper");
+    let url = format!("postgres://repl@127.0.0.1:{}/postgres", pg.port());
+    let mut args = serve_args(&url, data.path(), free_port());
+    args.publications = vec!["hw_all".to_owned()];
+    let server = InProcess::start(args).await;
+    let rv = replica_version(server.addr).await;
+    catch_up(&client, data.path()).await;
+    let triggers: i64 = client
+        .query_one("SELECT count(*) FROM pg_event_trigger", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(triggers, 0, "a non-superuser cannot create the DDL trigger");
+    let mut s = Subscriber::connect(server.addr, &changes_path(6, &rv, &rv)).await;
+
+    client
+        .batch_execute(
+            "ALTER TABLE items ADD COLUMN rank int DEFAULT 5;
+             UPDATE items SET rank = 1 WHERE id = 3;
+             CREATE TABLE label (id int PRIMARY KEY, text text);
+             INSERT INTO label VALUES (1, 'one');
+             INSERT INTO label SELECT g, 'bulk ' || g FROM generate_series(2, 30) g;",
+        )
+        .await
+        .unwrap();
+    catch_up(&client, data.path()).await;
+    // The replica has the new column (backfilled for the rows no change touched) and table.
+    assert_replica_matches(&pg, data.path(), &["hw_all"]).await;
+    // Subscribers get the schema changes before the rows that use them.
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    let reached = s
+        .follow(deadline, |m| {
+            m.schema_changes.iter().any(|c| c == "add-column")
+                && m.schema_changes.iter().any(|c| c == "create-table")
+                && m.rows.get(&3).is_some_and(|row| row["rank"] == 1)
+        })
+        .await;
+    assert!(reached, "{:?}", s.model.schema_changes);
+    s.close().await;
+    server.stop().await;
+}
