@@ -625,7 +625,7 @@ impl World {
                 Ingested::Idle(watermark) => {
                     self.log(format!("upstream idle at {watermark}"));
                     let server = self.server.as_mut().expect("checked");
-                    let effects = server.streamer.on_keepalive(watermark, false);
+                    let effects = server.streamer.on_idle();
                     self.streamer_effects(effects);
                 }
                 Ingested::Warn(message) => self.log(format!("upstream session: {message}")),
@@ -838,8 +838,7 @@ impl World {
                             }
                         }
                         let server = self.server.as_mut().expect("checked");
-                        let effects = server.streamer.on_stored(w.clone());
-                        self.streamer_effects(effects);
+                        server.streamer.on_stored(w.clone());
                         if let Some(server) = self.server.as_mut() {
                             let items = server.ingest.stored(w);
                             self.ingested(items);
@@ -1008,16 +1007,6 @@ impl World {
                         job.paused = false;
                     }
                     self.kick_catchup();
-                }
-                // The upstream session confirms positions to Postgres; the streamer's own ack
-                // must still never run ahead of durable storage.
-                Effect::AckUpstream { watermark } => {
-                    if watermark > *self.storage.last_watermark() {
-                        let stored = self.storage.last_watermark().clone();
-                        self.fail(format!(
-                            "the streamer acked {watermark} with storage durable through {stored}"
-                        ));
-                    }
                 }
                 Effect::PauseUpstream => {
                     server.upstream_paused = true;
