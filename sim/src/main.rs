@@ -104,7 +104,14 @@ fn main() -> ExitCode {
                         println!("#   {line}");
                     }
                 }
-                println!("# replay: scripts/simulate --seed {s} --trace");
+                let mut replay = format!("scripts/simulate --seed {s} --trace");
+                if let Some(t) = transactions {
+                    replay.push_str(&format!(" --transactions {t}"));
+                }
+                if let Some(p) = &plant {
+                    replay.push_str(&format!(" --plant {p}"));
+                }
+                println!("# replay: {replay}");
             }
             None if list.len() == 1 => println!("ok {}", describe(&outcome)),
             None => {}
