@@ -248,6 +248,8 @@ struct World {
     stored_high: Watermark,
     /// Exits older than this (simulated ms) are pruned.
     retention_ms: u64,
+    /// Scope-sync tokens live this long; `None`: they never expire.
+    token_ttl_ms: Option<u64>,
     next_prune: u64,
     pg_send_due: bool,
     storage_due: bool,
@@ -376,6 +378,7 @@ impl World {
             stored_high: rv(),
             retention_ms: 0,
             next_prune: 0,
+            token_ttl_ms: None,
             pg_send_due: false,
             storage_due: false,
             catchup_due: false,
@@ -421,6 +424,7 @@ impl World {
 
     fn run(&mut self) {
         self.retention_ms = self.rng.range(3_000, 30_000);
+        self.token_ttl_ms = self.rng.chance(500).then(|| self.rng.range(5_000, 40_000));
         self.next_prune = self.rng.range(1_000, 5_000);
         self.at(0, Ev::Restart);
         self.at(1, Ev::Workload);
@@ -1059,13 +1063,24 @@ impl World {
                     conn,
                     ticket,
                     resource_type,
+                    token,
                     ..
                 } => {
-                    let decision = Decision::Granted(Grant {
-                        table: resource_type,
-                        omit_columns: Vec::new(),
-                        expires_at_ms: None,
-                    });
+                    let expires = token
+                        .as_deref()
+                        .and_then(|t| t.strip_prefix("exp:"))
+                        .and_then(|t| t.parse::<u64>().ok());
+                    let decision = match expires {
+                        Some(at) if at <= self.now => Decision::Denied {
+                            code: highwater_engine::scope_server::codes::AUTH_EXPIRED.to_owned(),
+                            message: "the token expired".to_owned(),
+                        },
+                        _ => Decision::Granted(Grant {
+                            table: resource_type,
+                            omit_columns: Vec::new(),
+                            expires_at_ms: expires,
+                        }),
+                    };
                     self.scope_input(ServerInput::Authorized {
                         conn,
                         ticket,
@@ -1715,10 +1730,17 @@ impl World {
         inputs: &mut VecDeque<ClientInput>,
     ) {
         match effect {
-            ClientEffect::RequestToken { request } => inputs.push_back(ClientInput::Token {
-                request,
-                result: Ok(Some("token".to_owned())),
-            }),
+            // A token names its expiry; the server's authorization reads it back.
+            ClientEffect::RequestToken { request } => {
+                let token = match self.token_ttl_ms {
+                    Some(ttl) => format!("exp:{}", self.now + ttl),
+                    None => "exp:never".to_owned(),
+                };
+                inputs.push_back(ClientInput::Token {
+                    request,
+                    result: Ok(Some(token)),
+                });
+            }
             ClientEffect::OpenSocket { socket } => {
                 let link = self.new_link(Peer::Scope(c, socket));
                 self.clients[c].sockets.insert(socket, link);
