@@ -664,3 +664,158 @@ mod tests {
         assert_eq!(iso_from_ms(1_796_126_400_123), "2026-12-01T12:00:00.123Z");
     }
 }
+
+#[cfg(test)]
+mod store_tests {
+    use super::*;
+    use highwater_engine::change_stream::{decode_downstream, Begin, Commit};
+    use highwater_engine::streamer::{ChangeLogState, Effect, Streamer, StreamerConfig};
+    use serde_json::json;
+
+    fn w(text: &str) -> Watermark {
+        Watermark::parse(text).expect("watermark")
+    }
+
+    fn data(tag: &str, row: Value) -> DownstreamMessage {
+        let key = if tag == "delete" { "key" } else { "new" };
+        let extra = if tag == "update" {
+            r#","key":null"#
+        } else {
+            ""
+        };
+        decode_downstream(&format!(
+            r#"["data",{{"tag":"{tag}","relation":{{"schema":"public","name":"todos","rowKey":{{"columns":["id"]}}}},"{key}":{row}{extra}}}]"#
+        ))
+        .expect("message")
+    }
+
+    /// The change-log writes the streamer asks for, for one transaction.
+    fn writes(streamer: &mut Streamer, wm: &str, changes: Vec<DownstreamMessage>) -> Vec<LogOp> {
+        let mut messages = vec![DownstreamMessage::Begin(Begin::new(w(wm)))];
+        messages.extend(changes);
+        messages.push(DownstreamMessage::Commit(Commit::new(w(wm))));
+        let mut ops = Vec::new();
+        for m in messages {
+            for e in streamer.on_upstream(m).expect("accepted") {
+                if let Effect::Store(op) = e {
+                    ops.push(op);
+                }
+            }
+        }
+        ops
+    }
+
+    fn storage() -> (Storage, Streamer) {
+        let mut t = ReplicaTable {
+            columns: vec!["id".into(), "owner".into()],
+            key: "id".into(),
+            scoped: true,
+            ..ReplicaTable::default()
+        };
+        t.rows.insert(
+            "1".into(),
+            ReplicaRow {
+                data: json!({"id": 1, "owner": "ada"})
+                    .as_object()
+                    .cloned()
+                    .unwrap_or_default(),
+                seq: 1,
+                updated_at: UNKNOWN_COMMIT_TIME.into(),
+            },
+        );
+        let tables = BTreeMap::from([("todos".to_owned(), t)]);
+        let streamer = Streamer::new(
+            StreamerConfig::new(w("01")),
+            ChangeLogState {
+                last_watermark: w("01"),
+                min_watermark: w("01"),
+            },
+        );
+        (Storage::new(w("01"), tables, 2, None), streamer)
+    }
+
+    fn ada() -> Map<String, Value> {
+        json!({"owner": "ada"})
+            .as_object()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_crash_loses_the_open_transaction_and_keeps_the_committed_one() {
+        let (mut storage, mut streamer) = storage();
+        let ops = writes(
+            &mut streamer,
+            "0a",
+            vec![data("insert", json!({"id": 2, "owner": "ada"}))],
+        );
+        for op in &ops {
+            storage.apply(op).expect("stored");
+        }
+        let ops = writes(
+            &mut streamer,
+            "0b",
+            vec![data("insert", json!({"id": 3, "owner": "bob"}))],
+        );
+        for op in &ops[..ops.len() - 1] {
+            storage.apply(op).expect("stored");
+        }
+        storage.crash();
+        assert_eq!(storage.last_watermark(), &w("0a"));
+        let rows = &storage.durable().tables["todos"].rows;
+        assert!(rows.contains_key("2") && !rows.contains_key("3"));
+        assert_eq!(storage.catchup(&w("0b"), &w("0b")), Vec::new());
+    }
+
+    #[test]
+    fn moves_and_deletes_leave_exits_that_replays_after_a_cursor_carry() {
+        let (mut storage, mut streamer) = storage();
+        let ops = writes(
+            &mut streamer,
+            "0a",
+            vec![
+                data("update", json!({"id": 1, "owner": "bob"})),
+                data("insert", json!({"id": 2, "owner": "ada"})),
+                data("delete", json!({"id": 2})),
+            ],
+        );
+        let mut entries = Vec::new();
+        for op in &ops {
+            entries.extend(storage.apply(op).expect("stored").unwrap_or_default());
+        }
+        // Row 1 moved to bob at seq 2 (an upsert and an exit from ada); row 2's tombstone is
+        // seq 4 (its insert took 3).
+        let kinds: Vec<(String, i64, bool)> = entries
+            .iter()
+            .map(|e| {
+                (
+                    e.resource_id.clone(),
+                    e.seq,
+                    matches!(e.change, FeedChange::Exit { .. }),
+                )
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("1".into(), 2, false),
+                ("1".into(), 2, true),
+                ("2".into(), 4, true)
+            ]
+        );
+        let PageResult::Rows { rows, up_to, .. } =
+            storage.page("todos", &ada(), Some(1), None, 10, true)
+        else {
+            panic!("rows expected");
+        };
+        assert_eq!(up_to, 4);
+        let exits: Vec<&str> = rows.iter().map(|r| r.resource_id.as_str()).collect();
+        assert_eq!(exits, ["1", "2"], "both left ada's scope after the cursor");
+        // From no cursor: only rows, and ada has none now.
+        let PageResult::Rows { rows, .. } = storage.page("todos", &ada(), None, None, 10, true)
+        else {
+            panic!("rows expected");
+        };
+        assert!(rows.is_empty());
+    }
+}
