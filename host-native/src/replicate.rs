@@ -17,10 +17,8 @@ use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
-use crate::replication::PgConfig;
-use crate::upstream::{feed, reconcile_relation, Catalog, EffectHost};
+use crate::upstream::{backfill_item, feed, reconcile_relation, Backfills, Catalog, EffectHost};
 
-use crate::replica::backfill::{run_backfills, BackfillPlanner, RecentXids};
 use crate::replica::bootstrap::{BootstrapError, Upstream};
 use crate::replica::initial_sync::SyncError;
 use crate::replica::{Applied, Replica, ReplicaWriter};
@@ -70,22 +68,6 @@ pub fn run(args: ReplicateArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Backfills between upstream transactions: what to run next, and the transactions the next
-/// backfill's snapshot must see.
-struct Backfills {
-    upstream: PgConfig,
-    planner: BackfillPlanner,
-    recent_xids: RecentXids,
-}
-
-impl Backfills {
-    fn run(&mut self, handle: &Handle, writer: &mut ReplicaWriter) -> Result<(), SyncError> {
-        let xids = self.recent_xids.to_vec();
-        run_backfills(handle, &self.upstream, writer, &mut self.planner, &xids)?;
-        Ok(())
-    }
-}
-
 /// Replicates until `stop` turns true. Blocking: run it on a blocking thread of `handle`'s
 /// runtime.
 pub fn replicate(
@@ -110,13 +92,9 @@ pub fn replicate(
 
     let mut writer = ReplicaWriter::new(replica);
     let mut catalog = Catalog::new(upstream.params.upstream());
-    let mut backfills = Backfills {
-        upstream: upstream.params.upstream(),
-        planner: BackfillPlanner::new(),
-        recent_xids: RecentXids::default(),
-    };
-    // Pending since before a crash or a stop: recorded with the schema change that asked.
-    backfills.run(handle, &mut writer)?;
+    // Backfills pending since before a crash or a stop (recorded with the schema change that
+    // asked) start when the session first says one may.
+    let mut backfills = Backfills::new(upstream.params.upstream());
     let state = writer
         .replica()
         .state()
@@ -204,6 +182,21 @@ fn stream_changes(
         if *stop.borrow() {
             return Ok(());
         }
+        // The session says what it takes: a running backfill is the only source until its
+        // commit.
+        if replicator.session.backfill_running() {
+            let item = handle.block_on(async {
+                tokio::select! {
+                    _ = stop.changed() => None,
+                    item = replicator.backfills.next() => Some(item),
+                }
+            });
+            let Some(item) = item else {
+                return Ok(());
+            };
+            backfill_item(&mut replicator, item)?;
+            continue;
+        }
         let event = handle.block_on(async {
             tokio::select! {
                 _ = stop.changed() => None,
@@ -245,7 +238,7 @@ impl EffectHost for Replicator<'_> {
 
     fn apply(&mut self, message: DownstreamMessage) -> anyhow::Result<Vec<Watermark>> {
         if let DownstreamMessage::Begin(begin) = &message {
-            self.backfills.recent_xids.note(begin);
+            self.backfills.note(begin);
         }
         Ok(match self.writer.apply(&message)? {
             Applied::Committed { watermark, .. } => {
@@ -292,11 +285,11 @@ impl EffectHost for Replicator<'_> {
 
     fn idle(&mut self) {}
 
-    fn start_backfill(&mut self) -> anyhow::Result<bool> {
-        // Backfills run here to their end, written straight to the replica.
-        if self.writer.replica().has_pending_backfills() {
-            self.backfills.run(self.handle, self.writer)?;
-        }
-        Ok(false)
+    fn backfills(&mut self) -> Option<(&mut Backfills, &Replica)> {
+        Some((&mut *self.backfills, self.writer.replica()))
+    }
+
+    fn handle(&self) -> &Handle {
+        self.handle
     }
 }

@@ -8,17 +8,21 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use highwater_engine::change_stream::{Change, DownstreamMessage};
+use highwater_engine::change_stream::{Begin, Change, DownstreamMessage};
 use highwater_engine::pgoutput::{Relation, ReplicaIdentity};
 use highwater_engine::upstream::{Effect, Input, SessionConfig, SessionError, UpstreamSession};
 use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio_postgres::Client;
 
+use crate::replica::backfill::{
+    BackfillItem, BackfillPlanner, BackfillStream, RecentXids, BACKFILL_BATCH_ROWS,
+};
 use crate::replica::ddl::{
     ddl_prefix, in_publications, parse_ddl_event, relation_changes, schema_changes, RelationType,
     PRIMARY_KEY_SQL, RELATION_TYPES_SQL,
 };
+use crate::replica::initial_sync::SyncError;
 use crate::replica::{Replica, ReplicaError};
 use crate::replication::PgConfig;
 
@@ -70,9 +74,11 @@ pub trait EffectHost {
     /// The source is between transactions with nothing new.
     fn idle(&mut self);
 
-    /// A backfill may start: starts one if the replica waits for one and it streams through
-    /// the session; `true` then.
-    fn start_backfill(&mut self) -> Result<bool, Self::Error>;
+    /// The backfills this command reads from upstream itself, beside the replica they fill;
+    /// `None` for a relay (its primary streams them).
+    fn backfills(&mut self) -> Option<(&mut Backfills, &Replica)>;
+
+    fn handle(&self) -> &Handle;
 }
 
 /// Feeds `input` to the host's session and carries out what it says.
@@ -111,8 +117,12 @@ pub fn carry<H: EffectHost>(host: &mut H, effects: Vec<Effect>) -> Result<(), H:
             Effect::BackfillDue => {
                 // The replica's schema and pending columns as of the last commit forwarded.
                 inputs.extend(host.settle()?.into_iter().map(stored));
-                if host.start_backfill()? {
-                    inputs.push(Input::BackfillStarted);
+                let position = host.session().last_commit().clone();
+                let handle = host.handle().clone();
+                if let Some((backfills, replica)) = host.backfills() {
+                    if backfills.start(&handle, replica, &position) {
+                        inputs.push(Input::BackfillStarted);
+                    }
                 }
             }
             Effect::Warn(message) => tracing::warn!("{message}"),
@@ -242,4 +252,115 @@ pub fn reconcile_relation(
         );
     }
     Ok(changes)
+}
+
+/// The backfills a command reads from upstream itself (`replica::backfill`), as a second
+/// source of transactions for the session: started when it says one may start, their messages
+/// fed to it until their commit.
+pub struct Backfills {
+    upstream: PgConfig,
+    planner: BackfillPlanner,
+    /// The one running, and its table.
+    running: Option<(BackfillStream, String)>,
+    recent_xids: RecentXids,
+}
+
+impl Backfills {
+    pub fn new(upstream: PgConfig) -> Backfills {
+        Backfills {
+            upstream,
+            planner: BackfillPlanner::new(),
+            running: None,
+            recent_xids: RecentXids::default(),
+        }
+    }
+
+    /// An upstream transaction began: the next backfill's snapshot must see it.
+    pub fn note(&mut self, begin: &Begin) {
+        self.recent_xids.note(begin);
+    }
+
+    /// The running backfill's next item (pending forever when none runs).
+    pub async fn next(&mut self) -> Option<Result<BackfillItem, SyncError>> {
+        match &mut self.running {
+            Some((stream, _)) => stream.next().await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Starts the next backfill the replica waits for, planned at `position`; `true` if one
+    /// started.
+    fn start(&mut self, handle: &Handle, replica: &Replica, position: &Watermark) -> bool {
+        if self.running.is_some() || !replica.has_pending_backfills() {
+            return false;
+        }
+        let xids = self.recent_xids.to_vec();
+        let Some(job) = self
+            .planner
+            .next_job(replica, position, &xids, BACKFILL_BATCH_ROWS)
+        else {
+            return false;
+        };
+        tracing::info!(
+            table = %job.table.name,
+            columns = ?job.pending.columns,
+            watermark = %job.commit_watermark,
+            "backfilling"
+        );
+        let table = job.table.name.clone();
+        let stream = BackfillStream::spawn(handle, &self.upstream, job);
+        self.running = Some((stream, table));
+        true
+    }
+}
+
+/// Feeds an item of the running backfill to the host's session: its messages until its commit,
+/// then its end; a failure (or an end before the commit) ends it too, and it is tried again
+/// after the next transaction.
+pub fn backfill_item<H: EffectHost>(
+    host: &mut H,
+    item: Option<Result<BackfillItem, SyncError>>,
+) -> Result<(), H::Error> {
+    let in_transaction = host.session().in_transaction();
+    let position = host.session().last_commit().clone();
+    let Some((backfills, _)) = host.backfills() else {
+        return Ok(());
+    };
+    let table = backfills
+        .running
+        .as_ref()
+        .map(|(_, table)| table.clone())
+        .unwrap_or_default();
+    let failure = match item {
+        Some(Ok(BackfillItem::Message(message))) => {
+            let commit = matches!(message, DownstreamMessage::Commit(_));
+            feed(host, Input::Backfill(message))?;
+            if commit {
+                end_backfill(host)?;
+            }
+            return Ok(());
+        }
+        Some(Ok(BackfillItem::Missing { columns, snapshot })) => {
+            tracing::info!(%table, ?columns, "columns to backfill are not upstream yet");
+            backfills.planner.on_missing(&table, &columns, &snapshot);
+            return Ok(());
+        }
+        Some(Err(error)) => Some(error.to_string()),
+        None if in_transaction => Some("the backfill ended before its commit".to_owned()),
+        None => None,
+    };
+    if let Some(error) = failure {
+        tracing::warn!(%table, %error, "backfill failed; retrying after the next transaction");
+        backfills.planner.on_failed(&table, &position);
+    }
+    // Subscribers that saw a failed backfill's beginning get a rollback (the session hands it
+    // on); nothing of it is stored.
+    end_backfill(host)
+}
+
+fn end_backfill<H: EffectHost>(host: &mut H) -> Result<(), H::Error> {
+    if let Some((backfills, _)) = host.backfills() {
+        backfills.running = None;
+    }
+    feed(host, Input::BackfillEnded)
 }

@@ -65,6 +65,10 @@ pub struct ZeroReplicaArgs {
     /// token is read from HIGHWATER_REPLICATION_TOKEN; with neither, none is sent.
     #[arg(long, value_name = "FILE")]
     pub replication_token_file: Option<PathBuf>,
+    /// PEM file of the CA certificates an `https` Highwater's certificate must chain to (a
+    /// private CA). Without it: the system's certificate bundle.
+    #[arg(long, value_name = "FILE", conflicts_with = "snapshot")]
+    pub from_ca_file: Option<PathBuf>,
 }
 
 /// What an export wrote.
@@ -115,6 +119,8 @@ pub enum ZeroReplicaError {
     HeaderMismatch { header: String, actual: String },
     #[error("cannot read the replication token: {0}")]
     Token(#[from] TokenError),
+    #[error(transparent)]
+    Tls(#[from] crate::serve::TlsFileError),
 }
 
 /// Runs `highwater zero-replica`.
@@ -127,7 +133,13 @@ pub fn run(args: ZeroReplicaArgs) -> anyhow::Result<()> {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
-            runtime.block_on(export_from(from, &args.out, token.as_ref()))?
+            let exporting = export_trusting(
+                from,
+                &args.out,
+                token.as_ref(),
+                args.from_ca_file.as_deref(),
+            );
+            runtime.block_on(exporting)?
         }
         (None, None) => anyhow::bail!("expected --from URL or --snapshot FILE, got neither"),
     };
@@ -142,12 +154,14 @@ pub fn run(args: ZeroReplicaArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The snapshot URL of a Highwater at `base` (`http://host:port`, `ws://host:port`, or the
-/// snapshot URL itself).
+/// The snapshot URL of a Highwater at `base` (`http(s)://host:port`, `ws(s)://host:port`, or
+/// the snapshot URL itself).
 pub fn snapshot_url(base: &str) -> String {
     let base = base.trim_end_matches('/');
     let base = if let Some(rest) = base.strip_prefix("ws://") {
         format!("http://{rest}")
+    } else if let Some(rest) = base.strip_prefix("wss://") {
+        format!("https://{rest}")
     } else {
         base.to_owned()
     };
@@ -158,21 +172,44 @@ pub fn snapshot_url(base: &str) -> String {
     }
 }
 
-/// Downloads the snapshot of the Highwater at `base` and exports it to `out`.
+/// Downloads the snapshot of the Highwater at `base` and exports it to `out` (an `https`
+/// peer's certificate checked against the system's certificate bundle).
 pub async fn export_from(
     base: &str,
     out: &Path,
     token: Option<&ReplicationToken>,
 ) -> Result<Exported, ZeroReplicaError> {
+    export_trusting(base, out, token, None).await
+}
+
+/// [`export_from`], an `https` peer's certificate checked against `ca_file` when given.
+pub async fn export_trusting(
+    base: &str,
+    out: &Path,
+    token: Option<&ReplicationToken>,
+    ca_file: Option<&Path>,
+) -> Result<Exported, ZeroReplicaError> {
     refuse_existing(out)?;
     let url = snapshot_url(base);
     let download = sibling(out, "download");
     let _cleanup = RemoveOnDrop(download.clone());
-    let headers = snapshot_download::download(&url, &download, token)
+    let client = match ca_file {
+        None => snapshot_download::PeerClient::system(),
+        Some(file) => snapshot_download::PeerClient::new(
+            Ok(crate::serve::tls::client_config(Some(file))?),
+            snapshot_download::DEFAULT_MAX_SNAPSHOT_BYTES,
+            snapshot_download::DEFAULT_SNAPSHOT_TIMEOUT,
+        ),
+    };
+    let headers = snapshot_download::download(&url, &download, token, &client)
         .await
         .map_err(|error| match error {
             DownloadError::Failed { url, reason } => ZeroReplicaError::Download { url, reason },
             DownloadError::Io(error) => ZeroReplicaError::Io(error),
+            other => ZeroReplicaError::Download {
+                url: url.clone(),
+                reason: other.reason(),
+            },
         })?;
     let out = out.to_owned();
     let exported = tokio::task::spawn_blocking(move || export(&download, &out))

@@ -46,11 +46,17 @@ fn other_ca_pem() -> String {
         .pem()
 }
 
-/// A private server where `pw_user` logs in with a cleartext password over TCP.
+/// A private server where `pw_user` logs in with a cleartext password over TCP, and
+/// `scram_user` with SCRAM.
 async fn server() -> PrivatePg {
     let hba = ["all", "replication"]
         .iter()
-        .map(|db| format!("host {db} pw_user 127.0.0.1/32 password"))
+        .flat_map(|db| {
+            [
+                format!("host {db} pw_user 127.0.0.1/32 password"),
+                format!("host {db} scram_user 127.0.0.1/32 scram-sha-256"),
+            ]
+        })
         .collect();
     let pg = PrivatePg::start(PgOptions {
         hba_lines: hba,
@@ -61,7 +67,11 @@ async fn server() -> PrivatePg {
     pg.connect()
         .await
         .unwrap()
-        .batch_execute("CREATE ROLE pw_user LOGIN REPLICATION PASSWORD 'pw secret'")
+        .batch_execute(
+            "CREATE ROLE pw_user LOGIN REPLICATION PASSWORD 'pw secret';
+             SET password_encryption = 'scram-sha-256';
+             CREATE ROLE scram_user LOGIN PASSWORD 'scram secret';",
+        )
         .await
         .unwrap();
     pg
@@ -165,6 +175,34 @@ async fn sslmode_and_sslrootcert_govern_every_postgres_connection() {
     ))
     .await
     .expect("sslmode=disable allows a cleartext password");
+    // The same on tokio-postgres query connections: prefer over plain TCP refuses to answer
+    // a cleartext-password request, disable answers it, and SCRAM still works under prefer.
+    let query = |user: &str, query: &str| -> ConnectParams {
+        url(&pg, "127.0.0.1", user, query).parse().unwrap()
+    };
+    let error = query("pw_user:pw%20secret", "sslmode=prefer")
+        .upstream()
+        .connect()
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(error, ReplicationError::Auth { .. }), "{error}");
+    let error = error.to_string();
+    assert!(error.contains("cleartext password"), "{error}");
+    assert!(error.contains("sslmode=disable"), "{error}");
+    for (user, mode) in [
+        ("pw_user:pw%20secret", "sslmode=disable"),
+        ("scram_user:scram%20secret", "sslmode=prefer"),
+    ] {
+        let (client, connection) = query(user, mode)
+            .upstream()
+            .connect()
+            .await
+            .unwrap_or_else(|e| panic!("{user} with {mode}: {e}"));
+        tokio::spawn(connection);
+        let one: i32 = client.query_one("SELECT 1", &[]).await.unwrap().get(0);
+        assert_eq!(one, 1);
+    }
 
     enable_tls(&pg, &certs).await;
 
@@ -246,5 +284,143 @@ async fn sslmode_and_sslrootcert_govern_every_postgres_connection() {
     .parse()
     .unwrap();
     assert!(params.upstream().connect().await.is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A client certificate and key for `user`, signed by `ca`, written into `dir`.
+fn client_cert(dir: &Path, ca: &CertifiedIssuer<'_, KeyPair>, user: &str) -> (PathBuf, PathBuf) {
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.distinguished_name.push(DnType::CommonName, user);
+    let cert = params.signed_by(&key, ca).unwrap();
+    let cert_path = write(dir, &format!("{user}.crt"), &cert.pem());
+    let key_path = write(dir, &format!("{user}.key"), &key.serialize_pem());
+    (cert_path, key_path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_certificates_from_sslcert_and_sslkey_satisfy_clientcert_verify_full() {
+    // Over TLS, `cert_user` needs a certificate the server's CA signed, naming it.
+    let hba = ["all", "replication"]
+        .iter()
+        .map(|db| format!("hostssl {db} cert_user 127.0.0.1/32 trust clientcert=verify-full"))
+        .collect();
+    let pg = PrivatePg::start(PgOptions {
+        hba_lines: hba,
+        settings: vec![],
+    })
+    .await
+    .unwrap();
+    pg.connect()
+        .await
+        .unwrap()
+        .batch_execute("CREATE ROLE cert_user LOGIN REPLICATION")
+        .await
+        .unwrap();
+    let dir = scratch().join("client-certs");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "highwater client test CA");
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let server_key = KeyPair::generate().unwrap();
+    let server = CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&server_key, &ca)
+        .unwrap();
+    let certs = Certs {
+        ca_pem: ca.pem(),
+        server_pem: server.pem(),
+        server_key_pem: server_key.serialize_pem(),
+    };
+    // The server checks client certificates against the same CA.
+    let data = pg.data_dir();
+    let owner = std::fs::metadata(&data).unwrap();
+    let root = data.join("root.crt");
+    std::fs::write(&root, &certs.ca_pem).unwrap();
+    std::os::unix::fs::chown(&root, Some(owner.uid()), Some(owner.gid())).unwrap();
+    pg.connect()
+        .await
+        .unwrap()
+        .batch_execute("ALTER SYSTEM SET ssl_ca_file = 'root.crt'")
+        .await
+        .unwrap();
+    enable_tls(&pg, &certs).await;
+    let ca_file = write(&dir, "ca.pem", &certs.ca_pem);
+    let (cert, key) = client_cert(&dir, &ca, "cert_user");
+    let (other_cert, other_key) = client_cert(&dir, &ca, "someone_else");
+    let query = |extra: &str| {
+        format!(
+            "sslmode=verify-full&sslrootcert={}{extra}",
+            ca_file.display()
+        )
+    };
+    let with_cert = query(&format!(
+        "&sslcert={}&sslkey={}",
+        cert.display(),
+        key.display()
+    ));
+
+    // With the certificate: the replication connection and a query connection get in.
+    let conn = replication(&url(&pg, "localhost", "cert_user", &with_cert))
+        .await
+        .expect("replication with a client certificate");
+    assert!(is_encrypted(&pg, conn.backend_pid()).await);
+    let params: ConnectParams = url(&pg, "localhost", "cert_user", &with_cert)
+        .parse()
+        .unwrap();
+    let (client, connection) = params.upstream().connect().await.expect("query connection");
+    tokio::spawn(connection);
+    let user: String = client
+        .query_one("SELECT current_user::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(user, "cert_user");
+
+    // Without one, or with one naming another user, the server refuses.
+    for (what, extra, expected) in [
+        ("no certificate", query(""), "certificate"),
+        (
+            "another user's certificate",
+            query(&format!(
+                "&sslcert={}&sslkey={}",
+                other_cert.display(),
+                other_key.display()
+            )),
+            "authentication failed",
+        ),
+    ] {
+        let error = replication(&url(&pg, "localhost", "cert_user", &extra))
+            .await
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains(expected), "{what}: {error}");
+        let params: ConnectParams = url(&pg, "localhost", "cert_user", &extra).parse().unwrap();
+        let error = params.upstream().connect().await.map(|_| ()).unwrap_err();
+        assert!(
+            matches!(error, ReplicationError::Auth { .. }),
+            "{what}: {error}"
+        );
+        assert!(error.to_string().contains(expected), "{what}: {error}");
+    }
+    // A key that is not PEM is a clear configuration error.
+    let junk = write(&dir, "junk.key", "not a key");
+    let error = url(
+        &pg,
+        "localhost",
+        "cert_user",
+        &query(&format!(
+            "&sslcert={}&sslkey={}",
+            cert.display(),
+            junk.display()
+        )),
+    )
+    .parse::<ConnectParams>()
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("cannot read sslkey"), "{error}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -66,7 +66,7 @@ fn insecure_no_auth_goes_on_with_a_warning_and_a_token_needs_no_opt_out() {
         "{stdout}{stderr}"
     );
     // It went on to Postgres, which is not there.
-    assert!(stderr.contains("error connecting to server"), "{stderr}");
+    assert!(stderr.contains("Could not connect to Postgres"), "{stderr}");
 
     let token_file = scratch("token");
     std::fs::write(&token_file, "a-replication-token-0123456789\n").expect("token file");
@@ -80,7 +80,7 @@ fn insecure_no_auth_goes_on_with_a_warning_and_a_token_needs_no_opt_out() {
         ],
     );
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("error connecting to server"), "{stderr}");
+    assert!(stderr.contains("Could not connect to Postgres"), "{stderr}");
     assert!(
         !stderr.contains("a-replication-token"),
         "the token is never printed"
@@ -95,7 +95,7 @@ fn the_default_host_is_loopback() {
     let output = serve(&data, &[]);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!stderr.contains("refusing to listen"), "{stderr}");
-    assert!(stderr.contains("error connecting to server"), "{stderr}");
+    assert!(stderr.contains("Could not connect to Postgres"), "{stderr}");
     let _ = std::fs::remove_dir_all(&data);
 }
 

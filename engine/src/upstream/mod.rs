@@ -45,8 +45,7 @@
 //! * [`Effect::BackfillDue`]: a backfill may start now. If the replica waits for one, start it
 //!   and feed [`Input::BackfillStarted`], then its messages as [`Input::Backfill`] and
 //!   [`Input::BackfillEnded`] when its stream ends; feed no upstream input meanwhile
-//!   ([`UpstreamSession::accepts_upstream`]). (A host may instead run the backfill to its end
-//!   right there, storing it itself, as long as it feeds nothing in between.)
+//!   ([`UpstreamSession::accepts_upstream`]).
 //! * [`Effect::Reconnect`]: the primary refused or failed this subscription: acknowledge its
 //!   `acks` (the primary closes once its error is acknowledged), close the connection and
 //!   connect again after a backoff, or, with `restore`, restore the replica from a new snapshot

@@ -11,9 +11,9 @@
 //! ["commit",{"tag":"commit"},{"watermark":<position.minor+1>}]
 //! ```
 //!
-//! Consumers decide where it goes: `highwater replicate` applies it to the replica
-//! ([`run_backfills`]); `highwater serve` forwards and stores it like any upstream transaction,
-//! and `skipAck` keeps it from being acknowledged upstream.
+//! It goes where upstream transactions go: the upstream session (`crate::upstream`) takes its
+//! messages like any transaction's, `replicate` applies them to the replica and `serve` forwards
+//! and stores them, and `skipAck` keeps it from being confirmed upstream.
 //!
 //! Ordering: a consumer starts a backfill only between upstream transactions, and takes nothing
 //! else until its commit. The snapshot waits until the upstream transactions the consumer took
@@ -42,7 +42,7 @@ use super::apply::PendingBackfill;
 use super::copy_text::CopyRows;
 use super::initial_sync::{copy_sql, open_snapshot, SyncError, TextRowConverter};
 use super::schema::{quote_ident, ReplicaColumn, ReplicaTable};
-use super::{Applied, Replica, ReplicaWriter};
+use super::Replica;
 
 /// Rows per `backfill` message.
 pub const BACKFILL_BATCH_ROWS: usize = 2_000;
@@ -638,65 +638,10 @@ fn next_minor(position: &Watermark) -> Watermark {
         .unwrap_or_else(|| position.clone())
 }
 
-/// Runs every backfill the replica waits for now, applying each through `writer`; returns what
-/// each commit did. `visible_xids` are the upstream transactions applied last. A backfill that
-/// upstream fails is logged and retried after the next transaction; a replica error is returned.
-///
-/// Blocking: run it on a blocking thread of `handle`'s runtime.
-pub fn run_backfills(
-    handle: &Handle,
-    upstream: &PgConfig,
-    writer: &mut ReplicaWriter,
-    planner: &mut BackfillPlanner,
-    visible_xids: &[u32],
-) -> Result<Vec<Applied>, SyncError> {
-    let mut applied = Vec::new();
-    loop {
-        let Some(position) = writer.replica().state().map(|s| s.watermark.clone()) else {
-            return Ok(applied);
-        };
-        let Some(job) = planner.next_job(
-            writer.replica(),
-            &position,
-            visible_xids,
-            BACKFILL_BATCH_ROWS,
-        ) else {
-            return Ok(applied);
-        };
-        let table = job.table.name.clone();
-        let mut stream = BackfillStream::spawn(handle, upstream, job);
-        let failure = loop {
-            match handle.block_on(stream.next()) {
-                None => break None,
-                Some(Err(error)) => break Some(error),
-                Some(Ok(BackfillItem::Missing { columns, snapshot })) => {
-                    planner.on_missing(&table, &columns, &snapshot);
-                }
-                Some(Ok(BackfillItem::Message(message))) => {
-                    if let done @ Applied::Committed { .. } = writer.apply(&message)? {
-                        applied.push(done);
-                    }
-                }
-            }
-        };
-        if let Some(error) = failure {
-            if writer.in_transaction() {
-                writer.apply(&DownstreamMessage::Rollback(Default::default()))?;
-            }
-            tracing::warn!(%table, %error, "backfill failed; retrying after the next transaction");
-            planner.on_failed(&table, &position);
-        } else if writer.in_transaction() {
-            // The producer ended without its commit: nothing of it may stay.
-            writer.apply(&DownstreamMessage::Rollback(Default::default()))?;
-            planner.on_failed(&table, &position);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::replica::ReplicaState;
+    use crate::replica::{ReplicaState, ReplicaWriter};
     use highwater_engine::change_stream::{
         AddColumn, ColumnDef, ColumnSpec, CreateTable, Identifier, PgTypeClass, TableSpec,
         UpdateColumn,

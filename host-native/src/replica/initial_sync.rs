@@ -37,6 +37,9 @@ pub const DEFAULT_BATCH_ROWS: usize = 10_000;
 pub enum SyncError {
     #[error("upstream query failed: {0}")]
     Postgres(#[from] tokio_postgres::Error),
+    /// Boxed: the connection error is large, and this one travels in many results.
+    #[error(transparent)]
+    Connect(Box<crate::replication::ReplicationError>),
     #[error(transparent)]
     Replica(#[from] ReplicaError),
     #[error("malformed COPY data: {0}")]
@@ -54,6 +57,12 @@ pub enum SyncError {
          after every snapshot taken"
     )]
     Rewritten { table: String },
+}
+
+impl From<crate::replication::ReplicationError> for SyncError {
+    fn from(e: crate::replication::ReplicationError) -> Self {
+        SyncError::Connect(Box::new(e))
+    }
 }
 
 impl From<rusqlite::Error> for SyncError {

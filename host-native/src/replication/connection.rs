@@ -7,6 +7,8 @@
 
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
 use highwater_engine::watermark::Lsn;
@@ -24,7 +26,8 @@ use super::tls::{split_tls_params, NegotiateError, Negotiated, PgTls, SslMode};
 const MAX_MESSAGE_LEN: usize = 1 << 30;
 const READ_CHUNK: usize = 64 * 1024;
 
-trait Transport: AsyncRead + AsyncWrite + Unpin + Send {}
+/// A byte stream to Postgres: TCP, TLS over TCP, or a Unix socket.
+pub trait Transport: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Transport for T {}
 
 /// Where and as whom to connect, taken from a `postgres://` URL or a `key=value` string.
@@ -42,22 +45,181 @@ pub struct PgConfig {
     pub tls: PgTls,
 }
 
-/// A tokio-postgres connection over TLS or plain TCP, to be spawned.
-pub type PgConnection = tokio_postgres::Connection<
-    tokio_postgres::Socket,
-    <tokio_postgres_rustls::MakeRustlsConnect as tokio_postgres::tls::MakeTlsConnect<
-        tokio_postgres::Socket,
-    >>::Stream,
->;
+/// A tokio-postgres connection over the transport Highwater negotiated, to be spawned.
+pub type PgConnection =
+    tokio_postgres::Connection<Box<dyn Transport>, tokio_postgres::tls::NoTlsStream>;
 
 impl PgConfig {
-    /// Connects with the configured `sslmode`.
+    /// Connects with the configured `sslmode`. The TLS negotiation is Highwater's own, as on
+    /// the replication connection (tokio-postgres then speaks over the stream it is handed),
+    /// so a server that asks for a cleartext password over plain TCP is refused before the
+    /// password is sent, unless `sslmode=disable`. Only the first host of the URL is used.
     pub async fn connect(
         &self,
-    ) -> Result<(tokio_postgres::Client, PgConnection), tokio_postgres::Error> {
-        let mut config = self.config.clone();
-        config.ssl_mode(self.tls.postgres_mode());
-        config.connect(self.tls.make_connect()).await
+    ) -> Result<(tokio_postgres::Client, PgConnection), ReplicationError> {
+        let params = ConnectParams {
+            config: self.config.clone(),
+            tls: self.tls.clone(),
+        };
+        let connecting = async {
+            let (transport, secure) = params.transport().await?;
+            let refused = Arc::new(AtomicBool::new(false));
+            let transport: Box<dyn Transport> = if secure || params.ssl_mode() == SslMode::Disable {
+                transport
+            } else {
+                Box::new(CleartextGuard::new(transport, refused.clone()))
+            };
+            let mut config = self.config.clone();
+            // TLS, if any, is already on: tokio-postgres must not ask for it again.
+            config.ssl_mode(tokio_postgres::config::SslMode::Disable);
+            match config.connect_raw(transport, tokio_postgres::NoTls).await {
+                Ok(connected) => Ok(connected),
+                Err(_) if refused.load(Ordering::SeqCst) => Err(ReplicationError::Auth {
+                    user: params.user().to_owned(),
+                    reason: CLEARTEXT_REFUSED.to_owned(),
+                }),
+                // 28xxx: invalid authorization (a wrong password, a missing certificate).
+                Err(error) => match error
+                    .as_db_error()
+                    .filter(|e| e.code().code().starts_with("28"))
+                {
+                    Some(db) => Err(ReplicationError::Auth {
+                        user: params.user().to_owned(),
+                        reason: format!("{} {}: {}", db.severity(), db.code().code(), db.message()),
+                    }),
+                    None => Err(ReplicationError::Query(error)),
+                },
+            }
+        };
+        match self.config.get_connect_timeout() {
+            None => connecting.await,
+            Some(&limit) => tokio::time::timeout(limit, connecting).await.map_err(|_| {
+                ReplicationError::Connect {
+                    target: params.target(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "no connection within {} s (connect_timeout)",
+                            limit.as_secs()
+                        ),
+                    ),
+                }
+            })?,
+        }
+    }
+}
+
+/// Why a cleartext password is not sent.
+const CLEARTEXT_REFUSED: &str = "the server asks for a cleartext password over an unencrypted \
+     connection; refusing to send it (use TLS with sslmode=require, or say sslmode=disable to \
+     allow it)";
+
+/// Watches the backend's messages until authentication succeeds, and fails the read that
+/// carries a cleartext-password request (`AuthenticationCleartextPassword`, code 3) so the
+/// password is never written. Later bytes pass untouched.
+struct CleartextGuard {
+    inner: Box<dyn Transport>,
+    /// The current message's tag, length and (for `R`) authentication code, as far as read.
+    head: [u8; 9],
+    head_len: usize,
+    /// Bytes of the current message still to pass before the next header.
+    rest: usize,
+    /// Authentication is over (`AuthenticationOk` passed).
+    done: bool,
+    refused: Arc<AtomicBool>,
+}
+
+impl CleartextGuard {
+    fn new(inner: Box<dyn Transport>, refused: Arc<AtomicBool>) -> Self {
+        CleartextGuard {
+            inner,
+            head: [0; 9],
+            head_len: 0,
+            rest: 0,
+            done: false,
+            refused,
+        }
+    }
+
+    /// Follows the message framing through `data`; `false` at a cleartext-password request.
+    fn inspect(&mut self, mut data: &[u8]) -> bool {
+        while !data.is_empty() && !self.done {
+            if self.rest > 0 {
+                let skipped = self.rest.min(data.len());
+                self.rest -= skipped;
+                data = &data[skipped..];
+                continue;
+            }
+            self.head[self.head_len] = data[0];
+            self.head_len += 1;
+            data = &data[1..];
+            let len = || {
+                let [_, a, b, c, d, ..] = self.head;
+                u32::from_be_bytes([a, b, c, d]) as usize
+            };
+            if self.head_len == 5 && (self.head[0] != b'R' || len() < 8) {
+                // Not an authentication request: its body passes (tokio-postgres checks it).
+                self.rest = len().saturating_sub(4);
+                self.head_len = 0;
+            } else if self.head_len == 9 {
+                let [.., a, b, c, d] = self.head;
+                match i32::from_be_bytes([a, b, c, d]) {
+                    3 => return false,
+                    0 => self.done = true,
+                    _ => {}
+                }
+                self.rest = len() - 8;
+                self.head_len = 0;
+            }
+        }
+        true
+    }
+}
+
+impl AsyncRead for CleartextGuard {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if let std::task::Poll::Ready(Ok(())) = &polled {
+            let this = &mut *self;
+            if !this.done && !this.inspect(&buf.filled()[before..]) {
+                buf.set_filled(before);
+                this.refused.store(true, Ordering::SeqCst);
+                return std::task::Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    CLEARTEXT_REFUSED,
+                )));
+            }
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for CleartextGuard {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
@@ -146,6 +308,50 @@ impl ConnectParams {
             .first()
             .cloned()
             .unwrap_or_else(|| Host::Tcp("localhost".to_owned()))
+    }
+
+    /// The byte stream to the server, TLS negotiated as `sslmode` says, and whether it is
+    /// secure enough for a cleartext password (TLS, or a Unix socket).
+    async fn transport(&self) -> Result<(Box<dyn Transport>, bool), ReplicationError> {
+        let params = self;
+        Ok(match params.host() {
+            Host::Tcp(host) => {
+                let stream = TcpStream::connect((host.as_str(), params.port()))
+                    .await
+                    .map_err(|source| ReplicationError::Connect {
+                        target: params.target(),
+                        source,
+                    })?;
+                stream.set_nodelay(true)?;
+                match params.tls.negotiate(stream, &host).await {
+                    Ok(Negotiated::Tls(tls)) => (Box::new(tls), true),
+                    Ok(Negotiated::Plain(stream)) => (Box::new(stream), false),
+                    Err(NegotiateError::Io(source)) => {
+                        return Err(ReplicationError::Connect {
+                            target: params.target(),
+                            source,
+                        })
+                    }
+                    Err(NegotiateError::Tls(reason)) => {
+                        return Err(ReplicationError::Tls {
+                            target: params.target(),
+                            reason,
+                        })
+                    }
+                }
+            }
+            Host::Unix(dir) => {
+                // A Unix socket never leaves the machine; Postgres offers no TLS on it.
+                let path = socket_path(&dir, params.port());
+                let stream = UnixStream::connect(&path).await.map_err(|source| {
+                    ReplicationError::Connect {
+                        target: params.target(),
+                        source,
+                    }
+                })?;
+                (Box::new(stream), true)
+            }
+        })
     }
 
     /// `host:port` or the socket path, for messages.
@@ -265,44 +471,7 @@ impl std::fmt::Debug for ReplicationConnection {
 impl ReplicationConnection {
     /// Connects in `replication=database` mode and authenticates.
     pub async fn connect(params: &ConnectParams) -> Result<Self, ReplicationError> {
-        let (transport, secure): (Box<dyn Transport>, bool) = match params.host() {
-            Host::Tcp(host) => {
-                let stream = TcpStream::connect((host.as_str(), params.port()))
-                    .await
-                    .map_err(|source| ReplicationError::Connect {
-                        target: params.target(),
-                        source,
-                    })?;
-                stream.set_nodelay(true)?;
-                match params.tls.negotiate(stream, &host).await {
-                    Ok(Negotiated::Tls(tls)) => (Box::new(tls), true),
-                    Ok(Negotiated::Plain(stream)) => (Box::new(stream), false),
-                    Err(NegotiateError::Io(source)) => {
-                        return Err(ReplicationError::Connect {
-                            target: params.target(),
-                            source,
-                        })
-                    }
-                    Err(NegotiateError::Tls(reason)) => {
-                        return Err(ReplicationError::Tls {
-                            target: params.target(),
-                            reason,
-                        })
-                    }
-                }
-            }
-            Host::Unix(dir) => {
-                // A Unix socket never leaves the machine; Postgres offers no TLS on it.
-                let path = socket_path(&dir, params.port());
-                let stream = UnixStream::connect(&path).await.map_err(|source| {
-                    ReplicationError::Connect {
-                        target: params.target(),
-                        source,
-                    }
-                })?;
-                (Box::new(stream), true)
-            }
-        };
+        let (transport, secure) = params.transport().await?;
         let mut conn = ReplicationConnection {
             transport,
             cleartext_allowed: secure || params.ssl_mode() == SslMode::Disable,
@@ -408,10 +577,7 @@ impl ReplicationConnection {
                 if !self.cleartext_allowed {
                     return Err(ReplicationError::Auth {
                         user: self.user.clone(),
-                        reason: "the server asks for a cleartext password over an unencrypted \
-                                 connection; refusing to send it (use TLS with sslmode=require, \
-                                 or say sslmode=disable to allow it)"
-                            .to_owned(),
+                        reason: CLEARTEXT_REFUSED.to_owned(),
                     });
                 }
                 let password = password.ok_or_else(need_password)?;
@@ -825,6 +991,49 @@ fn data_row(body: &[u8]) -> Result<Vec<Option<String>>, ReplicationError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn auth(code: i32, rest: &[u8]) -> Vec<u8> {
+        let mut body = code.to_be_bytes().to_vec();
+        body.extend_from_slice(rest);
+        message(b'R', &body)
+    }
+
+    fn guard() -> CleartextGuard {
+        CleartextGuard::new(
+            Box::new(tokio::io::empty()),
+            Arc::new(AtomicBool::new(false)),
+        )
+    }
+
+    #[test]
+    fn the_cleartext_guard_finds_a_cleartext_request_at_any_split_and_nothing_else() {
+        // SCRAM: SASL (10), continue (11), final (12), ok (0), then ordinary messages that
+        // happen to hold the bytes of a cleartext request.
+        let mut scram = auth(10, b"SCRAM-SHA-256\0\0");
+        scram.extend(auth(11, b"r=abc,s=def,i=4096"));
+        scram.extend(auth(12, b"v=xyz"));
+        scram.extend(auth(0, b""));
+        scram.extend(auth(3, b""));
+        let mut cleartext = message(b'E', &[0; 7]);
+        cleartext.extend(message(b'v', &auth(3, b"")));
+        cleartext.extend(auth(3, b""));
+        for split in 0..scram.len() {
+            let mut g = guard();
+            assert!(
+                g.inspect(&scram[..split]) && g.inspect(&scram[split..]),
+                "{split}"
+            );
+            assert!(g.done);
+        }
+        for split in 0..cleartext.len() {
+            let mut g = guard();
+            let passed = g.inspect(&cleartext[..split]) && g.inspect(&cleartext[split..]);
+            assert!(!passed, "split at {split}");
+        }
+        // Byte by byte too.
+        let mut g = guard();
+        assert!(!cleartext.iter().all(|b| g.inspect(std::slice::from_ref(b))));
+    }
 
     fn message(tag: u8, body: &[u8]) -> Vec<u8> {
         let mut out = vec![tag];

@@ -8,10 +8,17 @@
 //! | `verify-ca` | always | against `sslrootcert` | no |
 //! | `verify-full` | always | against `sslrootcert` | yes |
 //!
+//! `sslcert` and `sslkey` (PEM, the key unencrypted) give a client certificate, presented when
+//! the server asks for one (`clientcert=verify-ca`/`verify-full` or `cert` authentication in
+//! `pg_hba.conf`). Unlike libpq, `~/.postgresql/postgresql.crt` is not read without them.
+//!
 //! Without `sslrootcert`, `verify-ca` and `verify-full` read `~/.postgresql/root.crt` as libpq
 //! does. Both the hand-written replication connection and every `tokio-postgres` connection
-//! use the same settings. tokio-postgres does not know `verify-ca`, `verify-full` or
-//! `sslrootcert`, so they are taken out of the URL here before it parses the rest.
+//! use the same settings and the same negotiation ([`PgTls::negotiate`]): tokio-postgres is
+//! handed the stream once TLS is on (or declined), so a cleartext-password request over plain
+//! TCP can be refused on its connections too. tokio-postgres does not know `verify-ca`,
+//! `verify-full` or `sslrootcert`, so they are taken out of the URL here before it parses the
+//! rest.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,13 +26,12 @@ use std::sync::Arc;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio_postgres::config::SslMode as PgSslMode;
 
 /// libpq's `sslmode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -81,6 +87,16 @@ impl std::fmt::Debug for PgTls {
 impl PgTls {
     /// From the `sslmode` and `sslrootcert` values of a URL.
     pub fn new(sslmode: Option<&str>, sslrootcert: Option<&str>) -> Result<Self, TlsConfigError> {
+        PgTls::with_client_cert(sslmode, sslrootcert, None)
+    }
+
+    /// From the `sslmode`, `sslrootcert` and the `sslcert`/`sslkey` pair of a URL: with a
+    /// client certificate, the TLS handshake presents it to a server that asks for one.
+    pub fn with_client_cert(
+        sslmode: Option<&str>,
+        sslrootcert: Option<&str>,
+        client_cert: Option<(&str, &str)>,
+    ) -> Result<Self, TlsConfigError> {
         let mode = sslmode.map(SslMode::parse).transpose()?.unwrap_or_default();
         let root_file = match (sslrootcert, mode) {
             (Some(path), _) => Some(PathBuf::from(path)),
@@ -121,10 +137,20 @@ impl PgTls {
             }
             None => Arc::new(AnyCertificate(provider)),
         };
-        let config = builder
+        let builder = builder
             .dangerous()
-            .with_custom_certificate_verifier(verifier)
-            .with_no_client_auth();
+            .with_custom_certificate_verifier(verifier);
+        let config = match client_cert {
+            None => builder.with_no_client_auth(),
+            Some((cert_file, key_file)) => {
+                let (chain, key) = read_client_cert(Path::new(cert_file), Path::new(key_file))?;
+                builder.with_client_auth_cert(chain, key).map_err(|e| {
+                    TlsConfigError(format!(
+                        "cannot use sslcert {cert_file} with sslkey {key_file}: {e}"
+                    ))
+                })?
+            }
+        };
         Ok(Self {
             mode,
             config: Arc::new(config),
@@ -133,20 +159,6 @@ impl PgTls {
 
     pub fn mode(&self) -> SslMode {
         self.mode
-    }
-
-    /// The mode tokio-postgres understands; verification is in the rustls config.
-    pub(crate) fn postgres_mode(&self) -> PgSslMode {
-        match self.mode {
-            SslMode::Disable => PgSslMode::Disable,
-            SslMode::Prefer => PgSslMode::Prefer,
-            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => PgSslMode::Require,
-        }
-    }
-
-    /// What `tokio-postgres` connects with.
-    pub fn make_connect(&self) -> tokio_postgres_rustls::MakeRustlsConnect {
-        tokio_postgres_rustls::MakeRustlsConnect::new((*self.config).clone())
     }
 
     /// Postgres's TLS negotiation on a fresh TCP stream: `SSLRequest`, then the handshake when
@@ -218,25 +230,53 @@ fn read_roots(path: &Path) -> Result<RootCertStore, TlsConfigError> {
     Ok(roots)
 }
 
-/// Splits `sslmode` and `sslrootcert` out of a `postgres://` URL or a `key=value` string,
-/// returning the rest for tokio-postgres. `sslcert`/`sslkey` (client certificates) are refused
-/// rather than ignored.
+/// The PEM certificate chain and private key of `sslcert` and `sslkey`.
+fn read_client_cert(
+    cert: &Path,
+    key: &Path,
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsConfigError> {
+    let chain = CertificateDer::pem_file_iter(cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| TlsConfigError(format!("cannot read sslcert {}: {e}", cert.display())))?;
+    if chain.is_empty() {
+        return Err(TlsConfigError(format!(
+            "cannot read sslcert {}: expected PEM certificates, found none",
+            cert.display()
+        )));
+    }
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| {
+        TlsConfigError(format!(
+            "cannot read sslkey {}: expected an unencrypted PEM private key: {e}",
+            key.display()
+        ))
+    })?;
+    Ok((chain, key))
+}
+
+/// Splits `sslmode`, `sslrootcert`, `sslcert` and `sslkey` out of a `postgres://` URL or a
+/// `key=value` string, returning the rest for tokio-postgres. `sslcert` needs `sslkey` and the
+/// other way round; `sslpassword` (encrypted keys) is refused rather than ignored.
 pub fn split_tls_params(url: &str) -> Result<(String, PgTls), TlsConfigError> {
     let mut sslmode = None;
     let mut sslrootcert = None;
-    let mut take = |key: &str, value: String| -> Result<bool, TlsConfigError> {
-        match key {
-            "sslmode" => sslmode = Some(value),
-            "sslrootcert" => sslrootcert = Some(value),
-            "sslcert" | "sslkey" | "sslpassword" => {
-                return Err(TlsConfigError(format!(
-                    "{key} (client certificates) is not supported; expected password or trust authentication over TLS"
-                )))
+    let mut sslcert = None;
+    let mut sslkey = None;
+    let mut take =
+        |key: &str, value: String| -> Result<bool, TlsConfigError> {
+            match key {
+                "sslmode" => sslmode = Some(value),
+                "sslrootcert" => sslrootcert = Some(value),
+                "sslcert" => sslcert = Some(value),
+                "sslkey" => sslkey = Some(value),
+                "sslpassword" => return Err(TlsConfigError(
+                    "sslpassword (an encrypted sslkey) is not supported; expected an unencrypted \
+                     key file readable only by this user"
+                        .to_owned(),
+                )),
+                _ => return Ok(false),
             }
-            _ => return Ok(false),
-        }
-        Ok(true)
-    };
+            Ok(true)
+        };
     let rest = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         match url.split_once('?') {
             None => url.to_owned(),
@@ -264,9 +304,23 @@ pub fn split_tls_params(url: &str) -> Result<(String, PgTls), TlsConfigError> {
         }
         kept.join(" ")
     };
+    let client_cert = match (&sslcert, &sslkey) {
+        (Some(cert), Some(key)) => Some((cert.as_str(), key.as_str())),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(TlsConfigError(
+                "expected sslkey=FILE with sslcert, found sslcert alone".to_owned(),
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(TlsConfigError(
+                "expected sslcert=FILE with sslkey, found sslkey alone".to_owned(),
+            ))
+        }
+    };
     Ok((
         rest,
-        PgTls::new(sslmode.as_deref(), sslrootcert.as_deref())?,
+        PgTls::with_client_cert(sslmode.as_deref(), sslrootcert.as_deref(), client_cert)?,
     ))
 }
 
@@ -478,6 +532,9 @@ mod tests {
             "postgres://u@h/db?sslmode=allow",
             "postgres://u@h/db?sslmode=verify-full&sslrootcert=/nonexistent/root.crt",
             "postgres://u@h/db?sslcert=/x",
+            "postgres://u@h/db?sslkey=/x",
+            "postgres://u@h/db?sslcert=/nonexistent/c.pem&sslkey=/nonexistent/k.pem",
+            "postgres://u@h/db?sslpassword=x",
             "host=h sslmode",
         ] {
             assert!(split_tls_params(bad).is_err(), "{bad}");

@@ -59,7 +59,7 @@ pub(crate) async fn run(
     socket: WebSocket,
     hub: Arc<Hub>,
     conn: ConnId,
-    mut commands: mpsc::UnboundedReceiver<ConnCommand>,
+    mut commands: mpsc::Receiver<ConnCommand>,
     ping_interval: Duration,
     start: impl FnOnce(&mut highwater_engine::streamer::Streamer, u64) -> Vec<Effect>,
 ) {
@@ -75,7 +75,12 @@ pub(crate) async fn run(
     loop {
         tokio::select! {
             command = commands.recv() => {
-                let Some(command) = command else { break };
+                let Some(command) = command else {
+                    // The hub dropped this connection (its queue overflowed): the close it
+                    // asked for follows what was queued.
+                    close = told_to_close(&closing);
+                    break;
+                };
                 let written = match unless_stuck(write(&mut sink, command, &mut commands), &mut closing).await {
                     Ok(written) => written,
                     Err(frame) => {
@@ -165,6 +170,15 @@ async fn unless_stuck<T>(
     }
 }
 
+/// The close the hub asked for, if it did.
+fn told_to_close(closing: &Option<watch::Receiver<Option<(u16, String)>>>) -> Option<CloseFrame> {
+    let (code, reason) = closing.as_ref()?.borrow().clone()?;
+    Some(CloseFrame {
+        code,
+        reason: reason.into(),
+    })
+}
+
 /// The close frame, once the hub told this connection to close (never, without a signal).
 async fn signalled(closing: &mut Option<watch::Receiver<Option<(u16, String)>>>) -> CloseFrame {
     if let Some(closing) = closing {
@@ -185,7 +199,7 @@ async fn signalled(closing: &mut Option<watch::Receiver<Option<(u16, String)>>>)
 async fn write<S>(
     sink: &mut S,
     first: ConnCommand,
-    commands: &mut mpsc::UnboundedReceiver<ConnCommand>,
+    commands: &mut mpsc::Receiver<ConnCommand>,
 ) -> Result<Option<CloseFrame>, axum::Error>
 where
     S: futures::Sink<Message, Error = axum::Error> + Unpin,

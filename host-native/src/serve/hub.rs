@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use highwater_engine::streamer::{ConnId, Effect, LogOp, Outgoing, Streamer};
+use highwater_engine::streamer::{
+    ConnId, Effect, LogOp, Outgoing, Streamer, TRY_AGAIN_LATER_CLOSE_CODE,
+};
 use highwater_engine::watermark::Watermark;
 use tokio::sync::{mpsc, watch};
 
@@ -44,9 +46,20 @@ pub(crate) enum StorageOp {
     },
 }
 
+/// The smallest frame the streamer sends a subscriber (an ack, `{"ack":1}`, is 9 bytes; a
+/// message frame is longer): used to turn the backlog's byte bound into a frame count.
+const MIN_FRAME_BYTES: usize = 16;
+/// Frames a connection's queue holds beyond its backlog's worth: the streamer checks the
+/// backlog after each catch-up batch, so one batch (and one more read before the pause is seen)
+/// may go past it, one frame per row at most; then acks of the client's frames, status and
+/// error messages, the close.
+const QUEUE_SLACK_FRAMES: usize = 2 * crate::change_log::DEFAULT_CATCHUP_BATCH_ROWS + 1024;
+/// Close reason for a subscriber whose outbound queue overflowed.
+const QUEUE_FULL_REASON: &str = "slow consumer: the outbound queue is full";
+
 /// The hub's side of one WebSocket.
 struct Link {
-    out: mpsc::UnboundedSender<ConnCommand>,
+    out: mpsc::Sender<ConnCommand>,
     /// `true` while the streamer wants this connection's catch-up read paused.
     catchup_paused: watch::Sender<bool>,
     /// The close (code, reason), set with the close command: a connection stuck writing to a
@@ -81,6 +94,8 @@ pub(crate) struct Hub {
     upstream_paused: watch::Sender<bool>,
     positions: Mutex<Positions>,
     next_conn: AtomicU64,
+    /// Capacity of each connection's outbound queue, in frames.
+    queue_frames: usize,
     epoch: Instant,
     fault: Fault,
 }
@@ -97,6 +112,7 @@ impl Hub {
         // event, plus at most one catch-up request per open connection (itself bounded by
         // `--max-connections`) and the timers' purges.
         let (storage, ops) = mpsc::unbounded_channel();
+        let queue_frames = queue_frames(streamer.config().backlog_high_water_bytes);
         let hub = Hub {
             streamer: Mutex::new(streamer),
             links: Mutex::new(HashMap::new()),
@@ -104,6 +120,7 @@ impl Hub {
             upstream_paused: watch::channel(false).0,
             positions: Mutex::new(positions),
             next_conn: AtomicU64::new(1),
+            queue_frames,
             epoch: Instant::now(),
             fault: Fault::default(),
         };
@@ -125,7 +142,13 @@ impl Hub {
         let now = self.now_ms();
         let mut streamer = self.fault.lock(&self.streamer, "streamer");
         let effects = f(&mut streamer, now);
-        self.dispatch(effects);
+        let mut overflowed = self.dispatch(effects);
+        // A connection whose queue overflowed is closed in the streamer at once, so its backlog
+        // holds up no one while its task writes out what was queued.
+        while let Some(conn) = overflowed.pop() {
+            let effects = streamer.on_close(conn);
+            overflowed.extend(self.dispatch(effects));
+        }
     }
 
     /// Reads the streamer without producing effects.
@@ -138,22 +161,26 @@ impl Hub {
         f(&mut self.fault.lock(&self.streamer, "streamer"))
     }
 
-    fn dispatch(&self, effects: Vec<Effect>) {
+    /// Carries out `effects`; returns the connections whose queue overflowed (see [`queue`]).
+    fn dispatch(&self, effects: Vec<Effect>) -> Vec<ConnId> {
+        let mut overflowed = Vec::new();
         if effects.is_empty() {
-            return;
+            return overflowed;
         }
-        let links = self.fault.lock(&self.links, "links");
+        let mut links = self.fault.lock(&self.links, "links");
         for effect in effects {
             match effect {
                 Effect::Send { conn, frame } => {
-                    if let Some(link) = links.get(&conn) {
-                        let _ = link.out.send(ConnCommand::Frame(frame));
+                    if !queue(&mut links, conn, ConnCommand::Frame(frame)) {
+                        overflowed.push(conn);
                     }
                 }
                 Effect::Close { conn, code, reason } => {
                     if let Some(link) = links.get(&conn) {
                         link.closing.send_replace(Some((code, reason.clone())));
-                        let _ = link.out.send(ConnCommand::Close { code, reason });
+                    }
+                    if !queue(&mut links, conn, ConnCommand::Close { code, reason }) {
+                        overflowed.push(conn);
                     }
                 }
                 Effect::Store(op) => self.enqueue(StorageOp::Store(op)),
@@ -190,6 +217,7 @@ impl Hub {
                 },
             }
         }
+        overflowed
     }
 
     fn enqueue(&self, op: StorageOp) {
@@ -221,13 +249,17 @@ impl Hub {
     // ---- connections ----
 
     /// Registers a new connection: its id, the commands it receives and its catch-up gate.
-    pub fn connect(&self) -> (ConnId, mpsc::UnboundedReceiver<ConnCommand>) {
+    ///
+    /// Its queue is bounded by [`queue_frames`]. Everything the streamer sends a subscriber
+    /// and that is not yet acknowledged (catch-up included) counts against its backlog, which
+    /// pauses catch-up and then the upstream at the high-water mark and closes the subscriber
+    /// (1013) once it stayed full past the timeout; the queue holds a backlog's worth of the
+    /// smallest frames and more, so under those rules it never fills. It fills only when
+    /// frames the backlog does not count pile up (acks of a client that sends and never
+    /// reads): see [`queue`].
+    pub fn connect(&self) -> (ConnId, mpsc::Receiver<ConnCommand>) {
         let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
-        // Bounded by the streamer rather than by a capacity: everything sent to a subscriber
-        // and not yet acknowledged (catch-up included) counts against its backlog, which
-        // pauses catch-up and then the upstream at the high-water mark and closes the
-        // subscriber (1013) once it stayed full past the timeout.
-        let (out, commands) = mpsc::unbounded_channel();
+        let (out, commands) = mpsc::channel(self.queue_frames);
         let link = Link {
             out,
             catchup_paused: watch::channel(false).0,
@@ -269,12 +301,144 @@ impl Hub {
 
     /// Closes every connection (shutdown).
     pub fn close_all(&self, code: u16, reason: &str) {
-        for link in self.fault.lock(&self.links, "links").values() {
-            let _ = link.out.send(ConnCommand::Close {
-                code,
-                reason: reason.to_owned(),
-            });
-            link.closing.send_replace(Some((code, reason.to_owned())));
+        let mut links = self.fault.lock(&self.links, "links");
+        let conns: Vec<ConnId> = links.keys().copied().collect();
+        for conn in conns {
+            if let Some(link) = links.get(&conn) {
+                link.closing.send_replace(Some((code, reason.to_owned())));
+            }
+            let reason = reason.to_owned();
+            // Shutting down: a full queue is dropped all the same, and the streamer goes too.
+            let _ = queue(&mut links, conn, ConnCommand::Close { code, reason });
         }
+    }
+}
+
+/// Frames a connection's outbound queue holds: the backlog's high-water mark in the smallest
+/// frames, plus slack. A tokio channel allocates its slots as they fill, so an idle queue costs
+/// nothing; a full one about 40 bytes a slot besides the frames (which the backlog counts).
+fn queue_frames(backlog_high_water_bytes: usize) -> usize {
+    (backlog_high_water_bytes / MIN_FRAME_BYTES).saturating_add(QUEUE_SLACK_FRAMES)
+}
+
+/// Queues `command` for `conn`; `false` when its queue was full. A full queue ends the
+/// connection as a subscriber over its backlog is ended: its link goes (nothing more is queued,
+/// so what it still gets is a gap-free prefix of its stream), it is told to close with 1013,
+/// the caller closes it in the streamer, and once its task has written what was queued — or
+/// given up on a peer that stopped reading — it closes the socket.
+fn queue(links: &mut HashMap<ConnId, Link>, conn: ConnId, command: ConnCommand) -> bool {
+    let Some(link) = links.get(&conn) else {
+        return true;
+    };
+    match link.out.try_send(command) {
+        Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => true,
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            tracing::warn!(%conn, "the outbound queue of a connection is full: closing it");
+            if let Some(link) = links.remove(&conn) {
+                let close = (TRY_AGAIN_LATER_CLOSE_CODE, QUEUE_FULL_REASON.to_owned());
+                // Kept by the receivers after the sender goes with the link.
+                link.closing.send_if_modified(|closing| {
+                    let unset = closing.is_none();
+                    if unset {
+                        *closing = Some(close);
+                    }
+                    unset
+                });
+            }
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(n: u64) -> Watermark {
+        highwater_engine::watermark::Lsn(n).to_watermark()
+    }
+
+    #[test]
+    fn a_full_outbound_queue_closes_that_connection_with_1013_after_a_gap_free_prefix() {
+        use highwater_engine::streamer::{ChangeLogState, StreamerConfig};
+        let mut config = StreamerConfig::new(w(1));
+        config.backlog_high_water_bytes = 100 * MIN_FRAME_BYTES;
+        let capacity = queue_frames(config.backlog_high_water_bytes);
+        assert_eq!(capacity, 100 + QUEUE_SLACK_FRAMES);
+        let log = ChangeLogState {
+            last_watermark: w(1),
+            min_watermark: w(1),
+        };
+        let positions = Positions {
+            replica_version: w(1),
+            last_watermark: w(1),
+            min_watermark: w(1),
+        };
+        let (hub, _ops) = Hub::new(Streamer::new(config, log), positions);
+        let (flooded, mut commands) = hub.connect();
+        let (other, mut other_commands) = hub.connect();
+        let closing = hub.closing_signal(flooded).expect("open");
+        hub.call(|s, now| {
+            use highwater_engine::change_stream::{Extra, SubscribeContext, SubscriberMode};
+            s.open(flooded, 6, false);
+            let context = SubscribeContext {
+                task_id: "t".to_owned(),
+                id: "flooded".to_owned(),
+                mode: SubscriberMode::Serving,
+                replica_version: w(1),
+                watermark: w(1),
+                backfills: None,
+                extra: Extra::new(),
+            };
+            s.subscribe(flooded, context, now)
+        });
+        assert!(hub.inspect(|s| s.subscriber(flooded).is_some()));
+        // What the subscription sent so far (its status) comes first.
+        let mut early = Vec::new();
+        while let Ok(ConnCommand::Frame(frame)) = commands.try_recv() {
+            early.push(frame);
+        }
+        let acks = |conn, ids: std::ops::Range<u64>| {
+            ids.map(|id| Effect::Send {
+                conn,
+                frame: Outgoing::Ack { id },
+            })
+            .collect::<Vec<_>>()
+        };
+        let sent = u64::try_from(capacity).expect("fits") + 500;
+        hub.call(|_, _| acks(flooded, 0..sent));
+        hub.call(|_, _| acks(other, 0..3));
+        // Dropped from the hub, told to close with 1013; the other connection goes on.
+        assert!(!hub.is_connected(flooded));
+        assert!(hub.is_connected(other));
+        let close = closing.borrow().clone().expect("told to close");
+        assert_eq!(close.0, TRY_AGAIN_LATER_CLOSE_CODE);
+        assert!(close.1.starts_with("slow consumer"), "{}", close.1);
+        // What it still gets is the first `capacity` frames, in order, and then the end.
+        let mut ids = Vec::new();
+        while let Ok(command) = commands.try_recv() {
+            match command {
+                ConnCommand::Frame(frame) => ids.push(frame.to_text()),
+                ConnCommand::Close { .. } => panic!("no room was left for a close command"),
+            }
+        }
+        let expected: Vec<String> = (0..capacity)
+            .map(|id| format!(r#"{{"ack":{id}}}"#))
+            .collect();
+        assert_eq!(ids, expected);
+        assert!(matches!(
+            commands.try_recv(),
+            Err(mpsc::error::TryRecvError::Disconnected)
+        ));
+        // The streamer forgot it at once: nothing it holds counts against anyone.
+        assert!(hub.inspect(|s| s.subscriber(flooded).is_none()));
+        // Later frames for it go nowhere; the other connection's three arrived.
+        hub.call(|_, _| acks(flooded, sent..sent + 1));
+        assert!(commands.try_recv().is_err());
+        let mut others = 0;
+        while other_commands.try_recv().is_ok() {
+            others += 1;
+        }
+        assert_eq!(others, 3);
     }
 }

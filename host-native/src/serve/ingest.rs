@@ -27,12 +27,12 @@ use super::hub::{Hub, StorageOp};
 use super::source::{Confirm, SourceEvent};
 use super::ServeError;
 use crate::change_log::{self, CatchupLimits, CatchupReader};
-use crate::replica::backfill::{
-    BackfillItem, BackfillPlanner, BackfillStream, RecentXids, BACKFILL_BATCH_ROWS,
-};
+use crate::replica::backfill::BackfillItem;
 use crate::replica::initial_sync::SyncError;
 use crate::replica::{Applied, Replica, ReplicaWriter};
-use crate::upstream::{feed, reconcile_relation, Catalog, EffectError, EffectHost};
+use crate::upstream::{
+    backfill_item, feed, reconcile_relation, Backfills, Catalog, EffectError, EffectHost,
+};
 
 pub(crate) struct Ingest {
     hub: Arc<Hub>,
@@ -81,33 +81,6 @@ impl SyncFeed {
     }
 }
 
-/// The backfills this server reads itself.
-pub(crate) struct Backfills {
-    upstream: crate::replication::PgConfig,
-    planner: BackfillPlanner,
-    /// The one running, and its table.
-    running: Option<(BackfillStream, String)>,
-    recent_xids: RecentXids,
-}
-
-impl Backfills {
-    pub fn new(upstream: crate::replication::PgConfig) -> Backfills {
-        Backfills {
-            upstream,
-            planner: BackfillPlanner::new(),
-            running: None,
-            recent_xids: RecentXids::default(),
-        }
-    }
-
-    async fn next(&mut self) -> Option<Result<BackfillItem, SyncError>> {
-        match &mut self.running {
-            Some((stream, _)) => stream.next().await,
-            None => std::future::pending().await,
-        }
-    }
-}
-
 // Lives for one loop step; boxing the common message variant would only add an allocation.
 #[allow(clippy::large_enum_variant)]
 enum Next {
@@ -141,11 +114,14 @@ impl Ingest {
         handle: Handle,
         session: UpstreamSession,
         confirm: Confirm,
-        backfills: Option<Backfills>,
+        backfills: Option<(Backfills, crate::replication::PgConfig)>,
         sync: Option<SyncFeed>,
         ops: mpsc::UnboundedReceiver<StorageOp>,
     ) -> Ingest {
-        let catalog = backfills.as_ref().map(|b| Catalog::new(b.upstream.clone()));
+        let catalog = backfills
+            .as_ref()
+            .map(|(_, upstream)| Catalog::new(upstream.clone()));
+        let backfills = backfills.map(|(backfills, _)| backfills);
         Ingest {
             hub,
             writer,
@@ -301,52 +277,7 @@ impl Ingest {
         &mut self,
         item: Option<Result<BackfillItem, SyncError>>,
     ) -> Result<(), ServeError> {
-        let Some(backfills) = self.backfills.as_mut() else {
-            return Ok(());
-        };
-        let table = backfills
-            .running
-            .as_ref()
-            .map(|(_, table)| table.clone())
-            .unwrap_or_default();
-        let failure = match item {
-            Some(Ok(BackfillItem::Message(message))) => {
-                let commit = matches!(message, DownstreamMessage::Commit(_));
-                feed(self, Input::Backfill(message))?;
-                if commit {
-                    self.end_backfill()?;
-                }
-                return Ok(());
-            }
-            Some(Ok(BackfillItem::Missing { columns, snapshot })) => {
-                tracing::info!(%table, ?columns, "columns to backfill are not upstream yet");
-                backfills.planner.on_missing(&table, &columns, &snapshot);
-                return Ok(());
-            }
-            Some(Err(error)) => Some(error.to_string()),
-            None if self.session.in_transaction() => {
-                Some("the backfill ended before its commit".to_owned())
-            }
-            None => None,
-        };
-        // Subscribers that saw a failed backfill's beginning get a rollback (the session
-        // hands it on); nothing of it is stored.
-        self.end_backfill()?;
-        if let Some(error) = failure {
-            let position = self.hub.inspect(|s| s.last_commit().clone());
-            tracing::warn!(%table, %error, "backfill failed; retrying after the next transaction");
-            if let Some(backfills) = self.backfills.as_mut() {
-                backfills.planner.on_failed(&table, &position);
-            }
-        }
-        Ok(())
-    }
-
-    fn end_backfill(&mut self) -> Result<(), ServeError> {
-        if let Some(backfills) = self.backfills.as_mut() {
-            backfills.running = None;
-        }
-        feed(self, Input::BackfillEnded)
+        backfill_item(self, item)
     }
 
     /// Carries out one storage op; returns the commit it made durable, if it did.
@@ -477,7 +408,7 @@ impl EffectHost for Ingest {
         if let (DownstreamMessage::Begin(begin), Some(backfills)) =
             (&message, self.backfills.as_mut())
         {
-            backfills.recent_xids.note(begin);
+            backfills.note(begin);
         }
         let mut rejected = None;
         self.hub.call(|s, _| match s.on_upstream(message) {
@@ -534,34 +465,13 @@ impl EffectHost for Ingest {
         self.hub.call(|s, _| s.on_idle());
     }
 
-    /// Starts the next backfill the replica waits for, streamed through the session.
-    fn start_backfill(&mut self) -> Result<bool, ServeError> {
-        if self.backfills.is_none() || !self.writer.replica().has_pending_backfills() {
-            return Ok(false);
-        }
-        let position = self.hub.inspect(|s| s.last_commit().clone());
-        let Some(backfills) = self.backfills.as_mut() else {
-            return Ok(false);
-        };
-        let xids = backfills.recent_xids.to_vec();
-        let Some(job) = backfills.planner.next_job(
-            self.writer.replica(),
-            &position,
-            &xids,
-            BACKFILL_BATCH_ROWS,
-        ) else {
-            return Ok(false);
-        };
-        tracing::info!(
-            table = %job.table.name,
-            columns = ?job.pending.columns,
-            watermark = %job.commit_watermark,
-            "backfilling"
-        );
-        let table = job.table.name.clone();
-        let stream = BackfillStream::spawn(&self.handle, &backfills.upstream, job);
-        backfills.running = Some((stream, table));
-        Ok(true)
+    fn backfills(&mut self) -> Option<(&mut Backfills, &Replica)> {
+        let replica = self.writer.replica();
+        self.backfills.as_mut().map(|b| (b, replica))
+    }
+
+    fn handle(&self) -> &Handle {
+        &self.handle
     }
 }
 

@@ -34,7 +34,7 @@ pub(crate) mod snapshot_download;
 mod source;
 mod startup;
 mod sync;
-mod tls;
+pub(crate) mod tls;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -521,7 +521,10 @@ async fn run_server(
         handle.clone(),
         session,
         source.confirm.clone(),
-        settings.backfill_from.clone().map(ingest::Backfills::new),
+        settings
+            .backfill_from
+            .clone()
+            .map(|from| (crate::upstream::Backfills::new(from.clone()), from)),
         sync_hub
             .clone()
             .map(|hub| ingest::SyncFeed::new(hub, settings.sync_retention)),

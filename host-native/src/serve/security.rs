@@ -32,7 +32,7 @@ pub const UPSTREAM_TOKEN_ENV: &str = "HIGHWATER_UPSTREAM_TOKEN";
 pub const MIN_TOKEN_BYTES: usize = 16;
 
 /// The security options of `highwater serve`; flattened into its arguments.
-#[derive(Debug, Clone, Default, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct SecurityArgs {
     /// File holding the replication token that `/replication/…` and `/replica/snapshot`
     /// require (Bearer, or Basic with the token as password). Without it the token is read
@@ -54,12 +54,42 @@ pub struct SecurityArgs {
     /// PEM private key of --tls-cert.
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// Relay: PEM file of the CA certificates an `https`/`wss` primary's certificate must
+    /// chain to (a private CA). Without it: the system's certificate bundle.
+    #[arg(long, value_name = "FILE")]
+    pub from_ca_file: Option<PathBuf>,
+    /// Relay: the largest snapshot it downloads from its primary, in bytes; a larger one is
+    /// refused before it is stored.
+    #[arg(long, value_name = "BYTES", default_value_t = super::snapshot_download::DEFAULT_MAX_SNAPSHOT_BYTES)]
+    pub max_snapshot_bytes: u64,
+    /// Relay: how long the whole snapshot download may take, in seconds (no byte for 60 s
+    /// ends it sooner).
+    #[arg(long, value_name = "SECONDS", default_value_t = super::snapshot_download::DEFAULT_SNAPSHOT_TIMEOUT.as_secs())]
+    pub snapshot_timeout: u64,
     /// A replication token given in code (tests, embedding); wins over file and environment.
     #[arg(skip)]
     pub replication_token: Option<ReplicationToken>,
     /// An upstream token given in code; wins over file and environment.
     #[arg(skip)]
     pub upstream_token: Option<ReplicationToken>,
+}
+
+impl Default for SecurityArgs {
+    /// What the command line gives without any of these options.
+    fn default() -> Self {
+        SecurityArgs {
+            replication_token_file: None,
+            upstream_token_file: None,
+            insecure_no_auth: false,
+            tls_cert: None,
+            tls_key: None,
+            from_ca_file: None,
+            max_snapshot_bytes: super::snapshot_download::DEFAULT_MAX_SNAPSHOT_BYTES,
+            snapshot_timeout: super::snapshot_download::DEFAULT_SNAPSHOT_TIMEOUT.as_secs(),
+            replication_token: None,
+            upstream_token: None,
+        }
+    }
 }
 
 impl SecurityArgs {
@@ -81,6 +111,26 @@ impl SecurityArgs {
             (Some(cert), Some(key)) => super::tls::server_config(cert, key).map(Some),
             _ => Ok(None),
         }
+    }
+
+    /// How a relay reaches its primary `from`: TLS trust and download bounds. A CA file that
+    /// cannot be used is an error, and so is a TLS primary with no trust at all.
+    pub(crate) fn peer_client(
+        &self,
+        from: &str,
+    ) -> Result<super::snapshot_download::PeerClient, super::tls::TlsFileError> {
+        let tls = match &self.from_ca_file {
+            Some(file) => Ok(super::tls::client_config(Some(file))?),
+            None if from.starts_with("https://") || from.starts_with("wss://") => {
+                Ok(super::tls::client_config(None)?)
+            }
+            None => super::tls::client_config(None).map_err(|e| e.to_string()),
+        };
+        Ok(super::snapshot_download::PeerClient::new(
+            tls,
+            self.max_snapshot_bytes,
+            std::time::Duration::from_secs(self.snapshot_timeout),
+        ))
     }
 
     /// The token a relay sends upstream: its own setting, else the token it requires.

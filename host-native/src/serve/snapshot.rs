@@ -1,9 +1,11 @@
-//! Replica snapshots for new servers: `VACUUM INTO` a temporary file (a consistent copy at one
-//! commit, taken beside the running writer), drop the change log from the copy, and stream it.
+//! Replica snapshots for new servers: the replica's tables copied into a new file inside one
+//! read transaction (a consistent copy at one commit, taken beside the running writer), the
+//! change log left out — a restored relay starts its own — and the file streamed.
 //!
 //! [`Snapshots`] bounds what that costs: one build at a time, one file shared by every request
 //! for the same watermark (requests that arrive during a build wait for it and are served its
-//! file), and a build refused up front when the disk lacks room for a copy of the replica.
+//! file), and a build refused up front when the disk lacks room for the copy (the replica less
+//! its change log).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -114,12 +116,37 @@ impl Snapshots {
     }
 }
 
-/// What a copy of the replica at `replica_path` may take: the file and its WAL.
+/// What a copy of the replica at `replica_path` may take: the file and its WAL, less the pages
+/// of the change log, which the copy leaves out.
 fn copy_size(replica_path: &Path) -> u64 {
     let size = |path: &Path| std::fs::metadata(path).map_or(0, |m| m.len());
     let mut wal = replica_path.as_os_str().to_owned();
     wal.push("-wal");
-    size(replica_path) + size(Path::new(&wal))
+    let whole = size(replica_path) + size(Path::new(&wal));
+    whole.saturating_sub(change_log_bytes(replica_path).unwrap_or(0))
+}
+
+/// Bytes of the pages holding the change-log tables and their indexes (SQLite's `dbstat`,
+/// which walks only the b-trees asked for).
+fn change_log_bytes(replica_path: &Path) -> rusqlite::Result<u64> {
+    let conn = Connection::open_with_flags(
+        replica_path,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    conn.busy_timeout(std::time::Duration::from_secs(30))?;
+    let mut names = conn.prepare("SELECT name FROM sqlite_schema WHERE tbl_name = ?1")?;
+    let mut pages = conn.prepare("SELECT coalesce(sum(pgsize), 0) FROM dbstat WHERE name = ?1")?;
+    let mut total = 0u64;
+    for table in change_log::TABLES {
+        let btrees = names
+            .query_map([table], |r| r.get::<_, String>(0))?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        for btree in btrees {
+            let bytes: i64 = pages.query_row([&btree], |r| r.get(0))?;
+            total = total.saturating_add(u64::try_from(bytes).unwrap_or(0));
+        }
+    }
+    Ok(total)
 }
 
 /// Refuses a build when `dir`'s file system has less room than `copy` bytes and a tenth more
@@ -149,7 +176,8 @@ pub(crate) fn clear_dir(dir: &Path) -> Result<(), ServeError> {
     Ok(())
 }
 
-/// Copies the replica at `replica_path` into a new file in `dir`. Blocking.
+/// Copies the replica at `replica_path`, without its change log, into a new file in `dir`.
+/// Blocking.
 pub(crate) fn create(replica_path: &Path, dir: &Path) -> Result<Snapshot, ServeError> {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     std::fs::create_dir_all(dir)?;
@@ -159,14 +187,6 @@ pub(crate) fn create(replica_path: &Path, dir: &Path) -> Result<Snapshot, ServeE
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
     let _ = std::fs::remove_file(&path);
-    let source = Connection::open(replica_path).map_err(ReplicaError::from)?;
-    source
-        .busy_timeout(std::time::Duration::from_secs(30))
-        .map_err(ReplicaError::from)?;
-    source
-        .execute("VACUUM INTO ?1", [path.to_string_lossy().as_ref()])
-        .map_err(ReplicaError::from)?;
-    drop(source);
     // Owns the file from here on: removed on any error below.
     let mut snapshot = Snapshot {
         path,
@@ -174,32 +194,105 @@ pub(crate) fn create(replica_path: &Path, dir: &Path) -> Result<Snapshot, ServeE
         replica_version: Watermark::parse("00").map_err(ReplicaError::from)?,
         size: 0,
     };
-    let state = Replica::open(&snapshot.path)?
+    copy_without_change_log(replica_path, &snapshot.path).map_err(ReplicaError::from)?;
+    std::fs::File::open(&snapshot.path)?.sync_all()?;
+    let state = Replica::open_read_only(&snapshot.path)?
         .state()
         .cloned()
         .ok_or(ReplicaError::NotInitialized)?;
     snapshot.watermark = state.watermark;
     snapshot.replica_version = state.replica_version;
-    let copy = Connection::open(&snapshot.path).map_err(ReplicaError::from)?;
-    strip_change_log(&copy).map_err(ReplicaError::from)?;
-    drop(copy);
     snapshot.size = std::fs::metadata(&snapshot.path)?.len();
     Ok(snapshot)
 }
 
-/// Drops the change-log tables (a restored replica starts its own), compacts the file when
-/// they took a good part of it, and leaves it as one self-contained file (no WAL).
-fn strip_change_log(copy: &Connection) -> rusqlite::Result<()> {
-    for table in change_log::TABLES {
-        copy.execute_batch(&format!(r#"DROP TABLE IF EXISTS "{table}""#))?;
+/// Writes every table, index, view and trigger of the replica except the change log's into
+/// the new file `copy`, rows with their rowids, all read in one read transaction (one commit's
+/// state). The copy is a single file (rollback journal, no WAL), synced.
+fn copy_without_change_log(replica: &Path, copy: &Path) -> rusqlite::Result<()> {
+    let conn = Connection::open(copy)?;
+    conn.busy_timeout(std::time::Duration::from_secs(30))?;
+    // A half-built copy is deleted, never used: no journal needed while building.
+    // For the copy only (`main`); the replica attached below keeps its WAL.
+    conn.execute_batch("PRAGMA main.journal_mode = OFF; PRAGMA main.synchronous = OFF;")?;
+    conn.execute(
+        "ATTACH DATABASE ?1 AS source",
+        [replica.to_string_lossy().as_ref()],
+    )?;
+    let tx = conn.unchecked_transaction()?;
+    let skipped = |table: &str| change_log::TABLES.contains(&table) || table.starts_with("sqlite_");
+    let objects: Vec<(String, String, String, Option<String>)> = {
+        let mut query = tx.prepare(
+            "SELECT type, name, tbl_name, sql FROM source.sqlite_schema
+             ORDER BY CASE type WHEN 'table' THEN 0 WHEN 'index' THEN 1 ELSE 2 END, rowid",
+        )?;
+        let rows = query.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
+        rows.collect::<rusqlite::Result<_>>()?
+    };
+    let without_rowid: Vec<String> = {
+        let mut query =
+            tx.prepare("SELECT name FROM pragma_table_list WHERE schema = 'source' AND wr")?;
+        let rows = query.query_map([], |r| r.get(0))?;
+        rows.collect::<rusqlite::Result<_>>()?
+    };
+    for (kind, name, table, sql) in &objects {
+        let Some(sql) = sql.as_deref().filter(|_| !skipped(table)) else {
+            // Automatic indexes (no SQL) come with their tables.
+            continue;
+        };
+        tx.execute_batch(sql)?;
+        if kind == "table" {
+            copy_rows(&tx, name, without_rowid.contains(name))?;
+        }
     }
-    let free: i64 = copy.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
-    let pages: i64 = copy.query_row("PRAGMA page_count", [], |r| r.get(0))?;
-    if free * 4 > pages {
-        copy.execute_batch("VACUUM")?;
+    let has_sequence: bool = tx.query_row(
+        "SELECT count(*) > 0 FROM sqlite_schema WHERE name = 'sqlite_sequence'",
+        [],
+        |r| r.get(0),
+    )?;
+    if has_sequence {
+        tx.execute_batch(
+            "INSERT INTO main.sqlite_sequence SELECT * FROM source.sqlite_sequence
+             WHERE name IN (SELECT name FROM main.sqlite_schema)",
+        )?;
     }
-    copy.pragma_update(None, "journal_mode", "DELETE")?;
+    let user_version: i64 = tx.query_row("PRAGMA source.user_version", [], |r| r.get(0))?;
+    tx.pragma_update(Some("main"), "user_version", user_version)?;
+    tx.commit()?;
+    conn.execute_batch("DETACH DATABASE source; PRAGMA main.journal_mode = DELETE;")?;
     Ok(())
+}
+
+/// `INSERT INTO main.t SELECT … FROM source.t`, keeping rowids (the replica orders by them)
+/// unless the table has none or every name for the rowid is a column.
+fn copy_rows(
+    tx: &rusqlite::Transaction<'_>,
+    table: &str,
+    without_rowid: bool,
+) -> rusqlite::Result<()> {
+    let columns: Vec<String> = {
+        let mut query = tx.prepare(
+            "SELECT name FROM pragma_table_xinfo WHERE schema = 'source' AND arg = ?1 AND hidden = 0",
+        )?;
+        let rows = query.query_map([table], |r| r.get(0))?;
+        rows.collect::<rusqlite::Result<_>>()?
+    };
+    let mut list: Vec<String> = columns.iter().map(|c| quote(c)).collect();
+    if !without_rowid {
+        let taken = |alias: &str| columns.iter().any(|c| c.eq_ignore_ascii_case(alias));
+        if let Some(alias) = ["rowid", "_rowid_", "oid"].into_iter().find(|a| !taken(a)) {
+            list.insert(0, alias.to_owned());
+        }
+    }
+    let list = list.join(", ");
+    let table = quote(table);
+    tx.execute_batch(&format!(
+        "INSERT INTO main.{table} ({list}) SELECT {list} FROM source.{table}"
+    ))
+}
+
+fn quote(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 /// The file's bytes as a body stream; it keeps `snapshot` alive until the last byte is read.
@@ -241,6 +334,91 @@ mod tests {
         let message = error.to_string();
         assert!(matches!(error, SnapshotError::NoRoom { .. }), "{message}");
         assert!(message.starts_with("expected "), "{message}");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn the_copy_leaves_the_change_log_out_and_keeps_rows_rowids_and_indexes() {
+        let dir = std::env::temp_dir().join(format!("highwater-copy-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let replica = dir.join("replica.db");
+        let conn = Connection::open(&replica).expect("open");
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .expect("wal");
+        conn.execute_batch(
+            r#"CREATE TABLE items (name TEXT, "rowid" INTEGER);
+               CREATE TABLE plain (v TEXT);
+               CREATE TABLE keyed (k TEXT PRIMARY KEY, v TEXT) WITHOUT ROWID;
+               CREATE INDEX plain_v ON plain (v);
+               CREATE TABLE "_hw_change_log" (watermark TEXT, pos INTEGER, json TEXT);
+               CREATE INDEX change_log_by_watermark ON "_hw_change_log" (watermark);
+               CREATE TABLE "_hw_change_log_state" (last_watermark TEXT);
+               INSERT INTO plain (rowid, v) VALUES (7, 'seven'), (3, 'three');
+               INSERT INTO items VALUES ('a', 42);
+               INSERT INTO keyed VALUES ('k', 'v');
+               PRAGMA user_version = 5;"#,
+        )
+        .expect("schema");
+        let tx = conn.unchecked_transaction().expect("tx");
+        for i in 0..2000 {
+            tx.execute(
+                r#"INSERT INTO "_hw_change_log" VALUES (?1, ?2, ?3)"#,
+                rusqlite::params![format!("{i:08}"), i, "x".repeat(1000)],
+            )
+            .expect("log row");
+        }
+        tx.commit().expect("commit");
+        let whole = std::fs::metadata(&replica).expect("db").len()
+            + std::fs::metadata(dir.join("replica.db-wal")).map_or(0, |m| m.len());
+        // The disk check asks for the replica's own pages only, not the 2 MB log.
+        let needed = copy_size(&replica);
+        assert!(whole > 2_000_000, "{whole}");
+        assert!(
+            needed < 200_000,
+            "expected a small copy, sized {needed} of {whole}"
+        );
+
+        let copy = dir.join("copy.db");
+        copy_without_change_log(&replica, &copy).expect("copy");
+        assert!(std::fs::metadata(&copy).expect("copy").len() < 200_000);
+        assert!(!dir.join("copy.db-wal").exists());
+        let copied = Connection::open(&copy).expect("open copy");
+        let names: Vec<String> = copied
+            .prepare("SELECT name FROM sqlite_schema ORDER BY name")
+            .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect())
+            .expect("schema");
+        assert_eq!(names, ["items", "keyed", "plain", "plain_v"]);
+        let plain: Vec<(i64, String)> = copied
+            .prepare("SELECT rowid, v FROM plain ORDER BY rowid")
+            .and_then(|mut q| q.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect())
+            .expect("plain");
+        assert_eq!(plain, [(3, "three".to_owned()), (7, "seven".to_owned())]);
+        let item: (String, i64) = copied
+            .query_row(r#"SELECT name, "rowid" FROM items"#, [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .expect("items");
+        assert_eq!(item, ("a".to_owned(), 42));
+        let keyed: String = copied
+            .query_row("SELECT v FROM keyed WHERE k = 'k'", [], |r| r.get(0))
+            .expect("keyed");
+        assert_eq!(keyed, "v");
+        let version: i64 = copied
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        assert_eq!(version, 5);
+        drop(copied);
+        // The replica itself is untouched: still in WAL mode, its log still there.
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .expect("mode");
+        assert_eq!(mode, "wal");
+        let logged: i64 = conn
+            .query_row(r#"SELECT count(*) FROM "_hw_change_log""#, [], |r| r.get(0))
+            .expect("log");
+        assert_eq!(logged, 2000);
+        drop(conn);
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

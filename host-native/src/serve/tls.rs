@@ -1,8 +1,13 @@
-//! `serve --tls-cert FILE --tls-key FILE`: https and wss on the serving port, with rustls.
+//! `serve --tls-cert FILE --tls-key FILE`: https and wss on the serving port, with rustls; and
+//! the client side a relay (or `zero-replica`) uses towards an `https`/`wss` peer.
 //!
 //! Handshakes run in their own tasks, at most [`MAX_HANDSHAKES`] at once and each within
 //! [`HANDSHAKE_TIMEOUT`], so a peer that opens a socket and says nothing holds up no one else;
 //! connections beyond the bound are closed at once.
+//!
+//! Towards a peer, the certificate must chain to `--from-ca-file` (a private CA) when given,
+//! else to the system's certificate bundle (`SSL_CERT_FILE`, else the usual Linux paths), and
+//! name the host of the URL.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -11,7 +16,7 @@ use std::time::Duration;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::ServerConfig;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinHandle;
@@ -60,6 +65,62 @@ pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, TlsFi
                 .with_single_cert(certs, private_key)
         })
         .map_err(|e| failed("key", key, e.to_string()))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Where Linux distributions keep the system's trusted certificates, in order of preference.
+const SYSTEM_BUNDLES: [&str; 4] = [
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+];
+
+/// The client settings for `https`/`wss` peers: trust `ca_file`'s certificates, else the
+/// system bundle.
+pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<ClientConfig>, TlsFileError> {
+    let system = || {
+        std::env::var_os("SSL_CERT_FILE")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                SYSTEM_BUNDLES
+                    .iter()
+                    .map(std::path::PathBuf::from)
+                    .find(|path| path.exists())
+            })
+    };
+    let path = match ca_file {
+        Some(path) => path.to_owned(),
+        None => system().ok_or_else(|| TlsFileError {
+            what: "CA certificates",
+            path: SYSTEM_BUNDLES.join(", "),
+            reason: "expected --from-ca-file FILE or a system certificate bundle, found neither"
+                .to_owned(),
+        })?,
+    };
+    let failed = |reason: String| TlsFileError {
+        what: "CA certificates",
+        path: path.display().to_string(),
+        reason,
+    };
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(&path).map_err(|e| failed(e.to_string()))? {
+        let cert = cert.map_err(|e| failed(e.to_string()))?;
+        // A bundle may hold certificates webpki cannot use; the others still count.
+        if roots.add(cert).is_err() && ca_file.is_some() {
+            return Err(failed("expected CA certificates webpki accepts".to_owned()));
+        }
+    }
+    if roots.is_empty() {
+        return Err(failed("expected PEM certificates, found none".to_owned()));
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| failed(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }

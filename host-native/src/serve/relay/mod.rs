@@ -131,6 +131,8 @@ pub(super) struct Upstream {
     /// `ws://host:port/replication/v8/subscribe?taskID=…`.
     pub url: String,
     pub token: Option<super::ReplicationToken>,
+    /// TLS trust and snapshot-download bounds.
+    pub client: super::snapshot_download::PeerClient,
 }
 
 /// A replica ready to stream into, and the socket of its fresh restore, if there was one.
@@ -167,6 +169,7 @@ pub(super) async fn serve(
     let upstream = Upstream {
         url: url.clone(),
         token: args.security.upstream_token()?,
+        client: args.security.peer_client(&from)?,
     };
     loop {
         let Some(prepared) = prepare(&args.data, &upstream, &task_id, stop.clone()).await? else {

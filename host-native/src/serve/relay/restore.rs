@@ -62,9 +62,14 @@ pub(super) async fn restore(
     let temp = data.join(RESTORE_FILE);
     // The primary's token opens its snapshot as it opens its change stream.
     let download = async {
-        download(&reserved.backup_url, &temp, primary.token.as_ref())
-            .await
-            .map_err(RelayError::from)
+        download(
+            &reserved.backup_url,
+            &temp,
+            primary.token.as_ref(),
+            &primary.client,
+        )
+        .await
+        .map_err(RelayError::from)
     };
     let headers = while_reserved(&mut upstream, download).await?;
     let watermark = {
@@ -251,6 +256,12 @@ impl From<DownloadError> for RelayError {
         match error {
             DownloadError::Failed { url, reason } => RelayError::Download { url, reason },
             DownloadError::Io(error) => RelayError::Io(error),
+            DownloadError::TooLarge { ref url, .. }
+            | DownloadError::NoRoom { ref url, .. }
+            | DownloadError::TimedOut { ref url, .. } => RelayError::Download {
+                url: url.clone(),
+                reason: error.reason(),
+            },
         }
     }
 }

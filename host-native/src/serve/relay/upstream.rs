@@ -21,19 +21,20 @@ use rusqlite::{Connection as Sqlite, OpenFlags};
 use tokio::sync::{mpsc, watch};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::{http, Message};
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+use tokio_tungstenite::WebSocketStream;
 
 use super::{Backoff, RelayError, Upstream};
 use crate::change_log::{self, ChangeLogError};
 use crate::serve::source::{Confirm, PrimaryFeedback, Source, SourceEvent};
 
-type Socket = WebSocketStream<MaybeTlsStream<tokio::net::TcpStream>>;
+type Socket = WebSocketStream<crate::serve::snapshot_download::PeerStream>;
 
 /// Messages buffered ahead of the ingest thread; while it does not take them (the streamer
 /// paused upstream), the primary's socket is not read and TCP pushes back.
 const EVENT_CAPACITY: usize = 1024;
 
-/// How long the WebSocket handshake with the primary may take.
+/// How long the WebSocket handshake with the primary may take (after the TCP connection and
+/// TLS handshake, bounded on their own).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How often the silence limit is looked at.
@@ -61,28 +62,53 @@ pub(super) struct UpstreamConnection {
 }
 
 impl UpstreamConnection {
+    /// Opens the socket: `ws://` over TCP, `wss://` over TLS checked against the relay's
+    /// trust (`--from-ca-file`, else the system bundle).
     pub async fn connect(upstream: &Upstream) -> Result<UpstreamConnection, RelayError> {
         let url = upstream.url.as_str();
-        let mut request = url.into_client_request().map_err(|e| RelayError::Connect {
+        let failed = |reason: String| RelayError::Connect {
             url: url.to_owned(),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        let mut request = url
+            .into_client_request()
+            .map_err(|e| failed(e.to_string()))?;
         if let Some(token) = &upstream.token {
             request
                 .headers_mut()
                 .insert(http::header::AUTHORIZATION, token.authorization());
         }
-        let connecting = tokio_tungstenite::connect_async(request);
-        let (socket, _) = tokio::time::timeout(CONNECT_TIMEOUT, connecting)
+        let uri = request.uri();
+        let tls = match uri.scheme_str() {
+            Some("ws") => false,
+            Some("wss") => true,
+            other => {
+                return Err(failed(format!(
+                    "expected a ws:// or wss:// URL, found scheme {:?}",
+                    other.unwrap_or("")
+                )))
+            }
+        };
+        let host = uri
+            .host()
+            .ok_or_else(|| failed("expected a host in the URL".to_owned()))?
+            .to_owned();
+        let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        let stream = upstream
+            .client
+            .connect(&host, port, tls)
             .await
-            .map_err(|_| RelayError::Connect {
-                url: url.to_owned(),
-                reason: format!("no handshake within {} s", CONNECT_TIMEOUT.as_secs()),
+            .map_err(failed)?;
+        let handshake = tokio_tungstenite::client_async(request, stream);
+        let (socket, _) = tokio::time::timeout(CONNECT_TIMEOUT, handshake)
+            .await
+            .map_err(|_| {
+                failed(format!(
+                    "no handshake within {} s",
+                    CONNECT_TIMEOUT.as_secs()
+                ))
             })?
-            .map_err(|e| RelayError::Connect {
-                url: url.to_owned(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| failed(e.to_string()))?;
         Ok(UpstreamConnection {
             socket,
             outgoing: AckQueue::new(),
