@@ -484,7 +484,14 @@ impl SyncClient {
                 _ => {}
             },
             ClientInput::Token { request, result } => self.token(now_ms, request, result, &mut out),
-            ClientInput::Tick => self.tick(now_ms, &mut out),
+            ClientInput::Tick => {
+                // A timer that is due has fired: none is armed now, so a new deadline equal to
+                // the one that just passed is set again instead of being taken for the armed one.
+                if self.timer.is_some_and(|at| at <= now_ms) {
+                    self.timer = None;
+                }
+                self.tick(now_ms, &mut out)
+            }
             ClientInput::BrowserOnline => {
                 self.browser_offline = false;
                 if matches!(self.link, Link::Waiting { .. }) {

@@ -397,6 +397,56 @@ fn heartbeat_pings_and_closes_a_silent_socket_within_ten_seconds() {
         .any(|e| matches!(e, ClientEffect::CloseSocket { .. })));
 }
 
+/// Found by the simulation (seed 796): a socket closed as silent whose backoff drew 0 ms waited
+/// for the timer that had just fired, and never reconnected.
+#[test]
+fn a_reconnect_due_when_the_fired_timer_was_due_is_armed_again() {
+    let config = ClientConfig {
+        backoff: BackoffPolicy {
+            initial_ms: 0,
+            max_ms: 0,
+        },
+        ..ClientConfig::default()
+    };
+    let mut client = SyncClient::new(config, 7);
+    client.handle(
+        0,
+        ClientInput::Subscribe {
+            scope: 1,
+            params: Box::new(params("ada")),
+            stored: StoredScope::default(),
+        },
+    );
+    let effects = client.handle(0, ClientInput::Start);
+    let request = token_request(&effects).unwrap();
+    let effects = client.handle(
+        0,
+        ClientInput::Token {
+            request,
+            result: Ok(None),
+        },
+    );
+    let socket = opened_socket(&effects).unwrap();
+    client.handle(0, ClientInput::SocketOpened { socket });
+    frame(&mut client, 5_000, r#"{"type":"pong"}"#.to_owned());
+    // Silent since 5 s: the timer for 14 s fires, the socket is closed, and the reconnect is
+    // due at once, at the very time of the timer that fired: it must be armed again.
+    client.handle(9_000, ClientInput::Tick);
+    client.handle(13_000, ClientInput::Tick);
+    let effects = client.handle(14_000, ClientInput::Tick);
+    assert!(effects
+        .iter()
+        .any(|e| matches!(e, ClientEffect::CloseSocket { .. })));
+    assert!(
+        effects.contains(&ClientEffect::SetTimer {
+            at_ms: Some(14_000)
+        }),
+        "{effects:?}"
+    );
+    let effects = client.handle(14_000, ClientInput::Tick);
+    assert!(token_request(&effects).is_some(), "{effects:?}");
+}
+
 #[test]
 fn online_retries_at_once_and_offline_holds_reconnects() {
     let config = ClientConfig {
