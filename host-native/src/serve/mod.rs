@@ -303,9 +303,15 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     let prepared = {
         let args = args.clone();
         let handle = handle.clone();
-        tokio::task::spawn_blocking(move || startup::prepare(&handle, &args))
-            .await
-            .map_err(|e| ServeError::Task(e.to_string()))??
+        let stop = stop.clone();
+        let prepared =
+            tokio::task::spawn_blocking(move || startup::prepare_retrying(&handle, &args, &stop))
+                .await
+                .map_err(|e| ServeError::Task(e.to_string()))??;
+        match prepared {
+            Some(prepared) => prepared,
+            None => return Ok(()),
+        }
     };
     let listener = listen(&args, token.as_ref()).await?;
     let public_url = args.public_url();
