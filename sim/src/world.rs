@@ -47,6 +47,7 @@ pub struct Options {
     pub transactions: usize,
     pub storage_bug: Option<StorageBug>,
     pub ingest_bug: Option<IngestBug>,
+    pub backfill_bug: Option<BackfillBug>,
     /// Keep every trace line (not only the last ones).
     pub full_trace: bool,
 }
@@ -58,9 +59,17 @@ impl Options {
             transactions: 120,
             storage_bug: None,
             ingest_bug: None,
+            backfill_bug: None,
             full_trace: false,
         }
     }
+}
+
+/// A defect to plant in the host's backfill reader, so tests can show the simulation catches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackfillBug {
+    /// The backfill sends no rows, yet completes (the replica keeps NULL in its columns).
+    DropsRows,
 }
 
 /// What a run did.
@@ -72,6 +81,9 @@ pub struct Outcome {
     pub crashes: u64,
     pub disconnects: u64,
     pub transactions: u64,
+    /// Backfill transactions stored, and backfill streams that failed before their commit.
+    pub backfills: u64,
+    pub backfill_failures: u64,
     /// The event list (the last [`TRACE_TAIL`] lines unless a full trace was asked for).
     pub trace: Vec<String>,
 }
@@ -762,7 +774,7 @@ impl World {
             row_key: RowKey::new(vec![key.clone()], None),
             extra: Default::default(),
         };
-        let rows: Vec<Vec<Value>> = self
+        let mut rows: Vec<Vec<Value>> = self
             .pg
             .rows_json(&table)
             .into_values()
@@ -773,6 +785,9 @@ impl World {
                     .collect()
             })
             .collect();
+        if self.opts.backfill_bug == Some(BackfillBug::DropsRows) {
+            rows.clear();
+        }
         let mut begin = Begin::new(watermark.clone());
         begin.skip_ack = Some(true);
         let mut messages = VecDeque::new();
@@ -907,6 +922,7 @@ impl World {
             ));
             let server = self.server.as_mut().expect("checked");
             server.backfill_failed.insert(table, at);
+            self.out.backfill_failures += 1;
         }
         let server = self.server.as_mut().expect("checked");
         let items = server.ingest.backfill_ended();
@@ -1127,6 +1143,9 @@ impl World {
                             unreachable!("only a commit returns entries")
                         };
                         let w = row.watermark().clone();
+                        if self.backfills.contains_key(&w) {
+                            self.out.backfills += 1;
+                        }
                         for e in &entries {
                             if let highwater_engine::scope_server::FeedChange::Upsert { data } =
                                 &e.change
