@@ -84,6 +84,11 @@ pub struct Outcome {
     /// Backfill transactions stored, and backfill streams that failed before their commit.
     pub backfills: u64,
     pub backfill_failures: u64,
+    /// Crashes while a backfill ran.
+    pub backfill_crashes: u64,
+    /// Change-stream subscribers that had to reset: they held a backfill forwarded live that a
+    /// crash lost before it was durable.
+    pub subscriber_resets: u64,
     /// The event list (the last [`TRACE_TAIL`] lines unless a full trace was asked for).
     pub trace: Vec<String>,
 }
@@ -1067,6 +1072,9 @@ impl World {
             return;
         }
         self.out.crashes += 1;
+        if self.server.as_ref().is_some_and(|s| s.backfill.is_some()) {
+            self.out.backfill_crashes += 1;
+        }
         self.log("CRASH: the server process dies".to_owned());
         self.server = None;
         self.storage.crash();
@@ -1983,6 +1991,30 @@ impl World {
                 self.cs[i].open = None;
             }
             DownstreamMessage::Status(_) => {}
+            DownstreamMessage::Error(e)
+                if e.kind()
+                    == Some(highwater_engine::change_stream::ErrorKind::WatermarkTooOld)
+                    && self.backfills.contains_key(&self.cs[i].last)
+                    && !self
+                        .storage
+                        .durable()
+                        .log
+                        .iter()
+                        .any(|r| r.watermark == self.cs[i].last) =>
+            {
+                // Known hazard (see RELIABILITY.md): the streamer forwards a backfill live
+                // before it is durable; a crash loses it, and the retry, read from a later
+                // snapshot, takes another watermark. The subscriber holds a transaction the
+                // log never will and must reset from a snapshot of the replica.
+                let last = self.cs[i].last.clone();
+                let restored = self.storage.last_watermark().clone();
+                self.log(format!(
+                    "{name} resets: its backfill {last} was lost in a crash and redone elsewhere; restored at {restored}"
+                ));
+                self.out.subscriber_resets += 1;
+                self.cs[i].last = restored;
+                self.cs[i].open = None;
+            }
             DownstreamMessage::Error(e) => {
                 let e = format!("{e:?}");
                 self.fail(format!("{name} got an error from the streamer: {e}"));
