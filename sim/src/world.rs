@@ -1008,9 +1008,18 @@ impl World {
         if self.pg.replicating() {
             return;
         }
+        if !server.ingest.accepts_upstream() {
+            // The host takes nothing from the replication source while a backfill runs.
+            self.at(50, Ev::ReplConnect);
+            return;
+        }
         let _ = server.streamer.start_upstream(Vec::new());
         self.pg.start_replication();
         self.log(format!("replication started at {}", self.pg.confirmed));
+        // As the host: every replication session starts with `Input::Started` (which is
+        // where a backfill waiting since before a restart may start, before any frame).
+        let items = self.server.as_mut().expect("checked").ingest.started();
+        self.ingested(items);
         self.kick_pg();
     }
 
