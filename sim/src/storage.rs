@@ -893,4 +893,59 @@ mod store_tests {
         };
         assert!(rows.is_empty());
     }
+
+    fn raw(text: &str) -> DownstreamMessage {
+        decode_downstream(text).expect("message")
+    }
+
+    #[test]
+    fn a_backfill_fills_pending_columns_of_held_rows_once_and_new_seqs_reach_the_feed() {
+        let (mut storage, mut streamer) = storage();
+        let add = raw(
+            r#"["data",{"tag":"add-column","table":{"schema":"public","name":"todos"},"column":{"name":"stamp","spec":{"pos":3,"dataType":"text"}},"backfill":{"attNum":3}}]"#,
+        );
+        for op in &writes(&mut streamer, "0a", vec![add]) {
+            storage.apply(op).expect("stored");
+        }
+        assert_eq!(
+            storage.pending_backfills()["todos"],
+            BTreeSet::from(["stamp".to_owned()])
+        );
+        let rel = r#""relation":{"schema":"public","name":"todos","rowKey":{"columns":["id"]}},"columns":["stamp"],"watermark":"0c""#;
+        let backfill = || {
+            vec![
+                // Row 9 is not in the replica (inserted upstream after the position): skipped.
+                raw(&format!(
+                    r#"["data",{{"tag":"backfill",{rel},"rowValues":[[1,"t1"],[9,"t9"]]}}]"#
+                )),
+                raw(&format!(r#"["data",{{"tag":"backfill-completed",{rel}}}]"#)),
+            ]
+        };
+        let mut entries = None;
+        for op in &writes(&mut streamer, "0a.01", backfill()) {
+            if let Some(e) = storage.apply(op).expect("stored") {
+                entries = Some(e);
+            }
+        }
+        let row = &storage.durable().tables["todos"].rows["1"];
+        assert_eq!(row.data.get("stamp"), Some(&json!("t1")));
+        assert!(!storage.durable().tables["todos"].rows.contains_key("9"));
+        assert!(storage.pending_backfills().is_empty());
+        // The row took a new seq, so the scope feed carries its new value.
+        let entries = entries.expect("committed");
+        assert!(
+            entries
+                .iter()
+                .any(|e| e.resource_id == "1" && e.seq == row.seq),
+            "{entries:?}"
+        );
+        // Applied again, it is refused: its columns are no longer pending.
+        let again = writes(&mut streamer, "0a.02", backfill());
+        let refused = again
+            .iter()
+            .map(|op| storage.apply(op))
+            .find(Result::is_err);
+        let why = refused.expect("refused").expect_err("an error");
+        assert!(why.contains("applied twice"), "{why}");
+    }
 }
