@@ -32,6 +32,8 @@ pub enum Ingested {
     Ack(Lsn),
     /// Between transactions: upstream sent everything before `watermark`.
     Idle(Watermark),
+    /// A backfill may start now (between transactions, everything before it durable).
+    BackfillDue,
     Warn(String),
 }
 
@@ -88,6 +90,35 @@ impl Ingest {
         self.run(Input::Stored { watermark })
     }
 
+    /// The host started the backfill [`Ingested::BackfillDue`] allowed.
+    pub fn backfill_started(&mut self) -> Result<Vec<Ingested>, String> {
+        self.run(Input::BackfillStarted)
+    }
+
+    /// One message of the running backfill.
+    pub fn backfill(&mut self, message: DownstreamMessage) -> Result<Vec<Ingested>, String> {
+        self.run(Input::Backfill(message))
+    }
+
+    /// The running backfill's stream ended (after its commit, or before it).
+    pub fn backfill_ended(&mut self) -> Result<Vec<Ingested>, String> {
+        self.run(Input::BackfillEnded)
+    }
+
+    /// Whether upstream frames may be fed now.
+    pub fn accepts_upstream(&self) -> bool {
+        self.session.accepts_upstream()
+    }
+
+    pub fn backfill_running(&self) -> bool {
+        self.session.backfill_running()
+    }
+
+    /// The newest commit handed on: a backfill's position.
+    pub fn last_commit(&self) -> Watermark {
+        self.session.last_commit().clone()
+    }
+
     fn run(&mut self, input: Input<'_>) -> Result<Vec<Ingested>, String> {
         let mut out = Vec::new();
         let mut effects = self.session.handle(input).map_err(|e| e.to_string())?;
@@ -131,8 +162,7 @@ impl Ingest {
                         return Err("a DDL event, which the simulated upstream never sends".into())
                     }
                     Effect::Idle { watermark } => out.push(Ingested::Idle(watermark)),
-                    // No backfills are modelled: none is ever waiting.
-                    Effect::BackfillDue => {}
+                    Effect::BackfillDue => out.push(Ingested::BackfillDue),
                     Effect::AckFrames(_) | Effect::Reconnect { .. } => {
                         return Err("a relay effect from a Postgres source".into())
                     }
@@ -195,7 +225,20 @@ impl Ingest {
                         extra: Default::default(),
                     },
                     metadata: None,
-                    backfill: None,
+                    // Found by a Relation message, the table may hold rows the stream never
+                    // carried: every column is backfilled (as the host's reconcile does).
+                    backfill: Some(
+                        relation
+                            .columns
+                            .iter()
+                            .map(|c| {
+                                (
+                                    c.name.clone(),
+                                    serde_json::json!({"relation": relation.oid}),
+                                )
+                            })
+                            .collect(),
+                    ),
                     extra: Default::default(),
                 })]
             }
@@ -215,7 +258,9 @@ impl Ingest {
                             extra: Default::default(),
                         },
                         table_metadata: None,
-                        backfill: None,
+                        // A column seen first in a Relation message may hold values only
+                        // upstream knows (a default): always backfilled, as the host does.
+                        backfill: Some(serde_json::json!({"attNum": i + 1})),
                         extra: Default::default(),
                     }));
                 }

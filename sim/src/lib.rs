@@ -11,4 +11,4 @@ pub mod storage;
 pub mod upstream;
 pub mod world;
 
-pub use world::{describe, run, Options, Outcome};
+pub use world::{describe, run, BackfillBug, Options, Outcome};

@@ -4,17 +4,18 @@
 //! highwater-sim --seed S [--trace]        one seed; --trace prints its whole event list
 //! highwater-sim --seeds N [--from S]      seeds S..S+N (S defaults to 1)
 //!               [--transactions T]        upstream transactions per seed (default 120)
-//!               [--plant loses-commit|early-ack]  plant a defect the run must catch
+//!               [--plant loses-commit|early-ack|backfill-drops-rows]  plant a defect the run must catch
 //! ```
 //!
-//! Ends with `simulation: N seeds, F failed, S steps, K crashes, D disconnects, X transactions`
+//! Ends with `simulation: N seeds, F failed, S steps, K crashes, D disconnects, X transactions,
+//! B backfills (R failed before their commit, C crashes during one), Z subscriber resets`
 //! and `# pass P` / `# fail F`; exits non-zero when a seed failed.
 
 use std::process::ExitCode;
 
 use highwater_sim::ingest::IngestBug;
 use highwater_sim::storage::StorageBug;
-use highwater_sim::{describe, run, Options};
+use highwater_sim::{describe, run, BackfillBug, Options};
 
 fn usage() -> ExitCode {
     eprintln!(
@@ -57,7 +58,10 @@ fn main() -> ExitCode {
             }
             "--plant" => {
                 plant = args.get(i + 1).cloned();
-                if !matches!(plant.as_deref(), Some("loses-commit" | "early-ack")) {
+                if !matches!(
+                    plant.as_deref(),
+                    Some("loses-commit" | "early-ack" | "backfill-drops-rows")
+                ) {
                     return usage();
                 }
                 i += 1;
@@ -73,6 +77,8 @@ fn main() -> ExitCode {
         _ => return usage(),
     };
     let (mut failed, mut steps, mut crashes, mut disconnects, mut txs) = (0u64, 0, 0, 0, 0);
+    let (mut backfills, mut backfill_failures, mut backfill_crashes) = (0u64, 0u64, 0u64);
+    let mut resets = 0u64;
     for &s in &list {
         let mut opts = Options::new(s);
         opts.full_trace = trace;
@@ -82,6 +88,7 @@ fn main() -> ExitCode {
         match plant.as_deref() {
             Some("loses-commit") => opts.storage_bug = Some(StorageBug::LosesLastCommit),
             Some("early-ack") => opts.ingest_bug = Some(IngestBug::AcksOnForward),
+            Some("backfill-drops-rows") => opts.backfill_bug = Some(BackfillBug::DropsRows),
             _ => {}
         }
         let outcome = run(opts);
@@ -89,6 +96,10 @@ fn main() -> ExitCode {
         crashes += outcome.crashes;
         disconnects += outcome.disconnects;
         txs += outcome.transactions;
+        backfills += outcome.backfills;
+        backfill_failures += outcome.backfill_failures;
+        backfill_crashes += outcome.backfill_crashes;
+        resets += outcome.subscriber_resets;
         if trace {
             for line in &outcome.trace {
                 println!("{line}");
@@ -119,7 +130,7 @@ fn main() -> ExitCode {
     }
     let n = list.len() as u64;
     println!(
-        "simulation: {n} seeds, {failed} failed, {steps} steps, {crashes} crashes, {disconnects} disconnects, {txs} transactions"
+        "simulation: {n} seeds, {failed} failed, {steps} steps, {crashes} crashes, {disconnects} disconnects, {txs} transactions, {backfills} backfills ({backfill_failures} failed before their commit, {backfill_crashes} crashes during one), {resets} subscriber resets"
     );
     println!("# pass {}", n - failed);
     println!("# fail {failed}");

@@ -10,7 +10,7 @@
 //! plus its exits, ascending by seq. A replay page is the rows (and, after a cursor, the exits)
 //! of a scope in `(after, up_to]`, by seq.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use highwater_engine::change_stream::{Change, DownstreamMessage, Row};
 use highwater_engine::scope_server::{FeedChange, FeedEntry, PageResult};
@@ -58,6 +58,9 @@ pub struct ReplicaTable {
     pub exits: Vec<Exit>,
     /// The seq of the newest truncate: a replay from an older cursor starts over.
     pub truncated: Option<i64>,
+    /// Columns (the key too, for a table new to the replica) whose existing values only
+    /// upstream knows: a backfill brings them (the replica's pending backfills).
+    pub pending: BTreeSet<String>,
 }
 
 /// What survives a crash.
@@ -148,6 +151,17 @@ impl Storage {
 
     pub fn last_watermark(&self) -> &Watermark {
         &self.durable.last_watermark
+    }
+
+    /// The replica's pending backfills, durable: table → columns (key included for a table
+    /// new to the replica).
+    pub fn pending_backfills(&self) -> BTreeMap<String, BTreeSet<String>> {
+        self.durable
+            .tables
+            .iter()
+            .filter(|(_, t)| !t.pending.is_empty())
+            .map(|(n, t)| (n.clone(), t.pending.clone()))
+            .collect()
     }
 
     pub fn in_transaction(&self) -> bool {
@@ -420,12 +434,18 @@ impl Open {
                     .as_ref()
                     .and_then(|k| k.first().cloned())
                     .unwrap_or_else(|| "id".to_owned());
+                let pending = create
+                    .backfill
+                    .as_ref()
+                    .map(|b| b.keys().cloned().collect())
+                    .unwrap_or_default();
                 self.tables.insert(
                     name,
                     ReplicaTable {
                         columns: create.spec.columns.keys().cloned().collect(),
                         key,
                         scoped: false,
+                        pending,
                         ..ReplicaTable::default()
                     },
                 );
@@ -434,6 +454,9 @@ impl Open {
                 let t = self.table(&add.table.name)?;
                 if !t.columns.contains(&add.column.name) {
                     t.columns.push(add.column.name.clone());
+                    if add.backfill.is_some() {
+                        t.pending.insert(add.column.name.clone());
+                    }
                 }
             }
             Change::Insert(insert) => {
@@ -556,6 +579,58 @@ impl Open {
                             },
                         ));
                     }
+                }
+            }
+            Change::Backfill(backfill) => {
+                // As the host's replica: the pending columns of rows it holds take the
+                // snapshot's values; a table new to the replica takes the rows it lacks.
+                let name = backfill.relation.name.clone();
+                let t = self.table(&name)?;
+                let names: Vec<String> = backfill
+                    .relation
+                    .row_key
+                    .columns
+                    .iter()
+                    .chain(&backfill.columns)
+                    .cloned()
+                    .collect();
+                if let Some(c) = names
+                    .iter()
+                    .find(|c| !t.pending.contains(*c) && **c != t.key)
+                {
+                    return Err(format!(
+                        "expected a backfill of pending columns of {name}, got one of {c} (applied twice?)"
+                    ));
+                }
+                let whole = t.pending.contains(&t.key);
+                let key = t.key.clone();
+                for values in &backfill.row_values {
+                    let row: Map<String, Value> =
+                        names.iter().cloned().zip(values.iter().cloned()).collect();
+                    let id = id_text(row.get(&key))
+                        .ok_or_else(|| format!("expected a key in a backfill row of {name}"))?;
+                    let t = self.table(&name)?;
+                    let exists = t.rows.contains_key(&id);
+                    if !exists && !whole {
+                        continue;
+                    }
+                    let seq = self.take_seq(&name);
+                    let t = self.table(&name)?;
+                    let entry = t.rows.entry(id).or_insert_with(|| ReplicaRow {
+                        data: Map::new(),
+                        seq,
+                        updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
+                    });
+                    for (k, v) in row {
+                        entry.data.insert(k, v);
+                    }
+                    entry.seq = seq;
+                }
+            }
+            Change::BackfillCompleted(done) => {
+                let t = self.table(&done.relation.name)?;
+                for c in done.relation.row_key.columns.iter().chain(&done.columns) {
+                    t.pending.remove(c);
                 }
             }
             other => {
@@ -817,5 +892,60 @@ mod store_tests {
             panic!("rows expected");
         };
         assert!(rows.is_empty());
+    }
+
+    fn raw(text: &str) -> DownstreamMessage {
+        decode_downstream(text).expect("message")
+    }
+
+    #[test]
+    fn a_backfill_fills_pending_columns_of_held_rows_once_and_new_seqs_reach_the_feed() {
+        let (mut storage, mut streamer) = storage();
+        let add = raw(
+            r#"["data",{"tag":"add-column","table":{"schema":"public","name":"todos"},"column":{"name":"stamp","spec":{"pos":3,"dataType":"text"}},"backfill":{"attNum":3}}]"#,
+        );
+        for op in &writes(&mut streamer, "0a", vec![add]) {
+            storage.apply(op).expect("stored");
+        }
+        assert_eq!(
+            storage.pending_backfills()["todos"],
+            BTreeSet::from(["stamp".to_owned()])
+        );
+        let rel = r#""relation":{"schema":"public","name":"todos","rowKey":{"columns":["id"]}},"columns":["stamp"],"watermark":"0c""#;
+        let backfill = || {
+            vec![
+                // Row 9 is not in the replica (inserted upstream after the position): skipped.
+                raw(&format!(
+                    r#"["data",{{"tag":"backfill",{rel},"rowValues":[[1,"t1"],[9,"t9"]]}}]"#
+                )),
+                raw(&format!(r#"["data",{{"tag":"backfill-completed",{rel}}}]"#)),
+            ]
+        };
+        let mut entries = None;
+        for op in &writes(&mut streamer, "0a.01", backfill()) {
+            if let Some(e) = storage.apply(op).expect("stored") {
+                entries = Some(e);
+            }
+        }
+        let row = &storage.durable().tables["todos"].rows["1"];
+        assert_eq!(row.data.get("stamp"), Some(&json!("t1")));
+        assert!(!storage.durable().tables["todos"].rows.contains_key("9"));
+        assert!(storage.pending_backfills().is_empty());
+        // The row took a new seq, so the scope feed carries its new value.
+        let entries = entries.expect("committed");
+        assert!(
+            entries
+                .iter()
+                .any(|e| e.resource_id == "1" && e.seq == row.seq),
+            "{entries:?}"
+        );
+        // Applied again, it is refused: its columns are no longer pending.
+        let again = writes(&mut streamer, "0a.02", backfill());
+        let refused = again
+            .iter()
+            .map(|op| storage.apply(op))
+            .find(Result::is_err);
+        let why = refused.expect("refused").expect_err("an error");
+        assert!(why.contains("applied twice"), "{why}");
     }
 }

@@ -239,6 +239,45 @@ impl SimPg {
         }
     }
 
+    /// Adds a column whose existing rows get values only upstream knows (`ADD COLUMN …
+    /// DEFAULT now()`: a table rewrite the stream does not carry; only a backfill brings them).
+    pub fn add_column_with_values(&mut self, table: &str, name: &str, rng: &mut Rng) {
+        let Some(t) = self.tables.get_mut(table) else {
+            return;
+        };
+        if t.relation().columns.iter().any(|c| c.name == name) {
+            return;
+        }
+        let mut relation = t.relation().clone();
+        let col = column(name, TEXT, false);
+        for row in t.rows.values_mut() {
+            row.push(Some(format!("t{}", rng.below(100_000))));
+        }
+        relation.columns.push(col);
+        t.versions.push(relation);
+    }
+
+    /// A table that already holds rows joins the publication (`ALTER PUBLICATION … ADD
+    /// TABLE`): the stream shows it from its next change on; its rows come by backfill.
+    pub fn publish_table_with_rows(&mut self, name: &str, rng: &mut Rng) {
+        if self.tables.contains_key(name) {
+            return;
+        }
+        self.create_table(
+            name,
+            vec![column("id", INT4, true), column("body", TEXT, false)],
+        );
+        for _ in 0..rng.range(1, 8) {
+            let values = self.new_row(name, rng);
+            let id = key_of(&values);
+            self.tables
+                .get_mut(name)
+                .expect("table")
+                .rows
+                .insert(id, values);
+        }
+    }
+
     /// Creates an unscoped table `name(id, body)`.
     pub fn create_unscoped_table(&mut self, name: &str) {
         if !self.tables.contains_key(name) {

@@ -1,10 +1,10 @@
 //! The simulation as a test: a small sweep of seeds passes, a seed replays exactly, and planted
 //! defects (storage that loses a commit it reported durable, an acker that acks before
-//! storing) make seeds fail, so the invariants can fail at all.
+//! storing, a backfill that sends no rows) make seeds fail, so the invariants can fail at all.
 
 use highwater_sim::ingest::IngestBug;
 use highwater_sim::storage::StorageBug;
-use highwater_sim::{run, Options};
+use highwater_sim::{run, BackfillBug, Options};
 
 fn small(seed: u64) -> Options {
     let mut opts = Options::new(seed);
@@ -16,6 +16,7 @@ fn small(seed: u64) -> Options {
 fn a_sweep_of_twenty_seeds_passes() {
     let mut crashes = 0;
     let mut disconnects = 0;
+    let mut backfills = 0;
     for seed in 1..=20 {
         let outcome = run(small(seed));
         if let Some(why) = &outcome.failure {
@@ -27,7 +28,9 @@ fn a_sweep_of_twenty_seeds_passes() {
         assert_eq!(outcome.transactions, 40);
         crashes += outcome.crashes;
         disconnects += outcome.disconnects;
+        backfills += outcome.backfills;
     }
+    assert!(backfills > 0, "no seed stored a backfill");
     // The sweep exercised the faults it is there for.
     assert!(crashes > 0, "no seed crashed the server");
     assert!(disconnects > 0, "no seed dropped a connection");
@@ -71,4 +74,44 @@ fn an_acker_that_acks_before_storing_is_caught() {
     let outcome = run(opts);
     let why = outcome.failure.expect("the early ack is caught");
     assert!(why.contains("acknowledged past durable storage"), "{why}");
+}
+
+#[test]
+fn a_backfill_that_brings_no_rows_is_caught() {
+    let mut caught = None;
+    for seed in 1..=30 {
+        let mut opts = small(seed);
+        opts.backfill_bug = Some(BackfillBug::DropsRows);
+        if let Some(why) = run(opts).failure {
+            caught = Some(why);
+            break;
+        }
+    }
+    let why = caught.expect("some seed catches a backfill that brings no rows");
+    // The backfilled column is compared even where the replica or a client leaves it out.
+    assert!(why.contains("after") && why.contains("quiet"), "{why}");
+    assert!(
+        why.contains("stamp")
+            || why.contains("extra")
+            || why.contains("archive")
+            || why.contains("events"),
+        "{why}"
+    );
+}
+
+#[test]
+fn backfill_streams_fail_and_are_retried() {
+    let (mut stored, mut failed) = (0, 0);
+    for seed in 1..=40 {
+        let outcome = run(small(seed));
+        assert!(
+            outcome.failure.is_none(),
+            "seed {seed}: {:?}",
+            outcome.failure
+        );
+        stored += outcome.backfills;
+        failed += outcome.backfill_failures;
+    }
+    assert!(failed > 0, "no backfill stream failed");
+    assert!(stored > 0, "no backfill was stored");
 }
