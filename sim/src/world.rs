@@ -2169,8 +2169,12 @@ impl World {
                 client.timer_gen += 1;
                 if let Some(at) = at_ms {
                     let gen = client.timer_gen;
+                    // Node's timers count from the event loop's cached clock, so they can fire
+                    // a few milliseconds before the deadline by `Date.now()`. The amount comes
+                    // from a hash, not the world's random stream, so seeds replay as before.
+                    let early = (gen.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ c as u64) >> 62;
                     self.at(
-                        at.saturating_sub(self.now),
+                        at.saturating_sub(self.now).saturating_sub(early),
                         Ev::ClientTimer { client: c, gen },
                     );
                 }
