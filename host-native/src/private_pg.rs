@@ -162,11 +162,21 @@ impl PrivatePg {
 
     /// Stops the server (fast shutdown: sessions are disconnected, a clean checkpoint is made).
     pub async fn stop_server(&mut self) -> Result<(), PrivatePgError> {
+        self.stop_with("fast").await
+    }
+
+    /// Stops the server as a crash would (`pg_ctl stop -m immediate`: every process exits at
+    /// once, no shutdown checkpoint; the next start recovers from the WAL).
+    pub async fn crash_server(&mut self) -> Result<(), PrivatePgError> {
+        self.stop_with("immediate").await
+    }
+
+    async fn stop_with(&mut self, mode: &str) -> Result<(), PrivatePgError> {
         if self.running {
             let mut stop = self.tool("pg_ctl");
             stop.arg("-D")
                 .arg(self.data_dir())
-                .args(["-m", "fast", "-w", "-t", "60", "stop"]);
+                .args(["-m", mode, "-w", "-t", "60", "stop"]);
             run(stop).await?;
             self.running = false;
         }

@@ -32,8 +32,10 @@ test("the pgoutput mapper's golden transcripts are what Zero's change source wou
     let open = null;
     let messages = 0;
     for (const {text, number} of lines(path.join(goldenDir, golden))) {
-      const value = BigIntJSON.parse(text);
-      // Other lines record relation bookkeeping, not change-stream messages.
+      const line = BigIntJSON.parse(text);
+      // A commit line also records the end LSN confirmed upstream (`{commit, endLsn}`); other
+      // lines record relation bookkeeping, not change-stream messages.
+      const value = Array.isArray(line?.commit) ? line.commit : line;
       if (!Array.isArray(value)) continue;
       messages++;
       const where = `${golden}:${number}`;

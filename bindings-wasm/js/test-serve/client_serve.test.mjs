@@ -104,6 +104,16 @@ test("the TCP connection severed during 1,000 writes: reconnect, equal, each cha
   await Promise.all([ada.ready, theirs.ready]);
   const problems = [...[ada, theirs].map(appliedOnce)];
   const connections = proxy.connections;
+  // What each client went through, for the failure message if they do not come back.
+  const history = [];
+  const started = Date.now();
+  for (const [name, c] of [["ada", client], ["grace", grace]]) {
+    c.on("status", (s) => history.push(`${Date.now() - started} ms ${name}: ${s.state}${s.reason ? ` (${s.reason})` : ""}`));
+  }
+  const reconnected = () =>
+    until(() => proxy.open === 2, "both clients to reconnect").catch((error) => {
+      throw new Error(`${error.message}; open TCP pairs: ${proxy.open}; statuses:\n${history.join("\n")}`);
+    });
   // Inserts, updates, owner changes (rows moving between the two scopes) and deletes.
   const statements = [];
   for (let i = 0; i < 1000; i++) {
@@ -123,7 +133,7 @@ test("the TCP connection severed during 1,000 writes: reconnect, equal, each cha
   // while its writes are in flight.
   let severed = 0;
   for (let batch = 0; batch < 10; batch++) {
-    if (batch % 2 === 0) await until(() => proxy.open === 2, "both clients to reconnect");
+    if (batch % 2 === 0) await reconnected();
     const writing = pg.script(statements.slice(batch * 100, batch * 100 + 100).join("\n"));
     if (batch % 2 === 0) {
       await sleep(20);

@@ -1109,7 +1109,8 @@ mod tests {
                 let text = encode_downstream(&message);
                 let again = crate::change_stream::decode_downstream(&text).unwrap();
                 assert_eq!(again, message, "{text}");
-                format!("{text} end {end_lsn}")
+                // One JSON line: the commit as sent, and the end LSN that is confirmed upstream.
+                format!("{{\"commit\":{text},\"endLsn\":\"{end_lsn}\"}}")
             }
             Some(PgoutputEvent::Downstream(message)) => {
                 let text = encode_downstream(&message);

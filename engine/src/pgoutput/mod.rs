@@ -23,8 +23,10 @@ mod reader;
 mod relation;
 mod value;
 
-#[cfg(test)]
-mod test_encoder;
+/// Encodes pgoutput messages and replication frames (tests, and the `testkit` feature for the
+/// simulation).
+#[cfg(any(test, feature = "testkit"))]
+pub mod test_encoder;
 
 pub use frame::{
     PgTimestamp, PrimaryKeepalive, ReplicationFrame, StandbyStatusUpdate, XLogData,

@@ -1,9 +1,14 @@
 //! Encodes pgoutput messages and replication frames, so tests can build byte buffers from values.
+//!
+//! Built for the engine's own tests and, behind the `testkit` cargo feature, for the
+//! deterministic simulation (`highwater-sim`), which plays a simulated Postgres. Not part of
+//! the engine's normal build.
 
 use super::frame::{PgTimestamp, PrimaryKeepalive, XLogData};
 use super::message::*;
 
-pub(crate) fn encode(message: &PgoutputMessage<'_>) -> Vec<u8> {
+/// One pgoutput message's bytes (the XLogData payload).
+pub fn encode(message: &PgoutputMessage<'_>) -> Vec<u8> {
     let mut out = Vec::new();
     match message {
         PgoutputMessage::Begin(b) => {
@@ -85,7 +90,7 @@ pub(crate) fn encode(message: &PgoutputMessage<'_>) -> Vec<u8> {
 }
 
 /// Wraps a pgoutput message in an XLogData frame.
-pub(crate) fn xlog_frame(header: &XLogData<'_>, message: &PgoutputMessage<'_>) -> Vec<u8> {
+pub fn xlog_frame(header: &XLogData<'_>, message: &PgoutputMessage<'_>) -> Vec<u8> {
     let mut out = vec![b'w'];
     out.extend_from_slice(&header.wal_start.0.to_be_bytes());
     out.extend_from_slice(&header.wal_end.0.to_be_bytes());
@@ -94,8 +99,8 @@ pub(crate) fn xlog_frame(header: &XLogData<'_>, message: &PgoutputMessage<'_>) -
     out
 }
 
-/// XLogData frame with zero header fields.
-pub(crate) fn xlog(message: &PgoutputMessage<'_>) -> Vec<u8> {
+/// An XLogData frame with zero header fields.
+pub fn xlog(message: &PgoutputMessage<'_>) -> Vec<u8> {
     let header = XLogData {
         wal_start: Default::default(),
         wal_end: Default::default(),
@@ -105,7 +110,8 @@ pub(crate) fn xlog(message: &PgoutputMessage<'_>) -> Vec<u8> {
     xlog_frame(&header, message)
 }
 
-pub(crate) fn keepalive_frame(k: &PrimaryKeepalive) -> Vec<u8> {
+/// A primary keepalive frame.
+pub fn keepalive_frame(k: &PrimaryKeepalive) -> Vec<u8> {
     let mut out = vec![b'k'];
     out.extend_from_slice(&k.wal_end.0.to_be_bytes());
     out.extend_from_slice(&k.send_time.0.to_be_bytes());

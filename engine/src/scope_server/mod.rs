@@ -18,15 +18,16 @@
 //!
 //! Feed [`ServerInput::Committed`] with the feed entries of every upstream transaction, in
 //! commit order and only after the replica commit that gave them their seqs (a client must
-//! never hold a seq a crash could reassign).
+//! never hold a seq a crash could reassign). Feed [`ServerInput::RetentionFloor`] after every
+//! prune of exits, before any page read after that prune is answered.
 //!
 //! Rules carried here: a subscription replays rows up to a high-water pinned on its first page
 //! and gets rows above it live, each once (live entries at or below the pin, or at or below its
 //! start cursor, are dropped: the replay has them); a replay page is only requested while the
 //! socket's unflushed bytes are under its budget (P15), and a socket whose budget stays full
 //! longer than a bound is closed 1013 "slow consumer"; a cursor of another epoch, without an
-//! epoch, below the retention floor, or before a truncate of its table gets a reset marker and
-//! a full replay; delivered cursors only move forwards; a subscription whose token expires is
+//! epoch, below the retention floor (at subscribe, or raised past it while its replay runs), or
+//! before a truncate of its table gets a reset marker and a full replay; delivered cursors only move forwards; a subscription whose token expires is
 //! ended with `auth-expired`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -602,6 +603,7 @@ impl ScopeServer {
                 ReplayEffect::Reset { envelope, .. } => {
                     if let Some(sub) = self.subscription_mut(conn, id) {
                         sub.start_seq = None;
+                        sub.sent_live.clear();
                     }
                     let text = message_text(id, &envelope);
                     self.send_text(conn, text, out);
@@ -694,21 +696,23 @@ impl ScopeServer {
             return;
         };
         let epoch = self.config.epoch.clone();
+        // Exits after the cursor were pruned while the replay ran: this page (and earlier
+        // ones) may lack removals the client needs. Start over, as for a cursor below the
+        // floor at subscribe time.
+        let floor = self.retention_floor;
+        let past_floor = self.subscription_mut(conn, &id).is_some_and(|sub| {
+            matches!(sub.stage, Stage::Replaying)
+                && sub
+                    .start_seq
+                    .zip(floor)
+                    .is_some_and(|(start, floor)| floor > start)
+        });
+        if past_floor && matches!(result, PageResult::Rows { .. }) {
+            return self.replay_from_scratch(conn, &id, "cursor-before-retention", out);
+        }
         match result {
             PageResult::Failed { message } => self.fail(conn, &id, codes::INTERNAL, message, out),
-            PageResult::Truncated => {
-                let Some(sub) = self.subscription_mut(conn, &id) else {
-                    return;
-                };
-                let limit = sub.planner.limit();
-                sub.planner = ReplayPlanner::new(None, limit);
-                sub.start_seq = None;
-                sub.pinned = None;
-                sub.done = 0;
-                sub.total = None;
-                self.send_reset(conn, &id, "table-truncated", None, out);
-                self.begin_pass(conn, &id, None, out);
-            }
+            PageResult::Truncated => self.replay_from_scratch(conn, &id, "table-truncated", out),
             PageResult::Rows { up_to, rows, total } => {
                 let Some(sub) = self.subscription_mut(conn, &id) else {
                     return;
@@ -739,6 +743,31 @@ impl ScopeServer {
                 }
             }
         }
+    }
+
+    /// Sends a reset marker and replays the whole scope, with the page just answered consumed
+    /// (so no page of the old pass is in flight).
+    fn replay_from_scratch(
+        &mut self,
+        conn: ConnId,
+        id: &str,
+        reason: &str,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let Some(sub) = self.subscription_mut(conn, id) else {
+            return;
+        };
+        let limit = sub.planner.limit();
+        sub.planner = ReplayPlanner::new(None, limit);
+        sub.start_seq = None;
+        sub.pinned = None;
+        sub.done = 0;
+        sub.total = None;
+        // The client drops every row of the scope at the reset marker, the ones sent live
+        // too: the full replay must not leave them out as already sent.
+        sub.sent_live.clear();
+        self.send_reset(conn, id, reason, None, out);
+        self.begin_pass(conn, id, None, out);
     }
 
     /// Routes one committed transaction to the subscriptions it reaches.

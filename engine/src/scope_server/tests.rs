@@ -451,6 +451,95 @@ fn a_resume_in_the_epoch_starts_after_the_cursor_unless_retention_or_a_truncate_
     assert_eq!(fetch(&effects).map(|f| f.2), Some(None));
 }
 
+/// Found by the simulation (seed 236): a row sent live while a replay ran
+/// was dropped by the client with everything else at a truncate's reset marker, and the full
+/// replay that followed left it out as "already sent live": the client lost the row.
+#[test]
+fn a_row_sent_live_before_a_truncate_reset_comes_again_in_the_full_replay() {
+    let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z", "limit": 1});
+    let mut server = server();
+    let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
+    let pass = fetch(&effects).unwrap().1;
+    // The first page pins the high-water at 8; more pages follow.
+    page(&mut server, ticket, pass, 8, vec![upsert(6, 1, "ada")]);
+    // Row 2 is written above the pin: sent live while the replay runs.
+    let live = server.handle(
+        ServerInput::Committed {
+            entries: vec![upsert(9, 2, "ada")],
+        },
+        0,
+    );
+    assert_eq!(sent(&live)[0]["body"]["syncs"][0]["resourceId"], json!("2"));
+    // The next page finds the table truncated after the cursor: reset, then a full replay.
+    let truncated = server.handle(
+        ServerInput::PageFetched {
+            conn: C,
+            ticket,
+            pass,
+            result: PageResult::Truncated,
+        },
+        0,
+    );
+    assert_eq!(
+        sent(&truncated)[0]["body"]["reset"]["reason"],
+        json!("table-truncated")
+    );
+    let (_, pass, after, ..) = fetch(&truncated).unwrap();
+    assert_eq!(after, None);
+    // The client dropped row 2 with the reset: the full replay must bring it again.
+    let effects = page(&mut server, ticket, pass, 9, vec![upsert(9, 2, "ada")]);
+    let ids: Vec<Value> = sent(&effects)
+        .iter()
+        .filter(|f| f["type"] == "channel-message")
+        .flat_map(|f| f["body"]["syncs"].as_array().cloned().unwrap_or_default())
+        .map(|e| e["resourceId"].clone())
+        .collect();
+    assert_eq!(ids, vec![json!("2")]);
+}
+
+/// Found by the simulation (seed 5011): exits were pruned past a subscription's cursor while
+/// its replay ran; the pages read after the prune lacked those removals, and the client kept
+/// rows that were gone.
+#[test]
+fn a_retention_floor_that_passes_a_running_replay_restarts_it_with_a_reset() {
+    let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z", "limit": 1});
+    let mut server = server();
+    let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
+    let pass = fetch(&effects).unwrap().1;
+    let effects = page(&mut server, ticket, pass, 9, vec![upsert(6, 1, "ada")]);
+    assert!(fetch(&effects).is_some(), "more pages follow");
+    // Exits up to seq 7 are pruned while the next page is read.
+    assert!(server
+        .handle(ServerInput::RetentionFloor(Some(7)), 0)
+        .is_empty());
+    let effects = page(&mut server, ticket, pass, 9, vec![upsert(8, 2, "ada")]);
+    let frames = sent(&effects);
+    assert_eq!(
+        frames[0]["body"]["reset"]["reason"],
+        json!("cursor-before-retention"),
+        "{frames:?}"
+    );
+    assert!(
+        !frames
+            .iter()
+            .any(|f| f["body"]["syncs"].as_array().is_some_and(|s| !s.is_empty())),
+        "the page read past the floor is not delivered"
+    );
+    let (_, _, after, ..) = fetch(&effects).unwrap();
+    assert_eq!(after, None, "a full replay follows");
+    // A subscription that starts above the floor goes on as before.
+    let mut server = self::server();
+    server.handle(ServerInput::RetentionFloor(Some(3)), 0);
+    let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z", "limit": 1});
+    let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
+    let pass = fetch(&effects).unwrap().1;
+    let effects = page(&mut server, ticket, pass, 9, vec![upsert(6, 1, "ada")]);
+    assert_eq!(
+        sent(&effects)[0]["body"]["syncs"][0]["resourceId"],
+        json!("1")
+    );
+}
+
 #[test]
 fn replay_pages_wait_for_room_and_a_socket_that_stays_full_is_closed() {
     let mut config = ServerConfig::new(EPOCH);

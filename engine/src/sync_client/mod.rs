@@ -13,7 +13,8 @@
 //! - [`ClientEffect::Send`]: send the text frame on that socket if it is still open.
 //! - [`ClientEffect::CloseSocket`]: close it and forget it; its later events change nothing.
 //! - [`ClientEffect::SetTimer`]: keep one timer; replace it; fire [`ClientInput::Tick`] at
-//!   `at_ms` (none: cancel). Ticks that come early or twice do no harm.
+//!   `at_ms` (none: cancel). A tick that comes early is answered with the same timer again;
+//!   a tick that comes twice does no harm.
 //! - [`ClientEffect::Changed`]: the scope's rows changed by one server transaction (or by a
 //!   restore or reset); tell the app, once.
 //! - [`ClientEffect::Persist`]: write this to the scope's store in ONE storage transaction, in
@@ -202,7 +203,7 @@ pub enum ClientInput {
         request: u64,
         result: Result<Option<String>, String>,
     },
-    /// The timer set by [`ClientEffect::SetTimer`] fired.
+    /// The timer set by [`ClientEffect::SetTimer`] fired (maybe a little early).
     Tick,
     /// The browser's `online` event.
     BrowserOnline,
@@ -484,7 +485,16 @@ impl SyncClient {
                 _ => {}
             },
             ClientInput::Token { request, result } => self.token(now_ms, request, result, &mut out),
-            ClientInput::Tick => self.tick(now_ms, &mut out),
+            ClientInput::Tick => {
+                // The host's timer fired, so none is armed any more, whatever the time: a
+                // deadline still ahead (a timer that fired early) or equal to the one that just
+                // passed is set again by `report` instead of being taken for the armed one.
+                // Node's timers fire early by as long as the event loop was busy when they were
+                // set (they count from the loop's cached clock), and a deadline left unarmed
+                // would wait forever.
+                self.timer = None;
+                self.tick(now_ms, &mut out)
+            }
             ClientInput::BrowserOnline => {
                 self.browser_offline = false;
                 if matches!(self.link, Link::Waiting { .. }) {

@@ -397,6 +397,91 @@ fn heartbeat_pings_and_closes_a_silent_socket_within_ten_seconds() {
         .any(|e| matches!(e, ClientEffect::CloseSocket { .. })));
 }
 
+/// Found by the simulation (seed 796): a socket closed as silent whose backoff drew 0 ms waited
+/// for the timer that had just fired, and never reconnected.
+#[test]
+fn a_reconnect_due_when_the_fired_timer_was_due_is_armed_again() {
+    let config = ClientConfig {
+        backoff: BackoffPolicy {
+            initial_ms: 0,
+            max_ms: 0,
+        },
+        ..ClientConfig::default()
+    };
+    let mut client = SyncClient::new(config, 7);
+    client.handle(
+        0,
+        ClientInput::Subscribe {
+            scope: 1,
+            params: Box::new(params("ada")),
+            stored: StoredScope::default(),
+        },
+    );
+    let effects = client.handle(0, ClientInput::Start);
+    let request = token_request(&effects).unwrap();
+    let effects = client.handle(
+        0,
+        ClientInput::Token {
+            request,
+            result: Ok(None),
+        },
+    );
+    let socket = opened_socket(&effects).unwrap();
+    client.handle(0, ClientInput::SocketOpened { socket });
+    frame(&mut client, 5_000, r#"{"type":"pong"}"#.to_owned());
+    // Silent since 5 s: the timer for 14 s fires, the socket is closed, and the reconnect is
+    // due at once, at the very time of the timer that fired: it must be armed again.
+    client.handle(9_000, ClientInput::Tick);
+    client.handle(13_000, ClientInput::Tick);
+    let effects = client.handle(14_000, ClientInput::Tick);
+    assert!(effects
+        .iter()
+        .any(|e| matches!(e, ClientEffect::CloseSocket { .. })));
+    assert!(
+        effects.contains(&ClientEffect::SetTimer {
+            at_ms: Some(14_000)
+        }),
+        "{effects:?}"
+    );
+    let effects = client.handle(14_000, ClientInput::Tick);
+    assert!(token_request(&effects).is_some(), "{effects:?}");
+}
+
+/// Found by the client end-to-end test: Node's timers count from the event loop's cached
+/// clock, so a timer set after a busy stretch fires a few milliseconds before its deadline by
+/// `Date.now()`. That early tick found the reconnect not yet due, left the deadline recorded as
+/// armed, and the client never reconnected.
+#[test]
+fn a_timer_that_fires_early_is_armed_again_for_the_same_deadline() {
+    let (mut client, _) = connected(None);
+    // The socket drops at 1 s; the reconnect waits out a backoff delay.
+    let effects = client.handle(
+        1_000,
+        ClientInput::SocketClosed {
+            socket: 1,
+            reason: "reset".to_owned(),
+        },
+    );
+    let due = effects
+        .iter()
+        .find_map(|e| match e {
+            ClientEffect::SetTimer { at_ms: Some(at) } => Some(*at),
+            _ => None,
+        })
+        .expect("a reconnect timer");
+    assert!(
+        due > 1_003,
+        "the seed draws a delay of a few ms at least: {due}"
+    );
+    // The timer fires 3 ms early: nothing is due yet, and the same deadline is armed again.
+    let effects = client.handle(due - 3, ClientInput::Tick);
+    assert!(token_request(&effects).is_none(), "{effects:?}");
+    assert_eq!(effects, vec![ClientEffect::SetTimer { at_ms: Some(due) }]);
+    // At the deadline the client reconnects.
+    let effects = client.handle(due, ClientInput::Tick);
+    assert!(token_request(&effects).is_some(), "{effects:?}");
+}
+
 #[test]
 fn online_retries_at_once_and_offline_holds_reconnects() {
     let config = ClientConfig {
@@ -452,7 +537,11 @@ fn the_server_retry_hint_is_the_least_delay() {
         _ => None,
     });
     assert!(at.unwrap() >= 20_002);
-    assert!(client.handle(20_001, ClientInput::Tick).is_empty());
+    // An early tick does not connect; it only arms the same deadline again.
+    assert_eq!(
+        client.handle(20_001, ClientInput::Tick),
+        vec![ClientEffect::SetTimer { at_ms: at }]
+    );
 }
 
 #[test]

@@ -265,8 +265,6 @@ impl Server {
         args.host = "127.0.0.1".to_owned();
         // The catch-up subscriber connects after the server stored its load: keep the log.
         args.purge_delay_ms = 24 * 60 * 60 * 1000;
-        // Measured with group commit (off by default for `serve`).
-        args.group_commit = true;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("serve")

@@ -6,8 +6,8 @@
 //! (which releases the upstream confirmation); catch-up reads start once every store before
 //! them is committed.
 //!
-//! Group commit (the engine's `upstream::GroupCommit` holds the rule; on with `serve
-//! --group-commit`, otherwise one transaction per SQLite commit): while more upstream
+//! Group commit (the engine's `upstream::GroupCommit` holds the rule; on unless `serve
+//! --no-group-commit`, which stores one transaction per SQLite commit): while more upstream
 //! transactions are queued, the next ones are applied into the same SQLite transaction, each
 //! in a savepoint of its own. The group is made durable when the engine says it is full, when
 //! its deadline passes with nothing more to apply (the thread never waits for input past it),

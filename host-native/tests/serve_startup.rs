@@ -1,0 +1,141 @@
+//! Startup survives losing Postgres half-way: `serve`'s first upstream connection is cut at its
+//! first query (as a Postgres restart or a dropped link would), and the server starts again by
+//! itself instead of exiting; a URL that reaches nothing still fails at once.
+
+// Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
+#![allow(clippy::unwrap_used)]
+
+mod serve_support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serve_support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// A TCP proxy to `target` that cuts its first connection when the client sends its first
+/// query (a simple `Q` or extended-protocol `P` message), and relays every later one whole.
+/// Returns its port and how many connections it cut.
+async fn cutting_proxy(target: u16) -> (u16, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let cut = Arc::new(AtomicUsize::new(0));
+    let counter = cut.clone();
+    tokio::spawn(async move {
+        let mut first = true;
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = TcpStream::connect(("127.0.0.1", target)).await else {
+                continue;
+            };
+            let cut_this = std::mem::take(&mut first);
+            let counter = counter.clone();
+            tokio::spawn(relay(client, server, cut_this, counter));
+        }
+    });
+    (port, cut)
+}
+
+async fn relay(client: TcpStream, server: TcpStream, cut: bool, counter: Arc<AtomicUsize>) {
+    let (mut client_rx, mut client_tx) = client.into_split();
+    let (mut server_rx, mut server_tx) = server.into_split();
+    let upstream = async {
+        let mut buffer = vec![0u8; 64 * 1024];
+        loop {
+            let n = match client_rx.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            // After the startup packets (which begin with their length, so a zero byte),
+            // protocol messages begin with their type.
+            if cut && matches!(buffer[0], b'Q' | b'P') {
+                counter.fetch_add(1, Ordering::SeqCst);
+                return;
+            }
+            if server_tx.write_all(&buffer[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    let downstream = tokio::io::copy(&mut server_rx, &mut client_tx);
+    // Either direction ending ends both: dropping the halves closes the sockets.
+    tokio::select! {
+        _ = upstream => {}
+        _ = downstream => {}
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_starts_again_when_postgres_goes_away_during_startup() {
+    let pg = start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client.batch_execute(ITEMS_DDL).await.unwrap();
+    client
+        .batch_execute("INSERT INTO items VALUES (1, 'before')")
+        .await
+        .unwrap();
+    let (proxy, cut) = cutting_proxy(pg.port()).await;
+    let url = pg
+        .url()
+        .replace(&format!(":{}/", pg.port()), &format!(":{proxy}/"));
+    assert_ne!(url, pg.url(), "the URL goes through the proxy");
+
+    let data = DataDir::new("startup-retry");
+    let port = free_port();
+    let server = tokio::time::timeout(
+        Duration::from_secs(60),
+        InProcess::start(serve_args(&url, data.path(), port)),
+    )
+    .await
+    .expect("serve came up after its first upstream connection was cut");
+    assert_eq!(
+        cut.load(Ordering::SeqCst),
+        1,
+        "the first connection was cut"
+    );
+
+    // And it serves: the row from before and one written now reach a subscriber.
+    let rv = replica_version(server.addr).await;
+    client
+        .batch_execute("INSERT INTO items VALUES (2, 'after')")
+        .await
+        .unwrap();
+    let mut subscriber = Subscriber::connect(server.addr, &changes_path(6, &rv, &rv)).await;
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    let followed = subscriber
+        .follow_until(deadline, |m| m.rows.len() == 1 && m.rows.contains_key(&2))
+        .await;
+    assert!(
+        matches!(followed, Followed::Done),
+        "the subscriber got the row written after startup"
+    );
+    drop(subscriber);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_url_that_reaches_nothing_still_fails_at_once() {
+    let data = DataDir::new("startup-refused");
+    let nothing = free_port();
+    let url = format!("postgres://postgres@127.0.0.1:{nothing}/postgres");
+    let args = serve_args(&url, data.path(), free_port());
+    let (_stop, stop_rx) = tokio::sync::watch::channel(false);
+    let started = tokio::time::Instant::now();
+    let result = tokio::time::timeout(
+        Duration::from_secs(20),
+        highwater_host::serve::serve(args, stop_rx),
+    )
+    .await
+    .expect("serve gave up in time");
+    let error = result.expect_err("nothing listens there");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}: a refused first connection is not retried",
+        started.elapsed()
+    );
+    assert!(
+        error.to_string().contains("Could not connect to Postgres"),
+        "a clear error: {error}"
+    );
+}

@@ -1,0 +1,347 @@
+//! The ingest adapter: the host side of the engine's [`UpstreamSession`], as `serve` drives it.
+//!
+//! Every rule lives in the session: what is already stored (skipped), which LSN to confirm
+//! to Postgres and when (a commit's end LSN once durable, a keepalive's WAL end between
+//! transactions), restarts, and that a Relation message needs reconciling. This adapter only
+//! carries out what the session asks: it answers [`Effect::ReconcileRelation`] with the
+//! `create-table` / `add-column` changes the replica's schema lacks (as the host's
+//! `replica::ddl::relation_changes` does), and hands the rest back to the world as
+//! [`Ingested`] values.
+
+use std::collections::BTreeMap;
+
+use highwater_engine::change_stream::{
+    AddColumn, Change, ColumnDef, ColumnSpec, CreateTable, DownstreamMessage, Identifier, TableSpec,
+};
+use highwater_engine::pgoutput::Relation;
+use highwater_engine::upstream::{Effect, Input, SessionConfig, UpstreamSession};
+use highwater_engine::watermark::{Lsn, Watermark};
+use indexmap::IndexMap;
+use serde_json::Number;
+
+use crate::upstream::INT4;
+
+/// What the session asks of the rest of the server.
+// Forwarded messages are the common case; boxing them would add an allocation each.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum Ingested {
+    /// Hand this message to the streamer.
+    Forward(DownstreamMessage),
+    /// Confirm this position to Postgres.
+    Ack(Lsn),
+    /// Between transactions: upstream sent everything before `watermark`.
+    Idle(Watermark),
+    /// A backfill may start now (between transactions, everything before it durable).
+    BackfillDue,
+    Warn(String),
+}
+
+/// A defect to plant in the host's side, so tests can show that the simulation catches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IngestBug {
+    /// Report every commit durable to the session as soon as it is forwarded, before it is
+    /// stored (a host that acks early).
+    AcksOnForward,
+}
+
+#[derive(Debug)]
+pub struct Ingest {
+    session: UpstreamSession,
+    /// Replica schema as of the messages forwarded so far: table → columns.
+    schema: BTreeMap<String, Vec<String>>,
+    /// Schema changes of the open transaction, undone if it does not commit.
+    open_ddl: Vec<(String, Option<String>)>,
+    pub bug: Option<IngestBug>,
+}
+
+impl Ingest {
+    /// A session over a replica with `schema` whose newest durable commit is `stored`; the
+    /// replication slot starts at `confirmed`.
+    pub fn new(
+        schema: BTreeMap<String, Vec<String>>,
+        stored: Watermark,
+        confirmed: Lsn,
+        bug: Option<IngestBug>,
+    ) -> Self {
+        let config = SessionConfig {
+            ddl_prefix: "highwater/ddl".to_owned(),
+        };
+        Ingest {
+            session: UpstreamSession::new(config, stored, confirmed),
+            schema,
+            open_ddl: Vec::new(),
+            bug,
+        }
+    }
+
+    /// A new replication session (the previous connection is gone).
+    pub fn started(&mut self) -> Result<Vec<Ingested>, String> {
+        self.run(Input::Started)
+    }
+
+    /// One CopyData frame of the replication stream.
+    pub fn frame(&mut self, bytes: &[u8]) -> Result<Vec<Ingested>, String> {
+        self.run(Input::WalData(bytes))
+    }
+
+    /// Every commit up to `watermark` is durable.
+    pub fn stored(&mut self, watermark: Watermark) -> Result<Vec<Ingested>, String> {
+        self.run(Input::Stored { watermark })
+    }
+
+    /// The host started the backfill [`Ingested::BackfillDue`] allowed.
+    pub fn backfill_started(&mut self) -> Result<Vec<Ingested>, String> {
+        self.run(Input::BackfillStarted)
+    }
+
+    /// One message of the running backfill.
+    pub fn backfill(&mut self, message: DownstreamMessage) -> Result<Vec<Ingested>, String> {
+        self.run(Input::Backfill(message))
+    }
+
+    /// The running backfill's stream ended (after its commit, or before it).
+    pub fn backfill_ended(&mut self) -> Result<Vec<Ingested>, String> {
+        self.run(Input::BackfillEnded)
+    }
+
+    /// Whether upstream frames may be fed now.
+    pub fn accepts_upstream(&self) -> bool {
+        self.session.accepts_upstream()
+    }
+
+    pub fn backfill_running(&self) -> bool {
+        self.session.backfill_running()
+    }
+
+    /// The newest commit handed on: a backfill's position.
+    pub fn last_commit(&self) -> Watermark {
+        self.session.last_commit().clone()
+    }
+
+    fn run(&mut self, input: Input<'_>) -> Result<Vec<Ingested>, String> {
+        let mut out = Vec::new();
+        let mut effects = self.session.handle(input).map_err(|e| e.to_string())?;
+        while !effects.is_empty() {
+            let mut next = Vec::new();
+            for effect in effects {
+                match effect {
+                    Effect::Apply(message) => {
+                        match &message {
+                            DownstreamMessage::Begin(_) | DownstreamMessage::Commit(_) => {
+                                self.open_ddl.clear();
+                            }
+                            DownstreamMessage::Rollback(_) => self.undo_open_ddl(),
+                            _ => {}
+                        }
+                        let early = match (&message, self.bug) {
+                            (DownstreamMessage::Commit(c), Some(IngestBug::AcksOnForward)) => {
+                                Some(c.watermark.clone())
+                            }
+                            _ => None,
+                        };
+                        out.push(Ingested::Forward(message));
+                        if let Some(watermark) = early {
+                            next.extend(
+                                self.session
+                                    .handle(Input::Stored { watermark })
+                                    .map_err(|e| e.to_string())?,
+                            );
+                        }
+                    }
+                    Effect::Ack(lsn) => out.push(Ingested::Ack(lsn)),
+                    Effect::ReconcileRelation(relation) => {
+                        let changes = self.relation_changes(&relation);
+                        next.extend(
+                            self.session
+                                .handle(Input::SchemaChanges(changes))
+                                .map_err(|e| e.to_string())?,
+                        );
+                    }
+                    Effect::ResolveDdl { .. } => {
+                        return Err("a DDL event, which the simulated upstream never sends".into())
+                    }
+                    Effect::Idle { watermark } => out.push(Ingested::Idle(watermark)),
+                    Effect::BackfillDue => out.push(Ingested::BackfillDue),
+                    Effect::AckFrames(_) | Effect::Reconnect { .. } => {
+                        return Err("a relay effect from a Postgres source".into())
+                    }
+                    Effect::Warn(message) => out.push(Ingested::Warn(message)),
+                }
+            }
+            effects = next;
+        }
+        Ok(out)
+    }
+
+    fn undo_open_ddl(&mut self) {
+        for (table, column) in self.open_ddl.drain(..).rev() {
+            match column {
+                None => {
+                    self.schema.remove(&table);
+                }
+                Some(column) => {
+                    if let Some(cols) = self.schema.get_mut(&table) {
+                        cols.retain(|c| *c != column);
+                    }
+                }
+            }
+        }
+    }
+
+    fn relation_changes(&mut self, relation: &Relation) -> Vec<Change> {
+        let spec = |type_oid: u32, pos: usize| {
+            ColumnSpec::new(
+                Number::from(pos as u64),
+                if type_oid == INT4 { "int4" } else { "text" },
+            )
+        };
+        let name = relation.name.clone();
+        match self.schema.get_mut(&name) {
+            None => {
+                let columns: IndexMap<String, ColumnSpec> = relation
+                    .columns
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| (c.name.clone(), spec(c.type_oid, i + 1)))
+                    .collect();
+                let key = relation
+                    .columns
+                    .iter()
+                    .filter(|c| c.is_key())
+                    .map(|c| c.name.clone())
+                    .collect();
+                self.schema.insert(
+                    name.clone(),
+                    relation.columns.iter().map(|c| c.name.clone()).collect(),
+                );
+                self.open_ddl.push((name.clone(), None));
+                vec![Change::CreateTable(CreateTable {
+                    spec: TableSpec {
+                        schema: relation.namespace.clone(),
+                        name,
+                        columns,
+                        primary_key: Some(key),
+                        extra: Default::default(),
+                    },
+                    metadata: None,
+                    // Found by a Relation message, the table may hold rows the stream never
+                    // carried: every column is backfilled (as the host's reconcile does).
+                    backfill: Some(
+                        relation
+                            .columns
+                            .iter()
+                            .map(|c| {
+                                (
+                                    c.name.clone(),
+                                    serde_json::json!({"relation": relation.oid}),
+                                )
+                            })
+                            .collect(),
+                    ),
+                    extra: Default::default(),
+                })]
+            }
+            Some(known) => {
+                let mut out = Vec::new();
+                for (i, c) in relation.columns.iter().enumerate() {
+                    if known.contains(&c.name) {
+                        continue;
+                    }
+                    known.push(c.name.clone());
+                    self.open_ddl.push((name.clone(), Some(c.name.clone())));
+                    out.push(Change::AddColumn(AddColumn {
+                        table: Identifier::new(relation.namespace.clone(), name.clone()),
+                        column: ColumnDef {
+                            name: c.name.clone(),
+                            spec: spec(c.type_oid, i + 1),
+                            extra: Default::default(),
+                        },
+                        table_metadata: None,
+                        // A column seen first in a Relation message may hold values only
+                        // upstream knows (a default): always backfilled, as the host does.
+                        backfill: Some(serde_json::json!({"attNum": i + 1})),
+                        extra: Default::default(),
+                    }));
+                }
+                out
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+    use crate::upstream::{SimPg, EPOCH_UNIX_MS, TEXT};
+
+    fn schema(pg: &SimPg) -> BTreeMap<String, Vec<String>> {
+        pg.tables
+            .iter()
+            .map(|(n, t)| {
+                let cols = t
+                    .relation()
+                    .columns
+                    .iter()
+                    .map(|c| c.name.clone())
+                    .collect();
+                (n.clone(), cols)
+            })
+            .collect()
+    }
+
+    fn tags(items: &[Ingested]) -> Vec<String> {
+        items
+            .iter()
+            .filter_map(|i| match i {
+                Ingested::Forward(DownstreamMessage::Data(c)) => Some(c.tag().to_owned()),
+                Ingested::Forward(DownstreamMessage::Begin(_)) => Some("begin".to_owned()),
+                Ingested::Forward(DownstreamMessage::Commit(_)) => Some("commit".to_owned()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn drain(pg: &mut SimPg, ingest: &mut Ingest) -> Vec<Ingested> {
+        let mut out = Vec::new();
+        while let Some(frame) = pg.next_frame() {
+            out.extend(ingest.frame(&frame).expect("accepted"));
+        }
+        out
+    }
+
+    #[test]
+    fn an_added_column_is_reconciled_once_and_a_resent_stored_transaction_is_skipped() {
+        let mut rng = Rng::new(11);
+        let mut pg = SimPg::new(&mut rng);
+        let mut ingest = Ingest::new(schema(&pg), SimPg::replica_version(), pg.confirmed, None);
+        pg.add_column("todos", "extra", TEXT);
+        pg.create_unscoped_table("events");
+        for i in 0..6 {
+            pg.transaction(&mut rng, 4, EPOCH_UNIX_MS + i);
+        }
+        pg.start_replication();
+        let items = drain(&mut pg, &mut ingest);
+        let seen = tags(&items);
+        let adds = seen.iter().filter(|t| *t == "add-column").count();
+        let creates = seen.iter().filter(|t| *t == "create-table").count();
+        assert_eq!(adds, 1, "{seen:?}");
+        assert_eq!(creates, 1, "{seen:?}");
+        // Nothing is confirmed before it is durable.
+        assert!(!items.iter().any(|i| matches!(i, Ingested::Ack(_))));
+        let first = pg.wal[0].clone();
+        let acks = ingest.stored(first.watermark()).expect("accepted");
+        assert!(
+            acks.iter()
+                .any(|i| matches!(i, Ingested::Ack(lsn) if *lsn == first.end_lsn)),
+            "{acks:?}"
+        );
+        // A new session from the commit LSN re-sends the first transaction: skipped whole.
+        pg.confirmed = first.commit_lsn;
+        ingest.started().expect("accepted");
+        pg.start_replication();
+        let again = tags(&drain(&mut pg, &mut ingest));
+        assert!(again.is_empty(), "{again:?}");
+    }
+}

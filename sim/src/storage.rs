@@ -1,0 +1,951 @@
+//! Simulated storage: the change log and the replica (rows with per-row seqs, the scope feed's
+//! exits), kept as the host keeps them in one SQLite database: each upstream transaction is
+//! applied to the replica and appended to the log in ONE store transaction that commits
+//! atomically. A crash drops the open store transaction; what committed survives.
+//!
+//! The replica follows the scope feed's rules (the host's `replica/feed.rs`): every row write
+//! takes the next seq; a delete takes one for its tombstone; a row that leaves a scope (deleted,
+//! or its scope column changed) gets an exit at the seq of the write that moved it; a commit's
+//! feed entries are the rows its touched tables now hold at or above the first seq it took,
+//! plus its exits, ascending by seq. A replay page is the rows (and, after a cursor, the exits)
+//! of a scope in `(after, up_to]`, by seq.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use highwater_engine::change_stream::{Change, DownstreamMessage, Row};
+use highwater_engine::scope_server::{FeedChange, FeedEntry, PageResult};
+use highwater_engine::scope_sync::js_string_form;
+use highwater_engine::streamer::{CatchupRow, LogOp, StoredChange};
+use highwater_engine::watermark::Watermark;
+use serde_json::{Map, Value};
+
+use crate::upstream::OWNER;
+
+/// `updatedAt` of rows from the initial copy.
+pub const UNKNOWN_COMMIT_TIME: &str = "1970-01-01T00:00:00.000Z";
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogRow {
+    pub watermark: Watermark,
+    pub pos: u64,
+    pub tag: String,
+    pub change: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaRow {
+    pub data: Map<String, Value>,
+    pub seq: i64,
+    pub updated_at: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Exit {
+    pub resource_id: String,
+    pub seq: i64,
+    pub old: Map<String, Value>,
+    pub new: Option<Map<String, Value>>,
+    pub updated_at: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ReplicaTable {
+    pub columns: Vec<String>,
+    pub key: String,
+    /// Whether the scope feed follows it (scope column `owner`).
+    pub scoped: bool,
+    pub rows: BTreeMap<String, ReplicaRow>,
+    pub exits: Vec<Exit>,
+    /// The seq of the newest truncate: a replay from an older cursor starts over.
+    pub truncated: Option<i64>,
+    /// Columns (the key too, for a table new to the replica) whose existing values only
+    /// upstream knows: a backfill brings them (the replica's pending backfills).
+    pub pending: BTreeSet<String>,
+}
+
+/// What survives a crash.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Durable {
+    pub log: Vec<LogRow>,
+    pub last_watermark: Watermark,
+    pub tables: BTreeMap<String, ReplicaTable>,
+    /// The next seq to assign.
+    pub next_seq: i64,
+    /// Seqs at or below this may have lost their exits to retention.
+    pub exit_floor: Option<i64>,
+}
+
+/// The open store transaction.
+#[derive(Debug, Clone)]
+struct Open {
+    watermark: Watermark,
+    log: Vec<LogRow>,
+    tables: BTreeMap<String, ReplicaTable>,
+    next_seq: i64,
+    /// Per touched table: the first seq the transaction took in it.
+    touched: BTreeMap<String, i64>,
+    exits: Vec<(String, Exit)>,
+    /// Exits routed live but not journalled (a truncate's).
+    live_exits: Vec<(String, Exit)>,
+    updated_at: String,
+}
+
+/// A storage defect to plant, so tests can show that the simulation catches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StorageBug {
+    /// A commit is reported durable while it sits in a write-back cache until the next
+    /// commit: a crash loses the newest one.
+    LosesLastCommit,
+}
+
+#[derive(Debug)]
+pub struct Storage {
+    durable: Durable,
+    /// With [`StorageBug::LosesLastCommit`]: the state a crash falls back to.
+    flushed: Option<Durable>,
+    open: Option<Open>,
+    bug: Option<StorageBug>,
+    pub commits: u64,
+}
+
+impl Storage {
+    /// A replica copied at `replica_version`, with a change log seeded there.
+    pub fn new(
+        replica_version: Watermark,
+        tables: BTreeMap<String, ReplicaTable>,
+        next_seq: i64,
+        bug: Option<StorageBug>,
+    ) -> Self {
+        let log = vec![
+            LogRow {
+                watermark: replica_version.clone(),
+                pos: 0,
+                tag: "begin".to_owned(),
+                change: r#"{"tag":"begin"}"#.to_owned(),
+            },
+            LogRow {
+                watermark: replica_version.clone(),
+                pos: 1,
+                tag: "commit".to_owned(),
+                change: r#"{"tag":"commit"}"#.to_owned(),
+            },
+        ];
+        Storage {
+            durable: Durable {
+                log,
+                last_watermark: replica_version,
+                tables,
+                next_seq,
+                exit_floor: None,
+            },
+            flushed: None,
+            open: None,
+            bug,
+            commits: 0,
+        }
+    }
+
+    pub fn durable(&self) -> &Durable {
+        &self.durable
+    }
+
+    pub fn last_watermark(&self) -> &Watermark {
+        &self.durable.last_watermark
+    }
+
+    /// The replica's pending backfills, durable: table → columns (key included for a table
+    /// new to the replica).
+    pub fn pending_backfills(&self) -> BTreeMap<String, BTreeSet<String>> {
+        self.durable
+            .tables
+            .iter()
+            .filter(|(_, t)| !t.pending.is_empty())
+            .map(|(n, t)| (n.clone(), t.pending.clone()))
+            .collect()
+    }
+
+    pub fn in_transaction(&self) -> bool {
+        self.open.is_some()
+    }
+
+    /// The process died: the open transaction is gone.
+    pub fn crash(&mut self) {
+        self.open = None;
+        if let Some(flushed) = self.flushed.take() {
+            self.durable = flushed;
+        }
+    }
+
+    /// Carries out one change-log write. A commit returns the feed entries of the
+    /// transaction, to route only now that they are durable.
+    pub fn apply(&mut self, op: &LogOp) -> Result<Option<Vec<FeedEntry>>, String> {
+        match op {
+            LogOp::Begin(row) => {
+                if let Some(open) = &self.open {
+                    return Err(format!(
+                        "expected no open store transaction at a begin for {}, found one for {}",
+                        row.watermark(),
+                        open.watermark
+                    ));
+                }
+                if *row.watermark() <= self.durable.last_watermark {
+                    return Err(format!(
+                        "expected a transaction after the stored {}, got a begin for {}",
+                        self.durable.last_watermark,
+                        row.watermark()
+                    ));
+                }
+                self.open = Some(Open {
+                    watermark: row.watermark().clone(),
+                    log: vec![log_row(row)],
+                    tables: self.durable.tables.clone(),
+                    next_seq: self.durable.next_seq,
+                    touched: BTreeMap::new(),
+                    exits: Vec::new(),
+                    live_exits: Vec::new(),
+                    updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
+                });
+                Ok(None)
+            }
+            LogOp::Append(row) => {
+                let open = self.open_for(row)?;
+                open.log.push(log_row(row));
+                if let Some(DownstreamMessage::Data(change)) = row.message() {
+                    open.apply(change)?;
+                }
+                Ok(None)
+            }
+            LogOp::Commit(row) => {
+                let open = self.open_for(row)?;
+                open.log.push(log_row(row));
+                if let Some(DownstreamMessage::Commit(commit)) = row.message() {
+                    if let Some(ms) = commit.commit_time_ms.as_ref().and_then(|n| n.as_i64()) {
+                        open.updated_at = iso_from_ms(ms);
+                    }
+                }
+                let mut open = self.open.take().expect("checked above");
+                let entries = open.finish();
+                if self.bug == Some(StorageBug::LosesLastCommit) {
+                    // The copy a crash falls back to: everything before this commit.
+                    self.flushed = Some(self.durable.clone());
+                }
+                let mut next = Durable {
+                    log: std::mem::take(&mut self.durable.log),
+                    last_watermark: open.watermark.clone(),
+                    tables: open.tables,
+                    next_seq: open.next_seq,
+                    exit_floor: self.durable.exit_floor,
+                };
+                next.log.extend(open.log);
+                self.durable = next;
+                self.commits += 1;
+                Ok(Some(entries))
+            }
+            LogOp::Abort => {
+                self.open = None;
+                Ok(None)
+            }
+        }
+    }
+
+    fn open_for(&mut self, row: &StoredChange) -> Result<&mut Open, String> {
+        let found = self.open.as_ref().map(|o| o.watermark.clone());
+        match (found, self.open.as_mut()) {
+            (Some(w), Some(open)) if w == *row.watermark() => Ok(open),
+            (Some(w), _) => Err(format!(
+                "expected a row of the open transaction {w}, got one of {}",
+                row.watermark()
+            )),
+            _ => Err(format!(
+                "expected an open store transaction for a {} row of {}",
+                row.tag(),
+                row.watermark()
+            )),
+        }
+    }
+
+    /// Drops exits journalled before `older_than` (ISO-8601) and raises the retention floor to
+    /// the highest seq dropped, in one store transaction between upstream transactions.
+    /// Returns the floor.
+    pub fn prune_exits(&mut self, older_than: &str) -> Option<i64> {
+        let mut pruned = None;
+        for t in self.durable.tables.values_mut() {
+            t.exits.retain(|e| {
+                let old = e.updated_at.as_str() < older_than;
+                if old {
+                    pruned = pruned.max(Some(e.seq));
+                }
+                !old
+            });
+        }
+        if pruned > self.durable.exit_floor {
+            self.durable.exit_floor = pruned;
+        }
+        self.durable.exit_floor
+    }
+
+    /// Change-log rows with `from <= watermark <= through`, in `(watermark, pos)` order.
+    pub fn catchup(&self, from: &Watermark, through: &Watermark) -> Vec<CatchupRow> {
+        self.durable
+            .log
+            .iter()
+            .filter(|r| r.watermark >= *from && r.watermark <= *through)
+            .map(|r| CatchupRow::new(r.watermark.clone(), r.tag.clone(), r.change.clone()))
+            .collect()
+    }
+
+    /// One replay page, read from what is durable.
+    pub fn page(
+        &self,
+        table: &str,
+        conditions: &Map<String, Value>,
+        after: Option<i64>,
+        up_to: Option<i64>,
+        limit: u32,
+        count_total: bool,
+    ) -> PageResult {
+        let Some(t) = self.durable.tables.get(table) else {
+            return PageResult::Failed {
+                message: format!("expected a replica table {table}, found none"),
+            };
+        };
+        let up_to = up_to.unwrap_or(self.durable.next_seq - 1);
+        if let (Some(after), Some(truncated)) = (after, t.truncated) {
+            if truncated > after {
+                return PageResult::Truncated;
+            }
+        }
+        let lo = after.unwrap_or(0);
+        let in_range = |seq: i64| seq > lo && seq <= up_to;
+        let mut rows: Vec<FeedEntry> = t
+            .rows
+            .iter()
+            .filter(|(_, r)| in_range(r.seq) && matches(conditions, &r.data))
+            .map(|(id, r)| FeedEntry {
+                table: table.to_owned(),
+                resource_id: id.clone(),
+                seq: r.seq,
+                updated_at: r.updated_at.clone(),
+                change: FeedChange::Upsert {
+                    data: r.data.clone(),
+                },
+            })
+            .collect();
+        rows.sort_by_key(|r| r.seq);
+        let total = count_total.then_some(rows.len() as u64);
+        rows.truncate(limit as usize);
+        if after.is_some() {
+            for exit in &t.exits {
+                let still_in = exit
+                    .new
+                    .as_ref()
+                    .is_some_and(|new| matches(conditions, new));
+                let left = if conditions.is_empty() {
+                    exit.new.is_none()
+                } else {
+                    matches(conditions, &exit.old) && !still_in
+                };
+                if in_range(exit.seq) && left {
+                    rows.push(FeedEntry {
+                        table: table.to_owned(),
+                        resource_id: exit.resource_id.clone(),
+                        seq: exit.seq,
+                        updated_at: exit.updated_at.clone(),
+                        change: FeedChange::Exit {
+                            old: exit.old.clone(),
+                            new: exit.new.clone(),
+                        },
+                    });
+                }
+            }
+            rows.sort_by_key(|r| r.seq);
+            rows.truncate(limit as usize);
+        }
+        PageResult::Rows { up_to, rows, total }
+    }
+}
+
+fn log_row(row: &StoredChange) -> LogRow {
+    LogRow {
+        watermark: row.watermark().clone(),
+        pos: row.pos(),
+        tag: row.tag().to_owned(),
+        change: row.change_json().to_owned(),
+    }
+}
+
+/// Equality conditions in string form, as the feed compares them.
+pub fn matches(conditions: &Map<String, Value>, data: &Map<String, Value>) -> bool {
+    conditions.iter().all(|(column, wanted)| {
+        data.get(column)
+            .is_some_and(|v| js_string_form(v) == js_string_form(wanted))
+    })
+}
+
+fn id_text(value: Option<&Value>) -> Option<String> {
+    match value? {
+        Value::Null => None,
+        v => Some(js_string_form(v)),
+    }
+}
+
+fn scope_of(data: &Map<String, Value>) -> Map<String, Value> {
+    let mut out = Map::new();
+    out.insert(
+        OWNER.to_owned(),
+        data.get(OWNER).cloned().unwrap_or(Value::Null),
+    );
+    out
+}
+
+impl Open {
+    fn table(&mut self, name: &str) -> Result<&mut ReplicaTable, String> {
+        self.tables
+            .get_mut(name)
+            .ok_or_else(|| format!("expected replica table {name} to exist, found none"))
+    }
+
+    fn take_seq(&mut self, table: &str) -> i64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.touched.entry(table.to_owned()).or_insert(seq);
+        seq
+    }
+
+    fn checked(table: &ReplicaTable, name: &str, row: &Row) -> Result<(), String> {
+        match row.keys().find(|c| !table.columns.contains(c)) {
+            Some(column) => Err(format!(
+                "expected the columns of replica table {name}, got unknown column {column}"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    fn apply(&mut self, change: &Change) -> Result<(), String> {
+        match change {
+            Change::CreateTable(create) => {
+                let name = create.spec.name.clone();
+                if self.tables.contains_key(&name) {
+                    return Err(format!("expected table {name} not to exist, found it"));
+                }
+                let key = create
+                    .spec
+                    .primary_key
+                    .as_ref()
+                    .and_then(|k| k.first().cloned())
+                    .unwrap_or_else(|| "id".to_owned());
+                let pending = create
+                    .backfill
+                    .as_ref()
+                    .map(|b| b.keys().cloned().collect())
+                    .unwrap_or_default();
+                self.tables.insert(
+                    name,
+                    ReplicaTable {
+                        columns: create.spec.columns.keys().cloned().collect(),
+                        key,
+                        scoped: false,
+                        pending,
+                        ..ReplicaTable::default()
+                    },
+                );
+            }
+            Change::AddColumn(add) => {
+                let t = self.table(&add.table.name)?;
+                if !t.columns.contains(&add.column.name) {
+                    t.columns.push(add.column.name.clone());
+                    if add.backfill.is_some() {
+                        t.pending.insert(add.column.name.clone());
+                    }
+                }
+            }
+            Change::Insert(insert) => {
+                let name = insert.relation.name.clone();
+                let seq = self.take_seq(&name);
+                let t = self.table(&name)?;
+                Self::checked(t, &name, &insert.new)?;
+                let id = id_text(insert.new.get(&t.key))
+                    .ok_or_else(|| format!("expected a key in an insert into {name}"))?;
+                t.rows.insert(
+                    id,
+                    ReplicaRow {
+                        data: insert.new.clone(),
+                        seq,
+                        updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
+                    },
+                );
+            }
+            Change::Update(update) => {
+                let name = update.relation.name.clone();
+                let seq = self.take_seq(&name);
+                let t = self.table(&name)?;
+                Self::checked(t, &name, &update.new)?;
+                let id = id_text(update.new.get(&t.key))
+                    .ok_or_else(|| format!("expected a key in an update of {name}"))?;
+                let old_id = update
+                    .key
+                    .as_ref()
+                    .and_then(|k| id_text(k.get(&t.key)))
+                    .filter(|old| *old != id);
+                let scoped = t.scoped;
+                // A key change: the row moves to its new key; the old key's tombstone takes
+                // the next seq, and the old key leaves every scope it was in.
+                let moved = old_id.as_ref().and_then(|old| t.rows.remove(old));
+                let source = moved.as_ref().or_else(|| t.rows.get(&id));
+                let before = source.map(|r| scope_of(&r.data));
+                let mut data = source.map(|r| r.data.clone()).unwrap_or_default();
+                for (k, v) in &update.new {
+                    data.insert(k.clone(), v.clone());
+                }
+                let now = scope_of(&data);
+                t.rows.insert(
+                    id.clone(),
+                    ReplicaRow {
+                        data,
+                        seq,
+                        updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
+                    },
+                );
+                if let (Some(old), Some(before)) = (old_id, moved.map(|r| scope_of(&r.data))) {
+                    let tombstone = self.take_seq(&name);
+                    if scoped {
+                        self.exits.push((
+                            name,
+                            Exit {
+                                resource_id: old,
+                                seq: tombstone,
+                                old: before,
+                                new: None,
+                                updated_at: String::new(),
+                            },
+                        ));
+                    }
+                } else if let Some(before) = before.filter(|b| scoped && *b != now) {
+                    self.exits.push((
+                        name,
+                        Exit {
+                            resource_id: id,
+                            seq,
+                            old: before,
+                            new: Some(now),
+                            updated_at: String::new(),
+                        },
+                    ));
+                }
+            }
+            Change::Delete(delete) => {
+                let name = delete.relation.name.clone();
+                let t = self.table(&name)?;
+                let id = id_text(delete.key.get(&t.key))
+                    .ok_or_else(|| format!("expected a key in a delete from {name}"))?;
+                let Some(gone) = t.rows.remove(&id) else {
+                    return Ok(());
+                };
+                let scoped = t.scoped;
+                let seq = self.take_seq(&name);
+                if scoped {
+                    self.exits.push((
+                        name,
+                        Exit {
+                            resource_id: id,
+                            seq,
+                            old: scope_of(&gone.data),
+                            new: None,
+                            updated_at: String::new(),
+                        },
+                    ));
+                }
+            }
+            Change::Truncate(truncate) => {
+                for relation in &truncate.relations {
+                    let name = relation.name.clone();
+                    let seq = self.take_seq(&name);
+                    let t = self.table(&name)?;
+                    let gone = std::mem::take(&mut t.rows);
+                    t.truncated = Some(seq);
+                    if !t.scoped {
+                        continue;
+                    }
+                    // Routed live; not journalled (the marker resets older cursors).
+                    for (id, row) in gone {
+                        self.live_exits.push((
+                            name.clone(),
+                            Exit {
+                                resource_id: id,
+                                seq,
+                                old: scope_of(&row.data),
+                                new: None,
+                                updated_at: String::new(),
+                            },
+                        ));
+                    }
+                }
+            }
+            Change::Backfill(backfill) => {
+                // As the host's replica: the pending columns of rows it holds take the
+                // snapshot's values; a table new to the replica takes the rows it lacks.
+                let name = backfill.relation.name.clone();
+                let t = self.table(&name)?;
+                let names: Vec<String> = backfill
+                    .relation
+                    .row_key
+                    .columns
+                    .iter()
+                    .chain(&backfill.columns)
+                    .cloned()
+                    .collect();
+                if let Some(c) = names
+                    .iter()
+                    .find(|c| !t.pending.contains(*c) && **c != t.key)
+                {
+                    return Err(format!(
+                        "expected a backfill of pending columns of {name}, got one of {c} (applied twice?)"
+                    ));
+                }
+                let whole = t.pending.contains(&t.key);
+                let key = t.key.clone();
+                for values in &backfill.row_values {
+                    let row: Map<String, Value> =
+                        names.iter().cloned().zip(values.iter().cloned()).collect();
+                    let id = id_text(row.get(&key))
+                        .ok_or_else(|| format!("expected a key in a backfill row of {name}"))?;
+                    let t = self.table(&name)?;
+                    let exists = t.rows.contains_key(&id);
+                    if !exists && !whole {
+                        continue;
+                    }
+                    let seq = self.take_seq(&name);
+                    let t = self.table(&name)?;
+                    let entry = t.rows.entry(id).or_insert_with(|| ReplicaRow {
+                        data: Map::new(),
+                        seq,
+                        updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
+                    });
+                    for (k, v) in row {
+                        entry.data.insert(k, v);
+                    }
+                    entry.seq = seq;
+                }
+            }
+            Change::BackfillCompleted(done) => {
+                let t = self.table(&done.relation.name)?;
+                for c in done.relation.row_key.columns.iter().chain(&done.columns) {
+                    t.pending.remove(c);
+                }
+            }
+            other => {
+                return Err(format!(
+                    "expected a change the simulated replica models, got {}",
+                    other.tag()
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// Stamps the commit time on the rows written, journals the exits, and returns the feed
+    /// entries of the transaction.
+    fn finish(&mut self) -> Vec<FeedEntry> {
+        let mut out = Vec::new();
+        for (name, first) in &self.touched {
+            let Some(t) = self.tables.get_mut(name) else {
+                continue;
+            };
+            let scoped = t.scoped;
+            for (id, row) in t.rows.iter_mut().filter(|(_, r)| r.seq >= *first) {
+                row.updated_at = self.updated_at.clone();
+                if scoped {
+                    out.push(FeedEntry {
+                        table: name.clone(),
+                        resource_id: id.clone(),
+                        seq: row.seq,
+                        updated_at: self.updated_at.clone(),
+                        change: FeedChange::Upsert {
+                            data: row.data.clone(),
+                        },
+                    });
+                }
+            }
+        }
+        // Stable: an exit sorts after the row write of the same seq.
+        out.sort_by_key(|e| e.seq);
+        let mut exits = Vec::new();
+        for (name, mut exit) in std::mem::take(&mut self.exits) {
+            exit.updated_at = self.updated_at.clone();
+            exits.push(FeedEntry {
+                table: name.clone(),
+                resource_id: exit.resource_id.clone(),
+                seq: exit.seq,
+                updated_at: self.updated_at.clone(),
+                change: FeedChange::Exit {
+                    old: exit.old.clone(),
+                    new: exit.new.clone(),
+                },
+            });
+            if let Some(t) = self.tables.get_mut(&name) {
+                t.exits.push(exit);
+            }
+        }
+        for (name, exit) in std::mem::take(&mut self.live_exits) {
+            exits.push(FeedEntry {
+                table: name,
+                resource_id: exit.resource_id,
+                seq: exit.seq,
+                updated_at: self.updated_at.clone(),
+                change: FeedChange::Exit {
+                    old: exit.old,
+                    new: exit.new,
+                },
+            });
+        }
+        out.extend(exits);
+        out.sort_by_key(|e| e.seq);
+        out
+    }
+}
+
+/// ISO-8601 UTC with milliseconds.
+pub fn iso_from_ms(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let millis = ms.rem_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Civil from days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = if m <= 2 { y + 1 } else { y };
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn iso_dates_are_civil_utc() {
+        assert_eq!(iso_from_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(iso_from_ms(1_796_126_400_123), "2026-12-01T12:00:00.123Z");
+    }
+}
+
+#[cfg(test)]
+mod store_tests {
+    use super::*;
+    use highwater_engine::change_stream::{decode_downstream, Begin, Commit};
+    use highwater_engine::streamer::{ChangeLogState, Effect, Streamer, StreamerConfig};
+    use serde_json::json;
+
+    fn w(text: &str) -> Watermark {
+        Watermark::parse(text).expect("watermark")
+    }
+
+    fn data(tag: &str, row: Value) -> DownstreamMessage {
+        let key = if tag == "delete" { "key" } else { "new" };
+        let extra = if tag == "update" {
+            r#","key":null"#
+        } else {
+            ""
+        };
+        decode_downstream(&format!(
+            r#"["data",{{"tag":"{tag}","relation":{{"schema":"public","name":"todos","rowKey":{{"columns":["id"]}}}},"{key}":{row}{extra}}}]"#
+        ))
+        .expect("message")
+    }
+
+    /// The change-log writes the streamer asks for, for one transaction.
+    fn writes(streamer: &mut Streamer, wm: &str, changes: Vec<DownstreamMessage>) -> Vec<LogOp> {
+        let mut messages = vec![DownstreamMessage::Begin(Begin::new(w(wm)))];
+        messages.extend(changes);
+        messages.push(DownstreamMessage::Commit(Commit::new(w(wm))));
+        let mut ops = Vec::new();
+        for m in messages {
+            for e in streamer.on_upstream(m).expect("accepted") {
+                if let Effect::Store(op) = e {
+                    ops.push(op);
+                }
+            }
+        }
+        ops
+    }
+
+    fn storage() -> (Storage, Streamer) {
+        let mut t = ReplicaTable {
+            columns: vec!["id".into(), "owner".into()],
+            key: "id".into(),
+            scoped: true,
+            ..ReplicaTable::default()
+        };
+        t.rows.insert(
+            "1".into(),
+            ReplicaRow {
+                data: json!({"id": 1, "owner": "ada"})
+                    .as_object()
+                    .cloned()
+                    .unwrap_or_default(),
+                seq: 1,
+                updated_at: UNKNOWN_COMMIT_TIME.into(),
+            },
+        );
+        let tables = BTreeMap::from([("todos".to_owned(), t)]);
+        let streamer = Streamer::new(
+            StreamerConfig::new(w("01")),
+            ChangeLogState {
+                last_watermark: w("01"),
+                min_watermark: w("01"),
+            },
+        );
+        (Storage::new(w("01"), tables, 2, None), streamer)
+    }
+
+    fn ada() -> Map<String, Value> {
+        json!({"owner": "ada"})
+            .as_object()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_crash_loses_the_open_transaction_and_keeps_the_committed_one() {
+        let (mut storage, mut streamer) = storage();
+        let ops = writes(
+            &mut streamer,
+            "0a",
+            vec![data("insert", json!({"id": 2, "owner": "ada"}))],
+        );
+        for op in &ops {
+            storage.apply(op).expect("stored");
+        }
+        let ops = writes(
+            &mut streamer,
+            "0b",
+            vec![data("insert", json!({"id": 3, "owner": "bob"}))],
+        );
+        for op in &ops[..ops.len() - 1] {
+            storage.apply(op).expect("stored");
+        }
+        storage.crash();
+        assert_eq!(storage.last_watermark(), &w("0a"));
+        let rows = &storage.durable().tables["todos"].rows;
+        assert!(rows.contains_key("2") && !rows.contains_key("3"));
+        assert_eq!(storage.catchup(&w("0b"), &w("0b")), Vec::new());
+    }
+
+    #[test]
+    fn moves_and_deletes_leave_exits_that_replays_after_a_cursor_carry() {
+        let (mut storage, mut streamer) = storage();
+        let ops = writes(
+            &mut streamer,
+            "0a",
+            vec![
+                data("update", json!({"id": 1, "owner": "bob"})),
+                data("insert", json!({"id": 2, "owner": "ada"})),
+                data("delete", json!({"id": 2})),
+            ],
+        );
+        let mut entries = Vec::new();
+        for op in &ops {
+            entries.extend(storage.apply(op).expect("stored").unwrap_or_default());
+        }
+        // Row 1 moved to bob at seq 2 (an upsert and an exit from ada); row 2's tombstone is
+        // seq 4 (its insert took 3).
+        let kinds: Vec<(String, i64, bool)> = entries
+            .iter()
+            .map(|e| {
+                (
+                    e.resource_id.clone(),
+                    e.seq,
+                    matches!(e.change, FeedChange::Exit { .. }),
+                )
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("1".into(), 2, false),
+                ("1".into(), 2, true),
+                ("2".into(), 4, true)
+            ]
+        );
+        let PageResult::Rows { rows, up_to, .. } =
+            storage.page("todos", &ada(), Some(1), None, 10, true)
+        else {
+            panic!("rows expected");
+        };
+        assert_eq!(up_to, 4);
+        let exits: Vec<&str> = rows.iter().map(|r| r.resource_id.as_str()).collect();
+        assert_eq!(exits, ["1", "2"], "both left ada's scope after the cursor");
+        // From no cursor: only rows, and ada has none now.
+        let PageResult::Rows { rows, .. } = storage.page("todos", &ada(), None, None, 10, true)
+        else {
+            panic!("rows expected");
+        };
+        assert!(rows.is_empty());
+    }
+
+    fn raw(text: &str) -> DownstreamMessage {
+        decode_downstream(text).expect("message")
+    }
+
+    #[test]
+    fn a_backfill_fills_pending_columns_of_held_rows_once_and_new_seqs_reach_the_feed() {
+        let (mut storage, mut streamer) = storage();
+        let add = raw(
+            r#"["data",{"tag":"add-column","table":{"schema":"public","name":"todos"},"column":{"name":"stamp","spec":{"pos":3,"dataType":"text"}},"backfill":{"attNum":3}}]"#,
+        );
+        for op in &writes(&mut streamer, "0a", vec![add]) {
+            storage.apply(op).expect("stored");
+        }
+        assert_eq!(
+            storage.pending_backfills()["todos"],
+            BTreeSet::from(["stamp".to_owned()])
+        );
+        let rel = r#""relation":{"schema":"public","name":"todos","rowKey":{"columns":["id"]}},"columns":["stamp"],"watermark":"0c""#;
+        let backfill = || {
+            vec![
+                // Row 9 is not in the replica (inserted upstream after the position): skipped.
+                raw(&format!(
+                    r#"["data",{{"tag":"backfill",{rel},"rowValues":[[1,"t1"],[9,"t9"]]}}]"#
+                )),
+                raw(&format!(r#"["data",{{"tag":"backfill-completed",{rel}}}]"#)),
+            ]
+        };
+        let mut entries = None;
+        for op in &writes(&mut streamer, "0a.01", backfill()) {
+            if let Some(e) = storage.apply(op).expect("stored") {
+                entries = Some(e);
+            }
+        }
+        let row = &storage.durable().tables["todos"].rows["1"];
+        assert_eq!(row.data.get("stamp"), Some(&json!("t1")));
+        assert!(!storage.durable().tables["todos"].rows.contains_key("9"));
+        assert!(storage.pending_backfills().is_empty());
+        // The row took a new seq, so the scope feed carries its new value.
+        let entries = entries.expect("committed");
+        assert!(
+            entries
+                .iter()
+                .any(|e| e.resource_id == "1" && e.seq == row.seq),
+            "{entries:?}"
+        );
+        // Applied again, it is refused: its columns are no longer pending.
+        let again = writes(&mut streamer, "0a.02", backfill());
+        let refused = again
+            .iter()
+            .map(|op| storage.apply(op))
+            .find(Result::is_err);
+        let why = refused.expect("refused").expect_err("an error");
+        assert!(why.contains("applied twice"), "{why}");
+    }
+}

@@ -1,0 +1,2471 @@
+//! One simulated run: the upstream, the server (ingest adapter, [`Streamer`], storage queue,
+//! [`ScopeServer`]), change-stream subscribers and scope clients over a simulated network,
+//! driven by one event queue and one [`Rng`]. Invariants are checked after every step.
+//!
+//! The server process holds everything that a crash loses: the streamer, the scope server,
+//! the storage queue, catch-up reads and the server ends of every socket. [`Storage`] is what
+//! survives. After a crash the server restarts from storage and the upstream re-sends from
+//! the slot's confirmed position.
+//!
+//! The network keeps order within a connection (a WebSocket never reorders); different
+//! connections are independent. A connection can be dropped (both ends learn it after a
+//! delay) or go half-open (one end learns it, the other keeps sending into the void until its
+//! heartbeat or silence limit catches it).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt::Write as _;
+
+use highwater_engine::change_stream::{
+    decode_downstream_frame, Backfill, BackfillCompleted, Begin, Change, Commit, DownstreamMessage,
+    Extra, NewRelation, RowKey, SubscribeContext, SubscriberMode,
+};
+use highwater_engine::pgoutput::StandbyStatusUpdate;
+use highwater_engine::scope::ChangesScope;
+use highwater_engine::scope_server::{
+    Decision, Grant, ScopeServer, ServerConfig, ServerEffect, ServerInput,
+};
+use highwater_engine::scope_sync::{ServerFrame, SubscribeParams};
+use highwater_engine::streamer::{
+    CatchupRow, ChangeLogState, ConnId, Effect, LogOp, Streamer, StreamerConfig,
+};
+use highwater_engine::sync_client::{
+    ClientConfig, ClientEffect, ClientInput, ScopeKey, SocketId, StoredRow, StoredScope, SyncClient,
+};
+use highwater_engine::watermark::{Lsn, Watermark};
+use serde_json::{Map, Value};
+
+use crate::ingest::{Ingest, IngestBug, Ingested};
+use crate::rng::Rng;
+use crate::storage::{ReplicaRow, ReplicaTable, Storage, StorageBug, UNKNOWN_COMMIT_TIME};
+use crate::upstream::{SimPg, EPOCH_UNIX_MS, OWNER, OWNERS, SCOPED_TABLES, START_LSN};
+
+/// How one run is set up.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub seed: u64,
+    /// Upstream transactions to run before going quiet.
+    pub transactions: usize,
+    pub storage_bug: Option<StorageBug>,
+    pub ingest_bug: Option<IngestBug>,
+    pub backfill_bug: Option<BackfillBug>,
+    /// Keep every trace line (not only the last ones).
+    pub full_trace: bool,
+}
+
+impl Options {
+    pub fn new(seed: u64) -> Self {
+        Options {
+            seed,
+            transactions: 120,
+            storage_bug: None,
+            ingest_bug: None,
+            backfill_bug: None,
+            full_trace: false,
+        }
+    }
+}
+
+/// A defect to plant in the host's backfill reader, so tests can show the simulation catches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackfillBug {
+    /// The backfill sends no rows, yet completes (the replica keeps NULL in its columns).
+    DropsRows,
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    pub seed: u64,
+    pub failure: Option<String>,
+    pub steps: u64,
+    pub crashes: u64,
+    pub disconnects: u64,
+    pub transactions: u64,
+    /// Backfill transactions stored, and backfill streams that failed before their commit.
+    pub backfills: u64,
+    pub backfill_failures: u64,
+    /// Crashes while a backfill ran.
+    pub backfill_crashes: u64,
+    /// Change-stream subscribers that had to reset: they held a backfill forwarded live that a
+    /// crash lost before it was durable.
+    pub subscriber_resets: u64,
+    /// The event list (the last [`TRACE_TAIL`] lines unless a full trace was asked for).
+    pub trace: Vec<String>,
+}
+
+pub const TRACE_TAIL: usize = 300;
+const MAX_STEPS: u64 = 400_000;
+/// Simulated time the run stays quiet (no faults, no writes) before the final comparison.
+const QUIET_MS: u64 = 120_000;
+/// A server closes a scope socket it has heard nothing on for this long (its protocol pings
+/// went unanswered).
+const SERVER_SILENCE_MS: u64 = 15_000;
+
+#[derive(Debug, Clone)]
+enum Msg {
+    /// Connection request; for a change-stream subscriber, the watermark it resumes from.
+    Open(Option<Watermark>),
+    /// The server accepted the connection.
+    Accepted,
+    Text(String),
+    Close(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Peer {
+    Cs(usize),
+    Scope(usize, SocketId),
+}
+
+#[derive(Debug)]
+struct Link {
+    peer: Peer,
+    /// The server generation that accepted it; `None` until accepted.
+    gen: Option<u64>,
+    conn: Option<u64>,
+    client_open: bool,
+    server_open: bool,
+    /// Half-open: everything sent from now on is lost.
+    broken: bool,
+    to_server: VecDeque<(u64, Msg)>,
+    to_client: VecDeque<(u64, Msg)>,
+}
+
+#[derive(Debug, Clone)]
+enum SOp {
+    Store(LogOp),
+    Fetch {
+        conn: ConnId,
+        from: Watermark,
+        through: Watermark,
+    },
+    RestartUpstream,
+}
+
+struct CatchupJob {
+    rows: VecDeque<CatchupRow>,
+    paused: bool,
+}
+
+/// The backfill the host is reading from upstream's snapshot and feeding to the session.
+struct RunningBackfill {
+    table: String,
+    /// Messages still to feed; when they run out before the commit, the stream failed.
+    messages: VecDeque<DownstreamMessage>,
+}
+
+/// A backfill transaction as it was built from upstream's snapshot, for the subscribers' check.
+#[derive(Debug, Clone)]
+struct BackfillRec {
+    /// The commit it follows (the session's position when it started).
+    after: Watermark,
+    digest: Vec<String>,
+}
+
+/// The server process: all of it is lost in a crash.
+struct Server {
+    backfill: Option<RunningBackfill>,
+    /// Tables whose backfill failed, and the position it failed at: tried again only after a
+    /// later commit (as the host's planner).
+    backfill_failed: BTreeMap<String, Watermark>,
+    gen: u64,
+    streamer: Streamer,
+    scope: ScopeServer,
+    ingest: Ingest,
+    ops: VecDeque<SOp>,
+    catchups: BTreeMap<ConnId, CatchupJob>,
+    upstream_paused: bool,
+    /// Server conn id → link.
+    conns: BTreeMap<u64, u64>,
+    heard: BTreeMap<u64, u64>,
+    next_conn: u64,
+}
+
+struct CsSub {
+    id: String,
+    link: Option<u64>,
+    /// The last commit received whole.
+    last: Watermark,
+    open: Option<(Watermark, Vec<String>)>,
+    slow: bool,
+    connecting: bool,
+    /// When the last ack queued goes out: acks leave in frame order.
+    ack_at: u64,
+    /// Protocol version (v7+: `start-subscription` on the socket) and the legacy batched flag.
+    version: u32,
+    batched: bool,
+}
+
+struct Client {
+    client: SyncClient,
+    /// Scope key → (table, owner); no owner: the whole table.
+    scopes: BTreeMap<ScopeKey, (String, Option<String>)>,
+    store: BTreeMap<ScopeKey, StoredScope>,
+    sockets: BTreeMap<SocketId, u64>,
+    timer_gen: u64,
+    /// Reads its socket slowly: frames to it take seconds (the server's outbound budget fills).
+    slow: bool,
+    /// Per (link, subscription id): entries received, for the no-repeat check.
+    seen: BTreeMap<(u64, String), BTreeSet<(String, i64)>>,
+}
+
+#[derive(Debug, Clone)]
+struct PageReq {
+    conn: u64,
+    ticket: u64,
+    pass: u64,
+    table: String,
+    conditions: Map<String, Value>,
+    after: Option<i64>,
+    up_to: Option<i64>,
+    limit: u32,
+    count_total: bool,
+}
+
+#[derive(Debug, Clone)]
+enum Ev {
+    Workload,
+    PgSend,
+    PgKeepalive,
+    StorageStep,
+    CatchupStep,
+    ServerTick,
+    Crash,
+    Restart,
+    ReplDrop,
+    ReplConnect,
+    Net {
+        link: u64,
+        to_server: bool,
+    },
+    CsConnect(usize),
+    CsAck {
+        sub: usize,
+        link: u64,
+        id: u64,
+    },
+    CsFlip(usize),
+    ClientTimer {
+        client: usize,
+        gen: u64,
+    },
+    ClientReload(usize),
+    Fault,
+    Page {
+        gen: u64,
+        req: Box<PageReq>,
+    },
+    /// The retention floor reaches the scope server (after the prune that raised it).
+    Floor {
+        gen: u64,
+        floor: Option<i64>,
+    },
+    /// The running backfill's next message.
+    BackfillStep {
+        gen: u64,
+    },
+    Quiet,
+}
+
+struct World {
+    rng: Rng,
+    opts: Options,
+    now: u64,
+    queue: BTreeMap<(u64, u64), Ev>,
+    next_ev: u64,
+    pg: SimPg,
+    storage: Storage,
+    server: Option<Server>,
+    gens: u64,
+    links: BTreeMap<u64, Link>,
+    next_link: u64,
+    cs: Vec<CsSub>,
+    clients: Vec<Client>,
+    /// Commit watermark → WAL index.
+    wal_index: BTreeMap<Watermark, usize>,
+    /// (table, resource id, seq) → the row data the replica gave that seq.
+    history: BTreeMap<(String, String, i64), Map<String, Value>>,
+    last_ack: Option<Lsn>,
+    /// Backfill transactions built so far, by commit watermark (a retry replaces its record).
+    backfills: BTreeMap<Watermark, BackfillRec>,
+    /// Columns that were ever backfilled, per table: compared even when NULL.
+    backfilled: BTreeMap<String, BTreeSet<String>>,
+    /// Inputs of a backfill are being fed: no ack may move past its position.
+    feeding_backfill: Option<Lsn>,
+    stored_high: Watermark,
+    /// Exits older than this (simulated ms) are pruned.
+    retention_ms: u64,
+    /// Scope-sync tokens live this long; `None`: they never expire.
+    token_ttl_ms: Option<u64>,
+    next_prune: u64,
+    pg_send_due: bool,
+    storage_due: bool,
+    catchup_due: bool,
+    quiet: bool,
+    done: bool,
+    out: Outcome,
+    trace: VecDeque<String>,
+}
+
+/// Runs one seed to the end.
+pub fn run(opts: Options) -> Outcome {
+    let mut world = World::new(opts);
+    world.run();
+    let mut out = std::mem::take(&mut world.out);
+    out.trace = world.trace.into_iter().collect();
+    out
+}
+
+fn rv() -> Watermark {
+    SimPg::replica_version()
+}
+
+fn without_nulls(data: &Map<String, Value>) -> Map<String, Value> {
+    data.iter()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// A row as the quiet-state comparison sees it: NULLs left out (a column added after a row
+/// was written has no value in the replica), except in columns that were backfilled, whose
+/// every row must hold upstream's value, NULL included.
+fn compared(data: &Map<String, Value>, strict: Option<&BTreeSet<String>>) -> Map<String, Value> {
+    data.iter()
+        .filter(|(k, v)| !v.is_null() || strict.is_some_and(|s| s.contains(*k)))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+impl World {
+    fn new(opts: Options) -> Self {
+        let mut rng = Rng::new(opts.seed);
+        let pg = SimPg::new(&mut rng);
+        // The replica's initial copy.
+        let mut tables = BTreeMap::new();
+        let mut history = BTreeMap::new();
+        let mut seq = 1;
+        for (name, t) in &pg.tables {
+            let mut rt = ReplicaTable {
+                columns: t
+                    .relation()
+                    .columns
+                    .iter()
+                    .map(|c| c.name.clone())
+                    .collect(),
+                key: "id".to_owned(),
+                scoped: SCOPED_TABLES.contains(&name.as_str()),
+                ..ReplicaTable::default()
+            };
+            for (id, values) in &t.rows {
+                let data = t.row_json(values);
+                history.insert((name.clone(), id.to_string(), seq), data.clone());
+                rt.rows.insert(
+                    id.to_string(),
+                    ReplicaRow {
+                        data,
+                        seq,
+                        updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
+                    },
+                );
+                seq += 1;
+            }
+            tables.insert(name.clone(), rt);
+        }
+        let storage = Storage::new(rv(), tables, seq, opts.storage_bug);
+        let n_cs = rng.range(1, 3) as usize;
+        let versions: Vec<(u32, bool)> = (0..n_cs)
+            .map(|_| match rng.below(4) {
+                0 => (5, true),
+                1 => (6, false),
+                2 => (7, false),
+                _ => (8, false),
+            })
+            .collect();
+        let cs = (0..n_cs)
+            .map(|i| CsSub {
+                version: versions[i].0,
+                batched: versions[i].1,
+                id: format!("cs{i}"),
+                link: None,
+                last: rv(),
+                open: None,
+                slow: false,
+                connecting: false,
+                ack_at: 0,
+            })
+            .collect();
+        let n_clients = rng.range(1, 4) as usize;
+        let mut clients = Vec::new();
+        for _ in 0..n_clients {
+            let mut scopes = BTreeMap::new();
+            for key in 0..rng.range(1, 3) as u32 {
+                let table = rng.pick(&SCOPED_TABLES).expect("tables");
+                let owner = rng.pick(&OWNERS).expect("owners");
+                let owner = (!rng.chance(200)).then(|| (*owner).to_owned());
+                scopes.insert(key, ((*table).to_owned(), owner));
+            }
+            let client = SyncClient::new(Self::client_config(&mut rng), rng.next_u64());
+            clients.push(Client {
+                client,
+                scopes,
+                store: BTreeMap::new(),
+                sockets: BTreeMap::new(),
+                timer_gen: 0,
+                slow: false,
+                seen: BTreeMap::new(),
+            });
+        }
+        World {
+            rng,
+            now: 0,
+            queue: BTreeMap::new(),
+            next_ev: 0,
+            pg,
+            storage,
+            server: None,
+            gens: 0,
+            links: BTreeMap::new(),
+            next_link: 1,
+            cs,
+            clients,
+            wal_index: BTreeMap::new(),
+            history,
+            last_ack: None,
+            backfills: BTreeMap::new(),
+            backfilled: BTreeMap::new(),
+            feeding_backfill: None,
+            stored_high: rv(),
+            retention_ms: 0,
+            next_prune: 0,
+            token_ttl_ms: None,
+            pg_send_due: false,
+            storage_due: false,
+            catchup_due: false,
+            quiet: false,
+            done: false,
+            out: Outcome {
+                seed: opts.seed,
+                ..Outcome::default()
+            },
+            opts,
+            trace: VecDeque::new(),
+        }
+    }
+
+    fn client_config(rng: &mut Rng) -> ClientConfig {
+        ClientConfig {
+            page_limit: Some(rng.range(2, 20) as u32),
+            ..ClientConfig::default()
+        }
+    }
+
+    // ---- plumbing ----
+
+    fn at(&mut self, delay: u64, ev: Ev) {
+        self.next_ev += 1;
+        self.queue.insert((self.now + delay, self.next_ev), ev);
+    }
+
+    fn log(&mut self, line: String) {
+        let text = format!("{:>8} {}", self.now, line);
+        self.trace.push_back(text);
+        if !self.opts.full_trace && self.trace.len() > TRACE_TAIL {
+            self.trace.pop_front();
+        }
+    }
+
+    fn fail(&mut self, why: String) {
+        if self.out.failure.is_none() {
+            self.log(format!("FAILED: {why}"));
+            self.out.failure = Some(why);
+        }
+    }
+
+    fn run(&mut self) {
+        self.retention_ms = self.rng.range(3_000, 30_000);
+        self.token_ttl_ms = self.rng.chance(500).then(|| self.rng.range(5_000, 40_000));
+        self.next_prune = self.rng.range(1_000, 5_000);
+        self.at(0, Ev::Restart);
+        self.at(1, Ev::Workload);
+        self.at(500, Ev::ServerTick);
+        self.at(700, Ev::PgKeepalive);
+        let d = self.rng.range(500, 3000);
+        self.at(d, Ev::Fault);
+        for i in 0..self.cs.len() {
+            let d = self.rng.range(1, 400);
+            self.at(d, Ev::CsConnect(i));
+            let d = self.rng.range(1000, 8000);
+            self.at(d, Ev::CsFlip(i));
+        }
+        for i in 0..self.clients.len() {
+            let d = self.rng.range(1, 400);
+            self.at(d, Ev::ClientReload(i));
+        }
+        // Crashes at random points of the workload.
+        for _ in 0..self.rng.range(0, 5) {
+            let t = self.rng.range(200, 12_000);
+            self.at(t, Ev::Crash);
+        }
+        if self.rng.chance(600) {
+            let t = self.rng.range(200, 10_000);
+            self.at(t, Ev::ReplDrop);
+        }
+        while !self.done && self.out.failure.is_none() {
+            let Some(((time, _), ev)) = self.queue.pop_first() else {
+                self.fail("the event queue ran dry before the run ended".to_owned());
+                break;
+            };
+            self.now = time;
+            self.out.steps += 1;
+            if self.out.steps > MAX_STEPS {
+                self.fail(format!("no end after {MAX_STEPS} steps"));
+                break;
+            }
+            self.step(ev);
+            self.check_continuous();
+        }
+    }
+
+    fn step(&mut self, ev: Ev) {
+        match ev {
+            Ev::Workload => self.workload(),
+            Ev::PgSend => self.pg_send(),
+            Ev::PgKeepalive => self.pg_keepalive(),
+            Ev::StorageStep => self.storage_step(),
+            Ev::CatchupStep => self.catchup_step(),
+            Ev::ServerTick => self.server_tick(),
+            Ev::Crash => self.crash(),
+            Ev::Restart => self.restart(),
+            Ev::ReplDrop => self.repl_drop(),
+            Ev::ReplConnect => self.repl_connect(),
+            Ev::Net { link, to_server } => self.deliver(link, to_server),
+            Ev::CsConnect(i) => self.cs_connect(i),
+            Ev::CsAck { sub, link, id } => self.cs_ack(sub, link, id),
+            Ev::CsFlip(i) => self.cs_flip(i),
+            Ev::ClientTimer { client, gen } => {
+                if self.clients[client].timer_gen == gen {
+                    self.client_input(client, ClientInput::Tick);
+                }
+            }
+            Ev::ClientReload(i) => self.client_reload(i),
+            Ev::Fault => self.fault(),
+            Ev::Page { gen, req } => {
+                if self.server.as_ref().is_some_and(|s| s.gen == gen) {
+                    let result = self.storage.page(
+                        &req.table,
+                        &req.conditions,
+                        req.after,
+                        req.up_to,
+                        req.limit,
+                        req.count_total,
+                    );
+                    self.scope_input(ServerInput::PageFetched {
+                        conn: req.conn,
+                        ticket: req.ticket,
+                        pass: req.pass,
+                        result,
+                    });
+                }
+            }
+            Ev::Floor { gen, floor } => {
+                if self.server.as_ref().is_some_and(|s| s.gen == gen) {
+                    self.scope_input(ServerInput::RetentionFloor(floor));
+                }
+            }
+            Ev::BackfillStep { gen } => self.backfill_step(gen),
+            Ev::Quiet => self.final_check(),
+        }
+    }
+
+    // ---- upstream ----
+
+    fn workload(&mut self) {
+        let done = self.out.transactions as usize;
+        if done >= self.opts.transactions {
+            self.quiet = true;
+            for client in &mut self.clients {
+                client.slow = false;
+            }
+            self.log("workload done; quiet from here".to_owned());
+            self.at(QUIET_MS, Ev::Quiet);
+            return;
+        }
+        // DDL between transactions, once each, at a random point.
+        if done == self.opts.transactions / 3 && self.rng.chance(700) {
+            self.pg.add_column("todos", "extra", crate::upstream::TEXT);
+            self.log("pg: ALTER TABLE todos ADD COLUMN extra text".to_owned());
+        }
+        if done == self.opts.transactions / 2 && self.rng.chance(700) {
+            self.pg.create_unscoped_table("events");
+            self.log("pg: CREATE TABLE events".to_owned());
+        }
+        // DDL whose values the stream cannot carry: only a backfill brings them.
+        if done == self.opts.transactions / 4 && self.rng.chance(600) {
+            let table = *self.rng.pick(&SCOPED_TABLES).expect("tables");
+            self.pg
+                .add_column_with_values(table, "stamp", &mut self.rng);
+            self.log(format!(
+                "pg: ALTER TABLE {table} ADD COLUMN stamp text DEFAULT now() (existing rows get values)"
+            ));
+        }
+        if done == self.opts.transactions * 2 / 3 && self.rng.chance(500) {
+            self.pg.publish_table_with_rows("archive", &mut self.rng);
+            self.log("pg: ALTER PUBLICATION ADD TABLE archive (a table with rows)".to_owned());
+        }
+        let size = if self.rng.chance(50) {
+            self.rng.range(20, 60) as usize
+        } else {
+            self.rng.range(1, 4) as usize
+        };
+        let time = EPOCH_UNIX_MS + self.now as i64;
+        let tx = if self.rng.chance(15) {
+            self.pg.truncate(&mut self.rng, time)
+        } else {
+            self.pg.transaction(&mut self.rng, size, time)
+        };
+        let (w, digest) = (tx.watermark(), tx.digest.join(", "));
+        self.wal_index.insert(w.clone(), self.pg.wal.len() - 1);
+        self.out.transactions += 1;
+        self.log(format!("pg: commit {w}: {digest}"));
+        self.kick_pg();
+        let d = self.rng.range(5, 150);
+        self.at(d, Ev::Workload);
+    }
+
+    fn kick_pg(&mut self) {
+        if !self.pg_send_due {
+            self.pg_send_due = true;
+            let d = self.rng.range(1, 5);
+            self.at(d, Ev::PgSend);
+        }
+    }
+
+    fn pg_send(&mut self) {
+        self.pg_send_due = false;
+        let Some(server) = &self.server else { return };
+        if server.upstream_paused || !self.pg.replicating() || !server.ingest.accepts_upstream() {
+            return;
+        }
+        let Some(frame) = self.pg.next_frame() else {
+            return;
+        };
+        self.ingest_frame(&frame);
+        if self.pg.has_frame() {
+            self.kick_pg();
+        }
+    }
+
+    fn pg_keepalive(&mut self) {
+        let d = self.rng.range(1000, 3000);
+        self.at(d, Ev::PgKeepalive);
+        if self.server.is_none() || !self.pg.replicating() {
+            return;
+        }
+        if self
+            .server
+            .as_ref()
+            .is_some_and(|s| !s.ingest.accepts_upstream())
+        {
+            return;
+        }
+        // A keepalive is sent in order with the data: only once the session sent everything.
+        if self.pg.has_frame() {
+            return;
+        }
+        let reply = self.rng.chance(500);
+        let frame = self.pg.keepalive(reply, EPOCH_UNIX_MS + self.now as i64);
+        self.ingest_frame(&frame);
+    }
+
+    fn ingest_frame(&mut self, frame: &[u8]) {
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        let items = server.ingest.frame(frame);
+        self.ingested(items);
+    }
+
+    /// Carries out what the upstream session asked for.
+    fn ingested(&mut self, items: Result<Vec<Ingested>, String>) {
+        let items = match items {
+            Ok(items) => items,
+            Err(e) => return self.fail(format!("the upstream session rejected its input: {e}")),
+        };
+        let mut backfill_due = false;
+        for item in items {
+            if self.server.is_none() || self.out.failure.is_some() {
+                return;
+            }
+            match item {
+                Ingested::BackfillDue => backfill_due = true,
+                Ingested::Forward(message) => {
+                    let text = highwater_engine::change_stream::encode_downstream(&message);
+                    self.log(format!("upstream -> streamer {}", short(&text)));
+                    let server = self.server.as_mut().expect("checked");
+                    match server.streamer.on_upstream(message) {
+                        Ok(effects) => self.streamer_effects(effects),
+                        Err(e) => return self.fail(format!("the streamer rejected {text}: {e}")),
+                    }
+                }
+                Ingested::Ack(lsn) => self.ack(lsn),
+                Ingested::Idle(watermark) => {
+                    self.log(format!("upstream idle at {watermark}"));
+                    let server = self.server.as_mut().expect("checked");
+                    let effects = server.streamer.on_idle();
+                    self.streamer_effects(effects);
+                }
+                Ingested::Warn(message) => self.log(format!("upstream session: {message}")),
+            }
+        }
+        if backfill_due {
+            self.start_backfill();
+        }
+    }
+
+    // ---- backfills (the host's `replica::backfill`, as `serve` drives it) ----
+
+    /// The upstream commit a watermark stands at: a backfill's is the commit it follows.
+    fn upstream_at(&self, mut w: Watermark) -> Watermark {
+        while let Some(rec) = self.backfills.get(&w) {
+            w = rec.after.clone();
+        }
+        w
+    }
+
+    /// The session allows a backfill now: start the next one the replica waits for, read from
+    /// upstream's committed state at this moment (the snapshot).
+    fn start_backfill(&mut self) {
+        let pending = self.storage.pending_backfills();
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        if server.backfill.is_some() || server.ingest.backfill_running() {
+            return;
+        }
+        let position = server.ingest.last_commit();
+        server.backfill_failed.retain(|_, at| *at >= position);
+        let Some((table, columns)) = pending
+            .into_iter()
+            .find(|(t, _)| !server.backfill_failed.contains_key(t))
+        else {
+            return;
+        };
+        let Some(t) = self.pg.tables.get(&table) else {
+            return self.fail(format!(
+                "the replica waits for a backfill of {table}, which upstream never had"
+            ));
+        };
+        let relation = t.relation().clone();
+        let key = "id".to_owned();
+        let whole = columns.contains(&key);
+        // Upstream's columns in its order: every non-key column for a table new to the
+        // replica, else the pending ones.
+        let cols: Vec<String> = relation
+            .columns
+            .iter()
+            .map(|c| c.name.clone())
+            .filter(|c| *c != key && (whole || columns.contains(c)))
+            .collect();
+        let snapshot = self.pg.wal_end().to_watermark();
+        let watermark = position
+            .state_version()
+            .next_minor()
+            .to_watermark()
+            .unwrap_or_else(|| position.clone());
+        let new_relation = NewRelation {
+            schema: crate::upstream::SCHEMA.to_owned(),
+            name: table.clone(),
+            row_key: RowKey::new(vec![key.clone()], None),
+            extra: Default::default(),
+        };
+        let mut rows: Vec<Vec<Value>> = self
+            .pg
+            .rows_json(&table)
+            .into_values()
+            .map(|r| {
+                std::iter::once(&key)
+                    .chain(&cols)
+                    .map(|c| r.get(c).cloned().unwrap_or(Value::Null))
+                    .collect()
+            })
+            .collect();
+        if self.opts.backfill_bug == Some(BackfillBug::DropsRows) {
+            rows.clear();
+        }
+        let mut begin = Begin::new(watermark.clone());
+        begin.skip_ack = Some(true);
+        let mut messages = VecDeque::new();
+        let mut digest = Vec::new();
+        messages.push_back(DownstreamMessage::Begin(begin));
+        let mut rest = rows.as_slice();
+        while !rest.is_empty() {
+            let n = (self.rng.range(1, 5) as usize).min(rest.len());
+            let (batch, tail) = rest.split_at(n);
+            rest = tail;
+            digest.push(format!("backfill {table} {}", batch.len()));
+            messages.push_back(DownstreamMessage::Data(Change::Backfill(Backfill {
+                relation: new_relation.clone(),
+                columns: cols.clone(),
+                watermark: snapshot.clone(),
+                row_values: batch.to_vec(),
+                progress_marks: None,
+                status: None,
+                extra: Default::default(),
+            })));
+        }
+        digest.push(format!("backfill-completed {table}"));
+        messages.push_back(DownstreamMessage::Data(Change::BackfillCompleted(
+            BackfillCompleted {
+                relation: new_relation,
+                columns: cols.clone(),
+                watermark: snapshot.clone(),
+                progress_marks: None,
+                status: None,
+                extra: Default::default(),
+            },
+        )));
+        messages.push_back(DownstreamMessage::Commit(Commit::new(watermark.clone())));
+        // Now and then the snapshot's connection fails before the commit; such a failure
+        // needs a later commit to retry after (as the host), so only while the workload runs.
+        let left = self
+            .opts
+            .transactions
+            .saturating_sub(self.out.transactions as usize);
+        let failing = left >= 3 && self.rng.chance(250);
+        if failing {
+            let keep = self.rng.below(messages.len() as u64 - 1) as usize;
+            messages.truncate(keep);
+        }
+        self.backfilled
+            .entry(table.clone())
+            .or_default()
+            .extend(cols.iter().cloned());
+        self.backfills.insert(
+            watermark.clone(),
+            BackfillRec {
+                after: position.clone(),
+                digest,
+            },
+        );
+        self.log(format!(
+            "backfill {table} {cols:?} at {watermark} from snapshot {snapshot}: {} rows{}",
+            rows.len(),
+            if failing {
+                " (its stream will fail)"
+            } else {
+                ""
+            }
+        ));
+        let server = self.server.as_mut().expect("checked");
+        server.backfill = Some(RunningBackfill { table, messages });
+        let gen = server.gen;
+        let items = server.ingest.backfill_started();
+        self.feed_backfill(items);
+        let d = self.rng.range(1, 20);
+        self.at(d, Ev::BackfillStep { gen });
+    }
+
+    /// Carries out the session's answer to a backfill input, with the no-ack check armed.
+    fn feed_backfill(&mut self, items: Result<Vec<Ingested>, String>) {
+        let position = self
+            .server
+            .as_ref()
+            .map(|s| s.ingest.last_commit())
+            .unwrap_or_else(rv);
+        let upstream = self.upstream_at(position);
+        let limit = self
+            .wal_index
+            .get(&upstream)
+            .map_or(Lsn(START_LSN), |&i| self.pg.wal[i].end_lsn);
+        self.feeding_backfill = Some(limit);
+        self.ingested(items);
+        self.feeding_backfill = None;
+    }
+
+    fn backfill_step(&mut self, gen: u64) {
+        let Some(server) = self.server.as_mut().filter(|s| s.gen == gen) else {
+            return;
+        };
+        let Some(running) = server.backfill.as_mut() else {
+            return;
+        };
+        if server.upstream_paused {
+            let d = self.rng.range(10, 50);
+            self.at(d, Ev::BackfillStep { gen });
+            return;
+        }
+        match running.messages.pop_front() {
+            Some(message) => {
+                let commit = matches!(message, DownstreamMessage::Commit(_));
+                let items = server.ingest.backfill(message);
+                self.feed_backfill(items);
+                if commit {
+                    self.end_backfill(None);
+                } else {
+                    let d = self.rng.range(1, 20);
+                    self.at(d, Ev::BackfillStep { gen });
+                }
+            }
+            None => {
+                let table = running.table.clone();
+                self.end_backfill(Some(table));
+            }
+        }
+    }
+
+    /// The backfill's stream ended: after its commit, or (`failed`: its table) before it.
+    fn end_backfill(&mut self, failed: Option<String>) {
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        server.backfill = None;
+        if let Some(table) = failed {
+            let at = server.ingest.last_commit();
+            self.log(format!(
+                "backfill of {table} failed before its commit; retried after the next commit"
+            ));
+            let server = self.server.as_mut().expect("checked");
+            server.backfill_failed.insert(table, at);
+            self.out.backfill_failures += 1;
+        }
+        let server = self.server.as_mut().expect("checked");
+        let items = server.ingest.backfill_ended();
+        self.feed_backfill(items);
+        self.kick_pg();
+    }
+
+    fn ack(&mut self, lsn: Lsn) {
+        if let Some(last) = self.last_ack {
+            if lsn < last {
+                return self.fail(format!("upstream ack moved backwards: {last} then {lsn}"));
+            }
+        }
+        if let Some(limit) = self.feeding_backfill {
+            if lsn > limit.max(self.last_ack.unwrap_or(Lsn(0))) {
+                return self.fail(format!(
+                    "a backfill confirmed {lsn} upstream, past its position's end {limit}"
+                ));
+            }
+        }
+        self.last_ack = Some(lsn);
+        self.log(format!("ack upstream {lsn}"));
+        let bytes =
+            StandbyStatusUpdate::acknowledging(lsn, EPOCH_UNIX_MS + self.now as i64).encode();
+        self.pg.standby_status(&bytes);
+        self.check_slot();
+    }
+
+    /// Postgres drops every transaction whose commit is before the confirmed position: each
+    /// must be durable here.
+    fn check_slot(&mut self) {
+        let stored = self.storage.last_watermark().clone();
+        let confirmed = self.pg.confirmed;
+        if let Some(tx) = self
+            .pg
+            .wal
+            .iter()
+            .find(|tx| tx.commit_lsn < confirmed && tx.watermark() > stored)
+        {
+            let w = tx.watermark();
+            self.fail(format!(
+                "upstream acknowledged past durable storage: slot at {confirmed}, transaction {w} not stored (stored through {stored})"
+            ));
+        }
+    }
+
+    fn repl_drop(&mut self) {
+        if self.server.is_none() || !self.pg.replicating() {
+            return;
+        }
+        if self
+            .server
+            .as_ref()
+            .is_some_and(|s| s.ingest.backfill_running())
+        {
+            // The session takes a new replication session only between the host's
+            // transactions: the host ends it once the backfill is over.
+            self.at(50, Ev::ReplDrop);
+            return;
+        }
+        self.log("replication connection lost".to_owned());
+        self.pg.end_replication();
+        let server = self.server.as_mut().expect("checked");
+        let items = server.ingest.started();
+        self.ingested(items);
+        let d = self.rng.range(100, 2000);
+        self.at(d, Ev::ReplConnect);
+        if !self.quiet && self.rng.chance(400) {
+            let d = self.rng.range(2000, 8000);
+            self.at(d, Ev::ReplDrop);
+        }
+    }
+
+    fn repl_connect(&mut self) {
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        if self.pg.replicating() {
+            return;
+        }
+        if !server.ingest.accepts_upstream() {
+            // The host takes nothing from the replication source while a backfill runs.
+            self.at(50, Ev::ReplConnect);
+            return;
+        }
+        let _ = server.streamer.start_upstream(Vec::new());
+        self.pg.start_replication();
+        self.log(format!("replication started at {}", self.pg.confirmed));
+        // As the host: every replication session starts with `Input::Started` (which is
+        // where a backfill waiting since before a restart may start, before any frame).
+        let items = self.server.as_mut().expect("checked").ingest.started();
+        self.ingested(items);
+        self.kick_pg();
+    }
+
+    // ---- the server process ----
+
+    fn restart(&mut self) {
+        self.gens += 1;
+        let gen = self.gens;
+        let durable = self.storage.durable();
+        let schema = durable
+            .tables
+            .iter()
+            .map(|(n, t)| (n.clone(), t.columns.clone()))
+            .collect();
+        let mut config = StreamerConfig::new(rv());
+        config.backlog_high_water_bytes = 6 * 1024;
+        config.backlog_full_timeout_ms = Some(20_000);
+        let streamer = Streamer::new(
+            config,
+            ChangeLogState {
+                last_watermark: durable.last_watermark.clone(),
+                min_watermark: rv(),
+            },
+        );
+        let mut scope_config = ServerConfig::new(rv().to_string());
+        scope_config.outbound_budget_bytes = 8 * 1024;
+        self.server = Some(Server {
+            gen,
+            streamer,
+            scope: ScopeServer::new(scope_config),
+            backfill: None,
+            backfill_failed: BTreeMap::new(),
+            ingest: Ingest::new(
+                schema,
+                durable.last_watermark.clone(),
+                self.pg.confirmed,
+                self.opts.ingest_bug,
+            ),
+            ops: VecDeque::new(),
+            catchups: BTreeMap::new(),
+            upstream_paused: false,
+            conns: BTreeMap::new(),
+            heard: BTreeMap::new(),
+            next_conn: 1,
+        });
+        let floor = self.storage.durable().exit_floor;
+        self.scope_input(ServerInput::RetentionFloor(floor));
+        self.log(format!(
+            "server started (generation {gen}) at {}",
+            self.storage.last_watermark()
+        ));
+        self.pg.end_replication();
+        let d = self.rng.range(10, 300);
+        self.at(d, Ev::ReplConnect);
+    }
+
+    fn crash(&mut self) {
+        if self.server.is_none() || self.quiet {
+            return;
+        }
+        self.out.crashes += 1;
+        if self.server.as_ref().is_some_and(|s| s.backfill.is_some()) {
+            self.out.backfill_crashes += 1;
+        }
+        self.log("CRASH: the server process dies".to_owned());
+        self.server = None;
+        self.storage.crash();
+        self.pg.end_replication();
+        // Every socket's server end is gone. Most peers learn it (the kernel resets the
+        // connections); some do not (the machine vanished): those are half-open.
+        let ids: Vec<u64> = self.links.keys().copied().collect();
+        for id in ids {
+            let half_open = self.rng.chance(250);
+            let d = self.rng.range(5, 200);
+            let link = self.links.get_mut(&id).expect("link");
+            if !link.server_open && link.gen.is_some() {
+                continue;
+            }
+            link.server_open = false;
+            link.to_server.clear();
+            link.to_client.clear();
+            link.broken = true;
+            if !half_open || matches!(link.peer, Peer::Cs(_)) {
+                let at = self.now + d;
+                link.to_client
+                    .push_back((at, Msg::Close("server crashed".to_owned())));
+                self.at(
+                    d,
+                    Ev::Net {
+                        link: id,
+                        to_server: false,
+                    },
+                );
+            }
+        }
+        self.pg_send_due = false;
+        self.storage_due = false;
+        self.catchup_due = false;
+        let d = self.rng.range(50, 3000);
+        self.at(d, Ev::Restart);
+    }
+
+    fn kick_storage(&mut self) {
+        if !self.storage_due {
+            self.storage_due = true;
+            // Now and then the disk stalls.
+            let d = if self.rng.chance(20) {
+                self.rng.range(100, 600)
+            } else {
+                self.rng.range(1, 8)
+            };
+            self.at(d, Ev::StorageStep);
+        }
+    }
+
+    fn storage_step(&mut self) {
+        self.storage_due = false;
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        let Some(op) = server.ops.pop_front() else {
+            return;
+        };
+        let more = !server.ops.is_empty();
+        match op {
+            SOp::Store(op) => {
+                let line = match &op {
+                    LogOp::Begin(r) => format!("store begin {}", r.watermark()),
+                    LogOp::Append(r) => format!("store append {}/{}", r.watermark(), r.pos()),
+                    LogOp::Commit(r) => format!("store commit {}", r.watermark()),
+                    LogOp::Abort => "store abort".to_owned(),
+                };
+                self.log(line);
+                match self.storage.apply(&op) {
+                    Err(e) => return self.fail(format!("storage refused a write: {e}")),
+                    Ok(Some(entries)) => {
+                        let LogOp::Commit(row) = &op else {
+                            unreachable!("only a commit returns entries")
+                        };
+                        let w = row.watermark().clone();
+                        if self.backfills.contains_key(&w) {
+                            self.out.backfills += 1;
+                        }
+                        for e in &entries {
+                            if let highwater_engine::scope_server::FeedChange::Upsert { data } =
+                                &e.change
+                            {
+                                self.history.insert(
+                                    (e.table.clone(), e.resource_id.clone(), e.seq),
+                                    data.clone(),
+                                );
+                            }
+                        }
+                        let server = self.server.as_mut().expect("checked");
+                        server.streamer.on_stored(w.clone());
+                        if let Some(server) = self.server.as_mut() {
+                            let items = server.ingest.stored(w);
+                            self.ingested(items);
+                        }
+                        self.scope_input(ServerInput::Committed { entries });
+                        self.maybe_prune();
+                    }
+                    Ok(None) => {}
+                }
+            }
+            SOp::Fetch {
+                conn,
+                from,
+                through,
+            } => {
+                let rows = self.storage.catchup(&from, &through);
+                self.log(format!(
+                    "catch-up read {conn} {from}..={through}: {} rows",
+                    rows.len()
+                ));
+                let server = self.server.as_mut().expect("checked");
+                server.catchups.insert(
+                    conn,
+                    CatchupJob {
+                        rows: rows.into(),
+                        paused: false,
+                    },
+                );
+                self.kick_catchup();
+            }
+            SOp::RestartUpstream
+                if self
+                    .server
+                    .as_ref()
+                    .is_some_and(|s| s.ingest.backfill_running()) =>
+            {
+                // Restarted once the backfill is over (the session takes a new session only
+                // between the host's transactions).
+                let server = self.server.as_mut().expect("checked");
+                server.ops.push_back(SOp::RestartUpstream);
+                let d = self.rng.range(10, 50);
+                self.storage_due = true;
+                self.at(d, Ev::StorageStep);
+                return;
+            }
+            SOp::RestartUpstream => {
+                self.log("restarting upstream".to_owned());
+                self.pg.end_replication();
+                let server = self.server.as_mut().expect("checked");
+                let items = server.ingest.started();
+                self.ingested(items);
+                self.at(1, Ev::ReplConnect);
+            }
+        }
+        if more {
+            self.kick_storage();
+        }
+    }
+
+    /// After a commit, now and then: prune exits older than the retention window, then hand
+    /// the new floor to the scope server.
+    fn maybe_prune(&mut self) {
+        if self.now < self.next_prune || self.storage.in_transaction() {
+            return;
+        }
+        self.next_prune = self.now + self.rng.range(1_000, 5_000);
+        let cutoff = EPOCH_UNIX_MS + self.now.saturating_sub(self.retention_ms) as i64;
+        let floor = self
+            .storage
+            .prune_exits(&crate::storage::iso_from_ms(cutoff));
+        self.log(format!("pruned exits before {cutoff}: floor {floor:?}"));
+        if let Some(gen) = self.server.as_ref().map(|s| s.gen) {
+            let d = self.rng.range(0, 5);
+            self.at(d, Ev::Floor { gen, floor });
+        }
+    }
+
+    fn kick_catchup(&mut self) {
+        if !self.catchup_due {
+            self.catchup_due = true;
+            let d = self.rng.range(1, 10);
+            self.at(d, Ev::CatchupStep);
+        }
+    }
+
+    fn catchup_step(&mut self) {
+        self.catchup_due = false;
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        let Some((&conn, _)) = server.catchups.iter().find(|(_, j)| !j.paused) else {
+            return;
+        };
+        let n = self.rng.range(1, 12) as usize;
+        let job = server.catchups.get_mut(&conn).expect("found");
+        let chunk: Vec<CatchupRow> = (0..n).filter_map(|_| job.rows.pop_front()).collect();
+        let finished = job.rows.is_empty();
+        let effects = server.streamer.catchup_rows(conn, chunk);
+        self.streamer_effects(effects);
+        if finished {
+            if let Some(server) = self.server.as_mut() {
+                server.catchups.remove(&conn);
+                let effects = server.streamer.catchup_done(conn);
+                self.streamer_effects(effects);
+            }
+        }
+        if self
+            .server
+            .as_ref()
+            .is_some_and(|s| s.catchups.values().any(|j| !j.paused))
+        {
+            self.kick_catchup();
+        }
+    }
+
+    fn server_tick(&mut self) {
+        self.at(500, Ev::ServerTick);
+        let now = self.now;
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        let effects = server.streamer.tick(now);
+        self.streamer_effects(effects);
+        self.scope_input(ServerInput::Tick);
+        // The host's protocol pings: a scope socket silent too long is closed.
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        let silent: Vec<u64> = server
+            .heard
+            .iter()
+            .filter(|(_, &t)| now.saturating_sub(t) > SERVER_SILENCE_MS)
+            .map(|(&c, _)| c)
+            .collect();
+        for conn in silent {
+            self.log(format!("server: scope socket {conn} silent, closing"));
+            self.server_close(conn, "ping timeout".to_owned());
+            self.scope_input(ServerInput::Closed { conn });
+        }
+    }
+
+    fn streamer_effects(&mut self, effects: Vec<Effect>) {
+        for effect in effects {
+            let Some(server) = self.server.as_mut() else {
+                return;
+            };
+            match effect {
+                Effect::Send { conn, frame } => {
+                    let text = frame.to_text();
+                    if let Some(&link) = server.conns.get(&conn.0) {
+                        self.send_to_client(link, text);
+                    }
+                }
+                Effect::Close { conn, code, reason } => {
+                    self.log(format!("streamer closes {conn}: {code} {reason}"));
+                    self.server_close(conn.0, reason);
+                }
+                Effect::Store(op) => {
+                    server.ops.push_back(SOp::Store(op));
+                    self.kick_storage();
+                }
+                Effect::FetchCatchup {
+                    conn,
+                    from,
+                    through,
+                } => {
+                    server.ops.push_back(SOp::Fetch {
+                        conn,
+                        from,
+                        through,
+                    });
+                    self.kick_storage();
+                }
+                Effect::PauseCatchup { conn } => {
+                    if let Some(job) = server.catchups.get_mut(&conn) {
+                        job.paused = true;
+                    }
+                }
+                Effect::ResumeCatchup { conn } => {
+                    if let Some(job) = server.catchups.get_mut(&conn) {
+                        job.paused = false;
+                    }
+                    self.kick_catchup();
+                }
+                Effect::PauseUpstream => {
+                    server.upstream_paused = true;
+                    self.log("pause upstream".to_owned());
+                }
+                Effect::ResumeUpstream => {
+                    server.upstream_paused = false;
+                    self.log("resume upstream".to_owned());
+                    self.kick_pg();
+                }
+                Effect::RestartUpstream { reason } => {
+                    server.ops.push_back(SOp::RestartUpstream);
+                    self.log(format!("restart upstream asked: {reason}"));
+                    self.kick_storage();
+                }
+                Effect::Purge { below } => {
+                    self.fail(format!("a purge below {below} with no backup configured"));
+                }
+                Effect::Warn { conn, message } => {
+                    self.log(format!("warn {conn:?}: {message}"));
+                }
+            }
+        }
+    }
+
+    fn scope_input(&mut self, input: ServerInput) {
+        let now = self.now;
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        let mut effects = server.scope.handle(input, now);
+        // Effects for different sockets are independent; keep one order for replays.
+        effects.sort_by_key(|e| match e {
+            ServerEffect::Send { conn, .. }
+            | ServerEffect::Authorize { conn, .. }
+            | ServerEffect::FetchPage { conn, .. }
+            | ServerEffect::Close { conn, .. } => *conn,
+        });
+        for effect in effects {
+            let Some(server) = self.server.as_mut() else {
+                return;
+            };
+            match effect {
+                ServerEffect::Send { conn, text } => {
+                    if let Some(&link) = server.conns.get(&conn) {
+                        self.send_to_client(link, text);
+                    }
+                }
+                ServerEffect::Authorize {
+                    conn,
+                    ticket,
+                    resource_type,
+                    token,
+                    ..
+                } => {
+                    let expires = token
+                        .as_deref()
+                        .and_then(|t| t.strip_prefix("exp:"))
+                        .and_then(|t| t.parse::<u64>().ok());
+                    let decision = match expires {
+                        Some(at) if at <= self.now => Decision::Denied {
+                            code: highwater_engine::scope_server::codes::AUTH_EXPIRED.to_owned(),
+                            message: "the token expired".to_owned(),
+                        },
+                        _ => Decision::Granted(Grant {
+                            table: resource_type,
+                            omit_columns: Vec::new(),
+                            expires_at_ms: expires,
+                        }),
+                    };
+                    self.scope_input(ServerInput::Authorized {
+                        conn,
+                        ticket,
+                        decision,
+                    });
+                }
+                ServerEffect::FetchPage {
+                    conn,
+                    ticket,
+                    pass,
+                    table,
+                    conditions,
+                    after,
+                    up_to,
+                    limit,
+                    count_total,
+                } => {
+                    // Read when the page is due, from what is durable then.
+                    let gen = server.gen;
+                    let d = self.rng.range(1, 30);
+                    let req = Box::new(PageReq {
+                        conn,
+                        ticket,
+                        pass,
+                        table,
+                        conditions,
+                        after,
+                        up_to,
+                        limit,
+                        count_total,
+                    });
+                    self.at(d, Ev::Page { gen, req });
+                }
+                ServerEffect::Close { conn, code, reason } => {
+                    self.log(format!("scope server closes {conn}: {code} {reason}"));
+                    self.server_close(conn, reason);
+                    self.scope_input(ServerInput::Closed { conn });
+                }
+            }
+        }
+    }
+}
+
+fn short(text: &str) -> String {
+    if text.len() > 160 {
+        let mut end = 160;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        format!("{}…", &text[..end])
+    } else {
+        text.to_owned()
+    }
+}
+
+// ---- the network ----
+impl World {
+    fn new_link(&mut self, peer: Peer) -> u64 {
+        let id = self.next_link;
+        self.next_link += 1;
+        self.links.insert(
+            id,
+            Link {
+                peer,
+                gen: None,
+                conn: None,
+                client_open: true,
+                server_open: false,
+                broken: false,
+                to_server: VecDeque::new(),
+                to_client: VecDeque::new(),
+            },
+        );
+        id
+    }
+
+    /// Queues `msg` on one direction of `link`, after the frames already in flight there.
+    fn push(&mut self, link: u64, to_server: bool, msg: Msg) {
+        let slow_reader = match self.links.get(&link).map(|l| l.peer) {
+            Some(Peer::Scope(c, _)) => !to_server && self.clients[c].slow,
+            _ => false,
+        };
+        let delay = if slow_reader {
+            self.rng.range(300, 2500)
+        } else if self.rng.chance(30) {
+            self.rng.range(100, 800)
+        } else {
+            self.rng.range(1, 40)
+        };
+        let now = self.now;
+        let Some(l) = self.links.get_mut(&link) else {
+            return;
+        };
+        if l.broken {
+            return;
+        }
+        let queue = if to_server {
+            &mut l.to_server
+        } else {
+            &mut l.to_client
+        };
+        let at = queue
+            .back()
+            .map_or(now + delay, |(t, _)| (*t).max(now + delay));
+        queue.push_back((at, msg));
+        self.at(at - now, Ev::Net { link, to_server });
+    }
+
+    fn send_to_client(&mut self, link: u64, text: String) {
+        if self.links.get(&link).is_some_and(|l| l.server_open) {
+            self.push(link, false, Msg::Text(text));
+        }
+    }
+
+    /// The server closes its end of `conn`'s socket.
+    fn server_close(&mut self, conn: u64, reason: String) {
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        server.heard.remove(&conn);
+        server.catchups.remove(&ConnId(conn));
+        let Some(link) = server.conns.remove(&conn) else {
+            return;
+        };
+        if let Some(l) = self.links.get_mut(&link) {
+            if l.server_open {
+                l.server_open = false;
+                self.push(link, false, Msg::Close(reason));
+            }
+        }
+    }
+
+    fn deliver(&mut self, link: u64, to_server: bool) {
+        let now = self.now;
+        let Some(l) = self.links.get_mut(&link) else {
+            return;
+        };
+        let queue = if to_server {
+            &mut l.to_server
+        } else {
+            &mut l.to_client
+        };
+        if queue.front().is_none_or(|(t, _)| *t > now) {
+            return;
+        }
+        let (_, msg) = queue.pop_front().expect("checked");
+        if to_server {
+            self.at_server(link, msg);
+        } else {
+            self.at_client(link, msg);
+        }
+    }
+
+    fn at_server(&mut self, link: u64, msg: Msg) {
+        let l = &self.links[&link];
+        let (peer, gen, conn) = (l.peer, l.gen, l.conn);
+        let server_gen = self.server.as_ref().map(|s| s.gen);
+        if let Msg::Open(watermark) = msg {
+            let Some(gen) = server_gen else {
+                // Nobody listening: connection refused.
+                let l = self.links.get_mut(&link).expect("link");
+                l.server_open = true;
+                self.push(link, false, Msg::Close("connection refused".to_owned()));
+                if let Some(l) = self.links.get_mut(&link) {
+                    l.server_open = false;
+                }
+                return;
+            };
+            let server = self.server.as_mut().expect("checked");
+            let conn = server.next_conn;
+            server.next_conn += 1;
+            server.conns.insert(conn, link);
+            let l = self.links.get_mut(&link).expect("link");
+            l.gen = Some(gen);
+            l.conn = Some(conn);
+            l.server_open = true;
+            self.push(link, false, Msg::Accepted);
+            match peer {
+                Peer::Cs(i) => {
+                    let server = self.server.as_mut().expect("checked");
+                    let (version, batched) = (self.cs[i].version, self.cs[i].batched);
+                    server.streamer.open(ConnId(conn), version, batched);
+                    if version >= 7 {
+                        // The subscription comes as a frame on the socket.
+                        return;
+                    }
+                    let ctx = SubscribeContext {
+                        task_id: format!("task-{i}"),
+                        id: self.cs[i].id.clone(),
+                        mode: SubscriberMode::Serving,
+                        replica_version: rv(),
+                        watermark: watermark.unwrap_or_else(rv),
+                        backfills: None,
+                        extra: Extra::new(),
+                    };
+                    let line = format!(
+                        "streamer: {} subscribes at {} on #{conn}",
+                        ctx.id, ctx.watermark
+                    );
+                    let effects = server.streamer.subscribe(ConnId(conn), ctx, self.now);
+                    self.log(line);
+                    self.streamer_effects(effects);
+                }
+                Peer::Scope(..) => {
+                    let server = self.server.as_mut().expect("checked");
+                    server.heard.insert(conn, self.now);
+                    self.scope_input(ServerInput::Opened {
+                        conn,
+                        session_id: format!("session-{conn}"),
+                    });
+                }
+            }
+            return;
+        }
+        // Frames for a server that is gone (crashed since) reach nobody.
+        if gen.is_none() || gen != server_gen || !self.links[&link].server_open {
+            return;
+        }
+        let conn = conn.expect("accepted links have a conn");
+        match (peer, msg) {
+            (Peer::Cs(_), Msg::Text(text)) => {
+                let server = self.server.as_mut().expect("checked");
+                let effects = server
+                    .streamer
+                    .on_client_frame(ConnId(conn), &text, self.now);
+                self.streamer_effects(effects);
+            }
+            (Peer::Cs(_), Msg::Close(_)) => {
+                let server = self.server.as_mut().expect("checked");
+                server.conns.remove(&conn);
+                server.catchups.remove(&ConnId(conn));
+                if let Some(l) = self.links.get_mut(&link) {
+                    l.server_open = false;
+                }
+                let server = self.server.as_mut().expect("checked");
+                let effects = server.streamer.on_close(ConnId(conn));
+                self.streamer_effects(effects);
+            }
+            (Peer::Scope(..), Msg::Text(text)) => {
+                let server = self.server.as_mut().expect("checked");
+                server.heard.insert(conn, self.now);
+                self.scope_input(ServerInput::Frame { conn, text });
+            }
+            (Peer::Scope(..), Msg::Close(_)) => {
+                let server = self.server.as_mut().expect("checked");
+                server.conns.remove(&conn);
+                server.heard.remove(&conn);
+                if let Some(l) = self.links.get_mut(&link) {
+                    l.server_open = false;
+                }
+                self.scope_input(ServerInput::Closed { conn });
+            }
+            _ => {}
+        }
+    }
+
+    fn at_client(&mut self, link: u64, msg: Msg) {
+        let l = &self.links[&link];
+        if !l.client_open {
+            return;
+        }
+        let (peer, gen, conn) = (l.peer, l.gen, l.conn);
+        match (peer, msg) {
+            (Peer::Cs(i), Msg::Text(text)) => self.cs_receive(i, link, &text),
+            (Peer::Cs(i), Msg::Close(reason)) => {
+                self.links.get_mut(&link).expect("link").client_open = false;
+                self.log(format!("{} disconnected: {reason}", self.cs[i].id));
+                self.cs_lost(i, link);
+            }
+            (Peer::Cs(i), Msg::Accepted) => {
+                if self.cs[i].version >= 7 && self.cs[i].link == Some(link) {
+                    let sub = &self.cs[i];
+                    let text = format!(
+                        r#"{{"id":1,"msg":["start-subscription",{{"taskID":"task-{i}","id":"{}","mode":"serving","replicaVersion":"{}","watermark":"{}"}}]}}"#,
+                        sub.id,
+                        rv(),
+                        sub.last
+                    );
+                    self.log(format!(
+                        "{} sends start-subscription at {}",
+                        sub.id, sub.last
+                    ));
+                    self.push(link, true, Msg::Text(text));
+                }
+            }
+            (Peer::Cs(_), _) => {}
+            (Peer::Scope(c, socket), Msg::Text(text)) => {
+                // The frame is flushed: the server's outbound budget frees.
+                if gen.is_some() && gen == self.server.as_ref().map(|s| s.gen) {
+                    if let Some(conn) = conn {
+                        let bytes = text.len();
+                        self.scope_input(ServerInput::Written { conn, bytes });
+                    }
+                }
+                self.sniff(c, link, &text);
+                self.client_input(c, ClientInput::SocketFrame { socket, text });
+            }
+            (Peer::Scope(c, socket), Msg::Accepted) => {
+                self.client_input(c, ClientInput::SocketOpened { socket });
+            }
+            (Peer::Scope(c, socket), Msg::Close(reason)) => {
+                self.links.get_mut(&link).expect("link").client_open = false;
+                self.clients[c].sockets.remove(&socket);
+                self.client_input(c, ClientInput::SocketClosed { socket, reason });
+            }
+            (Peer::Scope(..), Msg::Open(_)) => {}
+        }
+    }
+
+    fn fault(&mut self) {
+        if self.quiet {
+            return;
+        }
+        let d = self.rng.range(300, 4000);
+        self.at(d, Ev::Fault);
+        let live: Vec<u64> = self
+            .links
+            .iter()
+            .filter(|(_, l)| l.client_open && l.server_open && !l.broken)
+            .map(|(&id, _)| id)
+            .collect();
+        let Some(&id) = self.rng.pick(&live) else {
+            return;
+        };
+        self.out.disconnects += 1;
+        let half_open = self.rng.chance(400);
+        let server_side_learns = self.rng.chance(500);
+        let l = self.links.get_mut(&id).expect("link");
+        l.to_server.clear();
+        l.to_client.clear();
+        let is_cs = matches!(l.peer, Peer::Cs(_));
+        // Change-stream links have no heartbeat in this model: they are only dropped.
+        let half_open = half_open && !is_cs;
+        self.log(format!(
+            "network: link {id} {}",
+            if half_open { "goes half-open" } else { "drops" }
+        ));
+        let now = self.now;
+        let (d1, d2) = (self.rng.range(1, 300), self.rng.range(1, 300));
+        let l = self.links.get_mut(&id).expect("link");
+        l.broken = true;
+        if !half_open || !server_side_learns {
+            l.to_client
+                .push_back((now + d1, Msg::Close("connection lost".to_owned())));
+            self.at(
+                d1,
+                Ev::Net {
+                    link: id,
+                    to_server: false,
+                },
+            );
+        }
+        let l = self.links.get_mut(&id).expect("link");
+        if !half_open || server_side_learns {
+            l.to_server
+                .push_back((now + d2, Msg::Close("connection lost".to_owned())));
+            self.at(
+                d2,
+                Ev::Net {
+                    link: id,
+                    to_server: true,
+                },
+            );
+        }
+    }
+}
+
+// ---- change-stream subscribers ----
+impl World {
+    fn cs_connect(&mut self, i: usize) {
+        if self.cs[i].link.is_some() {
+            return;
+        }
+        let link = self.new_link(Peer::Cs(i));
+        self.cs[i].link = Some(link);
+        self.cs[i].connecting = true;
+        let at = self.cs[i].last.clone();
+        self.log(format!("cs{i} connects at {at}"));
+        self.push(link, true, Msg::Open(Some(at)));
+    }
+
+    fn cs_lost(&mut self, i: usize, link: u64) {
+        let sub = &mut self.cs[i];
+        if sub.link != Some(link) {
+            return;
+        }
+        sub.link = None;
+        sub.open = None;
+        let d = self.rng.range(50, 2000);
+        self.at(d, Ev::CsConnect(i));
+    }
+
+    fn cs_flip(&mut self, i: usize) {
+        if self.quiet {
+            self.cs[i].slow = false;
+            return;
+        }
+        let d = self.rng.range(1000, 8000);
+        self.at(d, Ev::CsFlip(i));
+        match self.rng.below(10) {
+            0..=2 => {
+                self.cs[i].slow = !self.cs[i].slow;
+                let slow = self.cs[i].slow;
+                self.log(format!("cs{i} goes {}", if slow { "slow" } else { "fast" }));
+            }
+            3 => {
+                // The subscriber disconnects on its own.
+                if let Some(link) = self.cs[i].link {
+                    self.log(format!("cs{i} disconnects"));
+                    self.out.disconnects += 1;
+                    self.links.get_mut(&link).expect("link").client_open = false;
+                    self.push(link, true, Msg::Close("bye".to_owned()));
+                    self.cs_lost(i, link);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn cs_ack(&mut self, i: usize, link: u64, id: u64) {
+        if self.cs[i].link == Some(link) && self.links[&link].client_open {
+            self.push(link, true, Msg::Text(format!(r#"{{"ack":{id}}}"#)));
+        }
+    }
+
+    fn cs_receive(&mut self, i: usize, link: u64, text: &str) {
+        if self.cs[i].link != Some(link) {
+            return;
+        }
+        // The server's ack of the subscriber's own frame (v7+).
+        if text.starts_with(r#"{"ack":"#) {
+            return;
+        }
+        let frame = match decode_downstream_frame(text) {
+            Ok(f) => f,
+            Err(e) => return self.fail(format!("cs{i} got a frame it cannot read ({e}): {text}")),
+        };
+        for message in frame.messages() {
+            self.cs_message(i, message);
+            if self.out.failure.is_some() {
+                return;
+            }
+        }
+        if let Some(id) = frame.id() {
+            let d = if self.cs[i].slow {
+                self.rng.range(300, 3000)
+            } else {
+                self.rng.range(1, 30)
+            };
+            let at = (self.now + d).max(self.cs[i].ack_at);
+            self.cs[i].ack_at = at;
+            self.at(at - self.now, Ev::CsAck { sub: i, link, id });
+        }
+    }
+
+    fn cs_message(&mut self, i: usize, message: &DownstreamMessage) {
+        let name = self.cs[i].id.clone();
+        match message {
+            DownstreamMessage::Begin(b) => {
+                if let Some((open, _)) = &self.cs[i].open {
+                    let open = open.clone();
+                    return self.fail(format!(
+                        "{name} got a begin for {} inside the open transaction {open}",
+                        b.commit_watermark
+                    ));
+                }
+                self.cs[i].open = Some((b.commit_watermark.clone(), Vec::new()));
+            }
+            DownstreamMessage::Data(change) => {
+                let Some((_, changes)) = self.cs[i].open.as_mut() else {
+                    return self.fail(format!(
+                        "{name} got a {} outside a transaction",
+                        change.tag()
+                    ));
+                };
+                let item = match change {
+                    Change::Insert(c) => Some(("insert", &c.relation.name, c.new.get("id"))),
+                    Change::Update(c) => Some(("update", &c.relation.name, c.new.get("id"))),
+                    Change::Delete(c) => Some(("delete", &c.relation.name, c.key.get("id"))),
+                    _ => None,
+                };
+                if let Change::Truncate(t) = change {
+                    for r in &t.relations {
+                        changes.push(format!("truncate {}", r.name));
+                    }
+                }
+                match change {
+                    Change::Backfill(b) => changes.push(format!(
+                        "backfill {} {}",
+                        b.relation.name,
+                        b.row_values.len()
+                    )),
+                    Change::BackfillCompleted(b) => {
+                        changes.push(format!("backfill-completed {}", b.relation.name))
+                    }
+                    _ => {}
+                }
+                if let Some((tag, table, id)) = item {
+                    let id = id.map(|v| v.to_string()).unwrap_or_default();
+                    changes.push(format!("{tag} {table} {id}"));
+                }
+            }
+            DownstreamMessage::Commit(c) => {
+                let Some((open, changes)) = self.cs[i].open.take() else {
+                    return self.fail(format!(
+                        "{name} got a commit {} outside a transaction",
+                        c.watermark
+                    ));
+                };
+                if open != c.watermark {
+                    return self.fail(format!(
+                        "{name}: begin {open} ended by commit {}",
+                        c.watermark
+                    ));
+                }
+                let last = self.cs[i].last.clone();
+                if c.watermark <= last {
+                    return self.fail(format!(
+                        "{name} got transaction {} again (it holds everything through {last})",
+                        c.watermark
+                    ));
+                }
+                if let Some(rec) = self.backfills.get(&c.watermark) {
+                    if rec.after != last {
+                        return self.fail(format!(
+                            "{name} got backfill {} that follows {}, holding {last}",
+                            c.watermark, rec.after
+                        ));
+                    }
+                    if rec.digest != changes {
+                        return self.fail(format!(
+                            "{name} got backfill {} with [{}], its snapshot gave [{}]",
+                            c.watermark,
+                            changes.join(", "),
+                            rec.digest.join(", ")
+                        ));
+                    }
+                    self.cs[i].last = c.watermark.clone();
+                    return;
+                }
+                let Some(&idx) = self.wal_index.get(&c.watermark) else {
+                    return self.fail(format!(
+                        "{name} got a transaction {} that upstream never committed",
+                        c.watermark
+                    ));
+                };
+                let before = if idx == 0 {
+                    rv()
+                } else {
+                    self.pg.wal[idx - 1].watermark()
+                };
+                if before != self.upstream_at(last.clone()) {
+                    return self.fail(format!(
+                        "{name} missed transaction {before}: it holds {last} and got {}",
+                        c.watermark
+                    ));
+                }
+                let expected = &self.pg.wal[idx].digest;
+                if *expected != changes {
+                    let expected = expected.join(", ");
+                    return self.fail(format!(
+                        "{name} got transaction {} with [{}], upstream committed [{expected}]",
+                        c.watermark,
+                        changes.join(", ")
+                    ));
+                }
+                self.cs[i].last = c.watermark.clone();
+            }
+            DownstreamMessage::Rollback(_) => {
+                self.cs[i].open = None;
+            }
+            DownstreamMessage::Status(_) => {}
+            DownstreamMessage::Error(e)
+                if e.kind()
+                    == Some(highwater_engine::change_stream::ErrorKind::WatermarkTooOld)
+                    && self.backfills.contains_key(&self.cs[i].last)
+                    && !self
+                        .storage
+                        .durable()
+                        .log
+                        .iter()
+                        .any(|r| r.watermark == self.cs[i].last) =>
+            {
+                // Known hazard (see RELIABILITY.md): the streamer forwards a backfill live
+                // before it is durable; a crash loses it, and the retry, read from a later
+                // snapshot, takes another watermark. The subscriber holds a transaction the
+                // log never will and must reset from a snapshot of the replica.
+                let last = self.cs[i].last.clone();
+                let restored = self.storage.last_watermark().clone();
+                self.log(format!(
+                    "{name} resets: its backfill {last} was lost in a crash and redone elsewhere; restored at {restored}"
+                ));
+                self.out.subscriber_resets += 1;
+                self.cs[i].last = restored;
+                self.cs[i].open = None;
+            }
+            DownstreamMessage::Error(e) => {
+                let e = format!("{e:?}");
+                self.fail(format!("{name} got an error from the streamer: {e}"));
+            }
+            DownstreamMessage::Reserved(_) => {}
+        }
+    }
+}
+
+// ---- scope clients ----
+impl World {
+    /// The client app (re)loads: a new client from what its store holds.
+    fn client_reload(&mut self, c: usize) {
+        if self.quiet {
+            return;
+        }
+        let d = self.rng.range(5000, 30_000);
+        self.at(d, Ev::ClientReload(c));
+        if self.rng.chance(150) {
+            self.clients[c].slow = !self.clients[c].slow;
+            let slow = self.clients[c].slow;
+            self.log(format!(
+                "client{c} reads {}",
+                if slow { "slowly" } else { "promptly" }
+            ));
+        }
+        let first = self.clients[c].sockets.is_empty() && self.clients[c].store.is_empty();
+        if !first && !self.rng.chance(300) {
+            return;
+        }
+        // The page goes away: its socket closes (or, a killed tab, just goes silent).
+        let sockets: Vec<u64> = self.clients[c].sockets.values().copied().collect();
+        for link in sockets {
+            if let Some(l) = self.links.get_mut(&link) {
+                l.client_open = false;
+            }
+            if self.rng.chance(700) {
+                self.push(link, true, Msg::Close("page unloaded".to_owned()));
+            } else if let Some(l) = self.links.get_mut(&link) {
+                l.broken = true;
+            }
+        }
+        self.log(format!("client{c} (re)loads from its store"));
+        let config = Self::client_config(&mut self.rng);
+        let seed = self.rng.next_u64();
+        let client = &mut self.clients[c];
+        client.client = SyncClient::new(config, seed);
+        client.sockets.clear();
+        client.timer_gen += 1;
+        let scopes: Vec<(ScopeKey, (String, Option<String>))> =
+            client.scopes.iter().map(|(k, v)| (*k, v.clone())).collect();
+        for (key, (table, owner)) in scopes {
+            let stored = self.clients[c].store.get(&key).cloned().unwrap_or_default();
+            let params = SubscribeParams {
+                scope: ChangesScope {
+                    resource_type: Some(table),
+                    conditions: owner
+                        .map(|o| Map::from_iter([(OWNER.to_owned(), Value::String(o))]))
+                        .unwrap_or_default(),
+                    resource_types: None,
+                },
+                after: None,
+                limit: None,
+                authentication_token: None,
+                extra: Map::new(),
+            };
+            self.client_input(
+                c,
+                ClientInput::Subscribe {
+                    scope: key,
+                    params: Box::new(params),
+                    stored,
+                },
+            );
+        }
+        self.client_input(c, ClientInput::Start);
+    }
+
+    fn client_input(&mut self, c: usize, input: ClientInput) {
+        let mut inputs = VecDeque::from([input]);
+        while let Some(input) = inputs.pop_front() {
+            let now = self.now;
+            let dbg = std::env::var_os("SIM_DEBUG_CLIENT").is_some();
+            if dbg {
+                eprintln!("{now} client{c} <- {input:?}");
+            }
+            let effects = self.clients[c].client.handle(now, input);
+            if dbg {
+                eprintln!("{now} client{c} -> {effects:?}");
+            }
+            for effect in effects {
+                self.client_effect(c, effect, &mut inputs);
+                if self.out.failure.is_some() {
+                    return;
+                }
+            }
+        }
+    }
+
+    fn client_effect(
+        &mut self,
+        c: usize,
+        effect: ClientEffect,
+        inputs: &mut VecDeque<ClientInput>,
+    ) {
+        match effect {
+            // A token names its expiry; the server's authorization reads it back.
+            ClientEffect::RequestToken { request } => {
+                // Tokens issued once the run is quiet never expire, so it can settle.
+                let token = match self.token_ttl_ms.filter(|_| !self.quiet) {
+                    Some(ttl) => format!("exp:{}", self.now + ttl),
+                    None => "exp:never".to_owned(),
+                };
+                inputs.push_back(ClientInput::Token {
+                    request,
+                    result: Ok(Some(token)),
+                });
+            }
+            ClientEffect::OpenSocket { socket } => {
+                let link = self.new_link(Peer::Scope(c, socket));
+                self.clients[c].sockets.insert(socket, link);
+                self.log(format!("client{c} opens socket {socket} (link {link})"));
+                self.push(link, true, Msg::Open(None));
+            }
+            ClientEffect::Send { socket, text } => {
+                if let Some(&link) = self.clients[c].sockets.get(&socket) {
+                    if self.links[&link].client_open {
+                        self.push(link, true, Msg::Text(text));
+                    }
+                }
+            }
+            ClientEffect::CloseSocket { socket, reason, .. } => {
+                self.log(format!("client{c} closes socket {socket}: {reason}"));
+                if let Some(link) = self.clients[c].sockets.remove(&socket) {
+                    if let Some(l) = self.links.get_mut(&link) {
+                        l.client_open = false;
+                    }
+                    self.push(link, true, Msg::Close(reason));
+                }
+            }
+            ClientEffect::SetTimer { at_ms } => {
+                let client = &mut self.clients[c];
+                client.timer_gen += 1;
+                if let Some(at) = at_ms {
+                    let gen = client.timer_gen;
+                    // Node's timers count from the event loop's cached clock, so they can fire
+                    // a few milliseconds before the deadline by `Date.now()`. The amount comes
+                    // from a hash, not the world's random stream, so seeds replay as before.
+                    let early = (gen.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ c as u64) >> 62;
+                    self.at(
+                        at.saturating_sub(self.now).saturating_sub(early),
+                        Ev::ClientTimer { client: c, gen },
+                    );
+                }
+            }
+            ClientEffect::Persist { scope, write } => self.persist(c, scope, write),
+            ClientEffect::ScopeFailed {
+                scope,
+                code,
+                message,
+            } => {
+                self.fail(format!("client{c} scope {scope} failed: {code}: {message}"));
+            }
+            ClientEffect::Error {
+                scope,
+                code,
+                message,
+            } => {
+                self.log(format!("client{c} error {scope:?} {code}: {message}"));
+            }
+            ClientEffect::Ready { scope, replayed } => {
+                self.log(format!(
+                    "client{c} scope {scope} ready ({replayed} replayed)"
+                ));
+            }
+            ClientEffect::Status(status) => {
+                self.log(format!(
+                    "client{c} status {:?} {:?}",
+                    status.state, status.reason
+                ));
+            }
+            ClientEffect::Changed { .. } | ClientEffect::Progress { .. } => {}
+        }
+    }
+
+    fn persist(
+        &mut self,
+        c: usize,
+        scope: ScopeKey,
+        write: highwater_engine::sync_client::PersistWrite,
+    ) {
+        let table = self.clients[c].scopes[&scope].0.clone();
+        let store = self.clients[c].store.entry(scope).or_default();
+        let old_seq = store.cursor.as_ref().and_then(|k| k.server_sequence);
+        if write.reset {
+            store.rows.clear();
+            store.cursor = None;
+        }
+        for id in &write.deletes {
+            store.rows.retain(|r| r.id != *id);
+        }
+        let mut bad = None;
+        for row in &write.upserts {
+            store.rows.retain(|r| r.id != row.id);
+            store.rows.push(row.clone());
+            if let Some(seq) = row.server_sequence {
+                match self.history.get(&(table.clone(), row.id.clone(), seq)) {
+                    Some(data) if without_nulls(data) == without_nulls(&row.data) => {}
+                    other => {
+                        bad = Some(format!(
+                            "client{c} stored {table} {} at seq {seq} as {}, the replica gave that seq {}",
+                            row.id,
+                            Value::Object(row.data.clone()),
+                            other.map_or("nothing".to_owned(), |d| Value::Object(d.clone()).to_string())
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(cursor) = &write.cursor {
+            if let (Some(old), Some(new), false) = (old_seq, cursor.server_sequence, write.reset) {
+                if new < old {
+                    bad = Some(format!(
+                        "client{c} scope {scope} cursor moved backwards: {old} then {new}"
+                    ));
+                }
+            }
+            store.cursor = Some(cursor.clone());
+        }
+        store.rows.sort_by(|a, b| a.id.cmp(&b.id));
+        if let Some(why) = bad {
+            self.fail(why);
+        }
+    }
+
+    /// Watches what the server sends a client: no entry twice within one subscription.
+    fn sniff(&mut self, c: usize, link: u64, text: &str) {
+        let Ok(ServerFrame::ChannelMessage {
+            subscription_id,
+            body,
+            ..
+        }) = ServerFrame::from_json(text)
+        else {
+            return;
+        };
+        let key = (link, subscription_id.clone());
+        if body.get("reset").is_some() {
+            self.clients[c].seen.remove(&key);
+        }
+        let Some(syncs) = body.get("syncs").and_then(Value::as_array) else {
+            return;
+        };
+        let mut dup = None;
+        let seen = self.clients[c].seen.entry(key).or_default();
+        for entry in syncs {
+            let id = entry
+                .get("resourceId")
+                .map(|v| v.to_string())
+                .unwrap_or_default();
+            let seq = entry
+                .get("serverSequence")
+                .and_then(Value::as_i64)
+                .unwrap_or(-1);
+            if !seen.insert((id.clone(), seq)) {
+                dup = Some((id, seq));
+            }
+        }
+        if let Some((id, seq)) = dup {
+            self.fail(format!(
+                "client{c} got {id} at seq {seq} twice on subscription {subscription_id} (link {link})"
+            ));
+        }
+    }
+}
+
+// ---- invariants ----
+impl World {
+    fn check_continuous(&mut self) {
+        if self.out.failure.is_some() {
+            return;
+        }
+        let stored = self.storage.last_watermark().clone();
+        if stored < self.stored_high {
+            let high = self.stored_high.clone();
+            return self.fail(format!(
+                "durable storage moved backwards: {high} then {stored}"
+            ));
+        }
+        self.stored_high = stored;
+        self.check_slot();
+    }
+
+    fn final_check(&mut self) {
+        self.done = true;
+        let last = self.pg.wal.last().map_or_else(rv, |tx| tx.watermark());
+        let mut problems = Vec::new();
+        let stored = self.storage.last_watermark().clone();
+        let pending = self.storage.pending_backfills();
+        if !pending.is_empty() {
+            problems.push(format!(
+                "the replica still waits for backfills: {pending:?}"
+            ));
+        }
+        if self.upstream_at(stored.clone()) != last {
+            problems.push(format!(
+                "storage holds through {}, upstream committed through {last}",
+                self.storage.last_watermark()
+            ));
+        }
+        if let Some(tx) = self.pg.wal.last() {
+            if self.pg.confirmed < tx.commit_lsn {
+                problems.push(format!(
+                    "the slot is at {}, short of the last commit {}",
+                    self.pg.confirmed, tx.commit_lsn
+                ));
+            }
+        }
+        for sub in &self.cs {
+            if sub.last != stored {
+                problems.push(format!(
+                    "{} holds through {}, not {stored} (upstream {last})",
+                    sub.id, sub.last
+                ));
+            }
+        }
+        // The replica holds upstream's rows, backfilled columns included.
+        for (name, table) in &self.storage.durable().tables {
+            let strict = self.backfilled.get(name);
+            let want: BTreeMap<String, Map<String, Value>> = self
+                .pg
+                .rows_json(name)
+                .into_iter()
+                .map(|(id, r)| (id.to_string(), compared(&r, strict)))
+                .collect();
+            let held: BTreeMap<String, Map<String, Value>> = table
+                .rows
+                .iter()
+                .map(|(id, r)| (id.clone(), compared(&r.data, strict)))
+                .collect();
+            if let Some(diff) = row_diff(&held, &want) {
+                problems.push(format!("replica table {name}: {diff}"));
+            }
+        }
+        for (c, client) in self.clients.iter().enumerate() {
+            for (key, (table, owner)) in &client.scopes {
+                let strict = self.backfilled.get(table);
+                let want: BTreeMap<String, Map<String, Value>> = self
+                    .pg
+                    .rows_json(table)
+                    .into_iter()
+                    .filter(|(_, r)| {
+                        owner.is_none() || r.get(OWNER).and_then(Value::as_str) == owner.as_deref()
+                    })
+                    .map(|(id, r)| (id.to_string(), compared(&r, strict)))
+                    .collect();
+                let held: BTreeMap<String, Map<String, Value>> = client
+                    .client
+                    .rows(*key)
+                    .into_iter()
+                    .map(|r| {
+                        (
+                            r.get("id").map(|v| v.to_string()).unwrap_or_default(),
+                            compared(r, strict),
+                        )
+                    })
+                    .collect();
+                let stored: BTreeMap<String, Map<String, Value>> = client
+                    .store
+                    .get(key)
+                    .map(|s| {
+                        s.rows
+                            .iter()
+                            .map(|r: &StoredRow| (r.id.clone(), compared(&r.data, strict)))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                for (what, rows) in [("holds", &held), ("stored", &stored)] {
+                    if let Some(diff) = row_diff(rows, &want) {
+                        let owner = owner.as_deref().unwrap_or("*");
+                        problems.push(format!("client{c} scope {table}/{owner} {what}: {diff}"));
+                    }
+                }
+            }
+        }
+        if !problems.is_empty() {
+            self.fail(format!(
+                "after {} ms quiet: {}",
+                QUIET_MS,
+                problems.join("; ")
+            ));
+        } else {
+            self.log("quiet: every subscriber and client matches upstream".to_owned());
+        }
+    }
+}
+
+/// Which rows are missing, extra or different, by id; `None` when equal.
+fn row_diff(
+    got: &BTreeMap<String, Map<String, Value>>,
+    want: &BTreeMap<String, Map<String, Value>>,
+) -> Option<String> {
+    let missing: Vec<&str> = want
+        .keys()
+        .filter(|k| !got.contains_key(*k))
+        .map(String::as_str)
+        .collect();
+    let extra: Vec<&str> = got
+        .keys()
+        .filter(|k| !want.contains_key(*k))
+        .map(String::as_str)
+        .collect();
+    let differ: Vec<String> = want
+        .iter()
+        .filter_map(|(k, w)| {
+            let g = got.get(k)?;
+            (g != w).then(|| {
+                format!(
+                    "{k} (has {}, upstream {})",
+                    Value::Object(g.clone()),
+                    Value::Object(w.clone())
+                )
+            })
+        })
+        .take(3)
+        .collect();
+    if missing.is_empty() && extra.is_empty() && differ.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "{} rows, upstream {}; missing {missing:?}, extra {extra:?}, different {differ:?}",
+        got.len(),
+        want.len()
+    ))
+}
+
+/// A short summary line for a trace header.
+pub fn describe(outcome: &Outcome) -> String {
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "seed {}: {} steps, {} crashes, {} disconnects, {} transactions",
+        outcome.seed, outcome.steps, outcome.crashes, outcome.disconnects, outcome.transactions
+    );
+    s
+}
