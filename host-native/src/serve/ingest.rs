@@ -275,6 +275,17 @@ impl Ingest {
             // commit.
             let backfilling = self.session.backfill_running();
             let upstream = self.session.accepts_upstream();
+            // Events already queued are taken without a trip through the runtime: the storage
+            // queue was just drained, no flush is due and nothing is paused, so this is what
+            // the biased select below would pick. Only an empty queue costs a wait.
+            if !is_paused && upstream && !backfilling && !*shutdown.borrow() {
+                if let Ok(event) = events.try_recv() {
+                    if let Err(e) = self.on_source(event) {
+                        break Err(e);
+                    }
+                    continue;
+                }
+            }
             let handle = self.handle.clone();
             let (ops, backfills) = (&mut self.ops, &mut self.backfills);
             let next = handle.block_on(async {
