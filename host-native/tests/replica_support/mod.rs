@@ -212,10 +212,28 @@ pub async fn wait_for_marker(data: &Path, n: i32) {
     }
 }
 
-/// Makes the replica catch up with everything committed so far.
+/// Makes the replica catch up with everything committed so far, backfills included. A backfill
+/// starts once everything before it is durable, and with group commit the marker's transaction
+/// may share a group with the change that asked for the backfill: the marker can be stored
+/// before the backfill ran, so the pending backfills are waited for as well.
 pub async fn catch_up(client: &Client, data: &Path) {
     let n = bump_marker(client).await;
     wait_for_marker(data, n).await;
+    let deadline = Instant::now() + CATCH_UP;
+    loop {
+        let pending: i64 = replica_scalar(
+            data,
+            "SELECT count(*) FROM _hw_columns WHERE backfill IS NOT NULL",
+        );
+        if pending == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pending} backfilled columns still pending after {CATCH_UP:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Every table of the replica as JSON rows, by replica table name.
