@@ -15,9 +15,15 @@
 //! * A group is made durable only between transactions, never with one half applied.
 //! * **A group never waits for input that may not come.** Whenever the host is about to wait
 //!   for input with a group open and no transaction half applied, it waits at most until
-//!   [`GroupCommit::deadline_us`] and then flushes ([`GroupCommit::flush_due`] says so). With a
-//!   transaction half applied it waits for the rest of that transaction: its commit is the next
-//!   point the group may close, and `applied` says `Flush` there if the deadline has passed.
+//!   [`GroupCommit::deadline_us`] and then flushes ([`GroupCommit::flush_due`] says so). The
+//!   deadline is the earlier of the group's delay and its *linger*: a short wait
+//!   ([`GroupLimits::linger_us`]) after the last transaction applied. While transactions keep
+//!   arriving (a burst, or a catch-up) the group grows until it is full or its delay is up,
+//!   so one fsync serves many; once the input runs dry the group is made durable within the
+//!   linger, so a lone transaction waits for its fsync no longer than that. With a
+//!   transaction half applied the host waits for the rest of that transaction: its commit is
+//!   the next point the group may close, and `applied` says `Flush` there if the delay has
+//!   passed.
 //! * Before anything that needs the store durable — a read of it on another connection (a
 //!   catch-up read), a backfill, a purge, a stop — the host flushes at once (between
 //!   transactions).
@@ -43,8 +49,12 @@ pub struct GroupLimits {
     pub max_transactions: usize,
     /// Bytes (as the host measures a transaction, e.g. its stored change text) in one group.
     pub max_bytes: usize,
-    /// How long the first transaction of a group may wait for its durable commit, in µs.
+    /// How long the first transaction of a group may wait for its durable commit while more
+    /// keep arriving, in µs.
     pub max_delay_us: u64,
+    /// How long an open group waits for more input once none is queued, in µs, counted from
+    /// its last transaction applied.
+    pub linger_us: u64,
 }
 
 impl Default for GroupLimits {
@@ -52,7 +62,8 @@ impl Default for GroupLimits {
         GroupLimits {
             max_transactions: 1000,
             max_bytes: 16 * 1024 * 1024,
-            max_delay_us: 5_000,
+            max_delay_us: 50_000,
+            linger_us: 1_000,
         }
     }
 }
@@ -93,6 +104,7 @@ struct Open<P> {
     transactions: usize,
     bytes: usize,
     opened_at_us: u64,
+    applied_at_us: u64,
     last: P,
 }
 
@@ -130,8 +142,10 @@ impl<P: Ord + Clone> GroupCommit<P> {
             transactions: 0,
             bytes: 0,
             opened_at_us: now_us,
+            applied_at_us: now_us,
             last: position.clone(),
         });
+        open.applied_at_us = open.applied_at_us.max(now_us);
         open.transactions += 1;
         open.bytes = open.bytes.saturating_add(bytes);
         if position > open.last {
@@ -147,12 +161,15 @@ impl<P: Ord + Clone> GroupCommit<P> {
         }
     }
 
-    /// When the open group must be made durable even if nothing more arrives (µs); `None`
-    /// with no group open. A host about to wait for input waits at most until then.
+    /// When the open group must be made durable even if nothing more arrives (µs): the
+    /// earlier of its delay and its linger after the last transaction applied; `None` with no
+    /// group open. A host about to wait for input waits at most until then.
     pub fn deadline_us(&self) -> Option<u64> {
-        self.open
-            .as_ref()
-            .map(|open| open.opened_at_us.saturating_add(self.limits.max_delay_us))
+        self.open.as_ref().map(|open| {
+            let delay = open.opened_at_us.saturating_add(self.limits.max_delay_us);
+            let linger = open.applied_at_us.saturating_add(self.limits.linger_us);
+            delay.min(linger)
+        })
     }
 
     /// Whether to make the open group durable now, before waiting for (or taking) more
@@ -187,11 +204,13 @@ impl<P: Ord + Clone> GroupCommit<P> {
 mod tests {
     use super::*;
 
+    /// Limits without a linger: only the delay bounds the wait.
     fn limits(max_transactions: usize, max_bytes: usize, max_delay_us: u64) -> GroupLimits {
         GroupLimits {
             max_transactions,
             max_bytes,
             max_delay_us,
+            linger_us: u64::MAX,
         }
     }
 
@@ -247,6 +266,41 @@ mod tests {
         assert_eq!(group.applied(8, 1, 60_000_000), GroupDecision::Flush);
         assert_eq!(group.durable().map(|d| d.last), Some(8));
         assert!(!group.flush_due(u64::MAX, false));
+    }
+
+    #[test]
+    fn a_group_grows_while_input_keeps_coming_and_is_flushed_a_linger_after_it_stops() {
+        let mut group = GroupCommit::new(GroupLimits {
+            linger_us: 1_000,
+            ..limits(100, usize::MAX, 50_000)
+        });
+        // A lone transaction waits one linger for company, not the whole delay.
+        assert_eq!(group.applied(1u64, 1, 0), GroupDecision::Hold);
+        assert_eq!(group.deadline_us(), Some(1_000));
+        assert!(!group.flush_due(999, false));
+        assert!(group.flush_due(1_000, false));
+        // Transactions arriving within a linger of each other keep the group open...
+        assert_eq!(group.applied(2, 1, 900), GroupDecision::Hold);
+        assert_eq!(group.deadline_us(), Some(1_900));
+        let mut now = 900;
+        let mut position = 2;
+        while group.deadline_us() != Some(50_000) {
+            now += 900;
+            position += 1;
+            if group.applied(position, 1, now) == GroupDecision::Flush {
+                break;
+            }
+        }
+        // ...up to the delay, counted from the first: the wait never passes it.
+        assert_eq!(group.deadline_us(), Some(50_000));
+        assert!(group.flush_due(50_000, false));
+        now += 900;
+        position += 1;
+        assert_eq!(group.applied(position, 1, now), GroupDecision::Flush);
+        assert_eq!(
+            group.durable().map(|d| d.transactions),
+            Some(position as usize)
+        );
     }
 
     #[test]

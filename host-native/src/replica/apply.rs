@@ -223,9 +223,9 @@ impl ReplicaWriter {
         // Inside an open group, a savepoint: a rollback then undoes this transaction alone.
         let savepoint = self.group_open;
         if savepoint {
-            self.replica.conn.execute_batch("SAVEPOINT hw_txn")?;
+            run_cached(&self.replica.conn, "SAVEPOINT hw_txn")?;
         } else {
-            self.replica.conn.execute_batch("BEGIN IMMEDIATE")?;
+            run_cached(&self.replica.conn, "BEGIN IMMEDIATE")?;
         }
         self.committed = None;
         self.txn = Some(Txn {
@@ -265,14 +265,16 @@ impl ReplicaWriter {
             let changes = capture.commit(&self.replica.conn, &self.replica.tables, &updated_at)?;
             self.committed = Some(changes);
         }
-        self.replica.conn.execute(
-            r#"UPDATE "_hw_state" SET "watermark" = ?1, "lsn" = ?2, "next_seq" = ?3 WHERE "lock" = 1"#,
-            params![watermark.as_str(), lsn.to_string(), self.next_seq],
-        )?;
+        self.replica
+            .conn
+            .prepare_cached(
+                r#"UPDATE "_hw_state" SET "watermark" = ?1, "lsn" = ?2, "next_seq" = ?3 WHERE "lock" = 1"#,
+            )?
+            .execute(params![watermark.as_str(), lsn.to_string(), self.next_seq])?;
         if savepoint {
-            self.replica.conn.execute_batch("RELEASE hw_txn")?;
+            run_cached(&self.replica.conn, "RELEASE hw_txn")?;
         } else if !self.grouping {
-            self.replica.conn.execute_batch("COMMIT")?;
+            run_cached(&self.replica.conn, "COMMIT")?;
         }
         self.txn = None;
         if let Some(state) = self.replica.state.as_mut() {
@@ -396,6 +398,14 @@ impl ReplicaWriter {
 }
 
 type Tables = std::collections::HashMap<String, ReplicaTable>;
+
+/// Runs a statement without parameters through the connection's statement cache: the
+/// per-transaction `SAVEPOINT`, `RELEASE`, `BEGIN` and `COMMIT` are parsed once, not once per
+/// upstream transaction.
+fn run_cached(conn: &Connection, sql: &str) -> Result<(), ReplicaError> {
+    conn.prepare_cached(sql)?.execute([])?;
+    Ok(())
+}
 
 struct RowContext<'a> {
     conn: &'a Connection,
