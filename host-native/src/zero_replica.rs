@@ -747,7 +747,7 @@ mod tests {
         );
         let new = json!({"id": id, "title": title, "state": state, "tags": ["a", "b"]});
         Change::Insert(Insert {
-            relation,
+            relation: relation.into(),
             new: new.as_object().unwrap().clone(),
             extra: Default::default(),
         })

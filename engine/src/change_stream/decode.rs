@@ -156,6 +156,13 @@ trait Field: Sized {
     fn decode(value: Value, path: &Path) -> Result<Self>;
 }
 
+impl<T: Field> Field for std::sync::Arc<T> {
+    const EXPECTED: &'static str = T::EXPECTED;
+    fn decode(value: Value, path: &Path) -> Result<Self> {
+        T::decode(value, path).map(std::sync::Arc::new)
+    }
+}
+
 /// Required key: absent is an error.
 fn req<T: Field>(map: &mut Map<String, Value>, path: &Path, key: &str) -> Result<T> {
     let at = path.key(key);

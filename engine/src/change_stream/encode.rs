@@ -303,18 +303,18 @@ impl Serialize for Change {
         o.field("tag", self.tag())?;
         let extra = match self {
             Change::Insert(c) => {
-                o.field("relation", &c.relation)?;
+                o.field("relation", &*c.relation)?;
                 o.field("new", &c.new)?;
                 &c.extra
             }
             Change::Update(c) => {
-                o.field("relation", &c.relation)?;
+                o.field("relation", &*c.relation)?;
                 o.field("key", &c.key)?;
                 o.field("new", &c.new)?;
                 &c.extra
             }
             Change::Delete(c) => {
-                o.field("relation", &c.relation)?;
+                o.field("relation", &*c.relation)?;
                 o.field("key", &c.key)?;
                 &c.extra
             }
@@ -509,7 +509,7 @@ mod tests {
         relation.extra.insert("schema".into(), json!("other"));
         relation.extra.insert("relationOid".into(), json!(16384));
         let mut insert = Insert {
-            relation,
+            relation: relation.into(),
             new: Map::new(),
             extra: Map::new(),
         };
@@ -772,14 +772,14 @@ mod tests {
         prop_oneof![
             (relation(), row(), extra()).prop_map(|(relation, new, extra)| Change::Insert(
                 Insert {
-                    relation,
+                    relation: relation.into(),
                     new,
                     extra
                 }
             )),
             (relation(), prop::option::of(row()), row(), extra()).prop_map(
                 |(relation, key, new, extra)| Change::Update(Update {
-                    relation,
+                    relation: relation.into(),
                     key,
                     new,
                     extra
@@ -787,7 +787,7 @@ mod tests {
             ),
             (relation(), row(), extra()).prop_map(|(relation, key, extra)| Change::Delete(
                 Delete {
-                    relation,
+                    relation: relation.into(),
                     key,
                     extra
                 }

@@ -6,6 +6,8 @@
 //! types as `number` are [`Number`]s (their wire text is kept); row values are plain JSON
 //! values, so integers beyond 2^53 survive exactly.
 
+use std::sync::Arc;
+
 use indexmap::IndexMap;
 use serde_json::{Map, Number, Value};
 
@@ -268,14 +270,16 @@ impl Change {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Insert {
-    pub relation: Relation,
+    /// Shared: every row change of a table carries the same relation.
+    pub relation: Arc<Relation>,
     pub new: Row,
     pub extra: Extra,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Update {
-    pub relation: Relation,
+    /// Shared: every row change of a table carries the same relation.
+    pub relation: Arc<Relation>,
     /// Old key values: required on the wire, `null` when the key did not change.
     pub key: Option<Row>,
     /// The new row; unchanged TOASTed columns are absent.
@@ -285,7 +289,8 @@ pub struct Update {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Delete {
-    pub relation: Relation,
+    /// Shared: every row change of a table carries the same relation.
+    pub relation: Arc<Relation>,
     /// Key columns (the whole old row under replica identity FULL).
     pub key: Row,
     pub extra: Extra,

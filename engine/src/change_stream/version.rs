@@ -153,9 +153,9 @@ pub fn adapt_for_version(
     }
     let mut change = change.clone();
     match &mut change {
-        Change::Insert(c) => c.relation.fill_legacy_key(),
-        Change::Update(c) => c.relation.fill_legacy_key(),
-        Change::Delete(c) => c.relation.fill_legacy_key(),
+        Change::Insert(c) => std::sync::Arc::make_mut(&mut c.relation).fill_legacy_key(),
+        Change::Update(c) => std::sync::Arc::make_mut(&mut c.relation).fill_legacy_key(),
+        Change::Delete(c) => std::sync::Arc::make_mut(&mut c.relation).fill_legacy_key(),
         Change::Truncate(c) => c.relations.iter_mut().for_each(Relation::fill_legacy_key),
         _ => {}
     }

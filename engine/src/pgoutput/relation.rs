@@ -22,7 +22,8 @@ pub struct RelationCache {
 pub(super) struct CachedRelation {
     pub(super) relation: Relation,
     /// Built once per Relation message and cloned into each row change.
-    pub(super) stream_relation: change_stream::Relation,
+    /// Shared by every row change of the relation (cloning it is a reference count).
+    pub(super) stream_relation: std::sync::Arc<change_stream::Relation>,
 }
 
 /// The relation as row changes carry it: `rowKey` from the key-flagged columns and the replica
@@ -56,7 +57,7 @@ impl RelationCache {
     /// Stores `relation`, replacing (and returning) the previous entry for its OID.
     pub fn insert(&mut self, relation: Relation) -> Option<Relation> {
         let entry = CachedRelation {
-            stream_relation: stream_relation(&relation),
+            stream_relation: std::sync::Arc::new(stream_relation(&relation)),
             relation,
         };
         self.relations
@@ -70,7 +71,7 @@ impl RelationCache {
 
     /// The change-stream relation (schema, name, row key) for row changes of `oid`.
     pub fn stream_relation(&self, oid: u32) -> Result<&change_stream::Relation, UnknownRelation> {
-        self.entry(oid).map(|e| &e.stream_relation)
+        self.entry(oid).map(|e| &*e.stream_relation)
     }
 
     pub(super) fn entry(&self, oid: u32) -> Result<&CachedRelation, UnknownRelation> {

@@ -1378,7 +1378,7 @@ mod tests {
 
     fn insert(id: i64, title: &str) -> Change {
         Change::Insert(Insert {
-            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            relation: rel("issue", &["id"], ReplicaIdentity::Default).into(),
             new: row(json!({"id": id, "title": title, "meta": null})),
             extra: Default::default(),
         })
@@ -1658,13 +1658,13 @@ mod tests {
         let relation = rel("issue", &["id"], ReplicaIdentity::Default);
         // `title` is an unchanged TOAST value: absent from `new`.
         let keep_title = Change::Update(Update {
-            relation: relation.clone(),
+            relation: relation.clone().into(),
             key: None,
             new: row(json!({"id": 1, "meta": {"x": 1}})),
             extra: Default::default(),
         });
         let move_key = Change::Update(Update {
-            relation,
+            relation: relation.into(),
             key: Some(row(json!({"id": 2}))),
             new: row(json!({"id": 3, "title": "b2", "meta": null})),
             extra: Default::default(),
@@ -1687,7 +1687,7 @@ mod tests {
     fn an_update_of_a_missing_row_becomes_an_insert() {
         let mut w = writer();
         let update = Change::Update(Update {
-            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            relation: rel("issue", &["id"], ReplicaIdentity::Default).into(),
             key: None,
             new: row(json!({"id": 5, "title": "e", "meta": null})),
             extra: Default::default(),
@@ -1705,13 +1705,13 @@ mod tests {
         txn(&mut w, 0x200, vec![insert(1, "a"), insert(2, "b")]);
         let relation = rel("issue", &["id", "title", "meta"], ReplicaIdentity::Full);
         let update = Change::Update(Update {
-            relation: relation.clone(),
+            relation: relation.clone().into(),
             key: Some(row(json!({"id": 1, "title": "a", "meta": null}))),
             new: row(json!({"id": 1, "title": "a2", "meta": null})),
             extra: Default::default(),
         });
         let delete = Change::Delete(Delete {
-            relation,
+            relation: relation.into(),
             key: row(json!({"id": 2, "title": "b", "meta": null})),
             extra: Default::default(),
         });
@@ -1732,7 +1732,7 @@ mod tests {
         let mut w = writer();
         txn(&mut w, 0x200, vec![insert(1, "a"), insert(2, "b")]);
         let delete = Change::Delete(Delete {
-            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            relation: rel("issue", &["id"], ReplicaIdentity::Default).into(),
             key: row(json!({"id": 1})),
             extra: Default::default(),
         });
@@ -1761,7 +1761,8 @@ mod tests {
                     "app",
                     "tag",
                     RowKey::new(vec!["id".into()], Some(ReplicaIdentity::Default)),
-                ),
+                )
+                .into(),
                 new: row(v),
                 extra: Default::default(),
             })
@@ -2039,19 +2040,19 @@ mod tests {
         );
         add_prio_with_backfill(&mut w, 0x300);
         let update = Change::Update(Update {
-            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            relation: rel("issue", &["id"], ReplicaIdentity::Default).into(),
             key: None,
             new: row(json!({"id": 1, "title": "a2", "meta": null, "prio": 11})),
             extra: Default::default(),
         });
         let delete = Change::Delete(Delete {
-            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            relation: rel("issue", &["id"], ReplicaIdentity::Default).into(),
             key: row(json!({"id": 2})),
             extra: Default::default(),
         });
         // Only the title of row 3 changes (its prio left out, like an unchanged TOAST value).
         let title_only = Change::Update(Update {
-            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            relation: rel("issue", &["id"], ReplicaIdentity::Default).into(),
             key: None,
             new: row(json!({"id": 3, "title": "c2", "meta": null})),
             extra: Default::default(),
@@ -2168,7 +2169,7 @@ mod tests {
             true,
         );
         let update = Change::Update(Update {
-            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            relation: rel("issue", &["id"], ReplicaIdentity::Default).into(),
             key: None,
             new: row(json!({"id": 1, "title": "a", "meta": null, "prio": 6})),
             extra: Default::default(),
@@ -2195,7 +2196,7 @@ mod tests {
         w.apply(&DownstreamMessage::Begin(Begin::new(wm))).unwrap();
         let err = w
             .apply(&DownstreamMessage::Data(Change::Insert(Insert {
-                relation: rel("nope", &["id"], ReplicaIdentity::Default),
+                relation: rel("nope", &["id"], ReplicaIdentity::Default).into(),
                 new: row(json!({"id": 1})),
                 extra: Default::default(),
             })))
@@ -2254,13 +2255,13 @@ mod tests {
         let relation = rel("issue", &["id"], ReplicaIdentity::Default);
         Some(match op {
             Op::Upsert(id, t) if model.contains_key(id) => Change::Update(Update {
-                relation,
+                relation: relation.into(),
                 key: None,
                 new: row(json!({"id": id, "title": t, "meta": null})),
                 extra: Default::default(),
             }),
             Op::Upsert(id, t) => Change::Insert(Insert {
-                relation,
+                relation: relation.into(),
                 new: row(json!({"id": id, "title": t, "meta": null})),
                 extra: Default::default(),
             }),
@@ -2269,7 +2270,7 @@ mod tests {
                     return None;
                 }
                 Change::Update(Update {
-                    relation,
+                    relation: relation.into(),
                     key: (from != to).then(|| row(json!({"id": from}))),
                     // The title is left out when unchanged, like an unchanged TOAST value.
                     new: if model.get(from) == Some(title) {
@@ -2281,7 +2282,7 @@ mod tests {
                 })
             }
             Op::Delete(id) if model.contains_key(id) => Change::Delete(Delete {
-                relation,
+                relation: relation.into(),
                 key: row(json!({"id": id})),
                 extra: Default::default(),
             }),
@@ -2464,7 +2465,7 @@ mod tests {
         assert_eq!(first.rows.len(), 1);
         assert_eq!(first.rows[0].updated_at, "2026-12-01T12:00:00.123Z");
         let moved = Change::Update(Update {
-            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            relation: rel("issue", &["id"], ReplicaIdentity::Default).into(),
             key: None,
             new: row(json!({"id": 1, "title": "grace", "meta": null})),
             extra: Default::default(),
@@ -2526,7 +2527,7 @@ mod tests {
         let mut w = feed_writer();
         txn(&mut w, 0x200, vec![insert(1, "ada"), insert(2, "ada")]);
         let delete = Change::Delete(Delete {
-            relation: rel("issue", &["id"], ReplicaIdentity::Default),
+            relation: rel("issue", &["id"], ReplicaIdentity::Default).into(),
             key: row(json!({"id": 1})),
             extra: Default::default(),
         });
