@@ -268,6 +268,29 @@ async fn stream_delivers_inserts_under_back_pressure_and_acks_advance_confirmed_
     stream.shutdown().await;
 }
 
+/// A stop right after the last acknowledgement still confirms it: found by the ingest
+/// benchmark, where `replicate` stopped after a 1,000,000-row transaction and the next run
+/// received all of it again.
+#[tokio::test]
+async fn an_ack_followed_at_once_by_a_shutdown_is_confirmed_to_the_slot() {
+    let pg = server(PgOptions::default()).await;
+    let names = prepare(&pg, "lastack").await;
+    let mut stream = WalStream::spawn(stream_config(&pg, &names, Lsn(0)));
+    assert!(matches!(next_seen(&mut stream).await, Seen::Started { .. }));
+    insert(&pg, "last").await;
+    let (values, end) = next_transaction(&mut stream).await;
+    assert_eq!(values, vec!["last"]);
+    stream.ack(end);
+    stream.shutdown().await;
+    let confirmed = eventually("confirmed_flush_lsn to reach the last ack", || async {
+        confirmed_flush(&pg, &names.slot)
+            .await
+            .filter(|&lsn| lsn >= end)
+    })
+    .await;
+    assert_eq!(confirmed, end);
+}
+
 #[tokio::test]
 async fn a_slot_held_by_another_connection_is_a_slot_in_use_error() {
     let pg = server(PgOptions::default()).await;

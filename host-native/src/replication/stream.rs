@@ -290,6 +290,11 @@ impl Driver {
         };
         let result = self.pump(&mut stream, started).await;
         if matches!(result, Ok(SessionEnd::Stopped)) {
+            // A stop can win the race against the last acknowledgement: confirm it now, so
+            // the next session does not receive again what is already durable (a large last
+            // transaction would be decoded and sent in full once more).
+            let status = StandbyStatusUpdate::acknowledging(self.acked(), unix_now_ms());
+            let _ = stream.send_copy_data(&status.encode()).await;
             stream.close().await;
         }
         result
