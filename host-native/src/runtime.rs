@@ -32,3 +32,29 @@ pub async fn wait_for_signal() {
         _ = terminate => {}
     }
 }
+
+/// Reconnect delays for a host loop: the engine's capped, fully jittered backoff (the one the
+/// browser client uses), from `initial` up to `max`, seeded from the clock and the process id
+/// so that servers that lost the same peer do not come back in step.
+pub(crate) fn backoff(
+    initial: std::time::Duration,
+    max: std::time::Duration,
+) -> highwater_engine::backoff::Backoff {
+    let millis = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ u64::from(std::process::id());
+    highwater_engine::backoff::Backoff::new(
+        highwater_engine::backoff::BackoffPolicy {
+            initial_ms: millis(initial),
+            max_ms: millis(max),
+        },
+        seed,
+    )
+}
+
+/// The next delay of `backoff`.
+pub(crate) fn next_delay(backoff: &mut highwater_engine::backoff::Backoff) -> std::time::Duration {
+    std::time::Duration::from_millis(backoff.next_delay_ms(0))
+}

@@ -171,32 +171,6 @@ impl WalStream {
     }
 }
 
-/// Exponential backoff: 100 ms, doubling, capped.
-#[derive(Debug)]
-struct Backoff {
-    next: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    fn new(max: Duration) -> Self {
-        Backoff {
-            next: FIRST_BACKOFF.min(max),
-            max,
-        }
-    }
-
-    fn step(&mut self) -> Duration {
-        let delay = self.next;
-        self.next = (self.next * 2).min(self.max);
-        delay
-    }
-
-    fn reset(&mut self) {
-        self.next = FIRST_BACKOFF.min(self.max);
-    }
-}
-
 /// Why a streaming session ended without an error.
 enum SessionEnd {
     Stopped,
@@ -212,7 +186,7 @@ struct Driver {
 
 impl Driver {
     async fn run(mut self) {
-        let mut backoff = Backoff::new(self.config.max_backoff);
+        let mut backoff = crate::runtime::backoff(FIRST_BACKOFF, self.config.max_backoff);
         let mut busy_attempts = 0u32;
         loop {
             let start = self.config.start.max(self.acked());
@@ -250,7 +224,7 @@ impl Driver {
                     }
                 }
             }
-            let delay = backoff.step();
+            let delay = crate::runtime::next_delay(&mut backoff);
             tokio::select! {
                 _ = self.stop.changed() => return,
                 _ = tokio::time::sleep(delay) => {}
@@ -271,7 +245,7 @@ impl Driver {
     async fn session(
         &mut self,
         start: Lsn,
-        backoff: &mut Backoff,
+        backoff: &mut highwater_engine::backoff::Backoff,
         busy_attempts: &mut u32,
     ) -> Result<SessionEnd, ReplicationError> {
         let connection = tokio::select! {
@@ -476,15 +450,6 @@ fn unix_now_ms() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn backoff_doubles_up_to_the_cap_and_resets() {
-        let mut backoff = Backoff::new(Duration::from_millis(500));
-        let delays: Vec<_> = (0..5).map(|_| backoff.step().as_millis()).collect();
-        assert_eq!(delays, vec![100, 200, 400, 500, 500]);
-        backoff.reset();
-        assert_eq!(backoff.step(), Duration::from_millis(100));
-    }
 
     #[test]
     fn acks_only_move_forward() {

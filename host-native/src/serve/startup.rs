@@ -5,7 +5,6 @@
 use std::error::Error as StdError;
 use std::time::{Duration, Instant};
 
-use highwater_engine::backoff::{Backoff, BackoffPolicy};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
@@ -39,7 +38,7 @@ pub(crate) fn prepare_retrying(
     args: &ServeArgs,
     stop: &watch::Receiver<bool>,
 ) -> Result<Option<Prepared>, ServeError> {
-    let mut backoff = Backoff::new(BackoffPolicy::default(), seed());
+    let mut backoff = crate::runtime::backoff(Duration::from_millis(500), Duration::from_secs(30));
     let mut retrying_since: Option<Instant> = None;
     loop {
         let error = match prepare(handle, args) {
@@ -65,13 +64,6 @@ pub(crate) fn prepare_retrying(
             std::thread::sleep(Duration::from_millis(50).min(until - Instant::now()));
         }
     }
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-        ^ u64::from(std::process::id())
 }
 
 /// The errors of `error`'s chain, itself first.

@@ -40,8 +40,8 @@ const NODE_ID_FILE: &str = "node-id";
 const SUBSCRIBE_VERSION: u32 = 8;
 
 /// Longest wait between reconnects (Zero's change-streamer uses the same bound).
-const MAX_BACKOFF: Duration = Duration::from_secs(10);
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+pub(super) const MAX_BACKOFF: Duration = Duration::from_secs(10);
+pub(super) const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Why following the primary failed.
 #[derive(Debug, thiserror::Error)]
@@ -77,28 +77,6 @@ pub enum RelayError {
     Io(#[from] std::io::Error),
     #[error("a relay task failed: {0}")]
     Task(String),
-}
-
-/// Reconnect delays: doubling from [`FIRST_BACKOFF`] up to [`MAX_BACKOFF`].
-#[derive(Debug, Clone)]
-struct Backoff {
-    next: Duration,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Backoff {
-            next: FIRST_BACKOFF,
-        }
-    }
-}
-
-impl Backoff {
-    fn next_delay(&mut self) -> Duration {
-        let delay = self.next;
-        self.next = (self.next * 2).min(MAX_BACKOFF);
-        delay
-    }
 }
 
 /// The subscribe URL for `from` (`ws://host:port`, `host:port`, or an `http(s)://` base).
@@ -230,7 +208,7 @@ async fn prepare(
     task_id: &str,
     mut stop: watch::Receiver<bool>,
 ) -> Result<Option<Prepared>, ServeError> {
-    let mut backoff = Backoff::default();
+    let mut backoff = crate::runtime::backoff(FIRST_BACKOFF, MAX_BACKOFF);
     let mut handover = None;
     loop {
         let opened = {
@@ -272,7 +250,7 @@ async fn prepare(
                 handover = Some(restored.upstream);
             }
             Err(error) => {
-                let delay = backoff.next_delay();
+                let delay = crate::runtime::next_delay(&mut backoff);
                 tracing::warn!(%error, retry_in_ms = delay.as_millis() as u64, "restore failed; retrying");
                 tokio::select! {
                     _ = stop.wait_for(|s| *s) => return Ok(None),
@@ -420,17 +398,5 @@ mod tests {
         std::fs::write(one.join(NODE_ID_FILE), "garbage").expect("write");
         assert_ne!(node_id(&one).expect("remade"), "garbage");
         std::fs::remove_dir_all(&base).expect("clean up");
-    }
-
-    #[test]
-    fn backoff_doubles_up_to_ten_seconds() {
-        let mut backoff = Backoff::default();
-        let delays: Vec<u64> = (0..10)
-            .map(|_| backoff.next_delay().as_millis() as u64)
-            .collect();
-        assert_eq!(
-            delays,
-            [100, 200, 400, 800, 1600, 3200, 6400, 10_000, 10_000, 10_000]
-        );
     }
 }

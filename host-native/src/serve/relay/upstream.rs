@@ -23,7 +23,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::{http, Message};
 use tokio_tungstenite::WebSocketStream;
 
-use super::{Backoff, RelayError, Upstream};
+use super::{RelayError, Upstream, FIRST_BACKOFF, MAX_BACKOFF};
 use crate::change_log::{self, ChangeLogError};
 use crate::serve::source::{Confirm, PrimaryFeedback, Source, SourceEvent};
 
@@ -271,7 +271,7 @@ async fn run(
         Ok(log) => log,
         Err(error) => return Some(format!("cannot read the relay's change log: {error}")),
     };
-    let mut backoff = Backoff::default();
+    let mut backoff = crate::runtime::backoff(FIRST_BACKOFF, MAX_BACKOFF);
     // Connections numbered as the ingest thread numbers them: by the `Started` that opens each.
     let mut connection = 0u64;
     loop {
@@ -322,9 +322,9 @@ async fn run(
             }
             Ended::Reconnect(reason) => {
                 if accepted {
-                    backoff = Backoff::default();
+                    backoff.reset();
                 }
-                let delay = backoff.next_delay();
+                let delay = crate::runtime::next_delay(&mut backoff);
                 tracing::warn!(
                     %reason,
                     retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
