@@ -10,14 +10,17 @@
 //! These functions block: run them on a blocking thread. Postgres I/O goes through
 //! `handle.block_on`, SQLite is written directly.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender};
+use std::time::{Duration, Instant};
+
 use futures::StreamExt;
 use highwater_engine::change_stream::{Change, DownstreamMessage, JsonFormat, Row};
 use highwater_engine::pgoutput::{
     self, MappingError, PgTimestamp, PgType, PgoutputEvent, PgoutputMapper, PgoutputMessage,
-    RelationColumn, Tuple, TupleValue,
+    RelationColumn, TextColumn, Tuple, TupleValue,
 };
 use highwater_engine::watermark::{Lsn, Watermark};
-use rusqlite::params_from_iter;
 use rusqlite::types::Value as SqlValue;
 use serde_json::Value;
 use tokio::runtime::Handle;
@@ -27,11 +30,16 @@ use super::apply::create_replica_table;
 use super::copy_text::{CopyRows, CopyTextError};
 use super::ddl::{parse_published_schema, PublishedTable, PUBLISHED_SCHEMA_SQL};
 use super::schema::{create_index_sql, quote_ident, ReplicaColumn, ReplicaTable, ValueKind};
-use super::value::to_sql;
+use super::value::into_sql;
 use super::{Replica, ReplicaError, ReplicaState};
+use crate::replication::PgConfig;
 
 /// Rows per SQLite transaction during the copy.
-pub const DEFAULT_BATCH_ROWS: usize = 10_000;
+pub const DEFAULT_BATCH_ROWS: usize = 100_000;
+/// COPY readers by default (`--sync-workers`).
+pub const DEFAULT_SYNC_WORKERS: usize = 2;
+/// How often the copy's progress is logged.
+pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
@@ -50,6 +58,10 @@ pub enum SyncError {
     Schema(#[from] serde_json::Error),
     #[error("the initial sync was stopped before it completed")]
     Stopped,
+    #[error("cannot start an initial sync reader thread: {0}")]
+    Thread(std::io::Error),
+    #[error("expected every COPY reader to finish its tables, but one ended without a result")]
+    ReaderGone,
     #[error("expected the converter to return an insert, got {got}")]
     Converter { got: String },
     #[error(
@@ -165,6 +177,59 @@ impl TextRowConverter {
     }
 }
 
+/// Converts COPY text fields of a table's columns straight to the replica's SQLite values:
+/// each field goes through the replication stream's per-column conversion
+/// ([`TextColumn`], the one the mapper applies to tuple values) and the replica's
+/// [`into_sql`], so it is stored as [`TextRowConverter`] followed by `to_sql` would store it,
+/// without building a row map or copying text.
+struct CopyRowConverter {
+    table: String,
+    columns: Vec<(ReplicaColumn, TextColumn)>,
+}
+
+impl CopyRowConverter {
+    fn new(table: &ReplicaTable, columns: &[&ReplicaColumn]) -> CopyRowConverter {
+        CopyRowConverter {
+            table: format!("{}.{}", table.schema, table.table),
+            columns: columns
+                .iter()
+                .map(|c| {
+                    // As `TextRowConverter`: arrays of custom types are announced as arrays,
+                    // columns of unknown type are text.
+                    let announced_array = c.kind == ValueKind::Array && c.type_oid.is_some();
+                    let text = TextColumn::new(c.type_oid.unwrap_or(25), announced_array);
+                    ((*c).clone(), text)
+                })
+                .collect(),
+        }
+    }
+
+    /// The SQLite values of one COPY row, in column order.
+    fn convert(&self, fields: Vec<Option<String>>) -> Result<Vec<SqlValue>, SyncError> {
+        let mut values = Vec::with_capacity(fields.len() + 2);
+        for ((column, text_column), field) in self.columns.iter().zip(fields) {
+            let value = match field {
+                None => SqlValue::Null,
+                Some(text) => {
+                    let len = text.len();
+                    let value = text_column.convert(text).map_err(|expected| {
+                        MappingError::InvalidValue {
+                            table: self.table.clone(),
+                            column: column.name.clone(),
+                            type_oid: column.type_oid.unwrap_or(25),
+                            expected,
+                            len,
+                        }
+                    })?;
+                    into_sql(column, value, JsonFormat::Stringified)
+                }
+            };
+            values.push(value);
+        }
+        Ok(values)
+    }
+}
+
 fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
@@ -182,26 +247,6 @@ pub(super) fn copy_sql(table: &ReplicaTable, columns: &[&ReplicaColumn]) -> Stri
         quote_ident(&table.schema),
         quote_ident(&table.table)
     )
-}
-
-/// Streams `COPY` rows of `columns` to `on_row`, converted.
-fn copy_rows(
-    handle: &Handle,
-    client: &Client,
-    table: &ReplicaTable,
-    columns: &[&ReplicaColumn],
-    mut on_row: impl FnMut(Row) -> Result<(), SyncError>,
-) -> Result<u64, SyncError> {
-    let mut converter = TextRowConverter::new(table, columns)?;
-    let stream = handle.block_on(client.copy_out(&copy_sql(table, columns)))?;
-    let mut stream = Box::pin(stream);
-    let mut rows = CopyRows::new(columns.len());
-    while let Some(chunk) = handle.block_on(stream.next()) {
-        let chunk = chunk?;
-        rows.push(&chunk, |fields| on_row(converter.convert(&fields)?))?;
-    }
-    rows.finish()?;
-    Ok(rows.rows())
 }
 
 /// Opens the snapshot transaction on `client` with the settings the value conversion expects.
@@ -242,9 +287,32 @@ pub fn published_schema(
     Ok(parse_published_schema(&text)?)
 }
 
-/// Copies every published table into an empty replica at the slot's snapshot, and records
-/// `replicaVersion` = the consistent point. Nothing marks the replica as synced until the last
-/// row is in: an interrupted sync leaves a replica without state, which is started over.
+/// How an initial sync copies.
+#[derive(Debug, Clone)]
+pub struct SyncOptions {
+    /// Rows per SQLite transaction during the load.
+    pub batch_rows: usize,
+    /// COPY readers, each on its own upstream connection in the exported snapshot; at most one
+    /// per table is used. Readers beyond the first need the connection settings.
+    pub workers: usize,
+    /// How often progress is logged.
+    pub progress_interval: Duration,
+}
+
+impl Default for SyncOptions {
+    fn default() -> Self {
+        SyncOptions {
+            batch_rows: DEFAULT_BATCH_ROWS,
+            workers: DEFAULT_SYNC_WORKERS,
+            progress_interval: PROGRESS_INTERVAL,
+        }
+    }
+}
+
+/// Copies every published table into an empty replica at the slot's snapshot with one reader
+/// (`client`), and records `replicaVersion` = the consistent point. Nothing marks the replica as
+/// synced until the last row is in: an interrupted sync leaves a replica without state, which
+/// is started over.
 pub fn initial_sync(
     handle: &Handle,
     client: &Client,
@@ -252,105 +320,184 @@ pub fn initial_sync(
     source: &SyncSource,
     batch_rows: usize,
 ) -> Result<SyncReport, SyncError> {
-    initial_sync_until(handle, client, replica, source, batch_rows, &|| false)
+    let options = SyncOptions {
+        batch_rows,
+        workers: 1,
+        ..SyncOptions::default()
+    };
+    initial_sync_with(handle, client, None, replica, source, &options, &|| false)
 }
 
-/// [`initial_sync`] that gives up with [`SyncError::Stopped`] once `stop` returns true (polled
-/// between batches).
-pub fn initial_sync_until(
+/// [`initial_sync`] with `options.workers` COPY readers: `client` and up to `workers - 1` more
+/// connections opened with `readers` (none without it), each in the exported snapshot. It gives
+/// up with [`SyncError::Stopped`] once `stop` returns true (polled between batches).
+pub fn initial_sync_with(
     handle: &Handle,
     client: &Client,
+    readers: Option<&PgConfig>,
     replica: &mut Replica,
     source: &SyncSource,
-    batch_rows: usize,
+    options: &SyncOptions,
     stop: &dyn Fn() -> bool,
 ) -> Result<SyncReport, SyncError> {
-    let result = copy_snapshot(handle, client, replica, source, batch_rows.max(1), stop);
+    let result = copy_snapshot(handle, client, readers, replica, source, options, stop);
     if result.is_err() {
         let _ = replica.conn.execute_batch("ROLLBACK");
     }
+    let _ = replica.conn.execute_batch(LOAD_PRAGMAS_END);
     // Ends the read-only snapshot transaction either way.
     let _ = handle.block_on(client.batch_execute("ROLLBACK"));
     result
 }
 
+/// Settings during the load. `synchronous = OFF` skips the fsync of each load transaction:
+/// nothing marks the replica as synced until the last transaction, which is written only after
+/// [`LOAD_PRAGMAS_END`] restored `FULL` and a checkpoint under `FULL` copied the WAL into the
+/// database file and fsynced it (an fsync covers every page of the file, also those an earlier
+/// unsynced checkpoint wrote). So when the synced state is durable, every row before it is; a
+/// crash or power loss before that leaves a replica without state, which is synced again from
+/// nothing. The larger page cache keeps the key index's pages in memory during the load
+/// (bounded: 64 MiB).
+const LOAD_PRAGMAS: &str = "PRAGMA synchronous = OFF; PRAGMA cache_size = -65536;";
+/// The settings [`Replica::open`] uses, back after the load.
+const LOAD_PRAGMAS_END: &str = "PRAGMA synchronous = FULL; PRAGMA cache_size = -2000;";
+
+/// One published table to copy.
+struct Job {
+    table: ReplicaTable,
+    /// Upstream's row estimate (`pg_class.reltuples`), when it has one.
+    estimated_rows: Option<u64>,
+}
+
+/// What a reader hands the writer.
+enum Batch {
+    Rows {
+        job: usize,
+        rows: Vec<Vec<SqlValue>>,
+        /// COPY text bytes of these rows.
+        bytes: u64,
+    },
+    Done {
+        job: usize,
+        /// How long the reader waited for upstream's COPY data, and for room in the channel
+        /// (the writer being behind).
+        upstream_wait: Duration,
+        writer_wait: Duration,
+    },
+}
+
+/// Rows per batch from a reader, and the COPY bytes that close a batch early.
+const READER_BATCH_ROWS: usize = 2_000;
+const READER_BATCH_BYTES: u64 = 1 << 20;
+/// Batches queued per reader before it waits for the writer.
+const QUEUED_BATCHES_PER_READER: usize = 2;
+
 fn copy_snapshot(
     handle: &Handle,
     client: &Client,
+    readers: Option<&PgConfig>,
     replica: &mut Replica,
     source: &SyncSource,
-    batch_rows: usize,
+    options: &SyncOptions,
     stop: &dyn Fn() -> bool,
 ) -> Result<SyncReport, SyncError> {
     let replica_version = source.consistent_point.to_watermark();
     begin_snapshot(handle, client, Some(&source.snapshot_name))?;
     let published = published_schema(handle, client, &source.publications)?;
-    tracing::info!(
-        tables = published.len(),
-        %replica_version,
-        "initial sync: copying published tables"
-    );
 
+    replica.conn.execute_batch(LOAD_PRAGMAS)?;
     replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     for table in &published {
         let mut spec = ReplicaTable::from_spec(&table.to_spec());
         spec.metadata = table.metadata();
         create_replica_table(&replica.conn, &mut replica.tables, spec)?;
     }
-    let mut seq: i64 = 1;
-    let mut total: u64 = 0;
-    for published_table in &published {
+    let mut jobs = Vec::new();
+    for (index, published_table) in published.iter().enumerate() {
         let Some(table) = replica.tables.get(&published_table.replica_name()).cloned() else {
             continue;
         };
-        let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
-        let mut cols: Vec<String> = columns.iter().map(|c| quote_ident(&c.name)).collect();
-        cols.push("\"_hw_version\"".into());
-        cols.push("\"_hw_seq\"".into());
-        let placeholders: Vec<String> = (1..=cols.len()).map(|i| format!("?{i}")).collect();
-        let insert = format!(
-            "INSERT INTO {} ({}) VALUES ({})",
-            quote_ident(&table.name),
-            cols.join(", "),
-            placeholders.join(", ")
-        );
-        let conn = &replica.conn;
-        let mut in_batch = 0usize;
-        let copied = copy_rows(handle, client, &table, &columns, |row| {
-            let values = columns
-                .iter()
-                .map(|c| {
-                    row.get(&c.name)
-                        .map_or(SqlValue::Null, |v| to_sql(c, v, JsonFormat::Stringified))
-                })
-                .chain([
-                    SqlValue::Text(replica_version.as_str().to_owned()),
-                    SqlValue::Integer(seq),
-                ]);
-            conn.prepare_cached(&insert)?
-                .execute(params_from_iter(values))?;
-            seq += 1;
-            in_batch += 1;
-            if in_batch >= batch_rows {
-                if stop() {
-                    return Err(SyncError::Stopped);
+        let estimated_rows = handle.block_on(estimate_rows(client, &table))?;
+        jobs.push((
+            index,
+            Job {
+                table,
+                estimated_rows,
+            },
+        ));
+    }
+    let workers = options.workers.max(1).min(jobs.len().max(1));
+    let workers = if readers.is_some() { workers } else { 1 };
+    tracing::info!(
+        tables = published.len(),
+        workers,
+        estimated_rows = jobs.iter().filter_map(|(_, j)| j.estimated_rows).sum::<u64>(),
+        %replica_version,
+        "initial sync: copying published tables (estimated rows from pg_class.reltuples)"
+    );
+
+    // The other readers: their own connections, in the same exported snapshot.
+    let mut extra = Vec::new();
+    if let Some(config) = readers {
+        for _ in 1..workers {
+            let (reader, connection) = handle.block_on(config.connect())?;
+            handle.spawn(async move {
+                if let Err(error) = connection.await {
+                    tracing::debug!(%error, "initial sync reader connection ended");
                 }
-                conn.execute_batch("COMMIT; BEGIN IMMEDIATE")?;
-                in_batch = 0;
-            }
-            Ok(())
-        })?;
-        total += copied;
-        tracing::info!(table = %table.name, rows = copied, "initial sync: table copied");
-        for spec in published_table.index_specs() {
-            let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
-            let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
-            super::schema::record_index(&replica.conn, &spec, is_key)?;
-            if !is_key {
-                replica.conn.execute_batch(&create_index_sql(&spec))?;
-            }
+            });
+            handle.block_on(open_snapshot(&reader, Some(&source.snapshot_name)))?;
+            extra.push(reader);
         }
     }
+    let clients: Vec<&Client> = std::iter::once(client).chain(extra.iter()).collect();
+    let job_list: Vec<&Job> = jobs.iter().map(|(_, j)| j).collect();
+    let next_job = AtomicUsize::new(0);
+    let abort = AtomicBool::new(false);
+
+    let written = std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel(workers * QUEUED_BATCHES_PER_READER);
+        for reader in &clients {
+            let tx = tx.clone();
+            let (jobs, next_job, abort) = (&job_list, &next_job, &abort);
+            std::thread::Builder::new()
+                .name("hw-sync-reader".into())
+                .spawn_scoped(scope, move || {
+                    if let Err(error) = read_jobs(handle, reader, jobs, next_job, abort, &tx) {
+                        // The writer may be gone already (it failed or stopped first).
+                        let _ = tx.send(Err(error));
+                    }
+                })
+                .map_err(SyncError::Thread)?;
+        }
+        drop(tx);
+        let result = write_batches(
+            replica,
+            &published,
+            &jobs,
+            &rx,
+            &replica_version,
+            options,
+            stop,
+        );
+        // Readers blocked on a full channel see it closed, and stop at their next batch.
+        abort.store(true, Ordering::Relaxed);
+        drop(rx);
+        result
+    });
+    for reader in &extra {
+        let _ = handle.block_on(reader.batch_execute("ROLLBACK"));
+    }
+    let (next_seq, total) = written?;
+
+    // Make every loaded row durable before the state that says they are there (see
+    // `LOAD_PRAGMAS`).
+    replica.conn.execute_batch("COMMIT")?;
+    replica.conn.execute_batch(LOAD_PRAGMAS_END)?;
+    replica
+        .conn
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+    replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     let state = ReplicaState {
         replica_version: replica_version.clone(),
         watermark: replica_version.clone(),
@@ -358,7 +505,7 @@ fn copy_snapshot(
         publications: source.publications.clone(),
         slot: source.slot.clone(),
         app_id: source.app_id.clone(),
-        next_seq: seq,
+        next_seq,
     };
     replica.store_initial_state(&state)?;
     replica.conn.execute_batch("COMMIT")?;
@@ -367,4 +514,390 @@ fn copy_snapshot(
         tables: published.len(),
         rows: total,
     })
+}
+
+/// Upstream's row estimate of `table`; `None` for a table never vacuumed or analyzed.
+async fn estimate_rows(client: &Client, table: &ReplicaTable) -> Result<Option<u64>, SyncError> {
+    let name = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&table.table)
+    );
+    let row = client
+        .query_one(
+            "SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass($1)",
+            &[&name],
+        )
+        .await;
+    Ok(match row {
+        Ok(row) => {
+            let tuples: Option<f64> = row.try_get(0)?;
+            // Rounded estimate; negative means "never counted".
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            tuples.filter(|t| *t >= 0.0).map(|t| t as u64)
+        }
+        // Not found by name (it has just been dropped): the COPY reports it.
+        Err(_) => None,
+    })
+}
+
+/// A reader: takes the next table not yet taken, streams its COPY rows converted to SQLite
+/// values in bounded batches, until no table is left or the writer gave up.
+fn read_jobs(
+    handle: &Handle,
+    client: &Client,
+    jobs: &[&Job],
+    next_job: &AtomicUsize,
+    abort: &AtomicBool,
+    tx: &SyncSender<Result<Batch, SyncError>>,
+) -> Result<(), SyncError> {
+    loop {
+        let job = next_job.fetch_add(1, Ordering::Relaxed);
+        let Some(Job { table, .. }) = jobs.get(job) else {
+            return Ok(());
+        };
+        let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
+        let converter = CopyRowConverter::new(table, &columns);
+        let stream = handle.block_on(client.copy_out(&copy_sql(table, &columns)))?;
+        let mut stream = Box::pin(stream);
+        let mut rows = CopyRows::new(columns.len());
+        let mut batch = Vec::with_capacity(READER_BATCH_ROWS);
+        let mut bytes = 0u64;
+        let (mut upstream_wait, mut writer_wait) = (Duration::ZERO, Duration::ZERO);
+        loop {
+            let started = Instant::now();
+            let chunk = handle.block_on(stream.next());
+            upstream_wait += started.elapsed();
+            let Some(chunk) = chunk else {
+                break;
+            };
+            if abort.load(Ordering::Relaxed) {
+                return Err(SyncError::Stopped);
+            }
+            let chunk = chunk?;
+            bytes += chunk.len() as u64;
+            rows.push(&chunk, |fields| {
+                batch.push(converter.convert(fields)?);
+                Ok::<_, SyncError>(())
+            })?;
+            if batch.len() >= READER_BATCH_ROWS || bytes >= READER_BATCH_BYTES {
+                let rows = std::mem::replace(&mut batch, Vec::with_capacity(READER_BATCH_ROWS));
+                send(tx, &mut writer_wait, Batch::Rows { job, rows, bytes })?;
+                bytes = 0;
+            }
+        }
+        rows.finish()?;
+        if !batch.is_empty() || bytes > 0 {
+            let rows = batch;
+            send(tx, &mut writer_wait, Batch::Rows { job, rows, bytes })?;
+        }
+        let done = Batch::Done {
+            job,
+            upstream_wait,
+            writer_wait,
+        };
+        send(tx, &mut writer_wait, done)?;
+    }
+}
+
+/// Hands `batch` to the writer, counting the wait in `waited`; the writer gone means it stopped.
+fn send(
+    tx: &SyncSender<Result<Batch, SyncError>>,
+    waited: &mut Duration,
+    batch: Batch,
+) -> Result<(), SyncError> {
+    let started = Instant::now();
+    let sent = tx.send(Ok(batch)).map_err(|_| SyncError::Stopped);
+    *waited += started.elapsed();
+    sent
+}
+
+/// The writer: inserts every batch with the table's prepared statement in large transactions,
+/// builds a table's secondary indexes once its reader is done, and logs progress. Returns the
+/// next free `_hw_seq` and the rows written.
+///
+/// `_hw_seq` numbers rows in the order they reach the writer: with one reader that is table
+/// after table in COPY order; with several, tables interleave. Either way each seq is unique
+/// and increasing in the order rows were stored, and `next_seq` is above all of them, which is
+/// all the change log and scope sync rely on (a seq orders writes; it carries no table order).
+fn write_batches(
+    replica: &mut Replica,
+    published: &[PublishedTable],
+    jobs: &[(usize, Job)],
+    rx: &Receiver<Result<Batch, SyncError>>,
+    replica_version: &Watermark,
+    options: &SyncOptions,
+    stop: &dyn Fn() -> bool,
+) -> Result<(i64, u64), SyncError> {
+    let inserts: Vec<Insert> = jobs
+        .iter()
+        .map(|(_, job)| Insert::new(&job.table))
+        .collect();
+    let mut progress = Progress::new(jobs, options.progress_interval);
+    let mut seq: i64 = 1;
+    let mut in_txn = 0usize;
+    let mut done = 0usize;
+    let version = replica_version.as_str();
+    while done < jobs.len() {
+        if stop() {
+            return Err(SyncError::Stopped);
+        }
+        let started = Instant::now();
+        let received = rx.recv();
+        progress.writer_wait += started.elapsed();
+        let Ok(batch) = received else {
+            return Err(SyncError::ReaderGone);
+        };
+        match batch? {
+            Batch::Rows { job, rows, bytes } => {
+                let conn = &replica.conn;
+                let count = rows.len() as u64;
+                inserts[job].insert(conn, &rows, &version, &mut seq)?;
+                in_txn += usize::try_from(count).unwrap_or(usize::MAX);
+                if in_txn >= options.batch_rows {
+                    conn.execute_batch("COMMIT; BEGIN IMMEDIATE")?;
+                    in_txn = 0;
+                }
+                progress.add(job, count, bytes);
+            }
+            Batch::Done {
+                job,
+                upstream_wait,
+                writer_wait,
+            } => {
+                let (index, Job { table, .. }) = &jobs[job];
+                let elapsed = progress.tables[job]
+                    .started
+                    .map_or(Duration::ZERO, |started| started.elapsed());
+                tracing::info!(
+                    table = %table.name,
+                    rows = progress.tables[job].rows,
+                    bytes = progress.tables[job].bytes,
+                    elapsed_ms = millis(elapsed),
+                    reader_upstream_wait_ms = millis(upstream_wait),
+                    reader_writer_wait_ms = millis(writer_wait),
+                    "initial sync: table copied"
+                );
+                progress.finish(job);
+                for spec in published[*index].index_specs() {
+                    let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
+                    let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
+                    super::schema::record_index(&replica.conn, &spec, is_key)?;
+                    if !is_key {
+                        replica.conn.execute_batch(&create_index_sql(&spec))?;
+                    }
+                }
+                done += 1;
+            }
+        }
+        progress.tick();
+    }
+    progress.close();
+    Ok((seq, progress.total_rows()))
+}
+
+/// A table's INSERT statements: one for many rows at a time (fewer statement executions),
+/// and one for the rest.
+struct Insert {
+    /// Rows of the multi-row statement.
+    rows: usize,
+    multi: String,
+    single: String,
+}
+
+/// Rows per multi-row INSERT, and SQLite's bound-parameter limit that can lower it.
+const ROWS_PER_INSERT: usize = 32;
+const MAX_PARAMETERS: usize = 32_766;
+
+impl Insert {
+    fn new(table: &ReplicaTable) -> Insert {
+        let mut cols: Vec<String> = table.columns.iter().map(|c| quote_ident(&c.name)).collect();
+        cols.push("\"_hw_version\"".into());
+        cols.push("\"_hw_seq\"".into());
+        let rows = ROWS_PER_INSERT.min(MAX_PARAMETERS / cols.len()).max(1);
+        let sql = |rows: usize| {
+            let row = format!("({})", vec!["?"; cols.len()].join(", "));
+            format!(
+                "INSERT INTO {} ({}) VALUES {}",
+                quote_ident(&table.name),
+                cols.join(", "),
+                vec![row; rows].join(", ")
+            )
+        };
+        Insert {
+            rows,
+            multi: sql(rows),
+            single: sql(1),
+        }
+    }
+
+    /// Inserts `rows` with `_hw_version` = `version` and `_hw_seq` counting up from `seq`.
+    fn insert(
+        &self,
+        conn: &rusqlite::Connection,
+        rows: &[Vec<SqlValue>],
+        version: &str,
+        seq: &mut i64,
+    ) -> Result<(), SyncError> {
+        let mut chunks = rows.chunks_exact(self.rows);
+        let mut multi = conn.prepare_cached(&self.multi)?;
+        for chunk in &mut chunks {
+            bind_rows(&mut multi, chunk, version, seq)?;
+            multi.raw_execute()?;
+        }
+        let mut single = conn.prepare_cached(&self.single)?;
+        for row in chunks.remainder() {
+            bind_rows(&mut single, std::slice::from_ref(row), version, seq)?;
+            single.raw_execute()?;
+        }
+        Ok(())
+    }
+}
+
+fn bind_rows(
+    statement: &mut rusqlite::CachedStatement<'_>,
+    rows: &[Vec<SqlValue>],
+    version: &str,
+    seq: &mut i64,
+) -> Result<(), SyncError> {
+    let mut index = 1;
+    for row in rows {
+        for value in row {
+            statement.raw_bind_parameter(index, value)?;
+            index += 1;
+        }
+        statement.raw_bind_parameter(index, version)?;
+        statement.raw_bind_parameter(index + 1, *seq)?;
+        index += 2;
+        *seq += 1;
+    }
+    Ok(())
+}
+
+/// Rows and bytes copied per table, logged every interval with rates and an ETA from the
+/// upstream row estimate; a progress bar on stderr when it is a terminal.
+struct Progress {
+    tables: Vec<TableProgress>,
+    interval: Duration,
+    started: Instant,
+    last_log: Instant,
+    /// How long the writer waited for readers.
+    writer_wait: Duration,
+    bar: Option<indicatif::ProgressBar>,
+}
+
+struct TableProgress {
+    name: String,
+    estimated_rows: Option<u64>,
+    rows: u64,
+    bytes: u64,
+    started: Option<Instant>,
+    done: bool,
+}
+
+impl Progress {
+    fn new(jobs: &[(usize, Job)], interval: Duration) -> Progress {
+        use std::io::IsTerminal as _;
+        let now = Instant::now();
+        let tables: Vec<TableProgress> = jobs
+            .iter()
+            .map(|(_, job)| TableProgress {
+                name: job.table.name.clone(),
+                estimated_rows: job.estimated_rows,
+                rows: 0,
+                bytes: 0,
+                started: None,
+                done: false,
+            })
+            .collect();
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let total: u64 = tables.iter().filter_map(|t| t.estimated_rows).sum();
+            let bar = indicatif::ProgressBar::with_draw_target(
+                Some(total.max(1)),
+                indicatif::ProgressDrawTarget::stderr(),
+            );
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "initial sync {bar:30} {human_pos}/~{human_len} rows, {per_sec}, ETA {eta} {msg}",
+            ) {
+                bar.set_style(style);
+            }
+            bar
+        });
+        Progress {
+            tables,
+            interval,
+            started: now,
+            last_log: now,
+            writer_wait: Duration::ZERO,
+            bar,
+        }
+    }
+
+    fn add(&mut self, job: usize, rows: u64, bytes: u64) {
+        let table = &mut self.tables[job];
+        table.started.get_or_insert_with(Instant::now);
+        table.rows += rows;
+        table.bytes += bytes;
+        if let Some(bar) = &self.bar {
+            bar.inc(rows);
+        }
+    }
+
+    fn finish(&mut self, job: usize) {
+        self.tables[job].done = true;
+    }
+
+    fn total_rows(&self) -> u64 {
+        self.tables.iter().map(|t| t.rows).sum()
+    }
+
+    /// Logs every table being copied, once per interval.
+    fn tick(&mut self) {
+        if self.last_log.elapsed() < self.interval {
+            return;
+        }
+        self.last_log = Instant::now();
+        let log = || {
+            for table in &self.tables {
+                let Some(started) = table.started.filter(|_| !table.done) else {
+                    continue;
+                };
+                let seconds = started.elapsed().as_secs_f64().max(1e-3);
+                let rate = table.rows as f64 / seconds;
+                let eta = table
+                    .estimated_rows
+                    .filter(|_| rate > 0.0)
+                    .map(|estimate| (estimate.saturating_sub(table.rows) as f64 / rate).ceil());
+                tracing::info!(
+                    table = %table.name,
+                    rows = table.rows,
+                    bytes = table.bytes,
+                    rows_per_s = rate.round(),
+                    estimated_rows = table.estimated_rows,
+                    eta_s = eta,
+                    "initial sync: copying (estimated rows and ETA from pg_class.reltuples)"
+                );
+            }
+        };
+        match &self.bar {
+            Some(bar) => bar.suspend(log),
+            None => log(),
+        }
+    }
+
+    fn close(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+        tracing::info!(
+            rows = self.total_rows(),
+            elapsed_ms = millis(self.started.elapsed()),
+            writer_wait_ms = millis(self.writer_wait),
+            "initial sync: every table copied"
+        );
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
