@@ -901,3 +901,307 @@ impl Progress {
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::private_pg::{PgOptions, PrivatePg};
+    use crate::replication::ConnectParams;
+    use rusqlite::types::ValueRef;
+
+    const SCHEMA: &str = r#"
+        CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy');
+        CREATE TABLE issue (
+            id int8 PRIMARY KEY, title text NOT NULL, body text,
+            small int2, medium int4, big int8, amount numeric, ratio float8, done bool,
+            meta json, data jsonb, created timestamptz, local_time timestamp, day date,
+            uid uuid, feeling mood, tags text[], scores int4[], moods mood[], code varchar(10),
+            at time, at_tz timetz, raw bytea
+        );
+        CREATE INDEX issue_title ON issue (title);
+        CREATE TABLE pair (a int NOT NULL, b text NOT NULL, v text, PRIMARY KEY (a, b));
+        CREATE TABLE log (msg text, n int);
+        CREATE TABLE empty (id int PRIMARY KEY);
+        INSERT INTO issue VALUES
+          (1, 'first', repeat('x', 5000), 1, 2, 9007199254740993, 12345678901234567890.5, 1.5,
+           true, '{"a": [1, 2]}', '{"b": {"c": null}}', '2024-03-01 12:34:56.789123+02',
+           '2024-03-01 12:34:56', '2024-03-01', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', 'happy',
+           '{"x","y z"}', '{1,NULL,3}', '{sad,ok}', 'abc', '12:34:56.5', '12:00:00+02',
+           '\xdeadbeef'),
+          (2, 'nulls', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL),
+          (3, E'tab\there, newline\nand back\\slash', '', -32768, -2147483648,
+           -9223372036854775808, 'NaN', 'Infinity', false, '"s"', '[1, "two", 3.5]',
+           'infinity', '1969-12-31 23:59:59.999', '1900-01-01',
+           '00000000-0000-0000-0000-000000000000', 'sad', '{}', '{}', '{}', 'é ✓', '00:00',
+           '23:59:59-11', '\x');
+        -- More rows than a reader batch and than the SQLite transactions below.
+        INSERT INTO issue (id, title, amount, created, data)
+          SELECT g, 'row ' || g, g / 7.0, timestamptz '2024-01-01' + g * interval '1 minute',
+                 jsonb_build_object('g', g)
+          FROM generate_series(10, 4509) g;
+        INSERT INTO pair SELECT g % 50, 'k' || g, NULL FROM generate_series(1, 2100) g;
+        INSERT INTO log VALUES ('same', 1), ('same', 1), ('other', NULL);
+        CREATE PUBLICATION everything FOR ALL TABLES;
+    "#;
+
+    /// Every table of the SQLite database at `path` with all its rows (sorted), each value as
+    /// SQLite stored it; columns named in `skip` are left out.
+    fn dump(path: &std::path::Path, skip: &[&str]) -> Vec<(String, Vec<String>)> {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        let mut names: Vec<(String, String)> = conn
+            .prepare("SELECT name, sql FROM sqlite_master ORDER BY type, name")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get::<_, Option<String>>(1)?)))
+            .unwrap()
+            .map(|r| {
+                let (name, sql) = r.unwrap();
+                (name, sql.unwrap_or_default())
+            })
+            .collect();
+        let mut out = vec![(
+            "sqlite_master".to_owned(),
+            names.iter().map(|(n, s)| format!("{n}: {s}")).collect(),
+        )];
+        names.retain(|(_, sql)| sql.starts_with("CREATE TABLE"));
+        for (table, _) in names {
+            let mut statement = conn
+                .prepare(&format!("SELECT * FROM {}", quote_ident(&table)))
+                .unwrap();
+            let columns: Vec<String> = statement
+                .column_names()
+                .iter()
+                .map(|c| (*c).to_owned())
+                .collect();
+            let mut rows: Vec<String> = statement
+                .query_map([], |r| {
+                    let mut row = Vec::new();
+                    for (i, name) in columns.iter().enumerate() {
+                        if !skip.contains(&name.as_str()) {
+                            let value: ValueRef<'_> = r.get_ref(i)?;
+                            row.push(format!("{name}={value:?}"));
+                        }
+                    }
+                    Ok(row.join(" "))
+                })
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            rows.sort();
+            out.push((table, rows));
+        }
+        out
+    }
+
+    /// The copy as it was before readers ran in parallel: one connection, rows converted to a
+    /// change-stream row by the stream's mapper, then stored with `to_sql`, one INSERT per row,
+    /// tables one after the other. Kept here as the reference the copy must equal.
+    fn reference_sync(
+        handle: &Handle,
+        client: &Client,
+        replica: &mut Replica,
+        source: &SyncSource,
+    ) -> Result<(), SyncError> {
+        use super::super::value::to_sql;
+        let version = source.consistent_point.to_watermark();
+        begin_snapshot(handle, client, Some(&source.snapshot_name))?;
+        let published = published_schema(handle, client, &source.publications)?;
+        replica.conn.execute_batch("BEGIN IMMEDIATE")?;
+        for table in &published {
+            let mut spec = ReplicaTable::from_spec(&table.to_spec());
+            spec.metadata = table.metadata();
+            create_replica_table(&replica.conn, &mut replica.tables, spec)?;
+        }
+        let mut seq = 1i64;
+        for published_table in &published {
+            let table = replica.tables[&published_table.replica_name()].clone();
+            let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
+            let insert = Insert::new(&table).single;
+            let mut converter = TextRowConverter::new(&table, &columns)?;
+            let stream = handle.block_on(client.copy_out(&copy_sql(&table, &columns)))?;
+            let mut stream = Box::pin(stream);
+            let mut rows = CopyRows::new(columns.len());
+            while let Some(chunk) = handle.block_on(stream.next()) {
+                rows.push(&chunk?, |fields| {
+                    let row = converter.convert(&fields)?;
+                    let values = columns
+                        .iter()
+                        .map(|c| {
+                            row.get(&c.name)
+                                .map_or(SqlValue::Null, |v| to_sql(c, v, JsonFormat::Stringified))
+                        })
+                        .chain([
+                            SqlValue::Text(version.as_str().to_owned()),
+                            SqlValue::Integer(seq),
+                        ]);
+                    replica
+                        .conn
+                        .prepare_cached(&insert)?
+                        .execute(rusqlite::params_from_iter(values))?;
+                    seq += 1;
+                    Ok::<_, SyncError>(())
+                })?;
+            }
+            rows.finish()?;
+            for spec in published_table.index_specs() {
+                let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
+                let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
+                super::super::schema::record_index(&replica.conn, &spec, is_key)?;
+                if !is_key {
+                    replica.conn.execute_batch(&create_index_sql(&spec))?;
+                }
+            }
+        }
+        replica.store_initial_state(&ReplicaState {
+            replica_version: version.clone(),
+            watermark: version,
+            lsn: source.consistent_point,
+            publications: source.publications.clone(),
+            slot: source.slot.clone(),
+            app_id: source.app_id.clone(),
+            next_seq: seq,
+        })?;
+        replica.conn.execute_batch("COMMIT")?;
+        handle.block_on(client.batch_execute("ROLLBACK"))?;
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn several_readers_store_the_replica_one_reader_and_the_old_copy_store() {
+        let pg = PrivatePg::start(PgOptions::default()).await.unwrap();
+        let setup = pg.connect().await.unwrap();
+        setup.batch_execute(SCHEMA).await.unwrap();
+        // Held open so every copy reads the same snapshot.
+        setup
+            .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            .await
+            .unwrap();
+        let snapshot: String = setup
+            .query_one("SELECT pg_export_snapshot()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let source = SyncSource {
+            publications: vec!["everything".into()],
+            slot: "none".into(),
+            app_id: "highwater".into(),
+            consistent_point: Lsn(0x1234),
+            snapshot_name: snapshot,
+        };
+        let params: ConnectParams = pg.url().parse().unwrap();
+        let dir =
+            std::env::temp_dir().join(format!("highwater-sync-readers-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let handle = Handle::current();
+        let mut paths = Vec::new();
+        for (name, workers) in [("reference", 0), ("one", 1), ("three", 3)] {
+            let path = dir.join(name).join("replica.db");
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            let client = pg.connect().await.unwrap();
+            let (handle, source, config) = (handle.clone(), source.clone(), params.upstream());
+            let path_for_sync = path.clone();
+            let report = tokio::task::spawn_blocking(move || {
+                let mut replica = Replica::open(&path_for_sync).unwrap();
+                if workers == 0 {
+                    reference_sync(&handle, &client, &mut replica, &source).map(|()| None)
+                } else {
+                    let options = SyncOptions {
+                        batch_rows: 700,
+                        workers,
+                        ..SyncOptions::default()
+                    };
+                    let stop = || false;
+                    initial_sync_with(
+                        &handle,
+                        &client,
+                        Some(&config),
+                        &mut replica,
+                        &source,
+                        &options,
+                        &stop,
+                    )
+                    .map(Some)
+                }
+            })
+            .await
+            .unwrap()
+            .unwrap();
+            if let Some(report) = report {
+                assert_eq!((report.tables, report.rows), (4, 3 + 4500 + 2100 + 3));
+            }
+            paths.push(path);
+        }
+        let reference = dump(&paths[0], &[]);
+        assert_eq!(
+            dump(&paths[1], &[]),
+            reference,
+            "one reader against the old copy"
+        );
+        // Several readers interleave tables, so only the seqs differ.
+        assert_eq!(
+            dump(&paths[2], &["_hw_seq", "next_seq"]),
+            dump(&paths[0], &["_hw_seq", "next_seq"]),
+            "three readers against the old copy"
+        );
+        let conn = rusqlite::Connection::open(&paths[2]).unwrap();
+        let mut seqs = Vec::new();
+        for table in ["issue", "pair", "log", "empty"] {
+            let mut statement = conn
+                .prepare(&format!("SELECT \"_hw_seq\" FROM {}", quote_ident(table)))
+                .unwrap();
+            seqs.extend(
+                statement
+                    .query_map([], |r| r.get::<_, i64>(0))
+                    .unwrap()
+                    .map(Result::unwrap),
+            );
+        }
+        seqs.sort_unstable();
+        let count = seqs.len();
+        seqs.dedup();
+        assert_eq!(seqs.len(), count, "every seq is unique");
+        let next_seq: i64 = conn
+            .query_row("SELECT next_seq FROM \"_hw_state\"", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(next_seq, i64::try_from(count).unwrap() + 1);
+        assert!(seqs.iter().all(|&s| (1..next_seq).contains(&s)));
+        // The load settings did not outlive the load.
+        let synchronous: i64 = conn
+            .query_row("PRAGMA synchronous", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(synchronous, 2);
+        drop(conn);
+        setup.batch_execute("COMMIT").await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_value_that_does_not_convert_is_a_typed_error() {
+        use highwater_engine::change_stream::{ColumnSpec, TableSpec};
+        let mut column = ColumnSpec::new(serde_json::Number::from(1), "int4");
+        column.extra.insert("typeOID".into(), serde_json::json!(23));
+        let spec = TableSpec {
+            schema: "public".into(),
+            name: "t".into(),
+            columns: [("id".to_owned(), column)].into_iter().collect(),
+            primary_key: Some(vec!["id".into()]),
+            extra: Default::default(),
+        };
+        let table = ReplicaTable::from_spec(&spec);
+        let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
+        let converter = CopyRowConverter::new(&table, &columns);
+        assert_eq!(
+            converter.convert(vec![Some("12".into())]).unwrap(),
+            [SqlValue::Integer(12)]
+        );
+        match converter.convert(vec![Some("twelve".into())]) {
+            Err(SyncError::Value(MappingError::InvalidValue {
+                table, column, len, ..
+            })) => assert_eq!(
+                (table.as_str(), column.as_str(), len),
+                ("public.t", "id", 6)
+            ),
+            other => panic!("expected an invalid value error, got {other:?}"),
+        }
+    }
+}
