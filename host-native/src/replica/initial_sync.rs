@@ -11,10 +11,10 @@
 //! `handle.block_on`, SQLite is written directly.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{FutureExt as _, StreamExt};
 use highwater_engine::change_stream::{Change, DownstreamMessage, JsonFormat, Row};
 use highwater_engine::pgoutput::{
     self, MappingError, PgTimestamp, PgType, PgoutputEvent, PgoutputMapper, PgoutputMessage,
@@ -356,9 +356,8 @@ pub fn initial_sync_with(
 /// database file and fsynced it (an fsync covers every page of the file, also those an earlier
 /// unsynced checkpoint wrote). So when the synced state is durable, every row before it is; a
 /// crash or power loss before that leaves a replica without state, which is synced again from
-/// nothing. The larger page cache keeps the key index's pages in memory during the load
-/// (bounded: 64 MiB).
-const LOAD_PRAGMAS: &str = "PRAGMA synchronous = OFF; PRAGMA cache_size = -65536;";
+/// nothing. A somewhat larger page cache (8 MiB) serves the index builds after each table.
+const LOAD_PRAGMAS: &str = "PRAGMA synchronous = OFF; PRAGMA cache_size = -8192;";
 /// The settings [`Replica::open`] uses, back after the load.
 const LOAD_PRAGMAS_END: &str = "PRAGMA synchronous = FULL; PRAGMA cache_size = -2000;";
 
@@ -387,8 +386,8 @@ enum Batch {
 }
 
 /// Rows per batch from a reader, and the COPY bytes that close a batch early.
-const READER_BATCH_ROWS: usize = 2_000;
-const READER_BATCH_BYTES: u64 = 1 << 20;
+const READER_BATCH_ROWS: usize = 1_000;
+const READER_BATCH_BYTES: u64 = 256 << 10;
 /// Batches queued per reader before it waits for the writer.
 const QUEUED_BATCHES_PER_READER: usize = 2;
 
@@ -418,6 +417,12 @@ fn copy_snapshot(
             continue;
         };
         let estimated_rows = handle.block_on(estimate_rows(client, &table))?;
+        // Built once the table is loaded: one sort instead of an index insert per row.
+        for index in [table.key_index_name(), table.seq_index_name()] {
+            replica
+                .conn
+                .execute_batch(&format!("DROP INDEX IF EXISTS {}", quote_ident(&index)))?;
+        }
         jobs.push((
             index,
             Job {
@@ -556,60 +561,88 @@ fn read_jobs(
         let Some(Job { table, .. }) = jobs.get(job) else {
             return Ok(());
         };
-        let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
-        let converter = CopyRowConverter::new(table, &columns);
-        let stream = handle.block_on(client.copy_out(&copy_sql(table, &columns)))?;
-        let mut stream = Box::pin(stream);
-        let mut rows = CopyRows::new(columns.len());
-        let mut batch = Vec::with_capacity(READER_BATCH_ROWS);
-        let mut bytes = 0u64;
-        let (mut upstream_wait, mut writer_wait) = (Duration::ZERO, Duration::ZERO);
-        loop {
-            let started = Instant::now();
-            let chunk = handle.block_on(stream.next());
-            upstream_wait += started.elapsed();
-            let Some(chunk) = chunk else {
-                break;
-            };
-            if abort.load(Ordering::Relaxed) {
-                return Err(SyncError::Stopped);
-            }
-            let chunk = chunk?;
-            bytes += chunk.len() as u64;
-            rows.push(&chunk, |fields| {
-                batch.push(converter.convert(fields)?);
-                Ok::<_, SyncError>(())
-            })?;
-            if batch.len() >= READER_BATCH_ROWS || bytes >= READER_BATCH_BYTES {
-                let rows = std::mem::replace(&mut batch, Vec::with_capacity(READER_BATCH_ROWS));
-                send(tx, &mut writer_wait, Batch::Rows { job, rows, bytes })?;
-                bytes = 0;
-            }
-        }
-        rows.finish()?;
-        if !batch.is_empty() || bytes > 0 {
-            let rows = batch;
-            send(tx, &mut writer_wait, Batch::Rows { job, rows, bytes })?;
-        }
-        let done = Batch::Done {
-            job,
-            upstream_wait,
-            writer_wait,
-        };
-        send(tx, &mut writer_wait, done)?;
+        // One `block_on` per table: COPY sends a message per row, and entering the runtime
+        // and parking for each would cost more than converting the row.
+        handle.block_on(read_table(client, job, table, abort, tx))?;
     }
 }
 
-/// Hands `batch` to the writer, counting the wait in `waited`; the writer gone means it stopped.
+/// Streams one table's COPY rows to the writer. Blocks this (reader) thread when the channel
+/// is full, which is what bounds the rows in memory.
+async fn read_table(
+    client: &Client,
+    job: usize,
+    table: &ReplicaTable,
+    abort: &AtomicBool,
+    tx: &SyncSender<Result<Batch, SyncError>>,
+) -> Result<(), SyncError> {
+    let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
+    let converter = CopyRowConverter::new(table, &columns);
+    let stream = client.copy_out(&copy_sql(table, &columns)).await?;
+    let mut stream = std::pin::pin!(stream);
+    let mut rows = CopyRows::new(columns.len());
+    let mut batch = Vec::with_capacity(READER_BATCH_ROWS);
+    let mut bytes = 0u64;
+    let (mut upstream_wait, mut writer_wait) = (Duration::ZERO, Duration::ZERO);
+    loop {
+        // Timed only when nothing is buffered yet: a clock read per row would show.
+        let chunk = match stream.next().now_or_never() {
+            Some(chunk) => chunk,
+            None => {
+                let started = Instant::now();
+                let chunk = stream.next().await;
+                upstream_wait += started.elapsed();
+                chunk
+            }
+        };
+        let Some(chunk) = chunk else {
+            break;
+        };
+        let chunk = chunk?;
+        bytes += chunk.len() as u64;
+        rows.push(&chunk, |fields| {
+            batch.push(converter.convert(fields)?);
+            Ok::<_, SyncError>(())
+        })?;
+        if batch.len() >= READER_BATCH_ROWS || bytes >= READER_BATCH_BYTES {
+            if abort.load(Ordering::Relaxed) {
+                return Err(SyncError::Stopped);
+            }
+            let rows = std::mem::replace(&mut batch, Vec::with_capacity(READER_BATCH_ROWS));
+            send(tx, &mut writer_wait, Batch::Rows { job, rows, bytes })?;
+            bytes = 0;
+        }
+    }
+    rows.finish()?;
+    if !batch.is_empty() || bytes > 0 {
+        let rows = batch;
+        send(tx, &mut writer_wait, Batch::Rows { job, rows, bytes })?;
+    }
+    let done = Batch::Done {
+        job,
+        upstream_wait,
+        writer_wait,
+    };
+    send(tx, &mut writer_wait, done)
+}
+
+/// Hands `batch` to the writer, counting a wait for room in `waited`; the writer gone means it
+/// stopped. Blocks the calling thread while the channel is full.
 fn send(
     tx: &SyncSender<Result<Batch, SyncError>>,
     waited: &mut Duration,
     batch: Batch,
 ) -> Result<(), SyncError> {
-    let started = Instant::now();
-    let sent = tx.send(Ok(batch)).map_err(|_| SyncError::Stopped);
-    *waited += started.elapsed();
-    sent
+    match tx.try_send(Ok(batch)) {
+        Ok(()) => Ok(()),
+        Err(TrySendError::Disconnected(_)) => Err(SyncError::Stopped),
+        Err(TrySendError::Full(batch)) => {
+            let started = Instant::now();
+            let sent = tx.send(batch).map_err(|_| SyncError::Stopped);
+            *waited += started.elapsed();
+            sent
+        }
+    }
 }
 
 /// The writer: inserts every batch with the table's prepared statement in large transactions,
@@ -679,6 +712,11 @@ fn write_batches(
                     "initial sync: table copied"
                 );
                 progress.finish(job);
+                // The table's internal indexes, as `create_replica_table` made them.
+                if let Some(sql) = table.create_key_index_sql() {
+                    replica.conn.execute_batch(&sql)?;
+                }
+                replica.conn.execute_batch(&table.create_seq_index_sql())?;
                 for spec in published[*index].index_specs() {
                     let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
                     let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
