@@ -71,6 +71,9 @@ pub struct InitialSyncReport {
     pub psql: Duration,
     pub highwater: Duration,
     pub workers: usize,
+    /// User plus system CPU time of this process during the sync (readers, writer and the
+    /// connection tasks; not the upstream server's).
+    pub cpu: Option<Duration>,
     pub peak_rss_kib: Option<u64>,
     pub replica_rows: u64,
 }
@@ -155,10 +158,11 @@ async fn measure(
     let handle = tokio::runtime::Handle::current();
     let url_owned = url.to_owned();
     let dir = replica_dir.clone();
-    let (highwater, peak_rss_kib) = tokio::task::spawn_blocking(move || {
+    let (highwater, cpu, peak_rss_kib) = tokio::task::spawn_blocking(move || {
         let upstream = Upstream::prepare(&handle, &url_owned, APP_ID, &[])?;
         let replica = Replica::open_in_dir(&dir)?;
         let measured = reset_peak_rss();
+        let cpu_before = cpu_time();
         let started = Instant::now();
         let options = SyncOptions {
             workers,
@@ -166,9 +170,12 @@ async fn measure(
         };
         let (replica, _) = upstream.resync(&handle, replica, &dir, &options, &|| false)?;
         let elapsed = started.elapsed();
+        let cpu = cpu_time()
+            .zip(cpu_before)
+            .map(|(after, before)| after - before);
         let peak = measured.then(peak_rss_kib).flatten();
         drop(replica);
-        anyhow::Ok((elapsed, peak))
+        anyhow::Ok((elapsed, cpu, peak))
     })
     .await
     .context("the initial sync thread panicked")??;
@@ -188,6 +195,7 @@ async fn measure(
         psql: first.min(second),
         highwater,
         workers,
+        cpu,
         peak_rss_kib,
         replica_rows,
     })
@@ -344,6 +352,20 @@ fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// User plus system CPU time of this process (all threads).
+fn cpu_time() -> Option<Duration> {
+    // Linux reports these in USER_HZ ticks, 100 per second on every architecture it runs on.
+    const TICKS_PER_SECOND: u64 = 100;
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
+    let user: u64 = fields.next()?.parse().ok()?;
+    let system: u64 = fields.next()?.parse().ok()?;
+    Some(Duration::from_millis(
+        (user + system) * 1000 / TICKS_PER_SECOND,
+    ))
+}
+
 fn peak_rss_kib() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     status
@@ -374,27 +396,28 @@ impl InitialSyncReport {
         );
         let _ = writeln!(
             out,
-            "| Rows | Table size | Reader | Seconds | Rows/s | MiB/s | Peak RSS |"
+            "| Rows | Table size | Reader | Seconds | Rows/s | MiB/s | CPU | Peak RSS |"
         );
-        let _ = writeln!(out, "|---:|---:|---|---:|---:|---:|---:|");
-        let line = |name: &str, elapsed: Duration, rss: Option<u64>| {
+        let _ = writeln!(out, "|---:|---:|---|---:|---:|---:|---:|---:|");
+        let line = |name: &str, elapsed: Duration, cpu: Option<Duration>, rss: Option<u64>| {
             let seconds = elapsed.as_secs_f64().max(1e-9);
+            let cpu = cpu.map_or("-".to_owned(), |d| format!("{:.2} s", d.as_secs_f64()));
+            let rss = rss.map_or("-".to_owned(), |kib| {
+                format!("{:.0} MiB", kib as f64 / 1024.0)
+            });
             format!(
-                "| {} | {:.1} MiB | {name} | {seconds:.2} | {} | {:.1} | {} |\n",
+                "| {} | {:.1} MiB | {name} | {seconds:.2} | {} | {:.1} | {cpu} | {rss} |\n",
                 thousands(self.rows as f64),
                 self.table_bytes as f64 / MIB,
                 thousands(self.rows as f64 / seconds),
                 self.table_bytes as f64 / MIB / seconds,
-                rss.map_or("-".to_owned(), |kib| format!(
-                    "{:.0} MiB",
-                    kib as f64 / 1024.0
-                )),
             )
         };
-        out.push_str(&line("psql \\copy to /dev/null", self.psql, None));
+        out.push_str(&line("psql \\copy to /dev/null", self.psql, None, None));
         out.push_str(&line(
             "highwater initial sync",
             self.highwater,
+            self.cpu,
             self.peak_rss_kib,
         ));
         let _ = writeln!(
