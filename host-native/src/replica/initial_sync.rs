@@ -685,7 +685,7 @@ fn write_batches(
             Batch::Rows { job, rows, bytes } => {
                 let conn = &replica.conn;
                 let count = rows.len() as u64;
-                inserts[job].insert(conn, &rows, &version, &mut seq)?;
+                inserts[job].insert(conn, &rows, version, &mut seq)?;
                 in_txn += usize::try_from(count).unwrap_or(usize::MAX);
                 if in_txn >= options.batch_rows {
                     conn.execute_batch("COMMIT; BEGIN IMMEDIATE")?;
