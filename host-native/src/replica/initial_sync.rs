@@ -490,9 +490,14 @@ fn copy_snapshot(
         drop(rx);
         result
     });
-    for reader in &extra {
-        let _ = handle.block_on(reader.batch_execute("ROLLBACK"));
+    // After a failure a reader's COPY may still be streaming: closing its connection ends the
+    // snapshot transaction without waiting for the rest of the table (ROLLBACK would).
+    if written.is_ok() {
+        for reader in &extra {
+            let _ = handle.block_on(reader.batch_execute("ROLLBACK"));
+        }
     }
+    drop(extra);
     let (next_seq, total) = written?;
 
     // Make every loaded row durable before the state that says they are there (see
