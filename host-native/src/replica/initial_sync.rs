@@ -58,6 +58,11 @@ pub enum SyncError {
     Schema(#[from] serde_json::Error),
     #[error("the initial sync was stopped before it completed")]
     Stopped,
+    #[error("cannot make the loaded replica {path} durable: {source}")]
+    Durability {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("cannot start an initial sync reader thread: {0}")]
     Thread(std::io::Error),
     #[error("expected every COPY reader to finish its tables, but one ended without a result")]
@@ -352,10 +357,12 @@ pub fn initial_sync_with(
 
 /// Settings during the load. `synchronous = OFF` skips the fsync of each load transaction:
 /// nothing marks the replica as synced until the last transaction, which is written only after
-/// [`LOAD_PRAGMAS_END`] restored `FULL` and a checkpoint under `FULL` copied the WAL into the
-/// database file and fsynced it (an fsync covers every page of the file, also those an earlier
-/// unsynced checkpoint wrote). So when the synced state is durable, every row before it is; a
-/// crash or power loss before that leaves a replica without state, which is synced again from
+/// [`LOAD_PRAGMAS_END`] restored `FULL`, a checkpoint copied the WAL into the database file,
+/// and the database file was fsynced ([`sync_database_file`]: an fsync covers every page of the
+/// file, also those the unsynced checkpoints during the load wrote; the checkpoint's own fsync
+/// is not enough, as SQLite skips it when an earlier checkpoint already copied every frame). So
+/// when the synced state is durable (its commit fsyncs the WAL), every row before it is; a crash
+/// or power loss before that leaves a replica without state, which is synced again from
 /// nothing. A somewhat larger page cache (8 MiB) serves the index builds after each table.
 const LOAD_PRAGMAS: &str = "PRAGMA synchronous = OFF; PRAGMA cache_size = -8192;";
 /// The settings [`Replica::open`] uses, back after the load.
@@ -507,6 +514,7 @@ fn copy_snapshot(
     replica
         .conn
         .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+    sync_database_file(&replica.conn)?;
     replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     let state = ReplicaState {
         replica_version: replica_version.clone(),
@@ -524,6 +532,19 @@ fn copy_snapshot(
         tables: published.len(),
         rows: total,
     })
+}
+
+/// Fsyncs the database file of `conn` (none for an in-memory database).
+fn sync_database_file(conn: &rusqlite::Connection) -> Result<(), SyncError> {
+    let Some(path) = conn.path().filter(|p| !p.is_empty()) else {
+        return Ok(());
+    };
+    std::fs::File::open(path)
+        .and_then(|file| file.sync_all())
+        .map_err(|source| SyncError::Durability {
+            path: path.to_owned(),
+            source,
+        })
 }
 
 /// Upstream's row estimate of `table`; `None` for a table never vacuumed or analyzed.
