@@ -38,6 +38,8 @@ use crate::replication::PgConfig;
 pub const DEFAULT_BATCH_ROWS: usize = 100_000;
 /// COPY readers by default (`--sync-workers`).
 pub const DEFAULT_SYNC_WORKERS: usize = 2;
+/// Tables of at least this many 8 KiB pages (128 MiB) are read by several readers at once.
+pub const SPLIT_MIN_PAGES: u32 = 16_384;
 /// How often the copy's progress is logged.
 pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -241,16 +243,24 @@ fn quote_literal(text: &str) -> String {
 
 /// `COPY (SELECT cols FROM table) TO STDOUT`.
 pub(super) fn copy_sql(table: &ReplicaTable, columns: &[&ReplicaColumn]) -> String {
+    copy_pages_sql(table, columns, PageRange::ALL)
+}
+
+/// [`copy_sql`] of the rows in `pages`.
+fn copy_pages_sql(table: &ReplicaTable, columns: &[&ReplicaColumn], pages: PageRange) -> String {
     let cols: Vec<String> = columns.iter().map(|c| quote_ident(&c.name)).collect();
     format!(
-        "COPY (SELECT {} FROM {}.{}) TO STDOUT",
+        "COPY (SELECT {} FROM {}.{}{}) TO STDOUT",
         if cols.is_empty() {
             "".to_owned()
         } else {
             cols.join(", ")
         },
         quote_ident(&table.schema),
-        quote_ident(&table.table)
+        quote_ident(&table.table),
+        pages
+            .condition()
+            .map_or(String::new(), |c| format!(" WHERE {c}"))
     )
 }
 
@@ -302,6 +312,9 @@ pub struct SyncOptions {
     pub workers: usize,
     /// How often progress is logged.
     pub progress_interval: Duration,
+    /// A table of at least this many pages (`pg_class.relpages`) is split into one page range
+    /// per reader, read in parallel (Postgres 14 and later, which scan TID ranges).
+    pub split_min_pages: u32,
 }
 
 impl Default for SyncOptions {
@@ -310,6 +323,7 @@ impl Default for SyncOptions {
             batch_rows: DEFAULT_BATCH_ROWS,
             workers: DEFAULT_SYNC_WORKERS,
             progress_interval: PROGRESS_INTERVAL,
+            split_min_pages: SPLIT_MIN_PAGES,
         }
     }
 }
@@ -373,6 +387,57 @@ struct Job {
     table: ReplicaTable,
     /// Upstream's row estimate (`pg_class.reltuples`), when it has one.
     estimated_rows: Option<u64>,
+    /// Upstream's page count estimate (`pg_class.relpages`).
+    pages: u32,
+    /// Page ranges it is read in, by as many readers.
+    parts: u32,
+}
+
+/// What one reader copies at a time: a table, or a range of its pages.
+struct Part<'a> {
+    job: usize,
+    table: &'a ReplicaTable,
+    pages: PageRange,
+}
+
+/// Pages `start..end` of a table; `None` ends are open, so the first and last ranges also
+/// cover pages the (estimated) page count missed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PageRange {
+    start: Option<u32>,
+    end: Option<u32>,
+}
+
+impl PageRange {
+    const ALL: PageRange = PageRange {
+        start: None,
+        end: None,
+    };
+
+    /// `parts` ranges covering every page of a table of about `pages` pages.
+    fn split(pages: u32, parts: u32) -> Vec<PageRange> {
+        let step = (pages / parts.max(1)).max(1);
+        let bounds: Vec<u32> = (1..parts).map(|i| i * step).collect();
+        (0..parts as usize)
+            .map(|i| PageRange {
+                start: i.checked_sub(1).map(|j| bounds[j]),
+                end: bounds.get(i).copied(),
+            })
+            .collect()
+    }
+
+    /// The `WHERE` condition selecting these pages' rows.
+    fn condition(self) -> Option<String> {
+        let bound = |op: &str, page: u32| format!("ctid {op} '({page},0)'::tid");
+        match (self.start, self.end) {
+            (None, None) => None,
+            (Some(start), None) => Some(bound(">=", start)),
+            (None, Some(end)) => Some(bound("<", end)),
+            (Some(start), Some(end)) => {
+                Some(format!("{} AND {}", bound(">=", start), bound("<", end)))
+            }
+        }
+    }
 }
 
 /// What a reader hands the writer.
@@ -423,7 +488,7 @@ fn copy_snapshot(
         let Some(table) = replica.tables.get(&published_table.replica_name()).cloned() else {
             continue;
         };
-        let estimated_rows = handle.block_on(estimate_rows(client, &table))?;
+        let (estimated_rows, pages) = handle.block_on(estimate_size(client, &table))?;
         // Built once the table is loaded: one sort instead of an index insert per row.
         for index in [table.key_index_name(), table.seq_index_name()] {
             replica
@@ -435,11 +500,44 @@ fn copy_snapshot(
             Job {
                 table,
                 estimated_rows,
+                pages,
+                parts: 1,
             },
         ));
     }
-    let workers = options.workers.max(1).min(jobs.len().max(1));
-    let workers = if readers.is_some() { workers } else { 1 };
+    let workers = if readers.is_some() {
+        options.workers.max(1)
+    } else {
+        1
+    };
+    // Large tables split into a page range per reader where upstream scans TID ranges.
+    let server_version: i32 = handle
+        .block_on(client.query_one("SELECT current_setting('server_version_num')::int", &[]))?
+        .try_get(0)?;
+    if workers > 1 && server_version >= 140_000 {
+        for (_, job) in &mut jobs {
+            if job.pages >= options.split_min_pages.max(1) {
+                job.parts = u32::try_from(workers).unwrap_or(u32::MAX);
+            }
+        }
+    }
+    let parts: Vec<Part<'_>> = jobs
+        .iter()
+        .enumerate()
+        .flat_map(|(job, (_, j))| {
+            let ranges = if j.parts > 1 {
+                PageRange::split(j.pages, j.parts)
+            } else {
+                vec![PageRange::ALL]
+            };
+            ranges.into_iter().map(move |pages| Part {
+                job,
+                table: &j.table,
+                pages,
+            })
+        })
+        .collect();
+    let workers = workers.min(parts.len().max(1));
     tracing::info!(
         tables = published.len(),
         workers,
@@ -463,7 +561,6 @@ fn copy_snapshot(
         }
     }
     let clients: Vec<&Client> = std::iter::once(client).chain(extra.iter()).collect();
-    let job_list: Vec<&Job> = jobs.iter().map(|(_, j)| j).collect();
     let next_job = AtomicUsize::new(0);
     let abort = AtomicBool::new(false);
 
@@ -471,11 +568,11 @@ fn copy_snapshot(
         let (tx, rx) = std::sync::mpsc::sync_channel(workers * QUEUED_BATCHES_PER_READER);
         for reader in &clients {
             let tx = tx.clone();
-            let (jobs, next_job, abort) = (&job_list, &next_job, &abort);
+            let (parts, next_job, abort) = (&parts, &next_job, &abort);
             std::thread::Builder::new()
                 .name("hw-sync-reader".into())
                 .spawn_scoped(scope, move || {
-                    if let Err(error) = read_jobs(handle, reader, jobs, next_job, abort, &tx) {
+                    if let Err(error) = read_jobs(handle, reader, parts, next_job, abort, &tx) {
                         // The writer may be gone already (it failed or stopped first).
                         let _ = tx.send(Err(error));
                     }
@@ -547,8 +644,12 @@ fn sync_database_file(conn: &rusqlite::Connection) -> Result<(), SyncError> {
         })
 }
 
-/// Upstream's row estimate of `table`; `None` for a table never vacuumed or analyzed.
-async fn estimate_rows(client: &Client, table: &ReplicaTable) -> Result<Option<u64>, SyncError> {
+/// Upstream's row estimate of `table` (`None` for a table never vacuumed or analyzed) and its
+/// page count estimate.
+async fn estimate_size(
+    client: &Client,
+    table: &ReplicaTable,
+) -> Result<(Option<u64>, u32), SyncError> {
     let name = format!(
         "{}.{}",
         quote_ident(&table.schema),
@@ -556,19 +657,22 @@ async fn estimate_rows(client: &Client, table: &ReplicaTable) -> Result<Option<u
     );
     let row = client
         .query_one(
-            "SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass($1)",
+            "SELECT reltuples::float8, relpages::int8 FROM pg_class WHERE oid = to_regclass($1)",
             &[&name],
         )
         .await;
     Ok(match row {
         Ok(row) => {
             let tuples: Option<f64> = row.try_get(0)?;
+            let pages: Option<i64> = row.try_get(1)?;
             // Rounded estimate; negative means "never counted".
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-            tuples.filter(|t| *t >= 0.0).map(|t| t as u64)
+            let tuples = tuples.filter(|t| *t >= 0.0).map(|t| t as u64);
+            let pages = pages.and_then(|p| u32::try_from(p).ok()).unwrap_or(0);
+            (tuples, pages)
         }
         // Not found by name (it has just been dropped): the COPY reports it.
-        Err(_) => None,
+        Err(_) => (None, 0),
     })
 }
 
@@ -577,19 +681,18 @@ async fn estimate_rows(client: &Client, table: &ReplicaTable) -> Result<Option<u
 fn read_jobs(
     handle: &Handle,
     client: &Client,
-    jobs: &[&Job],
-    next_job: &AtomicUsize,
+    parts: &[Part<'_>],
+    next_part: &AtomicUsize,
     abort: &AtomicBool,
     tx: &SyncSender<Result<Batch, SyncError>>,
 ) -> Result<(), SyncError> {
     loop {
-        let job = next_job.fetch_add(1, Ordering::Relaxed);
-        let Some(Job { table, .. }) = jobs.get(job) else {
+        let Some(part) = parts.get(next_part.fetch_add(1, Ordering::Relaxed)) else {
             return Ok(());
         };
-        // One `block_on` per table: COPY sends a message per row, and entering the runtime
+        // One `block_on` per part: COPY sends a message per row, and entering the runtime
         // and parking for each would cost more than converting the row.
-        handle.block_on(read_table(client, job, table, abort, tx))?;
+        handle.block_on(read_table(client, part, abort, tx))?;
     }
 }
 
@@ -597,14 +700,15 @@ fn read_jobs(
 /// is full, which is what bounds the rows in memory.
 async fn read_table(
     client: &Client,
-    job: usize,
-    table: &ReplicaTable,
+    part: &Part<'_>,
     abort: &AtomicBool,
     tx: &SyncSender<Result<Batch, SyncError>>,
 ) -> Result<(), SyncError> {
+    let (job, table) = (part.job, part.table);
     let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
     let converter = CopyRowConverter::new(table, &columns);
-    let stream = client.copy_out(&copy_sql(table, &columns)).await?;
+    let sql = copy_pages_sql(table, &columns, part.pages);
+    let stream = client.copy_out(&sql).await?;
     let mut stream = std::pin::pin!(stream);
     let mut rows = CopyRows::new(columns.len());
     let mut batch = Vec::with_capacity(READER_BATCH_ROWS);
@@ -693,6 +797,7 @@ fn write_batches(
         .map(|(_, job)| Insert::new(&job.table))
         .collect();
     let mut progress = Progress::new(jobs, options.progress_interval);
+    let mut parts_left: Vec<u32> = jobs.iter().map(|(_, job)| job.parts).collect();
     let mut seq: i64 = 1;
     let mut in_txn = 0usize;
     let mut done = 0usize;
@@ -724,6 +829,15 @@ fn write_batches(
                 upstream_wait,
                 writer_wait,
             } => {
+                let table_progress = &mut progress.tables[job];
+                table_progress.upstream_wait += upstream_wait;
+                table_progress.writer_wait += writer_wait;
+                parts_left[job] -= 1;
+                if parts_left[job] > 0 {
+                    continue;
+                }
+                let (upstream_wait, writer_wait) =
+                    (table_progress.upstream_wait, table_progress.writer_wait);
                 let (index, Job { table, .. }) = &jobs[job];
                 let elapsed = progress.tables[job]
                     .started
@@ -857,6 +971,9 @@ struct TableProgress {
     bytes: u64,
     started: Option<Instant>,
     done: bool,
+    /// Summed over the table's readers.
+    upstream_wait: Duration,
+    writer_wait: Duration,
 }
 
 impl Progress {
@@ -872,6 +989,8 @@ impl Progress {
                 bytes: 0,
                 started: None,
                 done: false,
+                upstream_wait: Duration::ZERO,
+                writer_wait: Duration::ZERO,
             })
             .collect();
         let bar = std::io::stderr().is_terminal().then(|| {
@@ -1007,6 +1126,8 @@ mod tests {
         INSERT INTO pair SELECT g % 50, 'k' || g, NULL FROM generate_series(1, 2100) g;
         INSERT INTO log VALUES ('same', 1), ('same', 1), ('other', NULL);
         CREATE PUBLICATION everything FOR ALL TABLES;
+        -- Page counts, so that three readers split the tables into page ranges.
+        ANALYZE;
     "#;
 
     /// Every table of the SQLite database at `path` with all its rows (sorted), each value as
@@ -1172,6 +1293,8 @@ mod tests {
                     let options = SyncOptions {
                         batch_rows: 700,
                         workers,
+                        // Every table of a page or more is read as three page ranges at once.
+                        split_min_pages: 1,
                         ..SyncOptions::default()
                     };
                     let stop = || false;
@@ -1237,6 +1360,35 @@ mod tests {
         drop(conn);
         setup.batch_execute("COMMIT").await.unwrap();
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn page_ranges_cover_every_page_once() {
+        assert_eq!(PageRange::split(100, 1), [PageRange::ALL]);
+        let ranges = PageRange::split(100, 3);
+        let bounds: Vec<_> = ranges.iter().map(|r| (r.start, r.end)).collect();
+        assert_eq!(
+            bounds,
+            [(None, Some(33)), (Some(33), Some(66)), (Some(66), None)]
+        );
+        // Fewer pages than ranges: empty middle ranges, still no gap.
+        let bounds: Vec<_> = PageRange::split(1, 3)
+            .iter()
+            .map(|r| (r.start, r.end))
+            .collect();
+        assert_eq!(
+            bounds,
+            [(None, Some(1)), (Some(1), Some(2)), (Some(2), None)]
+        );
+        assert_eq!(PageRange::ALL.condition(), None);
+        assert_eq!(
+            ranges[1].condition().as_deref(),
+            Some("ctid >= '(33,0)'::tid AND ctid < '(66,0)'::tid")
+        );
+        assert_eq!(
+            ranges[2].condition().as_deref(),
+            Some("ctid >= '(66,0)'::tid")
+        );
     }
 
     #[test]
