@@ -390,8 +390,8 @@ impl InitialSyncReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "highwater bench initial-sync (Postgres {}; --sync-workers {}, one table so one \
-             reader; psql \\copy to /dev/null: faster of a run before and one after)\n",
+            "highwater bench initial-sync (Postgres {}; --sync-workers {}; psql \\copy to \
+             /dev/null: faster of a run before and one after)\n",
             self.server_version, self.workers
         );
         let _ = writeln!(

@@ -136,7 +136,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub auto_reset: bool,
     /// COPY readers of an initial sync, each on its own upstream connection in the slot's
-    /// snapshot (tables are copied in parallel, at most one reader per table).
+    /// snapshot: tables are copied in parallel, and a table of 128 MiB or more is split into
+    /// a page range per reader (Postgres 14+).
     #[arg(long, default_value_t = crate::replica::initial_sync::DEFAULT_SYNC_WORKERS)]
     pub sync_workers: usize,
     /// Turns on scope sync (`GET /sync`): the JSON rules saying which tables apps may read,
