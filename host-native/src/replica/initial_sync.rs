@@ -60,11 +60,11 @@ pub enum SyncError {
     Schema(#[from] serde_json::Error),
     #[error("the initial sync was stopped before it completed")]
     Stopped,
-    #[error("cannot make the loaded replica {path} durable: {source}")]
-    Durability {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error(
+        "expected the checkpoint after the load to copy all {frames} WAL frames into the \
+         database file, it copied {copied}"
+    )]
+    Durability { frames: i64, copied: i64 },
     #[error("cannot start an initial sync reader thread: {0}")]
     Thread(std::io::Error),
     #[error("expected every COPY reader to finish its tables, but one ended without a result")]
@@ -371,10 +371,9 @@ pub fn initial_sync_with(
 
 /// Settings during the load. `synchronous = OFF` skips the fsync of each load transaction:
 /// nothing marks the replica as synced until the last transaction, which is written only after
-/// [`LOAD_PRAGMAS_END`] restored `FULL`, a checkpoint copied the WAL into the database file,
-/// and the database file was fsynced ([`sync_database_file`]: an fsync covers every page of the
-/// file, also those the unsynced checkpoints during the load wrote; the checkpoint's own fsync
-/// is not enough, as SQLite skips it when an earlier checkpoint already copied every frame). So
+/// [`LOAD_PRAGMAS_END`] restored `FULL` and a checkpoint copied the WAL into the database file
+/// and fsynced it ([`make_load_durable`]: an fsync covers every page of the file, also those the
+/// unsynced checkpoints during the load wrote). So
 /// when the synced state is durable (its commit fsyncs the WAL), every row before it is; a crash
 /// or power loss before that leaves a replica without state, which is synced again from
 /// nothing. A somewhat larger page cache (8 MiB) serves the index builds after each table.
@@ -606,12 +605,7 @@ fn copy_snapshot(
 
     // Make every loaded row durable before the state that says they are there (see
     // `LOAD_PRAGMAS`).
-    replica.conn.execute_batch("COMMIT")?;
-    replica.conn.execute_batch(LOAD_PRAGMAS_END)?;
-    replica
-        .conn
-        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
-    sync_database_file(&replica.conn)?;
+    make_load_durable(&replica.conn)?;
     replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     let state = ReplicaState {
         replica_version: replica_version.clone(),
@@ -631,17 +625,27 @@ fn copy_snapshot(
     })
 }
 
-/// Fsyncs the database file of `conn` (none for an in-memory database).
-fn sync_database_file(conn: &rusqlite::Connection) -> Result<(), SyncError> {
-    let Some(path) = conn.path().filter(|p| !p.is_empty()) else {
-        return Ok(());
-    };
-    std::fs::File::open(path)
-        .and_then(|file| file.sync_all())
-        .map_err(|source| SyncError::Durability {
-            path: path.to_owned(),
-            source,
-        })
+/// Commits the load's last transaction and makes every loaded page durable: with automatic
+/// checkpoints off, that transaction's frames stay in the WAL, so the checkpoint under
+/// `synchronous = FULL` that follows has frames to copy and therefore fsyncs the WAL and then the
+/// database file,
+/// which covers every page of it, also those the unsynced checkpoints during the load wrote.
+/// (A checkpoint with nothing left to copy skips its fsync, hence the care.) The database file
+/// is not opened outside SQLite: closing another descriptor of it would drop SQLite's locks.
+fn make_load_durable(conn: &rusqlite::Connection) -> Result<(), SyncError> {
+    conn.execute_batch("PRAGMA wal_autocheckpoint = 0; COMMIT;")?;
+    conn.execute_batch(LOAD_PRAGMAS_END)?;
+    let (busy, frames, copied): (i64, i64, i64) =
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })?;
+    // The default, as `Replica::open` leaves it.
+    conn.execute_batch("PRAGMA wal_autocheckpoint = 1000")?;
+    // An in-memory database has no WAL: -1 frames.
+    if busy != 0 || frames != copied {
+        return Err(SyncError::Durability { frames, copied });
+    }
+    Ok(())
 }
 
 /// Upstream's row estimate of `table` (`None` for a table never vacuumed or analyzed) and its
