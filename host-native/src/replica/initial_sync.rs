@@ -1004,7 +1004,7 @@ impl Progress {
                 indicatif::ProgressDrawTarget::stderr(),
             );
             if let Ok(style) = indicatif::ProgressStyle::with_template(
-                "initial sync {bar:30} {human_pos}/~{human_len} rows, {per_sec}, ETA {eta} {msg}",
+                "initial sync {bar:30} {human_pos}/~{human_len} rows, ETA {eta} {msg}",
             ) {
                 bar.set_style(style);
             }
