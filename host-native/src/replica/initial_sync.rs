@@ -3,9 +3,14 @@
 //! conversion (`replica::backfill`).
 //!
 //! Rows are streamed with `COPY (SELECT …) TO STDOUT` in text format and converted by the same
-//! per-type-OID conversion as the replication stream (`engine::pgoutput`'s mapper is fed the
-//! COPY fields as pgoutput text tuples), so a value reads the same whichever path brought it.
-//! Only one partial COPY row and one batch are in memory at a time, whatever the table size.
+//! per-type-OID conversion as the replication stream (`engine::pgoutput::TextColumn`, the
+//! mapper's own; backfills feed the mapper the COPY fields as pgoutput text tuples), so a value
+//! reads the same whichever path brought it.
+//!
+//! The initial sync runs COPY readers on threads of their own, each on its own connection in
+//! the exported snapshot, taking one table (or one page range of a large table) at a time, and
+//! one SQLite writer on the calling thread. Readers hand the writer batches over a bounded
+//! channel, so what is in memory is a few batches per reader, whatever the table size.
 //!
 //! These functions block: run them on a blocking thread. Postgres I/O goes through
 //! `handle.block_on`, SQLite is written directly.
@@ -779,14 +784,15 @@ fn send(
     }
 }
 
-/// The writer: inserts every batch with the table's prepared statement in large transactions,
-/// builds a table's secondary indexes once its reader is done, and logs progress. Returns the
-/// next free `_hw_seq` and the rows written.
+/// The writer: inserts every batch with the table's prepared statements in large transactions,
+/// builds a table's indexes once every part of it is in, and logs progress. Returns the next
+/// free `_hw_seq` and the rows written.
 ///
 /// `_hw_seq` numbers rows in the order they reach the writer: with one reader that is table
-/// after table in COPY order; with several, tables interleave. Either way each seq is unique
-/// and increasing in the order rows were stored, and `next_seq` is above all of them, which is
-/// all the change log and scope sync rely on (a seq orders writes; it carries no table order).
+/// after table in COPY order; with several, tables and page ranges interleave. Either way each
+/// seq is unique and increasing in the order rows were stored, and `next_seq` is above all of
+/// them, which is all the change log and scope sync rely on (scope sync pages a table's rows by
+/// seq up to a high-water; nothing reads an order across tables or along a table's key in it).
 fn write_batches(
     replica: &mut Replica,
     published: &[PublishedTable],
