@@ -26,7 +26,7 @@ use crate::pause_point::{self, Point};
 use crate::upstream::{backfill_item, feed, reconcile_relation, Backfills, Catalog, EffectHost};
 
 use crate::replica::bootstrap::{BootstrapError, Upstream};
-use crate::replica::initial_sync::SyncError;
+use crate::replica::initial_sync::{SyncError, SyncOptions, DEFAULT_SYNC_WORKERS};
 use crate::replica::{Applied, Replica, ReplicaWriter};
 use crate::replication::setup::DEFAULT_APP_ID;
 use crate::replication::{WalEvent, WalStream};
@@ -51,6 +51,11 @@ pub struct ReplicateArgs {
     /// instead of stopping with an error.
     #[arg(long)]
     pub auto_reset: bool,
+    /// COPY readers of an initial sync, each on its own upstream connection in the slot's
+    /// snapshot: tables are copied in parallel, and a table of 128 MiB or more is split into
+    /// a page range per reader (Postgres 14+).
+    #[arg(long, default_value_t = DEFAULT_SYNC_WORKERS)]
+    pub sync_workers: usize,
 }
 
 /// Runs the command until Ctrl-C or SIGTERM.
@@ -87,13 +92,18 @@ pub fn replicate(
     if let Some(reason) = upstream.resync_reason(handle, &replica)? {
         tracing::warn!(%reason, "resyncing");
         let stopped = stop.clone();
-        replica = match upstream.resync(handle, replica, &args.data, &|| *stopped.borrow()) {
-            Err(BootstrapError::Sync(SyncError::Stopped)) => {
-                tracing::info!("stopped during the initial sync; the next start syncs again");
-                return Ok(());
-            }
-            other => other?.0,
+        let options = SyncOptions {
+            workers: args.sync_workers,
+            ..SyncOptions::default()
         };
+        replica =
+            match upstream.resync(handle, replica, &args.data, &options, &|| *stopped.borrow()) {
+                Err(BootstrapError::Sync(SyncError::Stopped)) => {
+                    tracing::info!("stopped during the initial sync; the next start syncs again");
+                    return Ok(());
+                }
+                other => other?.0,
+            };
     }
 
     let mut writer = ReplicaWriter::new(replica);

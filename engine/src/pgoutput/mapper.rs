@@ -13,7 +13,7 @@ use super::message::{
     DecodeError, OldTuple, PgoutputMessage, Relation, RelationColumn, Tuple, TupleValue,
 };
 use super::relation::{CachedRelation, RelationCache, UnknownRelation};
-use super::value::{self, Scalar, ValueType};
+use super::value::{self, ValueType};
 use crate::change_stream::{self, Change, DownstreamMessage, JsonFormat, Row};
 use crate::watermark::{Lsn, Watermark};
 
@@ -338,11 +338,7 @@ impl PgoutputMapper {
     }
 
     fn value_type(&self, oid: u32) -> ValueType {
-        ValueType::builtin(oid).unwrap_or(if self.array_types.contains(&oid) {
-            ValueType::Array(Scalar::Text)
-        } else {
-            ValueType::Scalar(Scalar::Text)
-        })
+        ValueType::of(oid, self.array_types.contains(&oid))
     }
 }
 

@@ -76,6 +76,44 @@ impl ValueType {
     }
 }
 
+impl ValueType {
+    /// The conversion of a column of `oid`: a built-in, else an array of text when a Type
+    /// message named the OID as an array type (`_name`), else text.
+    pub(super) fn of(oid: u32, announced_array: bool) -> ValueType {
+        ValueType::builtin(oid).unwrap_or(if announced_array {
+            ValueType::Array(Scalar::Text)
+        } else {
+            ValueType::Scalar(Scalar::Text)
+        })
+    }
+}
+
+/// One column's conversion from TEXT output, the one [`super::PgoutputMapper`] applies to a
+/// tuple value of that column, for callers that get the text elsewhere (COPY).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TextColumn {
+    ty: ValueType,
+}
+
+impl TextColumn {
+    /// A column of `type_oid`; `announced_array` when a Type message named the OID as an array
+    /// type (`_name`, arrays of enums and other custom types).
+    pub fn new(type_oid: u32, announced_array: bool) -> TextColumn {
+        TextColumn {
+            ty: ValueType::of(type_oid, announced_array),
+        }
+    }
+
+    /// The value of `text`, or what it should have looked like. Text-like and JSON values
+    /// take `text` as their string without copying it.
+    pub fn convert(&self, text: String) -> Result<Value, &'static str> {
+        match self.ty {
+            ValueType::Scalar(Scalar::Text | Scalar::Json) => Ok(Value::String(text)),
+            ty => convert(ty, &text).map_err(|e| e.expected),
+        }
+    }
+}
+
 /// What a value should have looked like; the caller adds the column and type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct ValueError {
@@ -171,6 +209,33 @@ mod tests {
 
     fn json_text(v: &Value) -> String {
         serde_json::to_string(v).unwrap()
+    }
+
+    #[test]
+    fn a_text_column_converts_as_the_mapper_does() {
+        let cases: &[(u32, bool, &str)] = &[
+            (20, false, "9223372036854775807"),
+            (1700, false, "1.50"),
+            (16, false, "t"),
+            (25, false, "héllo"),
+            (3802, false, "{\"a\": 1}"),
+            (1184, false, "2024-01-01 00:00:01+00"),
+            (1007, false, "{1,NULL,3}"),
+            (99_999, true, "{a,b}"),
+            (99_999, false, "{a,b}"),
+            (701, false, "NaN"),
+        ];
+        for &(oid, array, text) in cases {
+            assert_eq!(
+                TextColumn::new(oid, array).convert(text.to_owned()),
+                convert(ValueType::of(oid, array), text).map_err(|e| e.expected),
+                "{oid} {text}"
+            );
+        }
+        assert_eq!(
+            TextColumn::new(23, false).convert("x".into()),
+            Err("an integer")
+        );
     }
 
     #[test]

@@ -286,6 +286,7 @@ async fn run_phases(
         app_id: APP_ID.to_owned(),
         publications: vec![PUBLICATION.to_owned()],
         auto_reset: false,
+        sync_workers: 2,
     };
     // The initial sync creates Highwater's slot; the yardstick's comes right after, so both
     // start before the workload.

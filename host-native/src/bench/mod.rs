@@ -4,11 +4,14 @@
 //!   `pg_recvlogical` on the same workload as the yardstick.
 //! - `fanout` ([`fanout`]): committed changes delivered to 1, 10, 100 change-stream
 //!   subscribers (throughput, commit-to-subscriber latency), and catch-up speed from the log.
+//! - `initial-sync` ([`initial_sync`]): copying a table into a fresh replica, against
+//!   `psql \copy … to /dev/null` of the same table.
 //! - `sync` ([`sync`]): scope sync on `/sync`: commit-to-client latency at many connections,
 //!   replay rows/s, memory per idle subscription.
 
 pub mod fanout;
 pub mod ingest;
+pub mod initial_sync;
 mod recvlogical;
 pub mod sync;
 mod workload;
@@ -27,6 +30,8 @@ pub enum Benchmark {
     Ingest(ingest::IngestArgs),
     /// Delivery to many change-stream subscribers, and catch-up of one far behind.
     Fanout(fanout::FanoutArgs),
+    /// Initial sync of a large table, against `psql \copy … to /dev/null` of it.
+    InitialSync(initial_sync::InitialSyncArgs),
     /// Scope sync: commit-to-client latency, replay speed, memory per idle subscription.
     Sync(sync::SyncArgs),
 }
@@ -36,6 +41,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.benchmark {
         Benchmark::Ingest(args) => ingest::run(args),
         Benchmark::Fanout(args) => fanout::run(args),
+        Benchmark::InitialSync(args) => initial_sync::run(args),
         Benchmark::Sync(args) => sync::run(args),
     }
 }

@@ -9,9 +9,7 @@ use tokio::runtime::Handle;
 use tokio_postgres::Client;
 
 use super::ddl::event_trigger_sql;
-use super::initial_sync::{
-    initial_sync_until, SyncError, SyncReport, SyncSource, DEFAULT_BATCH_ROWS,
-};
+use super::initial_sync::{initial_sync_with, SyncError, SyncOptions, SyncReport, SyncSource};
 use super::{Replica, ReplicaError, ReplicaState};
 use crate::replication::setup::{
     check_upstream, ensure_publication, slot_state, ReplicationNames, UpstreamSettings,
@@ -156,12 +154,14 @@ impl Upstream {
     }
 
     /// Replaces the replica in `data` (closing `replica` first) with an initial sync from a new
-    /// slot's snapshot. `stop` is polled between batches ([`SyncError::Stopped`]).
+    /// slot's snapshot, copied by `options.workers` readers. `stop` is polled between batches
+    /// ([`SyncError::Stopped`]).
     pub fn resync(
         &self,
         handle: &Handle,
         replica: Replica,
         data: &Path,
+        options: &SyncOptions,
         stop: &dyn Fn() -> bool,
     ) -> Result<(Replica, SyncReport), BootstrapError> {
         drop(replica);
@@ -178,12 +178,13 @@ impl Upstream {
             snapshot_name: created.snapshot_name.clone(),
         };
         let started = Instant::now();
-        let report = initial_sync_until(
+        let report = initial_sync_with(
             handle,
             &self.client,
+            Some(&self.params.upstream()),
             &mut replica,
             &source,
-            DEFAULT_BATCH_ROWS,
+            options,
             stop,
         )?;
         // The snapshot was only needed for the copy.

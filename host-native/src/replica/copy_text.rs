@@ -32,10 +32,6 @@ impl CopyRows {
         }
     }
 
-    pub fn rows(&self) -> u64 {
-        self.rows
-    }
-
     /// Feeds one chunk; `on_row` gets every row completed by it.
     pub fn push<E: From<CopyTextError>>(
         &mut self,

@@ -3,21 +3,29 @@
 //! conversion (`replica::backfill`).
 //!
 //! Rows are streamed with `COPY (SELECT …) TO STDOUT` in text format and converted by the same
-//! per-type-OID conversion as the replication stream (`engine::pgoutput`'s mapper is fed the
-//! COPY fields as pgoutput text tuples), so a value reads the same whichever path brought it.
-//! Only one partial COPY row and one batch are in memory at a time, whatever the table size.
+//! per-type-OID conversion as the replication stream (`engine::pgoutput::TextColumn`, the
+//! mapper's own; backfills feed the mapper the COPY fields as pgoutput text tuples), so a value
+//! reads the same whichever path brought it.
+//!
+//! The initial sync runs COPY readers on threads of their own, each on its own connection in
+//! the exported snapshot, taking one table (or one page range of a large table) at a time, and
+//! one SQLite writer on the calling thread. Readers hand the writer batches over a bounded
+//! channel, so what is in memory is a few batches per reader, whatever the table size.
 //!
 //! These functions block: run them on a blocking thread. Postgres I/O goes through
 //! `handle.block_on`, SQLite is written directly.
 
-use futures::StreamExt;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::time::{Duration, Instant};
+
+use futures::{FutureExt as _, StreamExt};
 use highwater_engine::change_stream::{Change, DownstreamMessage, JsonFormat, Row};
 use highwater_engine::pgoutput::{
     self, MappingError, PgTimestamp, PgType, PgoutputEvent, PgoutputMapper, PgoutputMessage,
-    RelationColumn, Tuple, TupleValue,
+    RelationColumn, TextColumn, Tuple, TupleValue,
 };
 use highwater_engine::watermark::{Lsn, Watermark};
-use rusqlite::params_from_iter;
 use rusqlite::types::Value as SqlValue;
 use serde_json::Value;
 use tokio::runtime::Handle;
@@ -27,11 +35,18 @@ use super::apply::create_replica_table;
 use super::copy_text::{CopyRows, CopyTextError};
 use super::ddl::{parse_published_schema, PublishedTable, PUBLISHED_SCHEMA_SQL};
 use super::schema::{create_index_sql, quote_ident, ReplicaColumn, ReplicaTable, ValueKind};
-use super::value::to_sql;
+use super::value::into_sql;
 use super::{Replica, ReplicaError, ReplicaState};
+use crate::replication::PgConfig;
 
 /// Rows per SQLite transaction during the copy.
-pub const DEFAULT_BATCH_ROWS: usize = 10_000;
+pub const DEFAULT_BATCH_ROWS: usize = 100_000;
+/// COPY readers by default (`--sync-workers`).
+pub const DEFAULT_SYNC_WORKERS: usize = 2;
+/// Tables of at least this many 8 KiB pages (128 MiB) are read by several readers at once.
+pub const SPLIT_MIN_PAGES: u32 = 16_384;
+/// How often the copy's progress is logged.
+pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
@@ -50,6 +65,15 @@ pub enum SyncError {
     Schema(#[from] serde_json::Error),
     #[error("the initial sync was stopped before it completed")]
     Stopped,
+    #[error(
+        "expected the checkpoint after the load to copy all {frames} WAL frames into the \
+         database file, it copied {copied}"
+    )]
+    Durability { frames: i64, copied: i64 },
+    #[error("cannot start an initial sync reader thread: {0}")]
+    Thread(std::io::Error),
+    #[error("expected every COPY reader to finish its tables, but one ended without a result")]
+    ReaderGone,
     #[error("expected the converter to return an insert, got {got}")]
     Converter { got: String },
     #[error(
@@ -165,43 +189,84 @@ impl TextRowConverter {
     }
 }
 
+/// Converts COPY text fields of a table's columns straight to the replica's SQLite values:
+/// each field goes through the replication stream's per-column conversion
+/// ([`TextColumn`], the one the mapper applies to tuple values) and the replica's
+/// [`into_sql`], so it is stored as [`TextRowConverter`] followed by `to_sql` would store it,
+/// without building a row map or copying text.
+struct CopyRowConverter {
+    table: String,
+    columns: Vec<(ReplicaColumn, TextColumn)>,
+}
+
+impl CopyRowConverter {
+    fn new(table: &ReplicaTable, columns: &[&ReplicaColumn]) -> CopyRowConverter {
+        CopyRowConverter {
+            table: format!("{}.{}", table.schema, table.table),
+            columns: columns
+                .iter()
+                .map(|c| {
+                    // As `TextRowConverter`: arrays of custom types are announced as arrays,
+                    // columns of unknown type are text.
+                    let announced_array = c.kind == ValueKind::Array && c.type_oid.is_some();
+                    let text = TextColumn::new(c.type_oid.unwrap_or(25), announced_array);
+                    ((*c).clone(), text)
+                })
+                .collect(),
+        }
+    }
+
+    /// The SQLite values of one COPY row, in column order.
+    fn convert(&self, fields: Vec<Option<String>>) -> Result<Vec<SqlValue>, SyncError> {
+        let mut values = Vec::with_capacity(fields.len() + 2);
+        for ((column, text_column), field) in self.columns.iter().zip(fields) {
+            let value = match field {
+                None => SqlValue::Null,
+                Some(text) => {
+                    let len = text.len();
+                    let value = text_column.convert(text).map_err(|expected| {
+                        MappingError::InvalidValue {
+                            table: self.table.clone(),
+                            column: column.name.clone(),
+                            type_oid: column.type_oid.unwrap_or(25),
+                            expected,
+                            len,
+                        }
+                    })?;
+                    into_sql(column, value, JsonFormat::Stringified)
+                }
+            };
+            values.push(value);
+        }
+        Ok(values)
+    }
+}
+
 fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
 /// `COPY (SELECT cols FROM table) TO STDOUT`.
 pub(super) fn copy_sql(table: &ReplicaTable, columns: &[&ReplicaColumn]) -> String {
+    copy_pages_sql(table, columns, PageRange::ALL)
+}
+
+/// [`copy_sql`] of the rows in `pages`.
+fn copy_pages_sql(table: &ReplicaTable, columns: &[&ReplicaColumn], pages: PageRange) -> String {
     let cols: Vec<String> = columns.iter().map(|c| quote_ident(&c.name)).collect();
     format!(
-        "COPY (SELECT {} FROM {}.{}) TO STDOUT",
+        "COPY (SELECT {} FROM {}.{}{}) TO STDOUT",
         if cols.is_empty() {
             "".to_owned()
         } else {
             cols.join(", ")
         },
         quote_ident(&table.schema),
-        quote_ident(&table.table)
+        quote_ident(&table.table),
+        pages
+            .condition()
+            .map_or(String::new(), |c| format!(" WHERE {c}"))
     )
-}
-
-/// Streams `COPY` rows of `columns` to `on_row`, converted.
-fn copy_rows(
-    handle: &Handle,
-    client: &Client,
-    table: &ReplicaTable,
-    columns: &[&ReplicaColumn],
-    mut on_row: impl FnMut(Row) -> Result<(), SyncError>,
-) -> Result<u64, SyncError> {
-    let mut converter = TextRowConverter::new(table, columns)?;
-    let stream = handle.block_on(client.copy_out(&copy_sql(table, columns)))?;
-    let mut stream = Box::pin(stream);
-    let mut rows = CopyRows::new(columns.len());
-    while let Some(chunk) = handle.block_on(stream.next()) {
-        let chunk = chunk?;
-        rows.push(&chunk, |fields| on_row(converter.convert(&fields)?))?;
-    }
-    rows.finish()?;
-    Ok(rows.rows())
 }
 
 /// Opens the snapshot transaction on `client` with the settings the value conversion expects.
@@ -242,9 +307,36 @@ pub fn published_schema(
     Ok(parse_published_schema(&text)?)
 }
 
-/// Copies every published table into an empty replica at the slot's snapshot, and records
-/// `replicaVersion` = the consistent point. Nothing marks the replica as synced until the last
-/// row is in: an interrupted sync leaves a replica without state, which is started over.
+/// How an initial sync copies.
+#[derive(Debug, Clone)]
+pub struct SyncOptions {
+    /// Rows per SQLite transaction during the load.
+    pub batch_rows: usize,
+    /// COPY readers, each on its own upstream connection in the exported snapshot; at most one
+    /// per table is used. Readers beyond the first need the connection settings.
+    pub workers: usize,
+    /// How often progress is logged.
+    pub progress_interval: Duration,
+    /// A table of at least this many pages (`pg_class.relpages`) is split into one page range
+    /// per reader, read in parallel (Postgres 14 and later, which scan TID ranges).
+    pub split_min_pages: u32,
+}
+
+impl Default for SyncOptions {
+    fn default() -> Self {
+        SyncOptions {
+            batch_rows: DEFAULT_BATCH_ROWS,
+            workers: DEFAULT_SYNC_WORKERS,
+            progress_interval: PROGRESS_INTERVAL,
+            split_min_pages: SPLIT_MIN_PAGES,
+        }
+    }
+}
+
+/// Copies every published table into an empty replica at the slot's snapshot with one reader
+/// (`client`), and records `replicaVersion` = the consistent point. Nothing marks the replica as
+/// synced until the last row is in: an interrupted sync leaves a replica without state, which
+/// is started over.
 pub fn initial_sync(
     handle: &Handle,
     client: &Client,
@@ -252,105 +344,274 @@ pub fn initial_sync(
     source: &SyncSource,
     batch_rows: usize,
 ) -> Result<SyncReport, SyncError> {
-    initial_sync_until(handle, client, replica, source, batch_rows, &|| false)
+    let options = SyncOptions {
+        batch_rows,
+        workers: 1,
+        ..SyncOptions::default()
+    };
+    initial_sync_with(handle, client, None, replica, source, &options, &|| false)
 }
 
-/// [`initial_sync`] that gives up with [`SyncError::Stopped`] once `stop` returns true (polled
-/// between batches).
-pub fn initial_sync_until(
+/// [`initial_sync`] with `options.workers` COPY readers: `client` and up to `workers - 1` more
+/// connections opened with `readers` (none without it), each in the exported snapshot. It gives
+/// up with [`SyncError::Stopped`] once `stop` returns true (polled between batches).
+pub fn initial_sync_with(
     handle: &Handle,
     client: &Client,
+    readers: Option<&PgConfig>,
     replica: &mut Replica,
     source: &SyncSource,
-    batch_rows: usize,
+    options: &SyncOptions,
     stop: &dyn Fn() -> bool,
 ) -> Result<SyncReport, SyncError> {
-    let result = copy_snapshot(handle, client, replica, source, batch_rows.max(1), stop);
+    let result = copy_snapshot(handle, client, readers, replica, source, options, stop);
     if result.is_err() {
         let _ = replica.conn.execute_batch("ROLLBACK");
     }
+    let _ = replica.conn.execute_batch(LOAD_PRAGMAS_END);
     // Ends the read-only snapshot transaction either way.
     let _ = handle.block_on(client.batch_execute("ROLLBACK"));
     result
 }
 
+/// Settings during the load. `synchronous = OFF` skips the fsync of each load transaction:
+/// nothing marks the replica as synced until the last transaction, which is written only after
+/// [`LOAD_PRAGMAS_END`] restored `FULL` and a checkpoint copied the WAL into the database file
+/// and fsynced it ([`make_load_durable`]: an fsync covers every page of the file, also those the
+/// unsynced checkpoints during the load wrote). So
+/// when the synced state is durable (its commit fsyncs the WAL), every row before it is; a crash
+/// or power loss before that leaves a replica without state, which is synced again from
+/// nothing. A somewhat larger page cache (8 MiB) serves the index builds after each table.
+const LOAD_PRAGMAS: &str = "PRAGMA synchronous = OFF; PRAGMA cache_size = -8192;";
+/// The settings [`Replica::open`] uses, back after the load.
+const LOAD_PRAGMAS_END: &str = "PRAGMA synchronous = FULL; PRAGMA cache_size = -2000;";
+
+/// One published table to copy.
+struct Job {
+    table: ReplicaTable,
+    /// Upstream's row estimate (`pg_class.reltuples`), when it has one.
+    estimated_rows: Option<u64>,
+    /// Upstream's page count estimate (`pg_class.relpages`).
+    pages: u32,
+    /// Page ranges it is read in, by as many readers.
+    parts: u32,
+}
+
+/// What one reader copies at a time: a table, or a range of its pages.
+struct Part<'a> {
+    job: usize,
+    table: &'a ReplicaTable,
+    pages: PageRange,
+}
+
+/// Pages `start..end` of a table; `None` ends are open, so the first and last ranges also
+/// cover pages the (estimated) page count missed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PageRange {
+    start: Option<u32>,
+    end: Option<u32>,
+}
+
+impl PageRange {
+    const ALL: PageRange = PageRange {
+        start: None,
+        end: None,
+    };
+
+    /// `parts` ranges covering every page of a table of about `pages` pages.
+    fn split(pages: u32, parts: u32) -> Vec<PageRange> {
+        let step = (pages / parts.max(1)).max(1);
+        let bounds: Vec<u32> = (1..parts).map(|i| i * step).collect();
+        (0..parts as usize)
+            .map(|i| PageRange {
+                start: i.checked_sub(1).map(|j| bounds[j]),
+                end: bounds.get(i).copied(),
+            })
+            .collect()
+    }
+
+    /// The `WHERE` condition selecting these pages' rows.
+    fn condition(self) -> Option<String> {
+        let bound = |op: &str, page: u32| format!("ctid {op} '({page},0)'::tid");
+        match (self.start, self.end) {
+            (None, None) => None,
+            (Some(start), None) => Some(bound(">=", start)),
+            (None, Some(end)) => Some(bound("<", end)),
+            (Some(start), Some(end)) => {
+                Some(format!("{} AND {}", bound(">=", start), bound("<", end)))
+            }
+        }
+    }
+}
+
+/// What a reader hands the writer.
+enum Batch {
+    Rows {
+        job: usize,
+        rows: Vec<Vec<SqlValue>>,
+        /// COPY text bytes of these rows.
+        bytes: u64,
+    },
+    Done {
+        job: usize,
+        /// How long the reader waited for upstream's COPY data, and for room in the channel
+        /// (the writer being behind).
+        upstream_wait: Duration,
+        writer_wait: Duration,
+    },
+}
+
+/// Rows per batch from a reader, and the COPY bytes that close a batch early.
+const READER_BATCH_ROWS: usize = 1_000;
+const READER_BATCH_BYTES: u64 = 256 << 10;
+/// Batches queued per reader before it waits for the writer.
+const QUEUED_BATCHES_PER_READER: usize = 2;
+
 fn copy_snapshot(
     handle: &Handle,
     client: &Client,
+    readers: Option<&PgConfig>,
     replica: &mut Replica,
     source: &SyncSource,
-    batch_rows: usize,
+    options: &SyncOptions,
     stop: &dyn Fn() -> bool,
 ) -> Result<SyncReport, SyncError> {
     let replica_version = source.consistent_point.to_watermark();
     begin_snapshot(handle, client, Some(&source.snapshot_name))?;
     let published = published_schema(handle, client, &source.publications)?;
-    tracing::info!(
-        tables = published.len(),
-        %replica_version,
-        "initial sync: copying published tables"
-    );
 
+    replica.conn.execute_batch(LOAD_PRAGMAS)?;
     replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     for table in &published {
         let mut spec = ReplicaTable::from_spec(&table.to_spec());
         spec.metadata = table.metadata();
         create_replica_table(&replica.conn, &mut replica.tables, spec)?;
     }
-    let mut seq: i64 = 1;
-    let mut total: u64 = 0;
-    for published_table in &published {
+    let mut jobs = Vec::new();
+    for (index, published_table) in published.iter().enumerate() {
         let Some(table) = replica.tables.get(&published_table.replica_name()).cloned() else {
             continue;
         };
-        let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
-        let mut cols: Vec<String> = columns.iter().map(|c| quote_ident(&c.name)).collect();
-        cols.push("\"_hw_version\"".into());
-        cols.push("\"_hw_seq\"".into());
-        let placeholders: Vec<String> = (1..=cols.len()).map(|i| format!("?{i}")).collect();
-        let insert = format!(
-            "INSERT INTO {} ({}) VALUES ({})",
-            quote_ident(&table.name),
-            cols.join(", "),
-            placeholders.join(", ")
-        );
-        let conn = &replica.conn;
-        let mut in_batch = 0usize;
-        let copied = copy_rows(handle, client, &table, &columns, |row| {
-            let values = columns
-                .iter()
-                .map(|c| {
-                    row.get(&c.name)
-                        .map_or(SqlValue::Null, |v| to_sql(c, v, JsonFormat::Stringified))
-                })
-                .chain([
-                    SqlValue::Text(replica_version.as_str().to_owned()),
-                    SqlValue::Integer(seq),
-                ]);
-            conn.prepare_cached(&insert)?
-                .execute(params_from_iter(values))?;
-            seq += 1;
-            in_batch += 1;
-            if in_batch >= batch_rows {
-                if stop() {
-                    return Err(SyncError::Stopped);
-                }
-                conn.execute_batch("COMMIT; BEGIN IMMEDIATE")?;
-                in_batch = 0;
-            }
-            Ok(())
-        })?;
-        total += copied;
-        tracing::info!(table = %table.name, rows = copied, "initial sync: table copied");
-        for spec in published_table.index_specs() {
-            let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
-            let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
-            super::schema::record_index(&replica.conn, &spec, is_key)?;
-            if !is_key {
-                replica.conn.execute_batch(&create_index_sql(&spec))?;
+        let (estimated_rows, pages) = handle.block_on(estimate_size(client, &table))?;
+        // Built once the table is loaded: one sort instead of an index insert per row.
+        for index in [table.key_index_name(), table.seq_index_name()] {
+            replica
+                .conn
+                .execute_batch(&format!("DROP INDEX IF EXISTS {}", quote_ident(&index)))?;
+        }
+        jobs.push((
+            index,
+            Job {
+                table,
+                estimated_rows,
+                pages,
+                parts: 1,
+            },
+        ));
+    }
+    let workers = if readers.is_some() {
+        options.workers.max(1)
+    } else {
+        1
+    };
+    // Large tables split into a page range per reader where upstream scans TID ranges.
+    let server_version: i32 = handle
+        .block_on(client.query_one("SELECT current_setting('server_version_num')::int", &[]))?
+        .try_get(0)?;
+    if workers > 1 && server_version >= 140_000 {
+        for (_, job) in &mut jobs {
+            if job.pages >= options.split_min_pages.max(1) {
+                job.parts = u32::try_from(workers).unwrap_or(u32::MAX);
             }
         }
     }
+    let parts: Vec<Part<'_>> = jobs
+        .iter()
+        .enumerate()
+        .flat_map(|(job, (_, j))| {
+            let ranges = if j.parts > 1 {
+                PageRange::split(j.pages, j.parts)
+            } else {
+                vec![PageRange::ALL]
+            };
+            ranges.into_iter().map(move |pages| Part {
+                job,
+                table: &j.table,
+                pages,
+            })
+        })
+        .collect();
+    let workers = workers.min(parts.len().max(1));
+    tracing::info!(
+        tables = published.len(),
+        workers,
+        estimated_rows = jobs.iter().filter_map(|(_, j)| j.estimated_rows).sum::<u64>(),
+        %replica_version,
+        "initial sync: copying published tables (estimated rows from pg_class.reltuples)"
+    );
+
+    // The other readers: their own connections, in the same exported snapshot.
+    let mut extra = Vec::new();
+    if let Some(config) = readers {
+        for _ in 1..workers {
+            let (reader, connection) = handle.block_on(config.connect())?;
+            handle.spawn(async move {
+                if let Err(error) = connection.await {
+                    tracing::debug!(%error, "initial sync reader connection ended");
+                }
+            });
+            handle.block_on(open_snapshot(&reader, Some(&source.snapshot_name)))?;
+            extra.push(reader);
+        }
+    }
+    let clients: Vec<&Client> = std::iter::once(client).chain(extra.iter()).collect();
+    let next_job = AtomicUsize::new(0);
+    let abort = AtomicBool::new(false);
+
+    let written = std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel(workers * QUEUED_BATCHES_PER_READER);
+        for reader in &clients {
+            let tx = tx.clone();
+            let (parts, next_job, abort) = (&parts, &next_job, &abort);
+            std::thread::Builder::new()
+                .name("hw-sync-reader".into())
+                .spawn_scoped(scope, move || {
+                    if let Err(error) = read_jobs(handle, reader, parts, next_job, abort, &tx) {
+                        // The writer may be gone already (it failed or stopped first).
+                        let _ = tx.send(Err(error));
+                    }
+                })
+                .map_err(SyncError::Thread)?;
+        }
+        drop(tx);
+        let result = write_batches(
+            replica,
+            &published,
+            &jobs,
+            &rx,
+            &replica_version,
+            options,
+            stop,
+        );
+        // Readers blocked on a full channel see it closed, and stop at their next batch.
+        abort.store(true, Ordering::Relaxed);
+        drop(rx);
+        result
+    });
+    // After a failure a reader's COPY may still be streaming: closing its connection ends the
+    // snapshot transaction without waiting for the rest of the table (ROLLBACK would).
+    if written.is_ok() {
+        for reader in &extra {
+            let _ = handle.block_on(reader.batch_execute("ROLLBACK"));
+        }
+    }
+    drop(extra);
+    let (next_seq, total) = written?;
+
+    // Make every loaded row durable before the state that says they are there (see
+    // `LOAD_PRAGMAS`).
+    make_load_durable(&replica.conn)?;
+    replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     let state = ReplicaState {
         replica_version: replica_version.clone(),
         watermark: replica_version.clone(),
@@ -358,7 +619,7 @@ fn copy_snapshot(
         publications: source.publications.clone(),
         slot: source.slot.clone(),
         app_id: source.app_id.clone(),
-        next_seq: seq,
+        next_seq,
     };
     replica.store_initial_state(&state)?;
     replica.conn.execute_batch("COMMIT")?;
@@ -367,4 +628,806 @@ fn copy_snapshot(
         tables: published.len(),
         rows: total,
     })
+}
+
+/// Commits the load's last transaction and makes every loaded page durable: with automatic
+/// checkpoints off, that transaction's frames stay in the WAL, so the checkpoint under
+/// `synchronous = FULL` that follows has frames to copy and therefore fsyncs the WAL and then the
+/// database file,
+/// which covers every page of it, also those the unsynced checkpoints during the load wrote.
+/// (A checkpoint with nothing left to copy skips its fsync, hence the care.) The database file
+/// is not opened outside SQLite: closing another descriptor of it would drop SQLite's locks.
+fn make_load_durable(conn: &rusqlite::Connection) -> Result<(), SyncError> {
+    conn.execute_batch("PRAGMA wal_autocheckpoint = 0; COMMIT;")?;
+    conn.execute_batch(LOAD_PRAGMAS_END)?;
+    let (busy, frames, copied): (i64, i64, i64) =
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })?;
+    // The default, as `Replica::open` leaves it.
+    conn.execute_batch("PRAGMA wal_autocheckpoint = 1000")?;
+    // An in-memory database has no WAL: -1 frames.
+    if busy != 0 || frames != copied {
+        return Err(SyncError::Durability { frames, copied });
+    }
+    Ok(())
+}
+
+/// Upstream's row estimate of `table` (`None` for a table never vacuumed or analyzed) and its
+/// page count estimate.
+async fn estimate_size(
+    client: &Client,
+    table: &ReplicaTable,
+) -> Result<(Option<u64>, u32), SyncError> {
+    let name = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&table.table)
+    );
+    let row = client
+        .query_one(
+            "SELECT reltuples::float8, relpages::int8 FROM pg_class WHERE oid = to_regclass($1)",
+            &[&name],
+        )
+        .await;
+    Ok(match row {
+        Ok(row) => {
+            let tuples: Option<f64> = row.try_get(0)?;
+            let pages: Option<i64> = row.try_get(1)?;
+            // Rounded estimate; negative means "never counted".
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let tuples = tuples.filter(|t| *t >= 0.0).map(|t| t as u64);
+            let pages = pages.and_then(|p| u32::try_from(p).ok()).unwrap_or(0);
+            (tuples, pages)
+        }
+        // Not found by name (it has just been dropped): the COPY reports it.
+        Err(_) => (None, 0),
+    })
+}
+
+/// A reader: takes the next table not yet taken, streams its COPY rows converted to SQLite
+/// values in bounded batches, until no table is left or the writer gave up.
+fn read_jobs(
+    handle: &Handle,
+    client: &Client,
+    parts: &[Part<'_>],
+    next_part: &AtomicUsize,
+    abort: &AtomicBool,
+    tx: &SyncSender<Result<Batch, SyncError>>,
+) -> Result<(), SyncError> {
+    loop {
+        let Some(part) = parts.get(next_part.fetch_add(1, Ordering::Relaxed)) else {
+            return Ok(());
+        };
+        // One `block_on` per part: COPY sends a message per row, and entering the runtime
+        // and parking for each would cost more than converting the row.
+        handle.block_on(read_table(client, part, abort, tx))?;
+    }
+}
+
+/// Streams one table's COPY rows to the writer. Blocks this (reader) thread when the channel
+/// is full, which is what bounds the rows in memory.
+async fn read_table(
+    client: &Client,
+    part: &Part<'_>,
+    abort: &AtomicBool,
+    tx: &SyncSender<Result<Batch, SyncError>>,
+) -> Result<(), SyncError> {
+    let (job, table) = (part.job, part.table);
+    let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
+    let converter = CopyRowConverter::new(table, &columns);
+    let sql = copy_pages_sql(table, &columns, part.pages);
+    let stream = client.copy_out(&sql).await?;
+    let mut stream = std::pin::pin!(stream);
+    let mut rows = CopyRows::new(columns.len());
+    let mut batch = Vec::with_capacity(READER_BATCH_ROWS);
+    let mut bytes = 0u64;
+    let (mut upstream_wait, mut writer_wait) = (Duration::ZERO, Duration::ZERO);
+    loop {
+        // Timed only when nothing is buffered yet: a clock read per row would show.
+        let chunk = match stream.next().now_or_never() {
+            Some(chunk) => chunk,
+            None => {
+                let started = Instant::now();
+                let chunk = stream.next().await;
+                upstream_wait += started.elapsed();
+                chunk
+            }
+        };
+        let Some(chunk) = chunk else {
+            break;
+        };
+        let chunk = chunk?;
+        bytes += chunk.len() as u64;
+        rows.push(&chunk, |fields| {
+            batch.push(converter.convert(fields)?);
+            Ok::<_, SyncError>(())
+        })?;
+        if batch.len() >= READER_BATCH_ROWS || bytes >= READER_BATCH_BYTES {
+            if abort.load(Ordering::Relaxed) {
+                return Err(SyncError::Stopped);
+            }
+            let rows = std::mem::replace(&mut batch, Vec::with_capacity(READER_BATCH_ROWS));
+            send(tx, &mut writer_wait, Batch::Rows { job, rows, bytes })?;
+            bytes = 0;
+        }
+    }
+    rows.finish()?;
+    if !batch.is_empty() || bytes > 0 {
+        let rows = batch;
+        send(tx, &mut writer_wait, Batch::Rows { job, rows, bytes })?;
+    }
+    let done = Batch::Done {
+        job,
+        upstream_wait,
+        writer_wait,
+    };
+    send(tx, &mut writer_wait, done)
+}
+
+/// Hands `batch` to the writer, counting a wait for room in `waited`; the writer gone means it
+/// stopped. Blocks the calling thread while the channel is full.
+fn send(
+    tx: &SyncSender<Result<Batch, SyncError>>,
+    waited: &mut Duration,
+    batch: Batch,
+) -> Result<(), SyncError> {
+    match tx.try_send(Ok(batch)) {
+        Ok(()) => Ok(()),
+        Err(TrySendError::Disconnected(_)) => Err(SyncError::Stopped),
+        Err(TrySendError::Full(batch)) => {
+            let started = Instant::now();
+            let sent = tx.send(batch).map_err(|_| SyncError::Stopped);
+            *waited += started.elapsed();
+            sent
+        }
+    }
+}
+
+/// The writer: inserts every batch with the table's prepared statements in large transactions,
+/// builds a table's indexes once every part of it is in, and logs progress. Returns the next
+/// free `_hw_seq` and the rows written.
+///
+/// `_hw_seq` numbers rows in the order they reach the writer: with one reader that is table
+/// after table in COPY order; with several, tables and page ranges interleave. Either way each
+/// seq is unique and increasing in the order rows were stored, and `next_seq` is above all of
+/// them, which is all the change log and scope sync rely on (scope sync pages a table's rows by
+/// seq up to a high-water; nothing reads an order across tables or along a table's key in it).
+fn write_batches(
+    replica: &mut Replica,
+    published: &[PublishedTable],
+    jobs: &[(usize, Job)],
+    rx: &Receiver<Result<Batch, SyncError>>,
+    replica_version: &Watermark,
+    options: &SyncOptions,
+    stop: &dyn Fn() -> bool,
+) -> Result<(i64, u64), SyncError> {
+    let inserts: Vec<Insert> = jobs
+        .iter()
+        .map(|(_, job)| Insert::new(&job.table))
+        .collect();
+    let mut progress = Progress::new(jobs, options.progress_interval);
+    let mut parts_left: Vec<u32> = jobs.iter().map(|(_, job)| job.parts).collect();
+    let mut seq: i64 = 1;
+    let mut in_txn = 0usize;
+    let mut done = 0usize;
+    let version = replica_version.as_str();
+    while done < jobs.len() {
+        if stop() {
+            return Err(SyncError::Stopped);
+        }
+        let started = Instant::now();
+        let received = rx.recv();
+        progress.writer_wait += started.elapsed();
+        let Ok(batch) = received else {
+            return Err(SyncError::ReaderGone);
+        };
+        match batch? {
+            Batch::Rows { job, rows, bytes } => {
+                let conn = &replica.conn;
+                let count = rows.len() as u64;
+                inserts[job].insert(conn, &rows, version, &mut seq)?;
+                in_txn += usize::try_from(count).unwrap_or(usize::MAX);
+                if in_txn >= options.batch_rows {
+                    conn.execute_batch("COMMIT; BEGIN IMMEDIATE")?;
+                    in_txn = 0;
+                }
+                progress.add(job, count, bytes);
+            }
+            Batch::Done {
+                job,
+                upstream_wait,
+                writer_wait,
+            } => {
+                let table_progress = &mut progress.tables[job];
+                table_progress.upstream_wait += upstream_wait;
+                table_progress.writer_wait += writer_wait;
+                parts_left[job] -= 1;
+                if parts_left[job] > 0 {
+                    continue;
+                }
+                let (upstream_wait, writer_wait) =
+                    (table_progress.upstream_wait, table_progress.writer_wait);
+                let (index, Job { table, .. }) = &jobs[job];
+                let elapsed = progress.tables[job]
+                    .started
+                    .map_or(Duration::ZERO, |started| started.elapsed());
+                tracing::info!(
+                    table = %table.name,
+                    rows = progress.tables[job].rows,
+                    bytes = progress.tables[job].bytes,
+                    elapsed_ms = millis(elapsed),
+                    reader_upstream_wait_ms = millis(upstream_wait),
+                    reader_writer_wait_ms = millis(writer_wait),
+                    "initial sync: table copied"
+                );
+                progress.finish(job);
+                // The table's internal indexes, as `create_replica_table` made them.
+                if let Some(sql) = table.create_key_index_sql() {
+                    replica.conn.execute_batch(&sql)?;
+                }
+                replica.conn.execute_batch(&table.create_seq_index_sql())?;
+                for spec in published[*index].index_specs() {
+                    let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
+                    let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
+                    super::schema::record_index(&replica.conn, &spec, is_key)?;
+                    if !is_key {
+                        replica.conn.execute_batch(&create_index_sql(&spec))?;
+                    }
+                }
+                done += 1;
+            }
+        }
+        progress.tick();
+    }
+    progress.close();
+    Ok((seq, progress.total_rows()))
+}
+
+/// A table's INSERT statements: one for many rows at a time (fewer statement executions),
+/// and one for the rest.
+struct Insert {
+    /// Rows of the multi-row statement.
+    rows: usize,
+    multi: String,
+    single: String,
+}
+
+/// Rows per multi-row INSERT, and SQLite's bound-parameter limit that can lower it.
+const ROWS_PER_INSERT: usize = 32;
+const MAX_PARAMETERS: usize = 32_766;
+
+impl Insert {
+    fn new(table: &ReplicaTable) -> Insert {
+        let mut cols: Vec<String> = table.columns.iter().map(|c| quote_ident(&c.name)).collect();
+        cols.push("\"_hw_version\"".into());
+        cols.push("\"_hw_seq\"".into());
+        let rows = ROWS_PER_INSERT.min(MAX_PARAMETERS / cols.len()).max(1);
+        let sql = |rows: usize| {
+            let row = format!("({})", vec!["?"; cols.len()].join(", "));
+            format!(
+                "INSERT INTO {} ({}) VALUES {}",
+                quote_ident(&table.name),
+                cols.join(", "),
+                vec![row; rows].join(", ")
+            )
+        };
+        Insert {
+            rows,
+            multi: sql(rows),
+            single: sql(1),
+        }
+    }
+
+    /// Inserts `rows` with `_hw_version` = `version` and `_hw_seq` counting up from `seq`.
+    fn insert(
+        &self,
+        conn: &rusqlite::Connection,
+        rows: &[Vec<SqlValue>],
+        version: &str,
+        seq: &mut i64,
+    ) -> Result<(), SyncError> {
+        let mut chunks = rows.chunks_exact(self.rows);
+        let mut multi = conn.prepare_cached(&self.multi)?;
+        for chunk in &mut chunks {
+            bind_rows(&mut multi, chunk, version, seq)?;
+            multi.raw_execute()?;
+        }
+        let mut single = conn.prepare_cached(&self.single)?;
+        for row in chunks.remainder() {
+            bind_rows(&mut single, std::slice::from_ref(row), version, seq)?;
+            single.raw_execute()?;
+        }
+        Ok(())
+    }
+}
+
+fn bind_rows(
+    statement: &mut rusqlite::CachedStatement<'_>,
+    rows: &[Vec<SqlValue>],
+    version: &str,
+    seq: &mut i64,
+) -> Result<(), SyncError> {
+    let mut index = 1;
+    for row in rows {
+        for value in row {
+            statement.raw_bind_parameter(index, value)?;
+            index += 1;
+        }
+        statement.raw_bind_parameter(index, version)?;
+        statement.raw_bind_parameter(index + 1, *seq)?;
+        index += 2;
+        *seq += 1;
+    }
+    Ok(())
+}
+
+/// Rows and bytes copied per table, logged every interval with rates and an ETA from the
+/// upstream row estimate; a progress bar on stderr when it is a terminal.
+struct Progress {
+    tables: Vec<TableProgress>,
+    interval: Duration,
+    started: Instant,
+    last_log: Instant,
+    /// How long the writer waited for readers.
+    writer_wait: Duration,
+    bar: Option<indicatif::ProgressBar>,
+}
+
+struct TableProgress {
+    name: String,
+    estimated_rows: Option<u64>,
+    rows: u64,
+    bytes: u64,
+    started: Option<Instant>,
+    done: bool,
+    /// Summed over the table's readers.
+    upstream_wait: Duration,
+    writer_wait: Duration,
+}
+
+impl Progress {
+    fn new(jobs: &[(usize, Job)], interval: Duration) -> Progress {
+        use std::io::IsTerminal as _;
+        let now = Instant::now();
+        let tables: Vec<TableProgress> = jobs
+            .iter()
+            .map(|(_, job)| TableProgress {
+                name: job.table.name.clone(),
+                estimated_rows: job.estimated_rows,
+                rows: 0,
+                bytes: 0,
+                started: None,
+                done: false,
+                upstream_wait: Duration::ZERO,
+                writer_wait: Duration::ZERO,
+            })
+            .collect();
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let total: u64 = tables.iter().filter_map(|t| t.estimated_rows).sum();
+            let bar = indicatif::ProgressBar::with_draw_target(
+                Some(total.max(1)),
+                indicatif::ProgressDrawTarget::stderr(),
+            );
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "initial sync {bar:30} {human_pos}/~{human_len} rows, ETA {eta} {msg}",
+            ) {
+                bar.set_style(style);
+            }
+            bar
+        });
+        Progress {
+            tables,
+            interval,
+            started: now,
+            last_log: now,
+            writer_wait: Duration::ZERO,
+            bar,
+        }
+    }
+
+    fn add(&mut self, job: usize, rows: u64, bytes: u64) {
+        let table = &mut self.tables[job];
+        table.started.get_or_insert_with(Instant::now);
+        table.rows += rows;
+        table.bytes += bytes;
+        if let Some(bar) = &self.bar {
+            bar.inc(rows);
+        }
+    }
+
+    fn finish(&mut self, job: usize) {
+        self.tables[job].done = true;
+    }
+
+    fn total_rows(&self) -> u64 {
+        self.tables.iter().map(|t| t.rows).sum()
+    }
+
+    /// Logs every table being copied, once per interval.
+    fn tick(&mut self) {
+        if self.last_log.elapsed() < self.interval {
+            return;
+        }
+        self.last_log = Instant::now();
+        let log = || {
+            for table in &self.tables {
+                let Some(started) = table.started.filter(|_| !table.done) else {
+                    continue;
+                };
+                let seconds = started.elapsed().as_secs_f64().max(1e-3);
+                let rate = table.rows as f64 / seconds;
+                let eta = table
+                    .estimated_rows
+                    .filter(|_| rate > 0.0)
+                    .map(|estimate| (estimate.saturating_sub(table.rows) as f64 / rate).ceil());
+                tracing::info!(
+                    table = %table.name,
+                    rows = table.rows,
+                    bytes = table.bytes,
+                    rows_per_s = rate.round(),
+                    estimated_rows = table.estimated_rows,
+                    eta_s = eta,
+                    "initial sync: copying (estimated rows and ETA from pg_class.reltuples)"
+                );
+            }
+        };
+        match &self.bar {
+            Some(bar) => bar.suspend(log),
+            None => log(),
+        }
+    }
+
+    fn close(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+        tracing::info!(
+            rows = self.total_rows(),
+            elapsed_ms = millis(self.started.elapsed()),
+            writer_wait_ms = millis(self.writer_wait),
+            "initial sync: every table copied"
+        );
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::private_pg::{PgOptions, PrivatePg};
+    use crate::replication::ConnectParams;
+    use rusqlite::types::ValueRef;
+
+    const SCHEMA: &str = r#"
+        CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy');
+        CREATE TABLE issue (
+            id int8 PRIMARY KEY, title text NOT NULL, body text,
+            small int2, medium int4, big int8, amount numeric, ratio float8, done bool,
+            meta json, data jsonb, created timestamptz, local_time timestamp, day date,
+            uid uuid, feeling mood, tags text[], scores int4[], moods mood[], code varchar(10),
+            at time, at_tz timetz, raw bytea
+        );
+        CREATE INDEX issue_title ON issue (title);
+        CREATE TABLE pair (a int NOT NULL, b text NOT NULL, v text, PRIMARY KEY (a, b));
+        CREATE TABLE log (msg text, n int);
+        CREATE TABLE empty (id int PRIMARY KEY);
+        INSERT INTO issue VALUES
+          (1, 'first', repeat('x', 5000), 1, 2, 9007199254740993, 12345678901234567890.5, 1.5,
+           true, '{"a": [1, 2]}', '{"b": {"c": null}}', '2024-03-01 12:34:56.789123+02',
+           '2024-03-01 12:34:56', '2024-03-01', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', 'happy',
+           '{"x","y z"}', '{1,NULL,3}', '{sad,ok}', 'abc', '12:34:56.5', '12:00:00+02',
+           '\xdeadbeef'),
+          (2, 'nulls', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL),
+          (3, E'tab\there, newline\nand back\\slash', '', -32768, -2147483648,
+           -9223372036854775808, 'NaN', 'Infinity', false, '"s"', '[1, "two", 3.5]',
+           'infinity', '1969-12-31 23:59:59.999', '1900-01-01',
+           '00000000-0000-0000-0000-000000000000', 'sad', '{}', '{}', '{}', 'é ✓', '00:00',
+           '23:59:59-11', '\x');
+        -- More rows than a reader batch and than the SQLite transactions below.
+        INSERT INTO issue (id, title, amount, created, data)
+          SELECT g, 'row ' || g, g / 7.0, timestamptz '2024-01-01' + g * interval '1 minute',
+                 jsonb_build_object('g', g)
+          FROM generate_series(10, 4509) g;
+        INSERT INTO pair SELECT g % 50, 'k' || g, NULL FROM generate_series(1, 2100) g;
+        INSERT INTO log VALUES ('same', 1), ('same', 1), ('other', NULL);
+        CREATE PUBLICATION everything FOR ALL TABLES;
+        -- Page counts, so that three readers split the tables into page ranges.
+        ANALYZE;
+    "#;
+
+    /// Every table of the SQLite database at `path` with all its rows (sorted), each value as
+    /// SQLite stored it; columns named in `skip` are left out.
+    fn dump(path: &std::path::Path, skip: &[&str]) -> Vec<(String, Vec<String>)> {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        let mut names: Vec<(String, String)> = conn
+            .prepare("SELECT name, sql FROM sqlite_master ORDER BY type, name")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get::<_, Option<String>>(1)?)))
+            .unwrap()
+            .map(|r| {
+                let (name, sql) = r.unwrap();
+                (name, sql.unwrap_or_default())
+            })
+            .collect();
+        let mut out = vec![(
+            "sqlite_master".to_owned(),
+            names.iter().map(|(n, s)| format!("{n}: {s}")).collect(),
+        )];
+        names.retain(|(_, sql)| sql.starts_with("CREATE TABLE"));
+        for (table, _) in names {
+            let mut statement = conn
+                .prepare(&format!("SELECT * FROM {}", quote_ident(&table)))
+                .unwrap();
+            let columns: Vec<String> = statement
+                .column_names()
+                .iter()
+                .map(|c| (*c).to_owned())
+                .collect();
+            let mut rows: Vec<String> = statement
+                .query_map([], |r| {
+                    let mut row = Vec::new();
+                    for (i, name) in columns.iter().enumerate() {
+                        if !skip.contains(&name.as_str()) {
+                            let value: ValueRef<'_> = r.get_ref(i)?;
+                            row.push(format!("{name}={value:?}"));
+                        }
+                    }
+                    Ok(row.join(" "))
+                })
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            rows.sort();
+            out.push((table, rows));
+        }
+        out
+    }
+
+    /// The copy as it was before readers ran in parallel: one connection, rows converted to a
+    /// change-stream row by the stream's mapper, then stored with `to_sql`, one INSERT per row,
+    /// tables one after the other. Kept here as the reference the copy must equal.
+    fn reference_sync(
+        handle: &Handle,
+        client: &Client,
+        replica: &mut Replica,
+        source: &SyncSource,
+    ) -> Result<(), SyncError> {
+        use super::super::value::to_sql;
+        let version = source.consistent_point.to_watermark();
+        begin_snapshot(handle, client, Some(&source.snapshot_name))?;
+        let published = published_schema(handle, client, &source.publications)?;
+        replica.conn.execute_batch("BEGIN IMMEDIATE")?;
+        for table in &published {
+            let mut spec = ReplicaTable::from_spec(&table.to_spec());
+            spec.metadata = table.metadata();
+            create_replica_table(&replica.conn, &mut replica.tables, spec)?;
+        }
+        let mut seq = 1i64;
+        for published_table in &published {
+            let table = replica.tables[&published_table.replica_name()].clone();
+            let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
+            let insert = Insert::new(&table).single;
+            let mut converter = TextRowConverter::new(&table, &columns)?;
+            let stream = handle.block_on(client.copy_out(&copy_sql(&table, &columns)))?;
+            let mut stream = Box::pin(stream);
+            let mut rows = CopyRows::new(columns.len());
+            while let Some(chunk) = handle.block_on(stream.next()) {
+                rows.push(&chunk?, |fields| {
+                    let row = converter.convert(&fields)?;
+                    let values = columns
+                        .iter()
+                        .map(|c| {
+                            row.get(&c.name)
+                                .map_or(SqlValue::Null, |v| to_sql(c, v, JsonFormat::Stringified))
+                        })
+                        .chain([
+                            SqlValue::Text(version.as_str().to_owned()),
+                            SqlValue::Integer(seq),
+                        ]);
+                    replica
+                        .conn
+                        .prepare_cached(&insert)?
+                        .execute(rusqlite::params_from_iter(values))?;
+                    seq += 1;
+                    Ok::<_, SyncError>(())
+                })?;
+            }
+            rows.finish()?;
+            for spec in published_table.index_specs() {
+                let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
+                let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
+                super::super::schema::record_index(&replica.conn, &spec, is_key)?;
+                if !is_key {
+                    replica.conn.execute_batch(&create_index_sql(&spec))?;
+                }
+            }
+        }
+        replica.store_initial_state(&ReplicaState {
+            replica_version: version.clone(),
+            watermark: version,
+            lsn: source.consistent_point,
+            publications: source.publications.clone(),
+            slot: source.slot.clone(),
+            app_id: source.app_id.clone(),
+            next_seq: seq,
+        })?;
+        replica.conn.execute_batch("COMMIT")?;
+        handle.block_on(client.batch_execute("ROLLBACK"))?;
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn several_readers_store_the_replica_one_reader_and_the_old_copy_store() {
+        let pg = PrivatePg::start(PgOptions::default()).await.unwrap();
+        let setup = pg.connect().await.unwrap();
+        setup.batch_execute(SCHEMA).await.unwrap();
+        // Held open so every copy reads the same snapshot.
+        setup
+            .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            .await
+            .unwrap();
+        let snapshot: String = setup
+            .query_one("SELECT pg_export_snapshot()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let source = SyncSource {
+            publications: vec!["everything".into()],
+            slot: "none".into(),
+            app_id: "highwater".into(),
+            consistent_point: Lsn(0x1234),
+            snapshot_name: snapshot,
+        };
+        let params: ConnectParams = pg.url().parse().unwrap();
+        let dir =
+            std::env::temp_dir().join(format!("highwater-sync-readers-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let handle = Handle::current();
+        let mut paths = Vec::new();
+        for (name, workers) in [("reference", 0), ("one", 1), ("three", 3)] {
+            let path = dir.join(name).join("replica.db");
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            let client = pg.connect().await.unwrap();
+            let (handle, source, config) = (handle.clone(), source.clone(), params.upstream());
+            let path_for_sync = path.clone();
+            let report = tokio::task::spawn_blocking(move || {
+                let mut replica = Replica::open(&path_for_sync).unwrap();
+                if workers == 0 {
+                    reference_sync(&handle, &client, &mut replica, &source).map(|()| None)
+                } else {
+                    let options = SyncOptions {
+                        batch_rows: 700,
+                        workers,
+                        // Every table of a page or more is read as three page ranges at once.
+                        split_min_pages: 1,
+                        ..SyncOptions::default()
+                    };
+                    let stop = || false;
+                    initial_sync_with(
+                        &handle,
+                        &client,
+                        Some(&config),
+                        &mut replica,
+                        &source,
+                        &options,
+                        &stop,
+                    )
+                    .map(Some)
+                }
+            })
+            .await
+            .unwrap()
+            .unwrap();
+            if let Some(report) = report {
+                assert_eq!((report.tables, report.rows), (4, 3 + 4500 + 2100 + 3));
+            }
+            paths.push(path);
+        }
+        let reference = dump(&paths[0], &[]);
+        assert_eq!(
+            dump(&paths[1], &[]),
+            reference,
+            "one reader against the old copy"
+        );
+        // Several readers interleave tables, so only the seqs differ.
+        assert_eq!(
+            dump(&paths[2], &["_hw_seq", "next_seq"]),
+            dump(&paths[0], &["_hw_seq", "next_seq"]),
+            "three readers against the old copy"
+        );
+        let conn = rusqlite::Connection::open(&paths[2]).unwrap();
+        let mut seqs = Vec::new();
+        for table in ["issue", "pair", "log", "empty"] {
+            let mut statement = conn
+                .prepare(&format!("SELECT \"_hw_seq\" FROM {}", quote_ident(table)))
+                .unwrap();
+            seqs.extend(
+                statement
+                    .query_map([], |r| r.get::<_, i64>(0))
+                    .unwrap()
+                    .map(Result::unwrap),
+            );
+        }
+        seqs.sort_unstable();
+        let count = seqs.len();
+        seqs.dedup();
+        assert_eq!(seqs.len(), count, "every seq is unique");
+        let next_seq: i64 = conn
+            .query_row("SELECT next_seq FROM \"_hw_state\"", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(next_seq, i64::try_from(count).unwrap() + 1);
+        assert!(seqs.iter().all(|&s| (1..next_seq).contains(&s)));
+        // The load settings did not outlive the load.
+        let synchronous: i64 = conn
+            .query_row("PRAGMA synchronous", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(synchronous, 2);
+        drop(conn);
+        setup.batch_execute("COMMIT").await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn page_ranges_cover_every_page_once() {
+        assert_eq!(PageRange::split(100, 1), [PageRange::ALL]);
+        let ranges = PageRange::split(100, 3);
+        let bounds: Vec<_> = ranges.iter().map(|r| (r.start, r.end)).collect();
+        assert_eq!(
+            bounds,
+            [(None, Some(33)), (Some(33), Some(66)), (Some(66), None)]
+        );
+        // Fewer pages than ranges: empty middle ranges, still no gap.
+        let bounds: Vec<_> = PageRange::split(1, 3)
+            .iter()
+            .map(|r| (r.start, r.end))
+            .collect();
+        assert_eq!(
+            bounds,
+            [(None, Some(1)), (Some(1), Some(2)), (Some(2), None)]
+        );
+        assert_eq!(PageRange::ALL.condition(), None);
+        assert_eq!(
+            ranges[1].condition().as_deref(),
+            Some("ctid >= '(33,0)'::tid AND ctid < '(66,0)'::tid")
+        );
+        assert_eq!(
+            ranges[2].condition().as_deref(),
+            Some("ctid >= '(66,0)'::tid")
+        );
+    }
+
+    #[test]
+    fn a_value_that_does_not_convert_is_a_typed_error() {
+        use highwater_engine::change_stream::{ColumnSpec, TableSpec};
+        let mut column = ColumnSpec::new(serde_json::Number::from(1), "int4");
+        column.extra.insert("typeOID".into(), serde_json::json!(23));
+        let spec = TableSpec {
+            schema: "public".into(),
+            name: "t".into(),
+            columns: [("id".to_owned(), column)].into_iter().collect(),
+            primary_key: Some(vec!["id".into()]),
+            extra: Default::default(),
+        };
+        let table = ReplicaTable::from_spec(&spec);
+        let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
+        let converter = CopyRowConverter::new(&table, &columns);
+        assert_eq!(
+            converter.convert(vec![Some("12".into())]).unwrap(),
+            [SqlValue::Integer(12)]
+        );
+        match converter.convert(vec![Some("twelve".into())]) {
+            Err(SyncError::Value(MappingError::InvalidValue {
+                table, column, len, ..
+            })) => assert_eq!(
+                (table.as_str(), column.as_str(), len),
+                ("public.t", "id", 6)
+            ),
+            other => panic!("expected an invalid value error, got {other:?}"),
+        }
+    }
 }

@@ -33,6 +33,28 @@ pub fn to_sql(column: &ReplicaColumn, value: &Value, json: JsonFormat) -> SqlVal
     }
 }
 
+/// [`to_sql`] taking the value: the same SQLite value, without copying its text.
+pub fn into_sql(column: &ReplicaColumn, value: Value, json: JsonFormat) -> SqlValue {
+    match (column.kind, value) {
+        (_, Value::Null) => SqlValue::Null,
+        (ValueKind::Json, Value::String(text)) if json == JsonFormat::Stringified => {
+            SqlValue::Text(text)
+        }
+        (ValueKind::Json, other) => SqlValue::Text(other.to_string()),
+        (_, Value::Bool(b)) => {
+            if column.kind == ValueKind::Text {
+                SqlValue::Text(b.to_string())
+            } else {
+                SqlValue::Integer(i64::from(b))
+            }
+        }
+        (ValueKind::Text, Value::Number(n)) => SqlValue::Text(n.to_string()),
+        (_, Value::Number(n)) => number_to_sql(&n),
+        (_, Value::String(text)) => SqlValue::Text(text),
+        (_, other @ (Value::Array(_) | Value::Object(_))) => SqlValue::Text(other.to_string()),
+    }
+}
+
 fn number_to_sql(n: &Number) -> SqlValue {
     if let Some(i) = n.as_i64() {
         SqlValue::Integer(i)
@@ -147,6 +169,46 @@ mod tests {
             round_trip("int8", big.clone(), JsonFormat::Parsed).to_string(),
             "9007199254740993"
         );
+    }
+
+    #[test]
+    fn into_sql_stores_what_to_sql_stores() {
+        let big: Value = serde_json::from_str("9007199254740993").unwrap();
+        let values = [
+            Value::Null,
+            json!(true),
+            json!(false),
+            json!(7),
+            big,
+            json!(1.5),
+            serde_json::from_str("1.50").unwrap(),
+            json!("text"),
+            json!("{\"a\": 1}"),
+            json!([1, "a", null]),
+            json!({"a": [1, 2]}),
+        ];
+        let types = [
+            ("int8", None),
+            ("numeric", None),
+            ("float8", None),
+            ("bool", None),
+            ("text", None),
+            ("jsonb", None),
+            ("int4[]", None),
+            ("level", Some(PgTypeClass::Enum)),
+        ];
+        for (data_type, class) in types {
+            let col = column(data_type, class);
+            for value in &values {
+                for json in [JsonFormat::Parsed, JsonFormat::Stringified] {
+                    assert_eq!(
+                        into_sql(&col, value.clone(), json),
+                        to_sql(&col, value, json),
+                        "{data_type} {value} {json:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

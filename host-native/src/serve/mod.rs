@@ -135,6 +135,11 @@ pub struct ServeArgs {
     /// and sync again instead of stopping with an error.
     #[arg(long)]
     pub auto_reset: bool,
+    /// COPY readers of an initial sync, each on its own upstream connection in the slot's
+    /// snapshot: tables are copied in parallel, and a table of 128 MiB or more is split into
+    /// a page range per reader (Postgres 14+).
+    #[arg(long, default_value_t = crate::replica::initial_sync::DEFAULT_SYNC_WORKERS)]
+    pub sync_workers: usize,
     /// Turns on scope sync (`GET /sync`): the JSON rules saying which tables apps may read,
     /// which columns a scope may filter on, which are never sent, and which conditions must
     /// equal a token claim. Without it `/sync` answers 404.
@@ -191,6 +196,7 @@ impl ServeArgs {
             backlog_full_timeout_ms: DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             auto_reset: false,
+            sync_workers: crate::replica::initial_sync::DEFAULT_SYNC_WORKERS,
             sync_rules: None,
             sync_secret: SyncSecretArgs::default(),
             sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,

@@ -137,7 +137,13 @@ pub(crate) fn prepare(handle: &Handle, args: &ServeArgs) -> Result<Prepared, Ser
     let log = match log {
         Some(log) => log,
         None => {
-            replica = upstream.resync(handle, replica, &args.data, &|| false)?.0;
+            let options = crate::replica::initial_sync::SyncOptions {
+                workers: args.sync_workers,
+                ..Default::default()
+            };
+            replica = upstream
+                .resync(handle, replica, &args.data, &options, &|| false)?
+                .0;
             ensure_log(&replica, &upstream.publications)?
         }
     };

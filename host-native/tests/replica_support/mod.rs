@@ -36,6 +36,7 @@ pub fn args(url: &str, data: &Path, publications: &[&str]) -> ReplicateArgs {
         app_id: "highwater".to_owned(),
         publications: publications.iter().map(|p| (*p).to_owned()).collect(),
         auto_reset: false,
+        sync_workers: 2,
     }
 }
 
