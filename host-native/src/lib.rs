@@ -13,6 +13,7 @@ pub mod replicate;
 pub mod replication;
 pub mod runtime;
 pub mod serve;
+pub(crate) mod startup_retry;
 pub mod sync_auth;
 pub mod upstream;
 pub mod watch;

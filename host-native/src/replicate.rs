@@ -86,25 +86,23 @@ pub fn replicate(
     args: &ReplicateArgs,
     mut stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let upstream = Upstream::prepare(handle, &args.upstream, &args.app_id, &args.publications)?;
-    let mut replica = Replica::open_in_dir(&args.data)?;
-    upstream.check_slot(handle, &replica, &args.data, args.auto_reset)?;
-    if let Some(reason) = upstream.resync_reason(handle, &replica)? {
-        tracing::warn!(%reason, "resyncing");
-        let stopped = stop.clone();
-        let options = SyncOptions {
-            workers: args.sync_workers,
-            ..SyncOptions::default()
-        };
-        replica =
-            match upstream.resync(handle, replica, &args.data, &options, &|| *stopped.borrow()) {
-                Err(BootstrapError::Sync(SyncError::Stopped)) => {
-                    tracing::info!("stopped during the initial sync; the next start syncs again");
-                    return Ok(());
-                }
-                other => other?.0,
-            };
-    }
+    // Postgres going away half-way through startup (a restart, a cut connection) starts it
+    // again, as `serve` does; any other error is returned at once.
+    let started = crate::startup_retry::retrying(
+        &stop,
+        || start(handle, args, &stop),
+        |error: &anyhow::Error| {
+            let replication = error
+                .downcast_ref::<BootstrapError>()
+                .and_then(crate::startup_retry::bootstrap_replication_error)
+                .or_else(|| error.downcast_ref::<crate::replication::ReplicationError>());
+            crate::startup_retry::connection_lost(error.as_ref(), replication)
+        },
+        |error: &anyhow::Error| crate::startup_retry::connection_refused(error.as_ref()),
+    )?;
+    let Some(Some((upstream, replica))) = started else {
+        return Ok(());
+    };
 
     let mut writer = ReplicaWriter::new(replica);
     let mut catalog = Catalog::new(upstream.params.upstream());
@@ -152,6 +150,35 @@ pub fn replicate(
         tracing::info!(position = %state.lsn, watermark = %state.watermark, "replicator stopped");
     }
     result
+}
+
+/// Connects upstream, checks the slot and brings the replica up to date with an initial sync
+/// if it needs one. `None` when stopped during that sync (the next start syncs again).
+fn start(
+    handle: &Handle,
+    args: &ReplicateArgs,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<Option<(Upstream, Replica)>> {
+    let upstream = Upstream::prepare(handle, &args.upstream, &args.app_id, &args.publications)?;
+    let mut replica = Replica::open_in_dir(&args.data)?;
+    upstream.check_slot(handle, &replica, &args.data, args.auto_reset)?;
+    if let Some(reason) = upstream.resync_reason(handle, &replica)? {
+        tracing::warn!(%reason, "resyncing");
+        let stopped = stop.clone();
+        let options = SyncOptions {
+            workers: args.sync_workers,
+            ..SyncOptions::default()
+        };
+        replica =
+            match upstream.resync(handle, replica, &args.data, &options, &|| *stopped.borrow()) {
+                Err(BootstrapError::Sync(SyncError::Stopped)) => {
+                    tracing::info!("stopped during the initial sync; the next start syncs again");
+                    return Ok(None);
+                }
+                other => other?.0,
+            };
+    }
+    Ok(Some((upstream, replica)))
 }
 
 /// How often progress is logged.

@@ -1,10 +1,12 @@
-//! Startup survives losing Postgres half-way: `serve`'s first upstream connection is cut at its
-//! first query (as a Postgres restart or a dropped link would), and the server starts again by
-//! itself instead of exiting; a URL that reaches nothing still fails at once.
+//! Startup survives losing Postgres half-way: the first upstream connection of `serve` (and of
+//! `replicate`) is cut at its first query (as a Postgres restart or a dropped link would), and
+//! the command starts again by itself instead of exiting; a URL that reaches nothing still fails
+//! at once.
 
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
+mod replica_support;
 mod serve_support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -138,4 +140,42 @@ async fn a_postgres_url_that_reaches_nothing_still_fails_at_once() {
         error.to_string().contains("Could not connect to Postgres"),
         "a clear error: {error}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicate_starts_again_when_postgres_goes_away_during_startup() {
+    let pg = start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client
+        .batch_execute(replica_support::MARKER_DDL)
+        .await
+        .unwrap();
+    client.batch_execute(ITEMS_DDL).await.unwrap();
+    client
+        .batch_execute("INSERT INTO items VALUES (1, 'before')")
+        .await
+        .unwrap();
+    let (proxy, cut) = cutting_proxy(pg.port()).await;
+    let url = pg
+        .url()
+        .replace(&format!(":{}/", pg.port()), &format!(":{proxy}/"));
+    let data = DataDir::new("replicate-startup-retry");
+    let replicator =
+        replica_support::InProcess::spawn(replica_support::args(&url, data.path(), &[]));
+    // It syncs and follows the stream although its first connection was cut.
+    replica_support::catch_up(&client, data.path()).await;
+    assert_eq!(
+        cut.load(Ordering::SeqCst),
+        1,
+        "the first connection was cut"
+    );
+    assert!(!replicator.is_finished(), "replicate is still running");
+    client
+        .batch_execute("INSERT INTO items VALUES (2, 'after')")
+        .await
+        .unwrap();
+    replica_support::catch_up(&client, data.path()).await;
+    let rows: i64 = replica_support::replica_scalar(data.path(), "SELECT count(*) FROM items");
+    assert_eq!(rows, 2);
+    replicator.stop().await.expect("clean stop");
 }
