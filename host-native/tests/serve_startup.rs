@@ -39,6 +39,18 @@ async fn cutting_proxy(target: u16) -> (u16, Arc<AtomicUsize>) {
     (port, cut)
 }
 
+/// `pg`'s URL through a [`cutting_proxy`], and the proxy's count of cut connections.
+async fn through_cutting_proxy(
+    pg: &highwater_host::private_pg::PrivatePg,
+) -> (String, Arc<AtomicUsize>) {
+    let (proxy, cut) = cutting_proxy(pg.port()).await;
+    let url = pg
+        .url()
+        .replace(&format!(":{}/", pg.port()), &format!(":{proxy}/"));
+    assert_ne!(url, pg.url(), "the URL goes through the proxy");
+    (url, cut)
+}
+
 async fn relay(client: TcpStream, server: TcpStream, cut: bool, counter: Arc<AtomicUsize>) {
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
@@ -77,11 +89,7 @@ async fn serve_starts_again_when_postgres_goes_away_during_startup() {
         .batch_execute("INSERT INTO items VALUES (1, 'before')")
         .await
         .unwrap();
-    let (proxy, cut) = cutting_proxy(pg.port()).await;
-    let url = pg
-        .url()
-        .replace(&format!(":{}/", pg.port()), &format!(":{proxy}/"));
-    assert_ne!(url, pg.url(), "the URL goes through the proxy");
+    let (url, cut) = through_cutting_proxy(&pg).await;
 
     let data = DataDir::new("startup-retry");
     let port = free_port();
@@ -155,10 +163,7 @@ async fn replicate_starts_again_when_postgres_goes_away_during_startup() {
         .batch_execute("INSERT INTO items VALUES (1, 'before')")
         .await
         .unwrap();
-    let (proxy, cut) = cutting_proxy(pg.port()).await;
-    let url = pg
-        .url()
-        .replace(&format!(":{}/", pg.port()), &format!(":{proxy}/"));
+    let (url, cut) = through_cutting_proxy(&pg).await;
     let data = DataDir::new("replicate-startup-retry");
     let replicator =
         replica_support::InProcess::spawn(replica_support::args(&url, data.path(), &[]));

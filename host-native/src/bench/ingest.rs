@@ -25,7 +25,7 @@
 //! MiB/s counts pgoutput payload bytes, the messages both consumers receive, as found in
 //! `pg_recvlogical`'s output.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
@@ -35,10 +35,12 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_postgres::{Client, Config};
 
+use super::common::{
+    cpu_time, drop_slot, peak_rss_kib, replica_row_count, reset_peak_rss, thousands, WorkDir,
+};
 use super::recvlogical::{self, last_commit, summarize, OutputSummary, RecvLogical};
-use super::workload::{self, PhaseCommit, PUBLICATION, TABLE};
+use super::workload::{self, PhaseCommit, PUBLICATION};
 use crate::private_pg::{newest_bin_dir, PgOptions, PrivatePg};
-use crate::replica::schema::{quote_ident, replica_table_name};
 use crate::replicate::{replicate, ReplicateArgs};
 use crate::replication::setup::ReplicationNames;
 use crate::replication::ConnectParams;
@@ -173,57 +175,6 @@ struct IngestReport {
     replica_rows: u64,
 }
 
-/// The run's files: the replica and `pg_recvlogical`'s output.
-struct WorkDir {
-    path: PathBuf,
-    temporary: bool,
-}
-
-impl WorkDir {
-    fn new(dir: Option<&Path>) -> anyhow::Result<WorkDir> {
-        let (path, temporary) = match dir {
-            Some(dir) => (dir.to_owned(), false),
-            None => {
-                let nanos = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.subsec_nanos());
-                let name = format!("highwater-bench-{}-{nanos:x}", std::process::id());
-                (std::env::temp_dir().join(name), true)
-            }
-        };
-        let replica = path.join("replica");
-        if replica.exists() {
-            std::fs::remove_dir_all(&replica)
-                .with_context(|| format!("cannot remove the old {}", replica.display()))?;
-        }
-        std::fs::create_dir_all(&path)
-            .with_context(|| format!("cannot create {}", path.display()))?;
-        Ok(WorkDir { path, temporary })
-    }
-
-    fn replica_dir(&self) -> PathBuf {
-        self.path.join("replica")
-    }
-
-    /// A fresh (removed if present) `pg_recvlogical` output file.
-    fn recvlogical_output(&self, name: &str) -> anyhow::Result<PathBuf> {
-        let path = self.path.join(format!("recvlogical-{name}.bin"));
-        if path.exists() {
-            std::fs::remove_file(&path)
-                .with_context(|| format!("cannot remove the old {}", path.display()))?;
-        }
-        Ok(path)
-    }
-}
-
-impl Drop for WorkDir {
-    fn drop(&mut self) {
-        if self.temporary {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
-    }
-}
-
 /// Everything a run needs to reach the upstream.
 struct Upstream {
     url: String,
@@ -254,7 +205,7 @@ async fn ingest(args: &IngestArgs) -> anyhow::Result<IngestReport> {
         url,
         bin_dir: newest_bin_dir()?,
     };
-    let work = WorkDir::new(args.work_dir.as_deref())?;
+    let work = WorkDir::new(args.work_dir.as_deref(), "highwater-bench")?;
     let mut client = workload::connect(&upstream.config).await?;
     drop_objects(&client).await?;
     let result = tokio::select! {
@@ -630,16 +581,6 @@ impl Replicator {
     }
 }
 
-fn replica_row_count(replica_dir: &Path) -> anyhow::Result<u64> {
-    let db = rusqlite::Connection::open_with_flags(
-        replica_dir.join("replica.db"),
-        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-    )?;
-    let table = quote_ident(&replica_table_name("public", TABLE));
-    let count: i64 = db.query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))?;
-    Ok(u64::try_from(count)?)
-}
-
 /// Drops the slots, the DDL trigger's schema, the table and the publication, if present.
 async fn drop_objects(client: &Client) -> anyhow::Result<()> {
     let highwater_slot = ReplicationNames::for_app(APP_ID)?.slot;
@@ -653,69 +594,6 @@ async fn drop_objects(client: &Client) -> anyhow::Result<()> {
         .await
         .context("cannot drop the replicator's DDL trigger")?;
     workload::drop_schema(client).await
-}
-
-async fn drop_slot(client: &Client, slot: &str) -> anyhow::Result<()> {
-    const ATTEMPTS: usize = 100;
-    for attempt in 1..=ATTEMPTS {
-        let Some(row) = client
-            .query_opt(
-                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await?
-        else {
-            return Ok(());
-        };
-        if let Some(pid) = row.try_get::<_, Option<i32>>(0)? {
-            client
-                .execute("SELECT pg_terminate_backend($1)", &[&pid])
-                .await?;
-        } else {
-            match client
-                .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
-                .await
-            {
-                Ok(_) => return Ok(()),
-                // A consumer may take the slot again between the check and the drop.
-                Err(_) if attempt < ATTEMPTS => {}
-                Err(error) => return Err(error).context(format!("cannot drop slot {slot}")),
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    bail!("slot {slot} stayed in use")
-}
-
-/// Resets this process's peak RSS (`VmHWM`); false where the kernel does not allow it.
-fn reset_peak_rss() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
-/// User plus system CPU time of this process (all threads).
-fn cpu_time() -> Option<Duration> {
-    // Linux reports these in USER_HZ ticks, 100 per second on every architecture it runs on.
-    const TICKS_PER_SECOND: u64 = 100;
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
-    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
-    let user: u64 = fields.next()?.parse().ok()?;
-    let system: u64 = fields.next()?.parse().ok()?;
-    Some(Duration::from_millis(
-        (user + system) * 1000 / TICKS_PER_SECOND,
-    ))
-}
-
-fn peak_rss_kib() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()
 }
 
 impl IngestReport {
@@ -831,19 +709,6 @@ fn workload_text(p: &PhaseReport) -> String {
     }
 }
 
-/// `1234567.8` → `1,234,568`.
-fn thousands(value: f64) -> String {
-    let digits = format!("{:.0}", value.max(0.0));
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -900,7 +765,7 @@ mod tests {
         let tables: i64 = client
             .query_one(
                 "SELECT count(*) FROM pg_tables WHERE tablename = $1",
-                &[&TABLE],
+                &[&workload::TABLE],
             )
             .await
             .unwrap()

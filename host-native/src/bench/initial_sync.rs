@@ -18,11 +18,13 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context};
 use tokio_postgres::{Client, Config};
 
+use super::common::{
+    cpu_time, drop_slot, peak_rss_kib, replica_row_count, reset_peak_rss, thousands, WorkDir,
+};
 use super::workload::{self, TABLE};
 use crate::private_pg::{newest_bin_dir, PgOptions, PrivatePg};
 use crate::replica::bootstrap::Upstream;
 use crate::replica::initial_sync::SyncOptions;
-use crate::replica::schema::{quote_ident, replica_table_name};
 use crate::replica::Replica;
 use crate::replication::setup::ReplicationNames;
 use crate::replication::ConnectParams;
@@ -109,7 +111,7 @@ async fn bench(args: &InitialSyncArgs) -> anyhow::Result<InitialSyncReport> {
     };
     let params: ConnectParams = url.parse()?;
     let config = params.query_config().clone();
-    let work = WorkDir::new(args.work_dir.as_deref())?;
+    let work = WorkDir::new(args.work_dir.as_deref(), "highwater-bench-sync")?;
     let mut client = workload::connect(&config).await?;
     drop_objects(&client).await?;
     let result = tokio::select! {
@@ -153,7 +155,7 @@ async fn measure(
     let psql_bin = psql_bin(client).await?;
     let first = psql_copy(&psql_bin, config).await?;
 
-    let replica_dir = work.path.join("replica");
+    let replica_dir = work.replica_dir();
     let workers = args.sync_workers.max(1);
     let handle = tokio::runtime::Handle::current();
     let url_owned = url.to_owned();
@@ -268,45 +270,10 @@ async fn psql_copy(psql: &Path, config: &Config) -> anyhow::Result<Duration> {
     Ok(elapsed)
 }
 
-fn replica_row_count(replica_dir: &Path) -> anyhow::Result<u64> {
-    let db = rusqlite::Connection::open_with_flags(
-        replica_dir.join("replica.db"),
-        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-    )?;
-    let table = quote_ident(&replica_table_name("public", TABLE));
-    let count: i64 = db.query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))?;
-    Ok(u64::try_from(count)?)
-}
-
 /// Drops the slot, the DDL trigger's schema, the table and the publication, if present.
 async fn drop_objects(client: &Client) -> anyhow::Result<()> {
     let slot = ReplicationNames::for_app(APP_ID)?.slot;
-    for attempt in 1..=100 {
-        let Some(row) = client
-            .query_opt(
-                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await?
-        else {
-            break;
-        };
-        if let Some(pid) = row.try_get::<_, Option<i32>>(0)? {
-            client
-                .execute("SELECT pg_terminate_backend($1)", &[&pid])
-                .await?;
-        } else if client
-            .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
-            .await
-            .is_ok()
-        {
-            break;
-        }
-        if attempt == 100 {
-            bail!("slot {slot} stayed in use");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    drop_slot(client, &slot).await?;
     client
         .batch_execute(&format!(
             "DROP EVENT TRIGGER IF EXISTS {APP_ID}_ddl; DROP SCHEMA IF EXISTS {APP_ID} CASCADE;"
@@ -314,68 +281,6 @@ async fn drop_objects(client: &Client) -> anyhow::Result<()> {
         .await
         .context("cannot drop the replicator's DDL trigger")?;
     workload::drop_schema(client).await
-}
-
-struct WorkDir {
-    path: PathBuf,
-    temporary: bool,
-}
-
-impl WorkDir {
-    fn new(dir: Option<&Path>) -> anyhow::Result<WorkDir> {
-        let (path, temporary) = match dir {
-            Some(dir) => (dir.to_owned(), false),
-            None => {
-                let nanos = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.subsec_nanos());
-                let name = format!("highwater-bench-sync-{}-{nanos:x}", std::process::id());
-                (std::env::temp_dir().join(name), true)
-            }
-        };
-        std::fs::create_dir_all(&path)
-            .with_context(|| format!("cannot create {}", path.display()))?;
-        Ok(WorkDir { path, temporary })
-    }
-}
-
-impl Drop for WorkDir {
-    fn drop(&mut self) {
-        if self.temporary {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
-    }
-}
-
-/// Resets this process's peak RSS (`VmHWM`); false where the kernel does not allow it.
-fn reset_peak_rss() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
-/// User plus system CPU time of this process (all threads).
-fn cpu_time() -> Option<Duration> {
-    // Linux reports these in USER_HZ ticks, 100 per second on every architecture it runs on.
-    const TICKS_PER_SECOND: u64 = 100;
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
-    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
-    let user: u64 = fields.next()?.parse().ok()?;
-    let system: u64 = fields.next()?.parse().ok()?;
-    Some(Duration::from_millis(
-        (user + system) * 1000 / TICKS_PER_SECOND,
-    ))
-}
-
-fn peak_rss_kib() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()
 }
 
 impl InitialSyncReport {
@@ -429,19 +334,6 @@ impl InitialSyncReport {
         );
         out
     }
-}
-
-/// `1234567.8` → `1,234,568`.
-fn thousands(value: f64) -> String {
-    let digits = format!("{:.0}", value.max(0.0));
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 #[cfg(test)]

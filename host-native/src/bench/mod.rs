@@ -9,6 +9,7 @@
 //! - `sync` ([`sync`]): scope sync on `/sync`: commit-to-client latency at many connections,
 //!   replay rows/s, memory per idle subscription.
 
+mod common;
 pub mod fanout;
 pub mod ingest;
 pub mod initial_sync;
