@@ -113,11 +113,22 @@ pub(super) fn cpu_time() -> Option<Duration> {
     ))
 }
 
+/// This process's peak resident set size (`VmHWM`).
 pub(super) fn peak_rss_kib() -> Option<u64> {
+    status_kib("VmHWM:")
+}
+
+/// This process's resident set size now (`VmRSS`).
+pub(super) fn rss_kib() -> Option<u64> {
+    status_kib("VmRSS:")
+}
+
+/// A `kB` field of `/proc/self/status`.
+fn status_kib(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     status
         .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))?
+        .find_map(|line| line.strip_prefix(field))?
         .trim()
         .trim_end_matches("kB")
         .trim()

@@ -28,6 +28,7 @@ use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
+use super::common::rss_kib;
 use crate::private_pg::{PgOptions, PrivatePg};
 use crate::serve::{serve, ServeArgs};
 use crate::sync_auth::{mint_token, SyncSecret};
@@ -131,18 +132,6 @@ async fn until_subscribed(socket: &mut Socket, mut count: usize) -> anyhow::Resu
         }
     }
     Ok(rows)
-}
-
-fn rss_kib() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()
 }
 
 fn percentile(sorted: &[i64], p: f64) -> Option<i64> {
