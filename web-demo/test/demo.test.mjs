@@ -2,7 +2,7 @@
 // sync, the built npm package). Needs `scripts/build-wasm` and the `highwater` binary built.
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
-import { Demo, launchBrowser, screenshotPath, until } from "./support.mjs";
+import { Demo, launchBrowser, nextResume, screenshotPath, until } from "./support.mjs";
 
 const WAIT = 20_000;
 
@@ -66,6 +66,7 @@ describe("web demo", { timeout: 240_000 }, () => {
     await waitLive();
     const before = await cursorSequence();
     assert.notEqual(before, null, "the scope has a cursor before going offline");
+    const resumed = await nextResume(page);
     await page.click("#offline");
     await page.waitForSelector('#status[data-state="offline"]', { timeout: WAIT });
 
@@ -88,8 +89,7 @@ describe("web demo", { timeout: 240_000 }, () => {
     assert.equal(domTitles.length, 100, "the list shows each once");
     const afterSequence = await cursorSequence();
     assert.ok(afterSequence > before, `the cursor advanced (${before} → ${afterSequence})`);
-    const replayed = await until("the resume to be counted", () =>
-      page.evaluate(() => window.demo.scopes[0].sub.replayedOnLastResume || null), WAIT);
+    const replayed = await resumed();
     assert.equal(replayed, 100, "the resume replays only the missed rows");
     assert.equal(await page.getAttribute('[data-scope="all"]', "data-replayed"), "100");
   });

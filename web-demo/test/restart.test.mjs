@@ -5,7 +5,7 @@ import { chmodSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, before, test } from "node:test";
-import { Demo, freePort, launchBrowser, startPostgres, stopPostgres, until } from "./support.mjs";
+import { Demo, freePort, launchBrowser, nextResume, startPostgres, stopPostgres, until } from "./support.mjs";
 
 const WAIT = 20_000;
 let work;
@@ -43,6 +43,7 @@ test("after a server restart the page reconnects by itself and gets only what it
     return held.length >= 5 && held;
   }, WAIT);
   const cursorBefore = await page.evaluate(() => window.demo.scopes[0].sub.cursor.serverSequence);
+  const resumed = await nextResume(page);
 
   await demo.stop();
   await page.waitForSelector('#status:not([data-state="open"])', { timeout: WAIT });
@@ -59,8 +60,7 @@ test("after a server restart the page reconnects by itself and gets only what it
   }, WAIT);
   assert.equal(held.length, before.length + 1, "the rows held before, plus the one missed");
   assert.equal(new Set(held.map((r) => r.id)).size, held.length, "no row twice");
-  const replayed = await until("the resume to be counted", () =>
-    page.evaluate(() => (window.demo.scopes[0].sub.cursor?.serverSequence > 0 && window.demo.scopes[0].sub.replayedOnLastResume) || null), WAIT);
+  const replayed = await resumed();
   assert.equal(replayed, 1, "the same replica resumes from the cursor: one row replayed, not the scope");
   const cursorAfter = await page.evaluate(() => window.demo.scopes[0].sub.cursor.serverSequence);
   assert.ok(cursorAfter > cursorBefore, `the cursor advanced (${cursorBefore} → ${cursorAfter})`);

@@ -34,6 +34,27 @@ export async function freePort() {
   });
 }
 
+/**
+ * Starts counting the first scope's "ready" events; the returned function waits for the next one
+ * and gives that catch-up's `replayedOnLastResume`. On a reconnect of the same subscription, the
+ * missed rows are applied before the catch-up ends, and until it ends the count is still the
+ * previous catch-up's: reading it as soon as the rows show is a race.
+ */
+export async function nextResume(page, timeoutMs = 20_000) {
+  const mark = await page.evaluate(() => {
+    if (window.readies === undefined) {
+      window.readies = 0;
+      window.demo.scopes[0].sub.on("ready", () => window.readies++);
+    }
+    return window.readies;
+  });
+  return async () => {
+    const { replayed } = await until("the resume's catch-up to finish", () =>
+      page.evaluate((mark) => window.readies > mark && { replayed: window.demo.scopes[0].sub.replayedOnLastResume }, mark), timeoutMs);
+    return replayed;
+  };
+}
+
 export async function until(what, check, timeoutMs = 20_000, everyMs = 100) {
   const deadline = Date.now() + timeoutMs;
   let last;

@@ -126,7 +126,11 @@ export class Subscription extends Emitter<SubscriptionEvents> {
     return this.#closed || this.#client.closed ? null : (this.#client.core().cursor(this.#key) as SyncCursor | null);
   }
 
-  /** Rows applied by the last catch-up replay (after a connect or reconnect). */
+  /**
+   * Rows applied by the last finished catch-up replay (after a connect or reconnect). While a
+   * reconnect's catch-up runs, its rows already show in `rows()` but this is still the previous
+   * catch-up's count; each "ready" event carries the new one.
+   */
   get replayedOnLastResume(): number {
     return this.#closed || this.#client.closed ? 0 : this.#client.core().replayed(this.#key);
   }
