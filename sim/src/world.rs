@@ -299,6 +299,9 @@ struct World {
     token_ttl_ms: Option<u64>,
     next_prune: u64,
     pg_send_due: bool,
+    /// The frame being ingested has another queued behind it: the streamer's held messages
+    /// wait for the end of the burst.
+    burst_continues: bool,
     storage_due: bool,
     catchup_due: bool,
     quiet: bool,
@@ -440,6 +443,7 @@ impl World {
             next_prune: 0,
             token_ttl_ms: None,
             pg_send_due: false,
+            burst_continues: false,
             storage_due: false,
             catchup_due: false,
             quiet: false,
@@ -645,15 +649,28 @@ impl World {
         self.pg_send_due = false;
         let Some(server) = &self.server else { return };
         if server.upstream_paused || !self.pg.replicating() || !server.ingest.accepts_upstream() {
-            return;
+            return self.upstream_drained();
         }
         let Some(frame) = self.pg.next_frame() else {
-            return;
+            return self.upstream_drained();
         };
+        // As serve's ingest loop: the burst ends when nothing more is queued, or (now and then)
+        // when the next frame has not reached the host's queue yet.
+        self.burst_continues = self.pg.has_frame() && !self.rng.chance(250);
         self.ingest_frame(&frame);
+        self.burst_continues = false;
         if self.pg.has_frame() {
             self.kick_pg();
         }
+    }
+
+    /// The host's upstream queue is empty: the streamer's held live messages go out.
+    fn upstream_drained(&mut self) {
+        let Some(server) = self.server.as_mut() else {
+            return;
+        };
+        let effects = server.streamer.on_upstream_drained();
+        self.streamer_effects(effects);
     }
 
     fn pg_keepalive(&mut self) {
@@ -717,6 +734,9 @@ impl World {
                 }
                 Ingested::Warn(message) => self.log(format!("upstream session: {message}")),
             }
+        }
+        if !self.burst_continues {
+            self.upstream_drained();
         }
         if backfill_due {
             self.start_backfill();

@@ -21,6 +21,11 @@
 //!   read the change log's cookie jar, and start a new stream at the last stored watermark with
 //!   the requests [`Streamer::start_upstream`] returns.
 //! * Call [`Streamer::tick`] at [`Streamer::next_deadline`] (or every second or so).
+//! * Call [`Streamer::on_upstream_drained`] whenever no upstream message is waiting to be fed
+//!   (before the host blocks for more input). Live messages to batch-capable (v7+) subscribers
+//!   are held until then, so a burst of upstream transactions reaches each of them as one batch
+//!   frame with one ack instead of a frame and an ack per message; a hold that grows past
+//!   [`HELD_MAX_MESSAGES`] or [`HELD_MAX_BYTES`] goes out without waiting.
 //!
 //! Connection ids ([`ConnId`]) and the time (`now_ms`) come from the host.
 
@@ -44,6 +49,7 @@ use serde_json::{Number, Value};
 pub use catchup::CatchupRow;
 pub use effect::{Effect, LogOp, Outgoing, StoredChange};
 pub use purge::DEFAULT_PURGE_DELAY_MS;
+pub use registry::{HELD_MAX_BYTES, HELD_MAX_MESSAGES};
 pub use subscriber::Phase;
 
 use crate::backfill::{BackfillStateTracker, Registration};
@@ -201,6 +207,8 @@ pub struct Streamer {
     tx: Option<OpenTx>,
     upstream_paused: bool,
     restart_signalled: bool,
+    /// Some connection may hold live messages for the end of the burst.
+    holding: bool,
     replica_size: Option<u64>,
     /// The latest time seen in any event.
     now_ms: u64,
@@ -223,6 +231,7 @@ impl Streamer {
             tx: None,
             upstream_paused: false,
             restart_signalled: false,
+            holding: false,
             replica_size: None,
             now_ms: 0,
             initial_status: encode_downstream(&DownstreamMessage::Status(Status::default())).into(),
@@ -380,7 +389,7 @@ impl Streamer {
     /// The change source is between transactions with nothing new (a keepalive): a boundary
     /// at which the source may be restarted.
     pub fn on_idle(&mut self) -> Vec<Effect> {
-        let mut out = Vec::new();
+        let mut out = self.on_upstream_drained();
         if self.tx.is_none() {
             self.at_boundary(&mut out);
         }
@@ -401,7 +410,27 @@ impl Streamer {
         if self.tx.is_some() {
             self.end_transaction(Rollback::default(), &mut out);
         }
+        out.extend(self.on_upstream_drained());
         self.update_gate(&mut out);
+        out
+    }
+
+    /// No upstream message is waiting: the live messages held for batching go out, one frame
+    /// per connection.
+    pub fn on_upstream_drained(&mut self) -> Vec<Effect> {
+        let mut out = Vec::new();
+        if !std::mem::take(&mut self.holding) {
+            return out;
+        }
+        for (&conn, c) in self.conns.iter_mut() {
+            if c.holds() {
+                out.extend(
+                    c.frame(Vec::new())
+                        .into_iter()
+                        .map(|frame| Effect::Send { conn, frame }),
+                );
+            }
+        }
         out
     }
 
@@ -433,7 +462,23 @@ impl Streamer {
             if sub.offer(entry, self.limits, &mut d) {
                 aligned.push(sub.tracker_key.clone());
             }
-            emit(conn, c, d, out);
+            let Delivery {
+                out: messages,
+                warnings,
+                ..
+            } = d;
+            if !messages.is_empty() {
+                out.extend(
+                    c.hold(messages)
+                        .into_iter()
+                        .map(|frame| Effect::Send { conn, frame }),
+                );
+                self.holding |= c.holds();
+            }
+            out.extend(warnings.into_iter().map(|message| Effect::Warn {
+                conn: Some(conn),
+                message,
+            }));
         }
         for key in aligned {
             self.tracker.mark_aligned(&key);
@@ -967,8 +1012,8 @@ impl Streamer {
         }
         c.closing = Some(deadline);
         let error = DownstreamMessage::Error(StreamError::new(kind, message));
-        let frame = c.frame_error(encode_downstream(&error).into());
-        out.push(Effect::Send { conn, frame });
+        let frames = c.frame_error(encode_downstream(&error).into());
+        out.extend(frames.into_iter().map(|frame| Effect::Send { conn, frame }));
     }
 
     fn close(&mut self, conn: ConnId, code: u16, reason: String, out: &mut Vec<Effect>) {

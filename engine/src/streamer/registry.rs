@@ -28,7 +28,16 @@ pub struct Connection {
     pub subscriber: Option<Subscriber>,
     /// Set once an `error` was sent: the connection closes at its ack or at this deadline.
     pub closing: Option<u64>,
+    /// Live messages held for one batch frame at the end of the upstream burst (batched
+    /// connections only); anything else framed for the connection goes out after them.
+    held: Vec<(Arc<str>, Carried)>,
+    held_bytes: usize,
 }
+
+/// A held burst goes out as soon as it holds this many messages…
+pub const HELD_MAX_MESSAGES: usize = 512;
+/// …or this many bytes of message text, so a long burst still streams.
+pub const HELD_MAX_BYTES: usize = 256 * 1024;
 
 impl Connection {
     pub fn new(version: u32, ws_batched: bool) -> Self {
@@ -39,12 +48,45 @@ impl Connection {
             sent: VecDeque::new(),
             subscriber: None,
             closing: None,
+            held: Vec::new(),
+            held_bytes: 0,
         }
+    }
+
+    /// Live messages of the upstream burst: a batched connection holds them (until
+    /// [`Connection::frame`] or a full hold frames them as one batch), any other frames them at
+    /// once. Returns the frames to send now.
+    pub fn hold(&mut self, messages: Vec<(Arc<str>, Carried)>) -> Vec<Outgoing> {
+        if !self.batched {
+            return self.frame(messages);
+        }
+        for (text, carried) in messages {
+            self.held_bytes += text.len();
+            self.held.push((text, carried));
+        }
+        if self.held.len() >= HELD_MAX_MESSAGES || self.held_bytes >= HELD_MAX_BYTES {
+            return self.frame(Vec::new());
+        }
+        Vec::new()
+    }
+
+    /// Whether live messages wait for the end of the burst.
+    pub fn holds(&self) -> bool {
+        !self.held.is_empty()
     }
 
     /// Frames `messages`: one batch frame when batches are allowed and there are several,
     /// else one `{"id","msg"}` frame each (sharing the serialized message).
+    /// Held messages go first, in the same frame.
     pub fn frame(&mut self, messages: Vec<(Arc<str>, Carried)>) -> Vec<Outgoing> {
+        let messages = if self.held.is_empty() {
+            messages
+        } else {
+            self.held_bytes = 0;
+            let mut all = std::mem::take(&mut self.held);
+            all.extend(messages);
+            all
+        };
         if self.batched && messages.len() > 1 {
             let mut carried = Carried::default();
             let mut texts = Vec::with_capacity(messages.len());
@@ -65,12 +107,14 @@ impl Connection {
             .collect()
     }
 
-    /// Frames the `error` message whose ack closes the connection.
-    pub fn frame_error(&mut self, message: Arc<str>) -> Outgoing {
-        Outgoing::Message {
+    /// Frames the `error` message whose ack closes the connection, after any held messages.
+    pub fn frame_error(&mut self, message: Arc<str>) -> Vec<Outgoing> {
+        let mut frames = self.frame(Vec::new());
+        frames.push(Outgoing::Message {
             id: self.next_id(Carried::default(), true),
             message,
-        }
+        });
+        frames
     }
 
     fn next_id(&mut self, carried: Carried, is_error: bool) -> u64 {
@@ -133,6 +177,53 @@ mod tests {
     }
 
     #[test]
+    fn held_messages_go_out_first_as_one_batch() {
+        let text = |n: u32| Arc::<str>::from(format!("[{n}]"));
+        let mut v8 = Connection::new(8, false);
+        assert!(v8.hold(vec![(text(1), carried(None, 0))]).is_empty());
+        assert!(v8.hold(vec![(text(2), carried(Some("0a"), 0))]).is_empty());
+        assert!(v8.holds());
+        // The next frame of any kind carries the held messages before its own.
+        let frames = v8.frame(vec![(text(3), carried(None, 0))]);
+        assert!(!v8.holds());
+        let texts: Vec<String> = frames.iter().map(Outgoing::to_text).collect();
+        assert_eq!(texts, [r#"{"id":1,"batch":[[1],[2],[3]]}"#]);
+        assert!(
+            v8.frame(Vec::new()).is_empty(),
+            "nothing held, nothing sent"
+        );
+        // An error goes out after what was held.
+        v8.hold(vec![(text(4), carried(None, 0))]);
+        let frames = v8.frame_error(text(5));
+        let texts: Vec<String> = frames.iter().map(Outgoing::to_text).collect();
+        assert_eq!(texts, [r#"{"id":2,"msg":[4]}"#, r#"{"id":3,"msg":[5]}"#]);
+        // A connection without batch frames holds nothing.
+        let mut v6 = Connection::new(6, false);
+        assert_eq!(v6.hold(vec![(text(1), carried(None, 0))]).len(), 1);
+        assert!(!v6.holds());
+    }
+
+    #[test]
+    fn a_full_hold_streams_without_waiting_for_the_burst_to_end() {
+        let mut v8 = Connection::new(8, false);
+        let mut frames = Vec::new();
+        for n in 0..HELD_MAX_MESSAGES {
+            frames.extend(v8.hold(vec![(
+                Arc::<str>::from(format!("[{n}]")),
+                Carried::default(),
+            )]));
+        }
+        assert_eq!(frames.len(), 1, "one batch of {HELD_MAX_MESSAGES} messages");
+        assert!(!v8.holds());
+        let big: Arc<str> = format!("[\"{}\"]", "x".repeat(HELD_MAX_BYTES)).into();
+        assert_eq!(
+            v8.hold(vec![(big, Carried::default())]).len(),
+            1,
+            "bytes bound it too"
+        );
+    }
+
+    #[test]
     fn acks_must_be_in_order() {
         let mut c = Connection::new(6, false);
         c.frame(vec![
@@ -149,7 +240,8 @@ mod tests {
         assert!(c.ack(1).is_ok());
         assert_eq!(c.outstanding(), 1);
         let error = c.frame_error(Arc::from("[3]"));
-        assert_eq!(error.id(), Some(3));
+        assert_eq!(error.len(), 1);
+        assert_eq!(error[0].id(), Some(3));
         assert!(!c.ack(2).expect("in order").is_error);
         assert!(c.ack(3).expect("in order").is_error);
     }

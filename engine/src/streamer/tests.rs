@@ -147,6 +147,12 @@ impl Transcript {
         self.record(&event, effects)
     }
 
+    /// The host found no more upstream messages waiting.
+    fn drained(&mut self) -> Vec<Effect> {
+        let effects = self.streamer.on_upstream_drained();
+        self.record("upstream drained", effects)
+    }
+
     fn check(&self, expected: &str) {
         let expected = expected.trim_start_matches('\n');
         if self.text != expected {
@@ -283,6 +289,7 @@ fn golden_v7_reserve_then_subscribe_on_one_connection() {
     let e = t.streamer.catchup_done(c);
     t.record("catchup done #7", e);
     t.upstream(status());
+    t.drained();
     t.check(
         r#"
 > client #7 reserve-snapshot t1
@@ -297,6 +304,7 @@ send #7 {"ack":2}
 send #7 {"id":2,"batch":[["status",{"tag":"status"}],["begin",{"tag":"begin"},{"commitWatermark":"0c"}],["data",{"tag":"insert","relation":{"schema":"s","name":"t","rowKey":{"columns":["id"]}},"new":{"id":3}}],["commit",{"tag":"commit"},{"watermark":"0c"}]]}
 > catchup done #7
 > upstream ["status",{"tag":"status"}]
+> upstream drained
 send #7 {"id":3,"msg":["status",{"tag":"status"}]}
 "#,
     );
@@ -453,6 +461,7 @@ fn first_message_is_status_for_v2_and_later_never_for_v1() {
         e.extend(s.catchup_done(c));
         // Live statuses are withheld from v1 as well.
         e.extend(unwrap_ok(s.on_upstream(status())));
+        e.extend(s.on_upstream_drained());
         let got = messages_to(&e, c);
         assert!(got[0].starts_with(first), "v{version}: {got:?}");
         let statuses = got.iter().filter(|m| m.starts_with(r#"["status""#)).count();
@@ -749,6 +758,69 @@ fn update_table_metadata_is_withheld_below_v5_and_key_columns_added() {
 }
 
 #[test]
+fn a_burst_reaches_a_batching_subscriber_as_one_frame_with_one_ack() {
+    let mut s = streamer_at("0c", RV);
+    let (v8, v6) = (ConnId(1), ConnId(2));
+    s.open(v8, 8, false);
+    s.open(v6, 6, false);
+    s.subscribe(v8, serving("0c"), 0);
+    s.subscribe(v6, serving("0c"), 0);
+    let mut during = Vec::new();
+    for (n, wm) in ["0d", "0e", "0f"].into_iter().enumerate() {
+        during.extend(unwrap_ok(s.on_upstream(begin(wm))));
+        during.extend(unwrap_ok(s.on_upstream(insert(n as u64))));
+        during.extend(unwrap_ok(s.on_upstream(commit(wm))));
+    }
+    // The v6 subscriber takes no batches: one frame per message, at once.
+    assert_eq!(sent_to(&during, v6).len(), 9);
+    assert!(sent_to(&during, v8).is_empty(), "held until the burst ends");
+    let status = s.subscriber(v8).expect("registered");
+    assert!(
+        status.live_bytes_in_flight > 0,
+        "held bytes count against the bound"
+    );
+    let flushed = s.on_upstream_drained();
+    let frames = sent_to(&flushed, v8);
+    assert_eq!(frames.len(), 1, "{frames:?}");
+    // Frame 1 was the initial status, sent at the subscription.
+    assert!(
+        frames[0].starts_with(r#"{"id":2,"batch":[["begin""#),
+        "{}",
+        frames[0]
+    );
+    let got = messages_to(&flushed, v8);
+    assert_eq!(got.len(), 9, "3 × begin, insert, commit");
+    assert!(got[8].contains(r#""0f""#));
+    assert!(s.on_upstream_drained().is_empty(), "nothing is sent twice");
+    // One ack releases the whole burst and acknowledges its last commit.
+    s.on_ack(v8, 1, 10);
+    s.on_ack(v8, 2, 10);
+    let status = s.subscriber(v8).expect("registered");
+    assert_eq!(status.live_bytes_in_flight, 0);
+    assert_eq!(status.acked, w("0f"));
+    assert_eq!(status.outstanding_frames, 0);
+}
+
+#[test]
+fn held_messages_go_out_with_a_keepalive_and_before_the_end_of_the_stream() {
+    let mut s = streamer_at("0c", RV);
+    let c = ConnId(1);
+    s.open(c, 8, false);
+    s.subscribe(c, serving("0c"), 0);
+    unwrap_ok(s.on_upstream(begin("0d")));
+    unwrap_ok(s.on_upstream(commit("0d")));
+    // A keepalive from upstream is a drained queue too.
+    let e = s.on_idle();
+    assert_eq!(messages_to(&e, c).len(), 2);
+    unwrap_ok(s.on_upstream(begin("0e")));
+    // The stream ending rolls the open transaction back, after what was held.
+    let e = s.upstream_ended();
+    let got = messages_to(&e, c);
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert!(got[0].starts_with(r#"["begin""#) && got[1].starts_with(r#"["rollback""#));
+}
+
+#[test]
 fn live_messages_share_one_serialization() {
     let mut s = streamer_at("0c", RV);
     for conn in 1..=3 {
@@ -756,7 +828,9 @@ fn live_messages_share_one_serialization() {
         s.subscribe(ConnId(conn), serving("0c"), 0);
     }
     unwrap_ok(s.on_upstream(begin("0d")));
-    let e = unwrap_ok(s.on_upstream(insert(1)));
+    s.on_upstream_drained();
+    let mut e = unwrap_ok(s.on_upstream(insert(1)));
+    e.extend(s.on_upstream_drained());
     let shared: Vec<&Arc<str>> = e
         .iter()
         .filter_map(|e| match e {
@@ -1087,11 +1161,24 @@ mod simulation {
     #[derive(Debug, Clone)]
     enum Op {
         Feed,
+        /// The host finds its upstream queue empty for now.
+        Drained,
         Store,
-        Catchup { conn: usize, rows: usize },
-        Ack { conn: usize, frames: usize },
-        Join { version: usize, at: usize },
-        Leave { conn: usize },
+        Catchup {
+            conn: usize,
+            rows: usize,
+        },
+        Ack {
+            conn: usize,
+            frames: usize,
+        },
+        Join {
+            version: usize,
+            at: usize,
+        },
+        Leave {
+            conn: usize,
+        },
     }
 
     fn tx_spec() -> impl Strategy<Value = TxSpec> {
@@ -1109,6 +1196,7 @@ mod simulation {
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             6 => Just(Op::Feed),
+            2 => Just(Op::Drained),
             4 => Just(Op::Store),
             4 => (0usize..8, 1usize..6).prop_map(|(conn, rows)| Op::Catchup { conn, rows }),
             5 => (0usize..8, 1usize..4).prop_map(|(conn, frames)| Op::Ack { conn, frames }),
@@ -1292,6 +1380,13 @@ mod simulation {
             true
         }
 
+        fn drained(&mut self) -> bool {
+            let effects = self.streamer.on_upstream_drained();
+            let sent = !effects.is_empty();
+            self.apply(effects);
+            sent
+        }
+
         fn store(&mut self) -> bool {
             let Some(queued) = self.storage.pop_front() else {
                 return false;
@@ -1435,6 +1530,10 @@ mod simulation {
                     progress |= self.ack(i, usize::MAX);
                 }
                 progress |= self.feed();
+                if !progress {
+                    // Nothing more is waiting upstream: what was held goes out.
+                    progress |= self.drained();
+                }
                 self.check_backlogs();
                 if !progress {
                     assert!(self.upstream.is_empty(), "stalled with upstream left");
@@ -1495,6 +1594,7 @@ mod simulation {
             for op in ops {
                 match op {
                     Op::Feed => { host.feed(); }
+                    Op::Drained => { host.drained(); }
                     Op::Store => { host.store(); }
                     Op::Catchup { conn, rows } => { host.catch_up(conn, rows); }
                     Op::Ack { conn, frames } => { host.ack(conn, frames); }

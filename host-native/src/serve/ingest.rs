@@ -286,6 +286,9 @@ impl Ingest {
                     continue;
                 }
             }
+            // Nothing queued that this loop could take now: the burst is over, and what the
+            // streamer held back for it goes out as one batch per subscriber.
+            self.hub.call(|s, _| s.on_upstream_drained());
             let handle = self.handle.clone();
             let (ops, backfills) = (&mut self.ops, &mut self.backfills);
             let next = handle.block_on(async {
