@@ -389,7 +389,10 @@ impl Streamer {
     /// The change source is between transactions with nothing new (a keepalive): a boundary
     /// at which the source may be restarted.
     pub fn on_idle(&mut self) -> Vec<Effect> {
-        let mut out = self.on_upstream_drained();
+        // Not an end of the burst: Postgres sends a keepalive each time its sender catches up
+        // with the flushed WAL, which under load is every few messages, while more of them
+        // are already queued at the host.
+        let mut out = Vec::new();
         if self.tx.is_none() {
             self.at_boundary(&mut out);
         }

@@ -802,15 +802,17 @@ fn a_burst_reaches_a_batching_subscriber_as_one_frame_with_one_ack() {
 }
 
 #[test]
-fn held_messages_go_out_with_a_keepalive_and_before_the_end_of_the_stream() {
+fn held_messages_wait_out_a_keepalive_and_go_before_the_end_of_the_stream() {
     let mut s = streamer_at("0c", RV);
     let c = ConnId(1);
     s.open(c, 8, false);
     s.subscribe(c, serving("0c"), 0);
     unwrap_ok(s.on_upstream(begin("0d")));
     unwrap_ok(s.on_upstream(commit("0d")));
-    // A keepalive from upstream is a drained queue too.
-    let e = s.on_idle();
+    // A keepalive from upstream does not end the burst (more may be queued behind it)…
+    assert!(messages_to(&s.on_idle(), c).is_empty());
+    // …the host's empty queue does.
+    let e = s.on_upstream_drained();
     assert_eq!(messages_to(&e, c).len(), 2);
     unwrap_ok(s.on_upstream(begin("0e")));
     // The stream ending rolls the open transaction back, after what was held.

@@ -21,6 +21,12 @@ const CLOSE_WRITE_GRACE: Duration = Duration::from_secs(5);
 /// Largest frame a change-stream subscriber may send (its frames are small control messages:
 /// subscribe, ack, status); a larger one closes that connection with 1009.
 pub(crate) const MAX_CLIENT_FRAME_BYTES: usize = 1 << 20;
+/// Each WebSocket's read buffer. A peer's frames here are small (acks, control messages,
+/// scope-sync requests); a larger frame still arrives whole (the buffer grows to the frame's
+/// length), read in chunks of this size. tungstenite zero-fills the free part of the buffer
+/// before every read, so its 128 KiB default cost a 128 KiB memset per ack under load, and as
+/// much memory per idle connection.
+pub(crate) const READ_BUFFER_BYTES: usize = 8 * 1024;
 /// WebSocket close code for a frame over the size limit.
 pub(crate) const TOO_BIG_CLOSE_CODE: u16 = 1009;
 

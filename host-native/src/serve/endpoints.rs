@@ -249,7 +249,8 @@ async fn replication(
     let request = parse_request(requested, endpoint, &query);
     let upgrade = upgrade
         .max_message_size(connection::MAX_CLIENT_FRAME_BYTES)
-        .max_frame_size(connection::MAX_CLIENT_FRAME_BYTES);
+        .max_frame_size(connection::MAX_CLIENT_FRAME_BYTES)
+        .read_buffer_size(connection::READ_BUFFER_BYTES);
     upgrade.on_upgrade(move |socket| async move {
         let _slot = slot;
         match request {
@@ -293,6 +294,7 @@ async fn scope_sync(
     upgrade
         .max_message_size(sync::MAX_CLIENT_FRAME_BYTES)
         .max_frame_size(sync::MAX_CLIENT_FRAME_BYTES)
+        .read_buffer_size(connection::READ_BUFFER_BYTES)
         .on_upgrade(move |socket| async move {
             let _slot = slot;
             hub.run_socket(socket).await;
