@@ -468,6 +468,19 @@ pub fn encode_downstream(message: &DownstreamMessage) -> String {
     to_text(message)
 }
 
+/// Where the second element of `text`, the compact encoding of `message`, ends: for the
+/// three-element `begin` and `commit` tuples, before the `,{watermark}]` that follows it;
+/// `None` for the others, whose inner object runs to the closing bracket.
+pub fn header_end(message: &DownstreamMessage, text: &str) -> Option<usize> {
+    let tail = match message {
+        DownstreamMessage::Begin(m) => to_text(&BeginWatermark(m)),
+        DownstreamMessage::Commit(m) => to_text(&CommitWatermark(m)),
+        _ => return None,
+    };
+    // `,` + the watermark object + `]`.
+    text.len().checked_sub(tail.len() + 2)
+}
+
 /// Encodes a downstream message as a JSON value.
 pub fn encode_downstream_value(message: &DownstreamMessage) -> Value {
     to_value(message)
@@ -502,6 +515,28 @@ mod tests {
     use proptest::prelude::*;
     use serde_json::{json, Map, Number};
     use std::str::FromStr;
+
+    #[test]
+    fn header_end_finds_the_inner_object_of_begin_and_commit() {
+        for text in [
+            r#"["begin",{"tag":"begin","note":"a },{ b]"},{"commitWatermark":"0a"}]"#,
+            r#"["commit",{"tag":"commit","commitTime":3},{"watermark":"0a"}]"#,
+        ] {
+            let message = crate::change_stream::decode_downstream(text).expect("message");
+            let encoded = encode_downstream(&message);
+            let start = encoded.find(",{").expect("inner object") + 1;
+            let end = header_end(&message, &encoded).expect("a three-element tuple");
+            let inner = &encoded[start..end];
+            assert_eq!(
+                serde_json::from_str::<Value>(inner).ok(),
+                encode_downstream_value(&message).get(1).cloned(),
+                "{inner}"
+            );
+        }
+        let status = crate::change_stream::decode_downstream(r#"["status",{"tag":"status"}]"#)
+            .expect("message");
+        assert_eq!(header_end(&status, &encode_downstream(&status)), None);
+    }
 
     #[test]
     fn extra_keys_that_name_written_fields_are_skipped() {

@@ -25,7 +25,7 @@ pub use decode::{
 };
 pub use encode::{
     encode_change, encode_downstream, encode_downstream_value, encode_message, encode_upstream,
-    encode_upstream_value,
+    encode_upstream_value, header_end,
 };
 pub use frame::{
     ack_frame, decode_downstream_frame, decode_downstream_frame_value, decode_envelope,

@@ -7,8 +7,8 @@ use std::sync::{Arc, OnceLock};
 
 use crate::backfill::affects_backfills;
 use crate::change_stream::{
-    adapt_for_version, decode_downstream, encode_downstream, encode_downstream_value, Begin,
-    Commit, DownstreamMessage, Rollback,
+    adapt_for_version, decode_downstream, encode_downstream, header_end, Begin, Commit,
+    DownstreamMessage, Rollback,
 };
 use crate::watermark::Watermark;
 
@@ -68,9 +68,7 @@ impl Entry {
         let end = match kind {
             // Three-element tuples: the inner object is followed by the watermark object.
             EntryKind::Begin | EntryKind::Commit => {
-                let value = encode_downstream_value(&message);
-                let inner = value.get(1).map_or(0, |v| v.to_string().len());
-                start + inner
+                header_end(&message, &text).unwrap_or(start).max(start)
             }
             _ => text.len().saturating_sub(1),
         };
