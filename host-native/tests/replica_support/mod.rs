@@ -51,7 +51,11 @@ impl InProcess {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(
                 tracing_subscriber::EnvFilter::try_from_default_env()
-                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                    // Shown only for a failing test: what the replicator and its backfills
+                    // did before it.
+                    .unwrap_or_else(|_| {
+                        tracing_subscriber::EnvFilter::new("warn,highwater_host=info")
+                    }),
             )
             .with_test_writer()
             .try_init();
