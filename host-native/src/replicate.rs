@@ -327,6 +327,11 @@ fn stream_changes(
         if queued.is_empty() {
             // About to wait for input: an open group waits no longer than its deadline.
             let flush_in = replicator.flush_deadline()?;
+            if replicator.session.backfill_running() {
+                // That flush made a backfill's predecessors durable and the session started
+                // it: from now on the backfill is the only source, until its commit.
+                continue;
+            }
             let stream = &mut *replicator.stream;
             let taken = handle.block_on(async {
                 tokio::select! {

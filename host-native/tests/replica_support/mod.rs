@@ -61,7 +61,14 @@ impl InProcess {
             .try_init();
         let (stop, stop_rx) = watch::channel(false);
         let handle = tokio::runtime::Handle::current();
-        let task = tokio::task::spawn_blocking(move || replicate(&handle, &args, stop_rx));
+        let task = tokio::task::spawn_blocking(move || {
+            let result = replicate(&handle, &args, stop_rx);
+            if let Err(error) = &result {
+                // Otherwise only seen when the test stops it, after its own assertions.
+                tracing::error!("replicate failed: {error:#}");
+            }
+            result
+        });
         InProcess { stop, task }
     }
 
