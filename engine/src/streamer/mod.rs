@@ -465,23 +465,8 @@ impl Streamer {
             if sub.offer(entry, self.limits, &mut d) {
                 aligned.push(sub.tracker_key.clone());
             }
-            let Delivery {
-                out: messages,
-                warnings,
-                ..
-            } = d;
-            if !messages.is_empty() {
-                out.extend(
-                    c.hold(messages)
-                        .into_iter()
-                        .map(|frame| Effect::Send { conn, frame }),
-                );
-                self.holding |= c.holds();
-            }
-            out.extend(warnings.into_iter().map(|message| Effect::Warn {
-                conn: Some(conn),
-                message,
-            }));
+            emit_live(conn, c, d, out);
+            self.holding |= c.holds();
         }
         for key in aligned {
             self.tracker.mark_aligned(&key);
@@ -1040,13 +1025,25 @@ impl Streamer {
 
 /// Frames what a delivery collected for `conn` into effects.
 fn emit(conn: ConnId, c: &mut Connection, d: Delivery, out: &mut Vec<Effect>) {
+    emit_with(conn, c, d, out, Connection::frame);
+}
+
+/// As [`emit`], for live messages of the upstream burst: held for one batch where the
+/// connection takes batches.
+fn emit_live(conn: ConnId, c: &mut Connection, d: Delivery, out: &mut Vec<Effect>) {
+    emit_with(conn, c, d, out, Connection::hold);
+}
+
+type Framer = fn(&mut Connection, Vec<(Arc<str>, subscriber::Carried)>) -> Vec<Outgoing>;
+
+fn emit_with(conn: ConnId, c: &mut Connection, d: Delivery, out: &mut Vec<Effect>, framer: Framer) {
     let Delivery {
         out: messages,
         warnings,
         ..
     } = d;
     if !messages.is_empty() {
-        for frame in c.frame(messages) {
+        for frame in framer(c, messages) {
             out.push(Effect::Send { conn, frame });
         }
     }
