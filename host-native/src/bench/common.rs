@@ -94,6 +94,26 @@ pub(super) async fn drop_slot(client: &Client, slot: &str) -> anyhow::Result<()>
     bail!("slot {slot} stayed in use")
 }
 
+/// Drops what a bench's replicator with `app_id` leaves upstream: its slot and `other_slots`,
+/// its DDL event trigger and schema, and the workload's table and publication.
+pub(super) async fn drop_bench_objects(
+    client: &Client,
+    app_id: &str,
+    other_slots: &[&str],
+) -> anyhow::Result<()> {
+    let slot = crate::replication::setup::ReplicationNames::for_app(app_id)?.slot;
+    for slot in std::iter::once(slot.as_str()).chain(other_slots.iter().copied()) {
+        drop_slot(client, slot).await?;
+    }
+    client
+        .batch_execute(&format!(
+            "DROP EVENT TRIGGER IF EXISTS {app_id}_ddl; DROP SCHEMA IF EXISTS {app_id} CASCADE;"
+        ))
+        .await
+        .context("cannot drop the replicator's DDL trigger")?;
+    super::workload::drop_schema(client).await
+}
+
 /// Resets this process's peak RSS (`VmHWM`); false where the kernel does not allow it.
 pub(super) fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()

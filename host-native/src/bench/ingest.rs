@@ -36,7 +36,8 @@ use tokio::task::JoinHandle;
 use tokio_postgres::{Client, Config};
 
 use super::common::{
-    cpu_time, drop_slot, peak_rss_kib, replica_row_count, reset_peak_rss, thousands, WorkDir,
+    cpu_time, drop_bench_objects, peak_rss_kib, replica_row_count, reset_peak_rss, thousands,
+    WorkDir,
 };
 use super::recvlogical::{self, last_commit, summarize, OutputSummary, RecvLogical};
 use super::workload::{self, PhaseCommit, PUBLICATION};
@@ -583,17 +584,7 @@ impl Replicator {
 
 /// Drops the slots, the DDL trigger's schema, the table and the publication, if present.
 async fn drop_objects(client: &Client) -> anyhow::Result<()> {
-    let highwater_slot = ReplicationNames::for_app(APP_ID)?.slot;
-    for slot in [highwater_slot.as_str(), recvlogical::SLOT] {
-        drop_slot(client, slot).await?;
-    }
-    client
-        .batch_execute(&format!(
-            "DROP EVENT TRIGGER IF EXISTS {APP_ID}_ddl; DROP SCHEMA IF EXISTS {APP_ID} CASCADE;"
-        ))
-        .await
-        .context("cannot drop the replicator's DDL trigger")?;
-    workload::drop_schema(client).await
+    drop_bench_objects(client, APP_ID, &[recvlogical::SLOT]).await
 }
 
 impl IngestReport {

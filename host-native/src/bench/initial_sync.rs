@@ -19,14 +19,14 @@ use anyhow::{anyhow, bail, Context};
 use tokio_postgres::{Client, Config};
 
 use super::common::{
-    cpu_time, drop_slot, peak_rss_kib, replica_row_count, reset_peak_rss, thousands, WorkDir,
+    cpu_time, drop_bench_objects, peak_rss_kib, replica_row_count, reset_peak_rss, thousands,
+    WorkDir,
 };
 use super::workload::{self, TABLE};
 use crate::private_pg::{newest_bin_dir, PgOptions, PrivatePg};
 use crate::replica::bootstrap::Upstream;
 use crate::replica::initial_sync::SyncOptions;
 use crate::replica::Replica;
-use crate::replication::setup::ReplicationNames;
 use crate::replication::ConnectParams;
 
 /// Names Highwater's slot, schema and DDL trigger (not `bench ingest`'s, so both can share
@@ -272,15 +272,7 @@ async fn psql_copy(psql: &Path, config: &Config) -> anyhow::Result<Duration> {
 
 /// Drops the slot, the DDL trigger's schema, the table and the publication, if present.
 async fn drop_objects(client: &Client) -> anyhow::Result<()> {
-    let slot = ReplicationNames::for_app(APP_ID)?.slot;
-    drop_slot(client, &slot).await?;
-    client
-        .batch_execute(&format!(
-            "DROP EVENT TRIGGER IF EXISTS {APP_ID}_ddl; DROP SCHEMA IF EXISTS {APP_ID} CASCADE;"
-        ))
-        .await
-        .context("cannot drop the replicator's DDL trigger")?;
-    workload::drop_schema(client).await
+    drop_bench_objects(client, APP_ID, &[]).await
 }
 
 impl InitialSyncReport {
