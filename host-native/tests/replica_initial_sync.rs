@@ -1,6 +1,6 @@
 //! The initial sync through the real resync path (`Upstream::prepare` + `Upstream::resync`:
 //! new slot, exported snapshot, parallel COPY readers): stopped in the middle it leaves nothing
-//! marked synced and the next start completes; a reader that cannot read a value fails the
+//! marked synced, the next open removes what the load left, and the next start completes; a reader that cannot read a value fails the
 //! sync with a typed error.
 
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use highwater_host::replica::bootstrap::{BootstrapError, Upstream};
 use highwater_host::replica::initial_sync::{SyncError, SyncOptions};
+use highwater_host::replica::load_marker::marker_path;
 use highwater_host::replica::Replica;
 use replica_support::*;
 
@@ -61,15 +62,18 @@ async fn a_sync_stopped_mid_copy_leaves_no_synced_state_and_a_restart_completes(
         "expected the sync to stop, got {stopped:?}"
     );
     assert!(polls > 8);
+    // The load was marked: the next open removes what it left, unopened.
+    let db = data.path().join("replica.db");
+    assert!(marker_path(&db).exists(), "a stopped load keeps its marker");
     let replica = Replica::open_in_dir(data.path()).unwrap();
     assert!(replica.state().is_none(), "a stopped sync is not synced");
-    drop(replica);
-    // Some load transactions were committed before the stop: the test stops mid-copy.
-    let partial = count(data.path(), "big");
     assert!(
-        (1..ROWS).contains(&partial),
-        "{partial} rows before the stop"
+        replica.table_names().is_empty(),
+        "{:?} left by the stopped load",
+        replica.table_names()
     );
+    assert!(!marker_path(&db).exists());
+    drop(replica);
 
     let (url, dir) = (pg.url(), data.path().to_owned());
     let handle = tokio::runtime::Handle::current();
@@ -87,6 +91,9 @@ async fn a_sync_stopped_mid_copy_leaves_no_synced_state_and_a_restart_completes(
     assert_eq!((report.tables, report.rows), (2, 30_010));
     assert_eq!(count(data.path(), "big"), ROWS);
     assert_eq!(count(data.path(), "small"), 10);
+    assert!(!marker_path(&data.path().join("replica.db")).exists());
+    let mode: String = replica_scalar(data.path(), "PRAGMA journal_mode");
+    assert_eq!(mode, "wal", "back in WAL mode after the load");
     let next_seq: i64 = replica_scalar(data.path(), "SELECT next_seq FROM \"_hw_state\"");
     assert_eq!(next_seq, ROWS + 11);
     assert_replica_matches(&pg, data.path(), &["highwater_pub"]).await;

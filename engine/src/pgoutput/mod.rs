@@ -39,4 +39,4 @@ pub use message::{
     TupleValue, Update,
 };
 pub use relation::{RelationCache, UnknownRelation};
-pub use value::TextColumn;
+pub use value::{ScalarText, TextColumn};

@@ -114,6 +114,156 @@ impl TextColumn {
     }
 }
 
+/// A scalar column value read from its text without building a JSON value: what
+/// [`TextColumn::convert`] makes of the same text, in parts a store can take as they are (the
+/// replica's initial sync converts every COPY field this way).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ScalarText<'a> {
+    /// JSON `null`: float and numeric `NaN`/`±Infinity`, infinite dates and timestamps.
+    Null,
+    Bool(bool),
+    /// A JSON string: text-like, JSON and unknown types.
+    String(&'a str),
+    /// A JSON number whose exact text is this (integers, numerics, floats).
+    Number(&'a str),
+    /// A JSON integer (dates and times, in milliseconds).
+    Integer(i64),
+    /// A timestamp: a JSON number holding these microseconds as exact decimal milliseconds.
+    Micros(i128),
+}
+
+impl ScalarText<'_> {
+    /// The text of the JSON number this is, for [`ScalarText::Number`], [`ScalarText::Integer`]
+    /// and [`ScalarText::Micros`].
+    pub fn number_text(&self) -> Option<std::borrow::Cow<'_, str>> {
+        match *self {
+            ScalarText::Number(text) => Some(text.into()),
+            ScalarText::Integer(n) => Some(n.to_string().into()),
+            ScalarText::Micros(micros) => Some(datetime::micros_as_ms_text(micros).into()),
+            ScalarText::Null | ScalarText::Bool(_) | ScalarText::String(_) => None,
+        }
+    }
+
+    /// The JSON value [`TextColumn::convert`] gives for the same text.
+    pub fn to_value(&self) -> Value {
+        match *self {
+            ScalarText::Null => Value::Null,
+            ScalarText::Bool(b) => Value::Bool(b),
+            ScalarText::String(text) => Value::String(text.to_owned()),
+            ScalarText::Integer(n) => Value::Number(n.into()),
+            ScalarText::Number(_) | ScalarText::Micros(_) => self
+                .number_text()
+                .and_then(|text| exact_number(&text))
+                .unwrap_or(Value::Null),
+        }
+    }
+}
+
+/// Decimal digits with an optional `-`, no leading zero: how Postgres writes an integer.
+fn is_canonical_integer(text: &str) -> bool {
+    let digits = text.strip_prefix('-').unwrap_or(text);
+    !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+        && (digits == "0" || !digits.starts_with('0'))
+}
+
+/// Whether `text` is a JSON number (RFC 8259 §6), the check [`exact_number`] makes, without
+/// building one.
+fn is_json_number(text: &str) -> bool {
+    let b = text.as_bytes();
+    let mut i = usize::from(b.first() == Some(&b'-'));
+    let digits = |i: &mut usize| {
+        let start = *i;
+        while b.get(*i).is_some_and(u8::is_ascii_digit) {
+            *i += 1;
+        }
+        *i - start
+    };
+    match b.get(i) {
+        Some(b'0') => i += 1,
+        Some(b'1'..=b'9') => {
+            digits(&mut i);
+        }
+        _ => return false,
+    }
+    if b.get(i) == Some(&b'.') {
+        i += 1;
+        if digits(&mut i) == 0 {
+            return false;
+        }
+    }
+    if matches!(b.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        if matches!(b.get(i), Some(b'+' | b'-')) {
+            i += 1;
+        }
+        if digits(&mut i) == 0 {
+            return false;
+        }
+    }
+    i == b.len()
+}
+
+impl TextColumn {
+    /// [`TextColumn::convert`] of a scalar column's `text`, borrowing it: `None` where that
+    /// takes more than a look at the text (arrays, a float whose text is not a JSON number),
+    /// and the caller converts with [`TextColumn::convert`] instead.
+    pub fn convert_scalar<'a>(
+        &self,
+        text: &'a str,
+    ) -> Option<Result<ScalarText<'a>, &'static str>> {
+        let ValueType::Scalar(scalar) = self.ty else {
+            return None;
+        };
+        // serde_json writes an exponent as `e` with its sign (`1E5` is `1e+5`): other
+        // spellings (rare: Postgres writes `e+`/`e-`) are left to `convert`, so that `Number`
+        // always holds the JSON number's own text.
+        let keeps_text = |text: &str| {
+            let b = text.as_bytes();
+            !b.iter().enumerate().any(|(i, &c)| {
+                c == b'E' || (c == b'e' && !matches!(b.get(i + 1), Some(b'+' | b'-')))
+            })
+        };
+        Some(match scalar {
+            Scalar::Text | Scalar::Json => Ok(ScalarText::String(text)),
+            // A canonical integer is a JSON number with its own text.
+            Scalar::Integer if is_canonical_integer(text) => Ok(ScalarText::Number(text)),
+            Scalar::Bool if text == "t" => Ok(ScalarText::Bool(true)),
+            Scalar::Bool if text == "f" => Ok(ScalarText::Bool(false)),
+            Scalar::Date | Scalar::Time | Scalar::TimeTz => match convert_scalar(scalar, text) {
+                Err(e) => Err(e.expected),
+                Ok(Value::Null) => Ok(ScalarText::Null),
+                Ok(Value::Number(n)) => return n.as_i64().map(|n| Ok(ScalarText::Integer(n))),
+                Ok(_) => return None,
+            },
+            // Not an integer or boolean: `convert`'s error.
+            Scalar::Integer | Scalar::Bool => Err(convert_scalar(scalar, text).err()?.expected),
+            Scalar::Float => match text {
+                "NaN" | "Infinity" | "-Infinity" => Ok(ScalarText::Null),
+                _ if text.parse::<f64>().is_err() => Err("a floating-point number"),
+                _ if is_json_number(text) && keeps_text(text) => Ok(ScalarText::Number(text)),
+                // Re-rendered from the parsed float by `convert`.
+                _ => return None,
+            },
+            Scalar::Numeric => match text {
+                "NaN" | "Infinity" | "-Infinity" => Ok(ScalarText::Null),
+                _ if !is_json_number(text) => Err("a numeric"),
+                _ if keeps_text(text) => Ok(ScalarText::Number(text)),
+                _ => return None,
+            },
+            Scalar::Timestamp | Scalar::TimestampTz => {
+                let with_zone = scalar == Scalar::TimestampTz;
+                match datetime::parse_timestamp(text, with_zone) {
+                    Some(Instant::Infinite) => Ok(ScalarText::Null),
+                    Some(Instant::Finite(micros)) => Ok(ScalarText::Micros(micros)),
+                    // The same error as `convert`'s.
+                    None => Err(convert_scalar(scalar, text).err()?.expected),
+                }
+            }
+        })
+    }
+}
+
 /// What a value should have looked like; the caller adds the column and type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct ValueError {
@@ -143,11 +293,7 @@ fn convert_scalar(scalar: Scalar, text: &str) -> Result<Value, ValueError> {
             _ => Err(fail("a boolean 't' or 'f'")),
         },
         Scalar::Integer => {
-            let digits = text.strip_prefix('-').unwrap_or(text);
-            let canonical = !digits.is_empty()
-                && digits.bytes().all(|b| b.is_ascii_digit())
-                && (digits == "0" || !digits.starts_with('0'));
-            if !canonical {
+            if !is_canonical_integer(text) {
                 return Err(fail("an integer"));
             }
             exact_number(text).ok_or(fail("an integer"))
@@ -353,7 +499,135 @@ mod tests {
         assert_eq!(ValueType::builtin(16400), None);
     }
 
+    /// `convert_scalar` against `convert` of the same text: the same value or the same error,
+    /// or `None` (left to `convert`) only where allowed.
+    fn assert_scalar_agrees(oid: u32, text: &str) {
+        let column = TextColumn::new(oid, false);
+        let slow = column.convert(text.to_owned());
+        match column.convert_scalar(text) {
+            Some(Ok(fast)) => {
+                assert_eq!(Ok(fast.to_value()), slow, "{oid} {text:?}");
+                if let Ok(Value::Number(n)) = &slow {
+                    assert_eq!(fast.number_text().as_deref(), Some(n.to_string().as_str()));
+                }
+            }
+            Some(Err(expected)) => assert_eq!(Err(expected), slow, "{oid} {text:?}"),
+            None => assert!(
+                matches!(ValueType::of(oid, false), ValueType::Array(_))
+                    || (matches!(
+                        ValueType::of(oid, false),
+                        ValueType::Scalar(Scalar::Float | Scalar::Numeric)
+                    ) && !matches!(&slow, Ok(Value::Number(n)) if n.as_str() == text)),
+                "{oid} {text:?} was left to convert"
+            ),
+        }
+    }
+
+    const SCALAR_OIDS: [u32; 13] = [
+        16, 20, 23, 700, 701, 1700, 3802, 1114, 1184, 1082, 1083, 1266, 25,
+    ];
+
+    #[test]
+    fn scalar_text_is_what_convert_makes() {
+        let texts = [
+            "t",
+            "f",
+            "x",
+            "",
+            "0",
+            "-0",
+            "42",
+            "-9223372036854775808",
+            "9223372036854775808",
+            "01",
+            "1.50",
+            "-0.001",
+            "1e3",
+            "1.5e+300",
+            "1e999999",
+            "NaN",
+            "Infinity",
+            "-Infinity",
+            "12345678901234567890.123456789000",
+            "{\"a\": 1}",
+            "héllo",
+            "2024-01-01 00:00:01+00",
+            "2019-01-11 22:30:35.381101-01",
+            "1970-01-01 00:00:00.0005",
+            "0044-03-15 12:00:00 BC",
+            "294276-12-31 23:59:59.999999+00",
+            "infinity",
+            "-infinity",
+            "2024-01-01",
+            "2024-02-30",
+            "13:45:00.25",
+            "13:45:00+02",
+            "24:00:00",
+        ];
+        for oid in SCALAR_OIDS {
+            for text in texts {
+                assert_scalar_agrees(oid, text);
+            }
+        }
+        assert_eq!(TextColumn::new(1007, false).convert_scalar("{1}"), None);
+        assert_eq!(
+            TextColumn::new(1184, false)
+                .convert_scalar("2019-01-11 22:30:35.381101-01")
+                .unwrap()
+                .unwrap()
+                .number_text()
+                .as_deref(),
+            Some("1547249435381.101")
+        );
+    }
+
     proptest! {
+        #[test]
+        fn the_json_number_check_is_serde_jsons(text in "[-+0-9.eE]{0,12}") {
+            prop_assert_eq!(is_json_number(&text), Number::from_str(&text).is_ok(), "{:?}", text);
+        }
+
+        #[test]
+        fn scalar_text_agrees_on_any_text(text in ".{0,32}", which in 0usize..13) {
+            assert_scalar_agrees(SCALAR_OIDS[which], &text);
+        }
+
+        #[test]
+        fn scalar_text_agrees_on_numbers_and_instants(
+            n: i64,
+            f: f64,
+            micros in -300_000_000_000_000_000i64..300_000_000_000_000_000,
+            which in 0usize..13,
+        ) {
+            let oid = SCALAR_OIDS[which];
+            assert_scalar_agrees(oid, &n.to_string());
+            assert_scalar_agrees(oid, &f.to_string());
+            assert_scalar_agrees(oid, &format!("{f:e}"));
+            let seconds = micros.div_euclid(1_000_000);
+            let (days, secs) = (seconds.div_euclid(86_400), seconds.rem_euclid(86_400));
+            let frac = micros.rem_euclid(1_000_000);
+            // A civil date from days since 1970 (Howard Hinnant's algorithm).
+            let z = days + 719_468;
+            let era = z.div_euclid(146_097);
+            let doe = z - era * 146_097;
+            let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+            let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+            let mp = (5 * doy + 2) / 153;
+            let day = doy - (153 * mp + 2) / 5 + 1;
+            let month = if mp < 10 { mp + 3 } else { mp - 9 };
+            let year = yoe + era * 400 + i64::from(month <= 2);
+            if year >= 1 {
+                let text = format!(
+                    "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{frac:06}+00",
+                    secs / 3600,
+                    secs % 3600 / 60,
+                    secs % 60
+                );
+                assert_scalar_agrees(1184, &text);
+                assert_scalar_agrees(1114, text.trim_end_matches("+00"));
+            }
+        }
+
         #[test]
         fn every_i64_round_trips_exactly(n: i64) {
             prop_assert_eq!(json_text(&scalar(Scalar::Integer, &n.to_string())), n.to_string());

@@ -21,6 +21,35 @@ pub struct CopyRows {
     columns: usize,
     partial: Vec<u8>,
     rows: u64,
+    /// The current row's unescaped fields, end to end, and each one's span in it (`None`:
+    /// NULL); reused from row to row.
+    text: String,
+    spans: Vec<Option<(usize, usize)>>,
+}
+
+/// One row's fields, borrowed from the parser until the next row.
+#[derive(Clone, Copy)]
+pub struct CopyRow<'a> {
+    text: &'a str,
+    spans: &'a [Option<(usize, usize)>],
+}
+
+impl<'a> CopyRow<'a> {
+    /// Field `i`: `None` for NULL (and past the last field).
+    pub fn get(&self, i: usize) -> Option<&'a str> {
+        let (start, end) = (*self.spans.get(i)?)?;
+        self.text.get(start..end)
+    }
+
+    pub fn len(&self) -> usize {
+        self.spans.len()
+    }
+
+    pub fn to_owned_fields(self) -> Vec<Option<String>> {
+        (0..self.len())
+            .map(|i| self.get(i).map(str::to_owned))
+            .collect()
+    }
 }
 
 impl CopyRows {
@@ -29,25 +58,44 @@ impl CopyRows {
             columns,
             partial: Vec::new(),
             rows: 0,
+            text: String::new(),
+            spans: Vec::with_capacity(columns),
         }
     }
 
-    /// Feeds one chunk; `on_row` gets every row completed by it.
+    /// Feeds one chunk; `on_row` gets every row completed by it, as owned fields.
     pub fn push<E: From<CopyTextError>>(
         &mut self,
         chunk: &[u8],
         mut on_row: impl FnMut(Vec<Option<String>>) -> Result<(), E>,
     ) -> Result<(), E> {
+        self.push_rows(chunk, |row| on_row(row.to_owned_fields()))
+    }
+
+    /// Feeds one chunk; `on_row` gets every row completed by it, borrowed: no allocation per
+    /// row or field.
+    pub fn push_rows<E: From<CopyTextError>>(
+        &mut self,
+        chunk: &[u8],
+        mut on_row: impl FnMut(CopyRow<'_>) -> Result<(), E>,
+    ) -> Result<(), E> {
         let mut rest = chunk;
-        while let Some(end) = rest.iter().position(|&b| b == b'\n') {
-            let row = if self.partial.is_empty() {
-                self.parse(&rest[..end])?
+        while let Some(end) = memchr::memchr(b'\n', rest) {
+            if self.partial.is_empty() {
+                self.parse(&rest[..end])?;
             } else {
                 self.partial.extend_from_slice(&rest[..end]);
                 let line = std::mem::take(&mut self.partial);
-                self.parse(&line)?
-            };
-            on_row(row)?;
+                let parsed = self.parse(&line);
+                // Keep the buffer's allocation for the next partial row.
+                self.partial = line;
+                self.partial.clear();
+                parsed?;
+            }
+            on_row(CopyRow {
+                text: &self.text,
+                spans: &self.spans,
+            })?;
             rest = &rest[end + 1..];
         }
         self.partial.extend_from_slice(rest);
@@ -65,86 +113,111 @@ impl CopyRows {
         }
     }
 
-    fn parse(&mut self, line: &[u8]) -> Result<Vec<Option<String>>, CopyTextError> {
+    /// Parses `line` into `text` and `spans`.
+    fn parse(&mut self, line: &[u8]) -> Result<(), CopyTextError> {
         self.rows += 1;
         let row = self.rows;
-        let mut fields = Vec::with_capacity(self.columns);
+        self.spans.clear();
+        let mut bytes = std::mem::take(&mut self.text).into_bytes();
+        bytes.clear();
         // A zero-column row is an empty line, not one empty field.
         if self.columns > 0 || !line.is_empty() {
-            for (i, raw) in line.split(|&b| b == b'\t').enumerate() {
-                fields.push(unescape(raw, row, i)?);
+            let mut start = 0;
+            for end in memchr::memchr_iter(b'\t', line).chain(std::iter::once(line.len())) {
+                let raw = &line[start..end];
+                start = end + 1;
+                if raw == b"\\N" {
+                    self.spans.push(None);
+                    continue;
+                }
+                let from = bytes.len();
+                unescape(raw, &mut bytes);
+                self.spans.push(Some((from, bytes.len())));
             }
         }
-        if fields.len() != self.columns {
+        if self.spans.len() != self.columns {
             return Err(CopyTextError::FieldCount {
                 row,
                 expected: self.columns,
-                actual: fields.len(),
+                actual: self.spans.len(),
             });
         }
-        Ok(fields)
+        // One check for the whole row, then each field must start and end on a character
+        // boundary of it: two invalid halves in adjacent fields can make a valid whole.
+        let not_utf8 = |field| CopyTextError::NotUtf8 { row, field };
+        let text = match String::from_utf8(bytes) {
+            Ok(text) => text,
+            Err(e) => {
+                let bytes = e.as_bytes();
+                let field = self.spans.iter().position(|span| {
+                    span.is_some_and(|(s, e)| std::str::from_utf8(&bytes[s..e]).is_err())
+                });
+                return Err(not_utf8(field.unwrap_or(0)));
+            }
+        };
+        let split = self.spans.iter().position(|span| {
+            span.is_some_and(|(s, e)| !text.is_char_boundary(s) || !text.is_char_boundary(e))
+        });
+        self.text = text;
+        match split {
+            Some(field) => Err(not_utf8(field)),
+            None => Ok(()),
+        }
     }
 }
 
-fn unescape(raw: &[u8], row: u64, field: usize) -> Result<Option<String>, CopyTextError> {
-    if raw == b"\\N" {
-        return Ok(None);
+/// Appends the COPY text field `raw` to `out`, escapes decoded.
+fn unescape(raw: &[u8], out: &mut Vec<u8>) {
+    if memchr::memchr(b'\\', raw).is_none() {
+        out.extend_from_slice(raw);
+        return;
     }
-    let bytes = if raw.contains(&b'\\') {
-        let mut out = Vec::with_capacity(raw.len());
-        let mut i = 0;
-        while i < raw.len() {
-            let b = raw[i];
-            i += 1;
-            if b != b'\\' || i == raw.len() {
-                out.push(b);
-                continue;
-            }
-            let c = raw[i];
-            i += 1;
-            match c {
-                b'b' => out.push(0x08),
-                b'f' => out.push(0x0c),
-                b'n' => out.push(b'\n'),
-                b'r' => out.push(b'\r'),
-                b't' => out.push(b'\t'),
-                b'v' => out.push(0x0b),
-                b'0'..=b'7' => {
-                    let mut value = u32::from(c - b'0');
-                    for _ in 0..2 {
-                        match raw.get(i) {
-                            Some(&d @ b'0'..=b'7') => {
-                                value = value * 8 + u32::from(d - b'0');
-                                i += 1;
-                            }
-                            _ => break,
-                        }
-                    }
-                    out.push((value & 0xff) as u8);
-                }
-                b'x' if raw.get(i).is_some_and(u8::is_ascii_hexdigit) => {
-                    let mut value = 0u8;
-                    for _ in 0..2 {
-                        match raw.get(i).and_then(|d| (*d as char).to_digit(16)) {
-                            Some(d) => {
-                                value = value * 16 + d as u8;
-                                i += 1;
-                            }
-                            None => break,
-                        }
-                    }
-                    out.push(value);
-                }
-                other => out.push(other),
-            }
+    let mut i = 0;
+    while i < raw.len() {
+        let b = raw[i];
+        i += 1;
+        if b != b'\\' || i == raw.len() {
+            out.push(b);
+            continue;
         }
-        out
-    } else {
-        raw.to_vec()
-    };
-    String::from_utf8(bytes)
-        .map(Some)
-        .map_err(|_| CopyTextError::NotUtf8 { row, field })
+        let c = raw[i];
+        i += 1;
+        match c {
+            b'b' => out.push(0x08),
+            b'f' => out.push(0x0c),
+            b'n' => out.push(b'\n'),
+            b'r' => out.push(b'\r'),
+            b't' => out.push(b'\t'),
+            b'v' => out.push(0x0b),
+            b'0'..=b'7' => {
+                let mut value = u32::from(c - b'0');
+                for _ in 0..2 {
+                    match raw.get(i) {
+                        Some(&d @ b'0'..=b'7') => {
+                            value = value * 8 + u32::from(d - b'0');
+                            i += 1;
+                        }
+                        _ => break,
+                    }
+                }
+                out.push((value & 0xff) as u8);
+            }
+            b'x' if raw.get(i).is_some_and(u8::is_ascii_hexdigit) => {
+                let mut value = 0u8;
+                for _ in 0..2 {
+                    match raw.get(i).and_then(|d| (*d as char).to_digit(16)) {
+                        Some(d) => {
+                            value = value * 16 + d as u8;
+                            i += 1;
+                        }
+                        None => break,
+                    }
+                }
+                out.push(value);
+            }
+            other => out.push(other),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -223,6 +296,15 @@ mod tests {
             parse_all(1, &[b"\\377\n"]),
             Err(CopyTextError::NotUtf8 { .. })
         ));
+        // The two bytes of é, one in each field: valid together, neither on its own.
+        assert_eq!(
+            parse_all(3, &[b"a\t\\303\t\\251\n"]),
+            Err(CopyTextError::NotUtf8 { row: 1, field: 1 })
+        );
+        assert_eq!(
+            parse_all(2, &[b"ok\t\\303\n"]),
+            Err(CopyTextError::NotUtf8 { row: 1, field: 1 })
+        );
     }
 
     proptest! {

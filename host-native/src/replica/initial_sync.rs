@@ -15,6 +15,7 @@
 //! These functions block: run them on a blocking thread. Postgres I/O goes through
 //! `handle.block_on`, SQLite is written directly.
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::{Duration, Instant};
@@ -32,10 +33,11 @@ use tokio::runtime::Handle;
 use tokio_postgres::Client;
 
 use super::apply::create_replica_table;
-use super::copy_text::{CopyRows, CopyTextError};
+use super::copy_text::{CopyRow, CopyRows, CopyTextError};
 use super::ddl::{parse_published_schema, PublishedTable, PUBLISHED_SCHEMA_SQL};
+use super::load_marker::{marker_path, LoadMarker};
 use super::schema::{create_index_sql, quote_ident, ReplicaColumn, ReplicaTable, ValueKind};
-use super::value::into_sql;
+use super::value::{into_sql, scalar_to_sql, SqlScalar};
 use super::{Replica, ReplicaError, ReplicaState};
 use crate::replication::PgConfig;
 
@@ -70,6 +72,13 @@ pub enum SyncError {
          database file, it copied {copied}"
     )]
     Durability { frames: i64, copied: i64 },
+    #[error("cannot mark or unmark the initial load at {path}: {source}")]
+    Marker {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("expected the replica to return to journal mode wal after the load, it is in {mode}")]
+    JournalMode { mode: String },
     #[error("cannot start an initial sync reader thread: {0}")]
     Thread(std::io::Error),
     #[error("expected every COPY reader to finish its tables, but one ended without a result")]
@@ -192,8 +201,9 @@ impl TextRowConverter {
 /// Converts COPY text fields of a table's columns straight to the replica's SQLite values:
 /// each field goes through the replication stream's per-column conversion
 /// ([`TextColumn`], the one the mapper applies to tuple values) and the replica's
-/// [`into_sql`], so it is stored as [`TextRowConverter`] followed by `to_sql` would store it,
-/// without building a row map or copying text.
+/// [`into_sql`], so it is stored as [`TextRowConverter`] followed by `to_sql` would store it.
+/// Scalars take the borrowed path of both ([`TextColumn::convert_scalar`], [`scalar_to_sql`]):
+/// no JSON value, no allocation per field.
 struct CopyRowConverter {
     table: String,
     columns: Vec<(ReplicaColumn, TextColumn)>,
@@ -216,29 +226,140 @@ impl CopyRowConverter {
         }
     }
 
-    /// The SQLite values of one COPY row, in column order.
-    fn convert(&self, fields: Vec<Option<String>>) -> Result<Vec<SqlValue>, SyncError> {
-        let mut values = Vec::with_capacity(fields.len() + 2);
-        for ((column, text_column), field) in self.columns.iter().zip(fields) {
-            let value = match field {
-                None => SqlValue::Null,
-                Some(text) => {
-                    let len = text.len();
-                    let value = text_column.convert(text).map_err(|expected| {
-                        MappingError::InvalidValue {
-                            table: self.table.clone(),
-                            column: column.name.clone(),
-                            type_oid: column.type_oid.unwrap_or(25),
-                            expected,
-                            len,
-                        }
-                    })?;
-                    into_sql(column, value, JsonFormat::Stringified)
-                }
-            };
-            values.push(value);
+    /// Appends the SQLite values of one COPY row, in column order, to `block`; on an error
+    /// nothing of the row stays in it.
+    fn convert(&self, row: CopyRow<'_>, block: &mut RowBlock) -> Result<(), SyncError> {
+        let mark = block.mark();
+        let converted = self.convert_into(row, block);
+        if converted.is_err() {
+            block.truncate(mark);
         }
-        Ok(values)
+        converted
+    }
+
+    fn convert_into(&self, row: CopyRow<'_>, block: &mut RowBlock) -> Result<(), SyncError> {
+        for (i, (column, text_column)) in self.columns.iter().enumerate() {
+            let Some(text) = row.get(i) else {
+                block.push(SqlScalar::Null);
+                continue;
+            };
+            let invalid = |expected| MappingError::InvalidValue {
+                table: self.table.clone(),
+                column: column.name.clone(),
+                type_oid: column.type_oid.unwrap_or(25),
+                expected,
+                len: text.len(),
+            };
+            match text_column.convert_scalar(text) {
+                Some(Ok(value)) => block.push(scalar_to_sql(column, value)),
+                Some(Err(expected)) => return Err(invalid(expected).into()),
+                // Arrays and rare spellings: through the JSON value.
+                None => {
+                    let value = text_column.convert(text.to_owned()).map_err(invalid)?;
+                    block.push_value(into_sql(column, value, JsonFormat::Stringified));
+                }
+            }
+        }
+        block.end_row();
+        Ok(())
+    }
+}
+
+/// Converted rows on their way from a reader to the writer: every value in one vector and
+/// every text in one string, so a row costs no allocation of its own.
+#[derive(Debug, Default)]
+struct RowBlock {
+    text: String,
+    cells: Vec<Cell>,
+    rows: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Cell {
+    Null,
+    Integer(i64),
+    Real(f64),
+    /// `text[start..end]` of the block.
+    Text(usize, usize),
+}
+
+impl RowBlock {
+    fn push(&mut self, value: SqlScalar<'_>) {
+        let cell = match value {
+            SqlScalar::Null => Cell::Null,
+            SqlScalar::Integer(i) => Cell::Integer(i),
+            SqlScalar::Real(f) => Cell::Real(f),
+            SqlScalar::Text(text) => {
+                let start = self.text.len();
+                self.text.push_str(&text);
+                Cell::Text(start, self.text.len())
+            }
+        };
+        self.cells.push(cell);
+    }
+
+    fn push_value(&mut self, value: SqlValue) {
+        match value {
+            SqlValue::Null => self.push(SqlScalar::Null),
+            SqlValue::Integer(i) => self.push(SqlScalar::Integer(i)),
+            SqlValue::Real(f) => self.push(SqlScalar::Real(f)),
+            SqlValue::Text(text) => self.push(SqlScalar::Text(text.into())),
+            // `into_sql` makes no blobs; stored as SQLite would show one, as hex text.
+            SqlValue::Blob(bytes) => {
+                let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+                self.push(SqlScalar::Text(hex.into()));
+            }
+        }
+    }
+
+    fn end_row(&mut self) {
+        self.rows += 1;
+    }
+
+    fn mark(&self) -> (usize, usize) {
+        (self.text.len(), self.cells.len())
+    }
+
+    fn truncate(&mut self, (text, cells): (usize, usize)) {
+        self.text.truncate(text);
+        self.cells.truncate(cells);
+    }
+
+    fn len(&self) -> usize {
+        self.rows
+    }
+
+    fn is_empty(&self) -> bool {
+        self.rows == 0
+    }
+
+    /// The rows, each its `columns` cells.
+    fn rows(&self, columns: usize) -> impl Iterator<Item = &[Cell]> {
+        // A zero-column table has rows of no cells.
+        let chunk = columns.max(1);
+        (0..self.rows).map(move |row| {
+            if columns == 0 {
+                &[][..]
+            } else {
+                &self.cells[row * chunk..(row + 1) * chunk]
+            }
+        })
+    }
+
+    fn bind(
+        &self,
+        statement: &mut rusqlite::CachedStatement<'_>,
+        index: usize,
+        cell: Cell,
+    ) -> rusqlite::Result<()> {
+        match cell {
+            Cell::Null => statement.raw_bind_parameter(index, rusqlite::types::Null),
+            Cell::Integer(i) => statement.raw_bind_parameter(index, i),
+            Cell::Real(f) => statement.raw_bind_parameter(index, f),
+            Cell::Text(start, end) => {
+                statement.raw_bind_parameter(index, self.text.get(start..end).unwrap_or_default())
+            }
+        }
     }
 }
 
@@ -374,14 +495,17 @@ pub fn initial_sync_with(
     result
 }
 
-/// Settings during the load. `synchronous = OFF` skips the fsync of each load transaction:
-/// nothing marks the replica as synced until the last transaction, which is written only after
-/// [`LOAD_PRAGMAS_END`] restored `FULL` and a checkpoint copied the WAL into the database file
-/// and fsynced it ([`make_load_durable`]: an fsync covers every page of the file, also those the
-/// unsynced checkpoints during the load wrote). So
-/// when the synced state is durable (its commit fsyncs the WAL), every row before it is; a crash
-/// or power loss before that leaves a replica without state, which is synced again from
-/// nothing. A somewhat larger page cache (8 MiB) serves the index builds after each table.
+/// Settings during the load. `synchronous = OFF` skips the fsync of each load transaction, and
+/// a replica in a file also loads with `journal_mode = OFF` (each page written once, to the
+/// database file, instead of to the WAL and again by a checkpoint). Both are safe because
+/// nothing marks the replica as synced before its rows are durable, and because the load runs
+/// under its marker ([`LoadMarker`]), removed only after the state that says the rows are there
+/// is durable and a checkpoint under `synchronous = FULL` fsynced the database file (an fsync
+/// covers every page of the file, also those written without one). A crash or power loss
+/// before that leaves the marker, and the next [`Replica::open`] removes the replica unopened,
+/// whatever state its file is in, so it is synced again from nothing. A replica kept in WAL
+/// mode makes its rows durable before its state instead ([`make_load_durable`]). A somewhat
+/// larger page cache (8 MiB) serves the index builds after each table.
 const LOAD_PRAGMAS: &str = "PRAGMA synchronous = OFF; PRAGMA cache_size = -8192;";
 /// The settings [`Replica::open`] uses, back after the load.
 const LOAD_PRAGMAS_END: &str = "PRAGMA synchronous = FULL; PRAGMA cache_size = -2000;";
@@ -448,7 +572,7 @@ impl PageRange {
 enum Batch {
     Rows {
         job: usize,
-        rows: Vec<Vec<SqlValue>>,
+        rows: RowBlock,
         /// COPY text bytes of these rows.
         bytes: u64,
     },
@@ -480,7 +604,23 @@ fn copy_snapshot(
     begin_snapshot(handle, client, Some(&source.snapshot_name))?;
     let published = published_schema(handle, client, &source.publications)?;
 
+    // A replica in a file loads without a journal, under a marker that makes an interrupted
+    // load start over instead of being opened (see `load_marker`). An in-memory one, or one
+    // SQLite keeps in WAL mode (another connection is open), loads through its WAL.
+    let db_path = replica
+        .conn
+        .path()
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from);
+    let marker = match &db_path {
+        Some(db) => Some(LoadMarker::create(db).map_err(|source| SyncError::Marker {
+            path: marker_path(db).display().to_string(),
+            source,
+        })?),
+        None => None,
+    };
     replica.conn.execute_batch(LOAD_PRAGMAS)?;
+    let unjournaled = marker.is_some() && journal_mode(&replica.conn, "OFF")? == "off";
     replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     for table in &published {
         let mut spec = ReplicaTable::from_spec(&table.to_spec());
@@ -493,12 +633,14 @@ fn copy_snapshot(
             continue;
         };
         let (estimated_rows, pages) = handle.block_on(estimate_size(client, &table))?;
-        // Built once the table is loaded: one sort instead of an index insert per row.
-        for index in [table.key_index_name(), table.seq_index_name()] {
-            replica
-                .conn
-                .execute_batch(&format!("DROP INDEX IF EXISTS {}", quote_ident(&index)))?;
-        }
+        // The key index is built once the table is loaded: one sort instead of an insert per
+        // row at a random place in it. The seq index stays: seqs grow row after row, so each
+        // insert appends at its right edge, which costs less than sorting it afterwards (at
+        // 5,000,000 rows building it took 2.7 s, keeping it no measurable time).
+        replica.conn.execute_batch(&format!(
+            "DROP INDEX IF EXISTS {}",
+            quote_ident(&table.key_index_name())
+        ))?;
         jobs.push((
             index,
             Job {
@@ -608,9 +750,20 @@ fn copy_snapshot(
     drop(extra);
     let (next_seq, total) = written?;
 
-    // Make every loaded row durable before the state that says they are there (see
-    // `LOAD_PRAGMAS`).
-    make_load_durable(&replica.conn)?;
+    if unjournaled {
+        // Back in WAL mode for streaming; the checkpoint after the state below makes the rows
+        // written without a journal durable, and only then does the marker go.
+        replica.conn.execute_batch("COMMIT")?;
+        let mode = journal_mode(&replica.conn, "WAL")?;
+        if mode != "wal" {
+            return Err(SyncError::JournalMode { mode });
+        }
+        replica.conn.execute_batch(LOAD_PRAGMAS_END)?;
+    } else {
+        // Make every loaded row durable before the state that says they are there (see
+        // `LOAD_PRAGMAS`).
+        make_load_durable(&replica.conn)?;
+    }
     replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     let state = ReplicaState {
         replica_version: replica_version.clone(),
@@ -623,6 +776,15 @@ fn copy_snapshot(
     };
     replica.store_initial_state(&state)?;
     replica.conn.execute_batch("COMMIT")?;
+    if unjournaled {
+        checkpoint_durably(&replica.conn)?;
+    }
+    if let (Some(marker), Some(db)) = (marker, &db_path) {
+        marker.remove().map_err(|source| SyncError::Marker {
+            path: marker_path(db).display().to_string(),
+            source,
+        })?;
+    }
     Ok(SyncReport {
         replica_version,
         tables: published.len(),
@@ -640,6 +802,21 @@ fn copy_snapshot(
 fn make_load_durable(conn: &rusqlite::Connection) -> Result<(), SyncError> {
     conn.execute_batch("PRAGMA wal_autocheckpoint = 0; COMMIT;")?;
     conn.execute_batch(LOAD_PRAGMAS_END)?;
+    checkpoint_durably(conn)
+}
+
+/// Sets the journal mode and returns the one SQLite took (it keeps WAL while another
+/// connection has the database open).
+fn journal_mode(conn: &rusqlite::Connection, mode: &str) -> Result<String, SyncError> {
+    let taken: String =
+        conn.query_row(&format!("PRAGMA journal_mode = {mode}"), [], |r| r.get(0))?;
+    Ok(taken.to_ascii_lowercase())
+}
+
+/// Copies every WAL frame into the database file under `synchronous = FULL`, which fsyncs the
+/// WAL and then the file: all of it, also the pages written earlier without an fsync. Expects
+/// frames to copy (a checkpoint with none skips its fsync).
+fn checkpoint_durably(conn: &rusqlite::Connection) -> Result<(), SyncError> {
     let (busy, frames, copied): (i64, i64, i64) =
         conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
             Ok((r.get(0)?, r.get(1)?, r.get(2)?))
@@ -720,7 +897,7 @@ async fn read_table(
     let stream = client.copy_out(&sql).await?;
     let mut stream = std::pin::pin!(stream);
     let mut rows = CopyRows::new(columns.len());
-    let mut batch = Vec::with_capacity(READER_BATCH_ROWS);
+    let mut batch = RowBlock::default();
     let mut bytes = 0u64;
     let (mut upstream_wait, mut writer_wait) = (Duration::ZERO, Duration::ZERO);
     loop {
@@ -739,15 +916,12 @@ async fn read_table(
         };
         let chunk = chunk?;
         bytes += chunk.len() as u64;
-        rows.push(&chunk, |fields| {
-            batch.push(converter.convert(fields)?);
-            Ok::<_, SyncError>(())
-        })?;
+        rows.push_rows(&chunk, |row| converter.convert(row, &mut batch))?;
         if batch.len() >= READER_BATCH_ROWS || bytes >= READER_BATCH_BYTES {
             if abort.load(Ordering::Relaxed) {
                 return Err(SyncError::Stopped);
             }
-            let rows = std::mem::replace(&mut batch, Vec::with_capacity(READER_BATCH_ROWS));
+            let rows = std::mem::take(&mut batch);
             send(tx, &mut writer_wait, Batch::Rows { job, rows, bytes })?;
             bytes = 0;
         }
@@ -863,10 +1037,10 @@ fn write_batches(
                 );
                 progress.finish(job);
                 // The table's internal indexes, as `create_replica_table` made them.
+                // The key index, as `create_replica_table` made it (the seq index was kept).
                 if let Some(sql) = table.create_key_index_sql() {
                     replica.conn.execute_batch(&sql)?;
                 }
-                replica.conn.execute_batch(&table.create_seq_index_sql())?;
                 for spec in published[*index].index_specs() {
                     let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
                     let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
@@ -889,6 +1063,8 @@ fn write_batches(
 struct Insert {
     /// Rows of the multi-row statement.
     rows: usize,
+    /// The table's columns (cells per row).
+    columns: usize,
     multi: String,
     single: String,
 }
@@ -914,6 +1090,7 @@ impl Insert {
         };
         Insert {
             rows,
+            columns: table.columns.len(),
             multi: sql(rows),
             single: sql(1),
         }
@@ -923,35 +1100,37 @@ impl Insert {
     fn insert(
         &self,
         conn: &rusqlite::Connection,
-        rows: &[Vec<SqlValue>],
+        rows: &RowBlock,
         version: &str,
         seq: &mut i64,
     ) -> Result<(), SyncError> {
-        let mut chunks = rows.chunks_exact(self.rows);
         let mut multi = conn.prepare_cached(&self.multi)?;
-        for chunk in &mut chunks {
-            bind_rows(&mut multi, chunk, version, seq)?;
+        let mut single = conn.prepare_cached(&self.single)?;
+        let mut all = rows.rows(self.columns);
+        let full = rows.len() / self.rows;
+        for _ in 0..full {
+            bind_rows(&mut multi, rows, all.by_ref().take(self.rows), version, seq)?;
             multi.raw_execute()?;
         }
-        let mut single = conn.prepare_cached(&self.single)?;
-        for row in chunks.remainder() {
-            bind_rows(&mut single, std::slice::from_ref(row), version, seq)?;
+        for row in all {
+            bind_rows(&mut single, rows, std::iter::once(row), version, seq)?;
             single.raw_execute()?;
         }
         Ok(())
     }
 }
 
-fn bind_rows(
+fn bind_rows<'a>(
     statement: &mut rusqlite::CachedStatement<'_>,
-    rows: &[Vec<SqlValue>],
+    block: &RowBlock,
+    rows: impl Iterator<Item = &'a [Cell]>,
     version: &str,
     seq: &mut i64,
 ) -> Result<(), SyncError> {
     let mut index = 1;
     for row in rows {
-        for value in row {
-            statement.raw_bind_parameter(index, value)?;
+        for &cell in row {
+            block.bind(statement, index, cell)?;
             index += 1;
         }
         statement.raw_bind_parameter(index, version)?;
@@ -1416,11 +1595,30 @@ mod tests {
         let table = ReplicaTable::from_spec(&spec);
         let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
         let converter = CopyRowConverter::new(&table, &columns);
+        let mut block = RowBlock::default();
+        let mut parser = CopyRows::new(1);
+        let mut convert = |line: &[u8], block: &mut RowBlock| {
+            let mut result = Ok(());
+            parser
+                .push_rows(line, |row| {
+                    result = converter.convert(row, block);
+                    Ok::<_, SyncError>(())
+                })
+                .unwrap();
+            result
+        };
+        convert(b"12\n", &mut block).unwrap();
         assert_eq!(
-            converter.convert(vec![Some("12".into())]).unwrap(),
-            [SqlValue::Integer(12)]
+            (block.len(), &block.cells[..]),
+            (1, &[Cell::Integer(12)][..])
         );
-        match converter.convert(vec![Some("twelve".into())]) {
+        let converted = convert(b"twelve\n", &mut block);
+        // Nothing of the bad row stays in the block.
+        assert_eq!(
+            (block.len(), &block.cells[..]),
+            (1, &[Cell::Integer(12)][..])
+        );
+        match converted {
             Err(SyncError::Value(MappingError::InvalidValue {
                 table, column, len, ..
             })) => assert_eq!(

@@ -14,6 +14,7 @@ mod copy_text;
 pub mod ddl;
 pub mod feed;
 pub mod initial_sync;
+pub mod load_marker;
 pub mod schema;
 pub mod value;
 
@@ -38,6 +39,11 @@ pub enum ReplicaError {
     Watermark(#[from] WatermarkError),
     #[error("could not create the replica directory {path}: {source}")]
     Directory {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("cannot remove the unfinished initial load in {path}: {source}")]
+    DiscardLoad {
         path: String,
         source: std::io::Error,
     },
@@ -101,7 +107,21 @@ impl Replica {
         Replica::open(&data_dir.join("replica.db"))
     }
 
+    /// Opens (creating if needed) the replica at `path`. A replica whose initial load never
+    /// finished (see [`load_marker`]) is removed first, unopened: its file may be damaged, and
+    /// it was not synced.
     pub fn open(path: &Path) -> Result<Replica, ReplicaError> {
+        let discarded =
+            load_marker::discard_unfinished(path).map_err(|source| ReplicaError::DiscardLoad {
+                path: path.display().to_string(),
+                source,
+            })?;
+        if discarded {
+            tracing::warn!(
+                path = %path.display(),
+                "the replica's initial sync did not finish: removed it, to sync again"
+            );
+        }
         let conn = Connection::open(path)?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
@@ -343,6 +363,30 @@ mod tests {
         // SQLite's numbering: 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA.
         assert_eq!(synchronous, 2, "expected synchronous=FULL");
         assert_eq!(journal, "wal");
+        drop(replica);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A power loss in the middle of the load (which writes without journal or fsync) can leave
+    /// a file SQLite cannot open; its marker makes the next open start over instead of failing.
+    #[test]
+    fn a_damaged_replica_left_by_an_unfinished_load_is_removed_on_open() {
+        let dir =
+            std::env::temp_dir().join(format!("highwater-replica-torn-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let db = dir.join("replica.db");
+        let mut torn = b"SQLite format 3\0".to_vec();
+        torn.resize(8192, 0xA5);
+        std::fs::write(&db, &torn).unwrap();
+        assert!(
+            Replica::open_in_dir(&dir).is_err(),
+            "SQLite refuses the torn file by itself"
+        );
+        load_marker::LoadMarker::create(&db).unwrap();
+        let replica = Replica::open_in_dir(&dir).expect("the marked replica starts over");
+        assert!(replica.state().is_none() && replica.table_names().is_empty());
+        assert!(!load_marker::marker_path(&db).exists());
         drop(replica);
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -4,7 +4,10 @@
 //! arrays JSON text, everything else TEXT. Reading back uses the column's upstream type, so a
 //! value comes out in the same JSON form it went in.
 
+use std::borrow::Cow;
+
 use highwater_engine::change_stream::JsonFormat;
+use highwater_engine::pgoutput::ScalarText;
 use rusqlite::types::{Value as SqlValue, ValueRef};
 use serde_json::{Number, Value};
 
@@ -52,6 +55,67 @@ pub fn into_sql(column: &ReplicaColumn, value: Value, json: JsonFormat) -> SqlVa
         (_, Value::Number(n)) => number_to_sql(&n),
         (_, Value::String(text)) => SqlValue::Text(text),
         (_, other @ (Value::Array(_) | Value::Object(_))) => SqlValue::Text(other.to_string()),
+    }
+}
+
+/// A SQLite value whose text may be borrowed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SqlScalar<'a> {
+    Null,
+    Integer(i64),
+    Real(f64),
+    Text(Cow<'a, str>),
+}
+
+/// Largest magnitude below which every integer is an exact `f64`.
+const F64_EXACT_INTEGERS: i128 = 1 << 53;
+
+/// [`into_sql`] (stringified JSON) of the value `value` stands for, without building it: the
+/// same SQLite value, borrowing its text where it can.
+pub fn scalar_to_sql<'a>(column: &ReplicaColumn, value: ScalarText<'a>) -> SqlScalar<'a> {
+    // JSON and text columns store a non-string value as its JSON text.
+    let as_text = matches!(column.kind, ValueKind::Json | ValueKind::Text);
+    match value {
+        ScalarText::Null => SqlScalar::Null,
+        ScalarText::String(text) => SqlScalar::Text(text.into()),
+        ScalarText::Bool(b) if as_text => SqlScalar::Text(b.to_string().into()),
+        ScalarText::Bool(b) => SqlScalar::Integer(i64::from(b)),
+        ScalarText::Integer(n) if as_text => SqlScalar::Text(n.to_string().into()),
+        ScalarText::Integer(n) => SqlScalar::Integer(n),
+        ScalarText::Number(text) if as_text => SqlScalar::Text(text.into()),
+        ScalarText::Number(text) => number_text_to_sql(text.into()),
+        ScalarText::Micros(micros) if !as_text => {
+            // What parsing the exact decimal milliseconds gives, computed: an integer where
+            // they are whole, else the correctly rounded quotient (exact operands, one IEEE
+            // division), the same double as parsing its decimal text.
+            let whole = (micros % 1000 == 0)
+                .then(|| i64::try_from(micros / 1000).ok())
+                .flatten();
+            match whole {
+                Some(ms) => SqlScalar::Integer(ms),
+                #[allow(clippy::cast_precision_loss)]
+                None if micros.abs() <= F64_EXACT_INTEGERS => {
+                    SqlScalar::Real(micros as f64 / 1000.0)
+                }
+                None => number_text_to_sql(Cow::Owned(
+                    value.number_text().unwrap_or_default().into_owned(),
+                )),
+            }
+        }
+        ScalarText::Micros(_) => {
+            SqlScalar::Text(value.number_text().unwrap_or_default().into_owned().into())
+        }
+    }
+}
+
+/// [`number_to_sql`] of the JSON number written `text`.
+fn number_text_to_sql(text: Cow<'_, str>) -> SqlScalar<'_> {
+    if let Ok(i) = text.parse::<i64>() {
+        SqlScalar::Integer(i)
+    } else if let Some(f) = text.parse::<f64>().ok().filter(|f| f.is_finite()) {
+        SqlScalar::Real(f)
+    } else {
+        SqlScalar::Text(text)
     }
 }
 
@@ -206,6 +270,86 @@ mod tests {
                         to_sql(&col, value, json),
                         "{data_type} {value} {json:?}"
                     );
+                }
+            }
+        }
+    }
+
+    fn owned(value: SqlScalar<'_>) -> SqlValue {
+        match value {
+            SqlScalar::Null => SqlValue::Null,
+            SqlScalar::Integer(i) => SqlValue::Integer(i),
+            SqlScalar::Real(f) => SqlValue::Real(f),
+            SqlScalar::Text(text) => SqlValue::Text(text.into_owned()),
+        }
+    }
+
+    /// Every storage kind, with every shape of scalar value.
+    fn assert_scalar_stores_as_into_sql(value: ScalarText<'_>) {
+        let types = [
+            ("int8", None),
+            ("numeric", None),
+            ("timestamptz", None),
+            ("bool", None),
+            ("text", None),
+            ("jsonb", None),
+            ("int4[]", None),
+            ("level", Some(PgTypeClass::Enum)),
+        ];
+        for (data_type, class) in types {
+            let col = column(data_type, class);
+            let slow = into_sql(&col, value.to_value(), JsonFormat::Stringified);
+            let fast = owned(scalar_to_sql(&col, value));
+            // NaN never occurs (non-finite numbers are NULL or text), so `==` is exact.
+            assert_eq!(fast, slow, "{data_type} {value:?}");
+            if let (SqlValue::Real(a), SqlValue::Real(b)) = (&fast, &slow) {
+                assert_eq!(a.to_bits(), b.to_bits(), "{data_type} {value:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_values_store_as_their_json_would() {
+        let values = [
+            ScalarText::Null,
+            ScalarText::Bool(true),
+            ScalarText::Bool(false),
+            ScalarText::String("héllo"),
+            ScalarText::String("{\"a\": 1}"),
+            ScalarText::Number("7"),
+            ScalarText::Number("-0"),
+            ScalarText::Number("9223372036854775808"),
+            ScalarText::Number("1.50"),
+            ScalarText::Number("1e+999999"),
+            ScalarText::Number("-1.5e-7"),
+            ScalarText::Number("12345678901234567890.123456789000"),
+            ScalarText::Integer(-86_400_000),
+            ScalarText::Micros(0),
+            ScalarText::Micros(-1500),
+            ScalarText::Micros(1_547_249_435_381_101),
+            ScalarText::Micros(9_007_199_254_740_993),
+            ScalarText::Micros(9_223_372_036_854_775_807_000),
+            ScalarText::Micros(-9_223_372_036_854_775_809_001),
+        ];
+        for value in values {
+            assert_scalar_stores_as_into_sql(value);
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_instant_stores_as_its_milliseconds_text_would(micros: i64, wide: i128) {
+            assert_scalar_stores_as_into_sql(ScalarText::Micros(i128::from(micros)));
+            assert_scalar_stores_as_into_sql(ScalarText::Micros(wide >> 40));
+        }
+
+        #[test]
+        fn any_number_stores_as_its_json_would(n: i64, f: f64) {
+            let (n, f, e) = (n.to_string(), f.to_string(), format!("{f:e}"));
+            for text in [n.as_str(), f.as_str(), e.as_str()] {
+                // The engine gives `Number` only the texts serde_json keeps as written.
+                if text.parse::<Number>().is_ok_and(|n| n.to_string() == text) {
+                    assert_scalar_stores_as_into_sql(ScalarText::Number(text));
                 }
             }
         }
