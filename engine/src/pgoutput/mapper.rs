@@ -338,7 +338,11 @@ impl PgoutputMapper {
     }
 
     fn value_type(&self, oid: u32) -> ValueType {
-        ValueType::of(oid, self.array_types.contains(&oid))
+        // Most streams announce no custom array type: skip hashing every value's OID then.
+        ValueType::of(
+            oid,
+            !self.array_types.is_empty() && self.array_types.contains(&oid),
+        )
     }
 }
 

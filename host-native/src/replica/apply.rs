@@ -20,7 +20,6 @@ use highwater_engine::change_stream::{
     RenameTable, Row, Truncate, Update, UpdateColumn,
 };
 use highwater_engine::watermark::{Lsn, Watermark};
-use rusqlite::types::Value as SqlValue;
 use std::sync::Arc;
 
 use rusqlite::{params, params_from_iter, Connection};
@@ -31,7 +30,7 @@ use super::schema::{
     self, create_index_sql, quote_ident, replica_index_name, replica_table_name, ReplicaColumn,
     ReplicaTable,
 };
-use super::value::{row_key_json, to_sql};
+use super::value::{row_key_json, to_sql_ref, SqlScalar};
 use super::{Replica, ReplicaError, ReplicaState};
 
 /// What applying one message did, as far as acknowledging upstream is concerned.
@@ -439,7 +438,7 @@ impl RowSql {
         &mut self,
         table: &ReplicaTable,
         code: u16,
-        columns: &[(&ReplicaColumn, SqlValue)],
+        columns: &[(&ReplicaColumn, SqlScalar<'_>)],
         build: impl FnOnce() -> String,
     ) -> Arc<str> {
         let mut key = Vec::with_capacity(columns.len() + 1);
@@ -513,9 +512,14 @@ fn table_for<'t>(
     schema: &str,
     name: &str,
 ) -> Result<&'t ReplicaTable, ReplicaError> {
-    let replica_name = replica_table_name(schema, name);
-    tables.get(&replica_name).ok_or(ReplicaError::UnknownTable {
-        table: replica_name,
+    // A `public` table goes by its own name: looked up without building one per row.
+    let found = if schema == "public" {
+        tables.get(name)
+    } else {
+        tables.get(&replica_table_name(schema, name))
+    };
+    found.ok_or_else(|| ReplicaError::UnknownTable {
+        table: replica_table_name(schema, name),
     })
 }
 
@@ -532,11 +536,11 @@ fn table_for_mut<'t>(
 }
 
 /// The row's values bound for SQLite, in the row's column order.
-fn row_values<'t>(
+fn row_values<'t, 'r>(
     table: &'t ReplicaTable,
-    row: &Row,
+    row: &'r Row,
     json: JsonFormat,
-) -> Result<Vec<(&'t ReplicaColumn, SqlValue)>, ReplicaError> {
+) -> Result<Vec<(&'t ReplicaColumn, SqlScalar<'r>)>, ReplicaError> {
     row.iter()
         .map(|(name, value)| {
             let col = table
@@ -545,18 +549,18 @@ fn row_values<'t>(
                     table: table.name.clone(),
                     column: name.clone(),
                 })?;
-            Ok((col, to_sql(col, value, json)))
+            Ok((col, to_sql_ref(col, value, json)))
         })
         .collect()
 }
 
 /// The values of the columns rows are matched on, taken from `row`.
-fn key_values<'t>(
+fn key_values<'t, 'r>(
     table: &'t ReplicaTable,
-    row: &Row,
+    row: &'r Row,
     json: JsonFormat,
     what: &'static str,
-) -> Result<Vec<(&'t ReplicaColumn, SqlValue)>, ReplicaError> {
+) -> Result<Vec<(&'t ReplicaColumn, SqlScalar<'r>)>, ReplicaError> {
     table
         .match_columns()
         .iter()
@@ -568,14 +572,18 @@ fn key_values<'t>(
             };
             let col = table.column(name).ok_or_else(missing)?;
             let value = row.get(name).ok_or_else(missing)?;
-            Ok((col, to_sql(col, value, json)))
+            Ok((col, to_sql_ref(col, value, json)))
         })
         .collect()
 }
 
 /// `WHERE …` matching one row by key (or, for a keyless table, the first row equal on all
 /// columns), with parameters numbered from `first`.
-fn where_key(table: &ReplicaTable, key: &[(&ReplicaColumn, SqlValue)], first: usize) -> String {
+fn where_key(
+    table: &ReplicaTable,
+    key: &[(&ReplicaColumn, SqlScalar<'_>)],
+    first: usize,
+) -> String {
     let conds: Vec<String> = key
         .iter()
         .enumerate()
@@ -602,23 +610,23 @@ fn where_key(table: &ReplicaTable, key: &[(&ReplicaColumn, SqlValue)], first: us
 fn upsert(
     ctx: &mut RowContext<'_>,
     table: &ReplicaTable,
-    values: Vec<(&ReplicaColumn, SqlValue)>,
+    values: Vec<(&ReplicaColumn, SqlScalar<'_>)>,
 ) -> Result<(), ReplicaError> {
     let sql = ctx
         .sql
         .get(table, SQL_UPSERT, &values, || upsert_sql(table, &values));
     let seq = ctx.seq();
-    let params = values.into_iter().map(|(_, v)| v).chain([
-        SqlValue::Text(ctx.version.to_owned()),
-        SqlValue::Integer(seq),
-    ]);
+    let params = values
+        .into_iter()
+        .map(|(_, v)| v)
+        .chain([SqlScalar::Text(ctx.version.into()), SqlScalar::Integer(seq)]);
     ctx.conn
         .prepare_cached(&sql)?
         .execute(params_from_iter(params))?;
     Ok(())
 }
 
-fn upsert_sql(table: &ReplicaTable, values: &[(&ReplicaColumn, SqlValue)]) -> String {
+fn upsert_sql(table: &ReplicaTable, values: &[(&ReplicaColumn, SqlScalar<'_>)]) -> String {
     let mut cols: Vec<String> = values.iter().map(|(c, _)| quote_ident(&c.name)).collect();
     cols.push("\"_hw_version\"".into());
     cols.push("\"_hw_seq\"".into());
@@ -655,8 +663,8 @@ enum VersionRule {
 fn update_row(
     ctx: &mut RowContext<'_>,
     table: &ReplicaTable,
-    values: &[(&ReplicaColumn, SqlValue)],
-    key: &[(&ReplicaColumn, SqlValue)],
+    values: &[(&ReplicaColumn, SqlScalar<'_>)],
+    key: &[(&ReplicaColumn, SqlScalar<'_>)],
     version: VersionRule,
 ) -> Result<usize, ReplicaError> {
     let code = match version {
@@ -670,10 +678,7 @@ fn update_row(
     let params = values
         .iter()
         .map(|(_, v)| v.clone())
-        .chain([
-            SqlValue::Text(ctx.version.to_owned()),
-            SqlValue::Integer(seq),
-        ])
+        .chain([SqlScalar::Text(ctx.version.into()), SqlScalar::Integer(seq)])
         .chain(key.iter().map(|(_, v)| v.clone()));
     Ok(ctx
         .conn
@@ -683,8 +688,8 @@ fn update_row(
 
 fn update_sql(
     table: &ReplicaTable,
-    values: &[(&ReplicaColumn, SqlValue)],
-    key: &[(&ReplicaColumn, SqlValue)],
+    values: &[(&ReplicaColumn, SqlScalar<'_>)],
+    key: &[(&ReplicaColumn, SqlScalar<'_>)],
     version: VersionRule,
 ) -> String {
     let mut set: Vec<String> = values
@@ -951,7 +956,7 @@ fn forget_backfill_versions(
 fn row_exists(
     conn: &Connection,
     table: &ReplicaTable,
-    key: &[(&ReplicaColumn, SqlValue)],
+    key: &[(&ReplicaColumn, SqlScalar<'_>)],
 ) -> Result<bool, ReplicaError> {
     let sql = format!(
         "SELECT EXISTS (SELECT 1 FROM {} WHERE {})",

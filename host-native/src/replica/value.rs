@@ -67,6 +67,48 @@ pub enum SqlScalar<'a> {
     Text(Cow<'a, str>),
 }
 
+impl SqlScalar<'_> {
+    pub fn as_value_ref(&self) -> ValueRef<'_> {
+        match self {
+            SqlScalar::Null => ValueRef::Null,
+            SqlScalar::Integer(i) => ValueRef::Integer(*i),
+            SqlScalar::Real(f) => ValueRef::Real(*f),
+            SqlScalar::Text(text) => ValueRef::Text(text.as_bytes()),
+        }
+    }
+}
+
+impl rusqlite::ToSql for SqlScalar<'_> {
+    fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
+        Ok(rusqlite::types::ToSqlOutput::Borrowed(self.as_value_ref()))
+    }
+}
+
+/// [`to_sql`] borrowing the value's text instead of copying it: the same SQLite value, for
+/// binding straight from a change-stream row.
+pub fn to_sql_ref<'v>(column: &ReplicaColumn, value: &'v Value, json: JsonFormat) -> SqlScalar<'v> {
+    match (column.kind, value) {
+        (_, Value::Null) => SqlScalar::Null,
+        (ValueKind::Json, Value::String(text)) if json == JsonFormat::Stringified => {
+            SqlScalar::Text(text.as_str().into())
+        }
+        (ValueKind::Json, other) => SqlScalar::Text(other.to_string().into()),
+        (_, Value::Bool(b)) => {
+            if column.kind == ValueKind::Text {
+                SqlScalar::Text(b.to_string().into())
+            } else {
+                SqlScalar::Integer(i64::from(*b))
+            }
+        }
+        (ValueKind::Text, Value::Number(n)) => SqlScalar::Text(n.as_str().into()),
+        (_, Value::Number(n)) => number_text_to_sql(n.as_str().into()),
+        (_, Value::String(text)) => SqlScalar::Text(text.as_str().into()),
+        (_, other @ (Value::Array(_) | Value::Object(_))) => {
+            SqlScalar::Text(other.to_string().into())
+        }
+    }
+}
+
 /// Largest magnitude below which every integer is an exact `f64`.
 const F64_EXACT_INTEGERS: i128 = 1 << 53;
 
@@ -173,12 +215,12 @@ pub fn from_sql(column: &ReplicaColumn, value: ValueRef<'_>, json: JsonFormat) -
 
 /// The canonical JSON of a row key: key columns in key order, values as the replica reads them
 /// back, so the same key gives the same text whichever path wrote it.
-pub fn row_key_json(columns: &[(&ReplicaColumn, SqlValue)]) -> String {
+pub fn row_key_json(columns: &[(&ReplicaColumn, SqlScalar<'_>)]) -> String {
     let mut map = serde_json::Map::new();
     for (col, value) in columns {
         map.insert(
             col.name.clone(),
-            from_sql(col, ValueRef::from(value), JsonFormat::Parsed),
+            from_sql(col, value.as_value_ref(), JsonFormat::Parsed),
         );
     }
     Value::Object(map).to_string()
@@ -236,7 +278,7 @@ mod tests {
     }
 
     #[test]
-    fn into_sql_stores_what_to_sql_stores() {
+    fn into_sql_and_to_sql_ref_store_what_to_sql_stores() {
         let big: Value = serde_json::from_str("9007199254740993").unwrap();
         let values = [
             Value::Null,
@@ -267,6 +309,11 @@ mod tests {
                 for json in [JsonFormat::Parsed, JsonFormat::Stringified] {
                     assert_eq!(
                         into_sql(&col, value.clone(), json),
+                        to_sql(&col, value, json),
+                        "{data_type} {value} {json:?}"
+                    );
+                    assert_eq!(
+                        owned(to_sql_ref(&col, value, json)),
                         to_sql(&col, value, json),
                         "{data_type} {value} {json:?}"
                     );
@@ -386,15 +433,13 @@ mod tests {
     #[test]
     fn row_keys_are_canonical_across_number_spellings() {
         let col = column("numeric", None);
-        let a = to_sql(
-            &col,
-            &serde_json::from_str("1.50").unwrap(),
-            JsonFormat::Parsed,
+        let (a, b): (Value, Value) = (
+            serde_json::from_str("1.50").unwrap(),
+            serde_json::from_str("1.5").unwrap(),
         );
-        let b = to_sql(
-            &col,
-            &serde_json::from_str("1.5").unwrap(),
-            JsonFormat::Parsed,
+        let (a, b) = (
+            to_sql_ref(&col, &a, JsonFormat::Parsed),
+            to_sql_ref(&col, &b, JsonFormat::Parsed),
         );
         assert_eq!(row_key_json(&[(&col, a)]), row_key_json(&[(&col, b)]));
     }
