@@ -238,6 +238,19 @@ mod tests {
         ReplicaColumn::from_spec("c", &spec)
     }
 
+    /// A column type of every storage kind (an enum is text).
+    const STORAGE_TYPES: [(&str, Option<PgTypeClass>); 9] = [
+        ("int8", None),
+        ("numeric", None),
+        ("float8", None),
+        ("timestamptz", None),
+        ("bool", None),
+        ("text", None),
+        ("jsonb", None),
+        ("int4[]", None),
+        ("level", Some(PgTypeClass::Enum)),
+    ];
+
     fn round_trip(data_type: &str, value: Value, json: JsonFormat) -> Value {
         let col = column(data_type, None);
         let stored = to_sql(&col, &value, json);
@@ -293,17 +306,7 @@ mod tests {
             json!([1, "a", null]),
             json!({"a": [1, 2]}),
         ];
-        let types = [
-            ("int8", None),
-            ("numeric", None),
-            ("float8", None),
-            ("bool", None),
-            ("text", None),
-            ("jsonb", None),
-            ("int4[]", None),
-            ("level", Some(PgTypeClass::Enum)),
-        ];
-        for (data_type, class) in types {
+        for (data_type, class) in STORAGE_TYPES {
             let col = column(data_type, class);
             for value in &values {
                 for json in [JsonFormat::Parsed, JsonFormat::Stringified] {
@@ -333,17 +336,7 @@ mod tests {
 
     /// Every storage kind, with every shape of scalar value.
     fn assert_scalar_stores_as_into_sql(value: ScalarText<'_>) {
-        let types = [
-            ("int8", None),
-            ("numeric", None),
-            ("timestamptz", None),
-            ("bool", None),
-            ("text", None),
-            ("jsonb", None),
-            ("int4[]", None),
-            ("level", Some(PgTypeClass::Enum)),
-        ];
-        for (data_type, class) in types {
+        for (data_type, class) in STORAGE_TYPES {
             let col = column(data_type, class);
             let slow = into_sql(&col, value.to_value(), JsonFormat::Stringified);
             let fast = owned(scalar_to_sql(&col, value));
