@@ -333,16 +333,12 @@ impl RowBlock {
         self.rows == 0
     }
 
-    /// The rows, each its `columns` cells.
+    /// The rows, each its `columns` cells (none for a zero-column table).
     fn rows(&self, columns: usize) -> impl Iterator<Item = &[Cell]> {
-        // A zero-column table has rows of no cells.
-        let chunk = columns.max(1);
         (0..self.rows).map(move |row| {
-            if columns == 0 {
-                &[][..]
-            } else {
-                &self.cells[row * chunk..(row + 1) * chunk]
-            }
+            self.cells
+                .get(row * columns..(row + 1) * columns)
+                .unwrap_or_default()
         })
     }
 
@@ -1579,6 +1575,31 @@ mod tests {
         assert_eq!(
             ranges[2].condition().as_deref(),
             Some("ctid >= '(66,0)'::tid")
+        );
+    }
+
+    #[test]
+    fn a_row_block_gives_back_its_rows_also_of_no_columns() {
+        let mut block = RowBlock::default();
+        for (i, text) in [(1, "a"), (2, "bé")] {
+            block.push(SqlScalar::Integer(i));
+            block.push(SqlScalar::Text(text.into()));
+            block.end_row();
+        }
+        let rows: Vec<&[Cell]> = block.rows(2).collect();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[1][0], Cell::Integer(2));
+        let Cell::Text(start, end) = rows[1][1] else {
+            panic!("expected text, got {:?}", rows[1][1]);
+        };
+        assert_eq!(&block.text[start..end], "bé");
+        let mut empty = RowBlock::default();
+        for _ in 0..3 {
+            empty.end_row();
+        }
+        assert_eq!(
+            empty.rows(0).map(<[Cell]>::len).collect::<Vec<_>>(),
+            [0, 0, 0]
         );
     }
 
