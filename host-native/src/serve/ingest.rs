@@ -24,9 +24,11 @@
 //! the backfill the replica waits for and takes its messages instead of upstream's until its
 //! commit: forwarded, stored and (being `skipAck`) never confirmed upstream.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use futures::FutureExt as _;
 use highwater_engine::change_stream::{Change, DownstreamMessage, Rollback};
 use highwater_engine::pgoutput::Relation;
 use highwater_engine::streamer::{ConnId, LogOp, StoredChange};
@@ -108,11 +110,17 @@ impl SyncFeed {
 
 // Lives for one loop step; boxing the common message variant would only add an allocation.
 #[allow(clippy::large_enum_variant)]
+/// Source events taken from the channel at a time at most.
+const EVENTS_PER_TAKE: usize = 256;
+
 enum Next {
     Stop,
     Op(StorageOp),
     Source(SourceEvent),
-    Backfill(Option<Result<BackfillItem, SyncError>>),
+    /// The next of the events already taken from the source's channel.
+    Taken,
+    /// Boxed: an item is large, and most steps are not one.
+    Backfill(Box<Option<Result<BackfillItem, SyncError>>>),
     Resumed,
     /// The open group's deadline passed with nothing more to apply.
     Flush,
@@ -251,6 +259,10 @@ impl Ingest {
         mut shutdown: watch::Receiver<bool>,
     ) -> Result<(), ServeError> {
         let mut paused = self.hub.upstream_paused();
+        // Source events taken from the channel together and not yet handled: leaving it
+        // together, they wake a source waiting for room once, not once per event.
+        let mut taken: VecDeque<SourceEvent> = VecDeque::new();
+        let mut take = Vec::with_capacity(EVENTS_PER_TAKE);
         let result = loop {
             if let Err(e) = self.settle_and_report() {
                 break Err(e);
@@ -279,7 +291,15 @@ impl Ingest {
             // queue was just drained, no flush is due and nothing is paused, so this is what
             // the biased select below would pick. Only an empty queue costs a wait.
             if !is_paused && upstream && !backfilling && !*shutdown.borrow() {
-                if let Ok(event) = events.try_recv() {
+                if taken.is_empty()
+                    && events
+                        .recv_many(&mut take, EVENTS_PER_TAKE)
+                        .now_or_never()
+                        .is_some()
+                {
+                    taken.extend(take.drain(..));
+                }
+                if let Some(event) = taken.pop_front() {
                     if let Err(e) = self.on_source(event) {
                         break Err(e);
                     }
@@ -305,9 +325,13 @@ impl Ingest {
                             Some(b) => b.next().await,
                             None => std::future::pending().await,
                         }
-                    }, if !is_paused && backfilling => Next::Backfill(item),
+                    }, if !is_paused && backfilling => Next::Backfill(Box::new(item)),
+                    // Events taken earlier come before the channel's.
+                    () = std::future::ready(()), if !is_paused && upstream && !taken.is_empty() => {
+                        Next::Taken
+                    }
                     // A source that fails says so; one that just ends was stopped.
-                    event = events.recv(), if !is_paused && upstream => {
+                    event = events.recv(), if !is_paused && upstream && taken.is_empty() => {
                         event.map_or(Next::Stop, Next::Source)
                     }
                 }
@@ -318,7 +342,11 @@ impl Ingest {
                 Next::Flush => self.make_durable().and_then(|stored| self.report(stored)),
                 Next::Op(op) => self.execute(op).and_then(|stored| self.report(stored)),
                 Next::Source(event) => self.on_source(event),
-                Next::Backfill(item) => self.on_backfill(item),
+                Next::Taken => match taken.pop_front() {
+                    Some(event) => self.on_source(event),
+                    None => Ok(()),
+                },
+                Next::Backfill(item) => self.on_backfill(*item),
             };
             if let Err(e) = step {
                 break Err(e);
