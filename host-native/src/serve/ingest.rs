@@ -108,19 +108,18 @@ impl SyncFeed {
     }
 }
 
-// Lives for one loop step; boxing the common message variant would only add an allocation.
-#[allow(clippy::large_enum_variant)]
 /// Source events taken from the channel at a time at most.
 const EVENTS_PER_TAKE: usize = 256;
 
+// Lives for one loop step; boxing the common message variant would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 enum Next {
     Stop,
     Op(StorageOp),
     Source(SourceEvent),
     /// The next of the events already taken from the source's channel.
     Taken,
-    /// Boxed: an item is large, and most steps are not one.
-    Backfill(Box<Option<Result<BackfillItem, SyncError>>>),
+    Backfill(Option<Result<BackfillItem, SyncError>>),
     Resumed,
     /// The open group's deadline passed with nothing more to apply.
     Flush,
@@ -325,7 +324,7 @@ impl Ingest {
                             Some(b) => b.next().await,
                             None => std::future::pending().await,
                         }
-                    }, if !is_paused && backfilling => Next::Backfill(Box::new(item)),
+                    }, if !is_paused && backfilling => Next::Backfill(item),
                     // Events taken earlier come before the channel's.
                     () = std::future::ready(()), if !is_paused && upstream && !taken.is_empty() => {
                         Next::Taken
@@ -346,7 +345,7 @@ impl Ingest {
                     Some(event) => self.on_source(event),
                     None => Ok(()),
                 },
-                Next::Backfill(item) => self.on_backfill(*item),
+                Next::Backfill(item) => self.on_backfill(item),
             };
             if let Err(e) = step {
                 break Err(e);
