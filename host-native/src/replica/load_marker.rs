@@ -5,7 +5,9 @@
 //! The load writes without a journal and without fsyncs (that is most of its speed), so a crash
 //! or a power loss in the middle of it can leave the database file in any state, one SQLite
 //! cannot open included. A replica found next to its marker is therefore removed unopened, and
-//! the next start syncs again from nothing.
+//! the next start syncs again from nothing. The loading process holds a lock on its marker
+//! (released by the kernel however the process ends), so a second process opening the same
+//! replica during the load is refused instead of removing it under the first.
 
 use std::fs::File;
 use std::io;
@@ -18,27 +20,44 @@ pub fn marker_path(db: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// A load in progress, marked durably on disk.
+/// A load in progress, marked durably on disk, its marker locked while this lives.
 #[derive(Debug)]
 pub struct LoadMarker {
     path: PathBuf,
+    /// The open marker, holding its lock.
+    file: File,
 }
 
 impl LoadMarker {
     /// Marks the replica at `db` as loading; the marker and its directory entry are on disk
-    /// when this returns.
+    /// when this returns. Fails if another load holds the marker.
     pub fn create(db: &Path) -> io::Result<LoadMarker> {
         let path = marker_path(db);
-        File::create(&path)?.sync_all()?;
+        let file = File::create(&path)?;
+        lock(&file)?;
+        file.sync_all()?;
         sync_dir(&path)?;
-        Ok(LoadMarker { path })
+        Ok(LoadMarker { path, file })
     }
 
     /// The load is complete and durable: removes the marker, durably.
     pub fn remove(self) -> io::Result<()> {
         std::fs::remove_file(&self.path)?;
-        sync_dir(&self.path)
+        sync_dir(&self.path)?;
+        drop(self.file);
+        Ok(())
     }
+}
+
+/// Takes the marker's lock, or says that a load in another process holds it.
+fn lock(marker: &File) -> io::Result<()> {
+    marker.try_lock().map_err(|e| match e {
+        std::fs::TryLockError::WouldBlock => io::Error::new(
+            io::ErrorKind::WouldBlock,
+            "an initial sync is loading this replica right now (its marker is locked)",
+        ),
+        std::fs::TryLockError::Error(e) => e,
+    })
 }
 
 /// Removes the replica at `db` if its load never finished (its marker is there): the database
@@ -49,6 +68,9 @@ pub fn discard_unfinished(db: &Path) -> io::Result<bool> {
     if !marker.try_exists()? {
         return Ok(false);
     }
+    // Held until the marker is gone: a load that is still running is not ours to remove.
+    let held = File::open(&marker)?;
+    lock(&held)?;
     for suffix in ["", "-wal", "-shm"] {
         let mut name = db.as_os_str().to_owned();
         name.push(suffix);
@@ -88,11 +110,16 @@ mod tests {
 
         let marker = LoadMarker::create(&db).unwrap();
         assert!(marker_path(&db).exists());
+        // While the load holds its marker, nobody removes the replica under it.
+        let refused = discard_unfinished(&db).unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::WouldBlock, "{refused}");
+        assert!(db.exists() && marker_path(&db).exists());
+        // The loading process ends without removing its marker (a crash): the lock goes.
+        let LoadMarker { file, .. } = marker;
+        drop(file);
         assert!(discard_unfinished(&db).unwrap());
         assert!(!db.exists() && !dir.join("replica.db-wal").exists());
         assert!(!marker_path(&db).exists());
-        // Already gone: removing it again is an error, not a silent success.
-        assert!(marker.remove().is_err());
 
         std::fs::write(&db, b"done").unwrap();
         LoadMarker::create(&db).unwrap().remove().unwrap();
