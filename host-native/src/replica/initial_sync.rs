@@ -618,7 +618,15 @@ fn copy_snapshot(
         None => None,
     };
     replica.conn.execute_batch(LOAD_PRAGMAS)?;
-    let unjournaled = marker.is_some() && journal_mode(&replica.conn, "OFF")? == "off";
+    let unjournaled = match marker {
+        // Another connection reading the WAL keeps it: SQLite refuses the switch as busy.
+        Some(_) => match journal_mode(&replica.conn, "OFF") {
+            Ok(mode) => mode == "off",
+            Err(e) if is_busy(&e) => false,
+            Err(e) => return Err(e.into()),
+        },
+        None => false,
+    };
     replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     for table in &published {
         let mut spec = ReplicaTable::from_spec(&table.to_spec());
@@ -752,10 +760,7 @@ fn copy_snapshot(
         // Back in WAL mode for streaming; the checkpoint after the state below makes the rows
         // written without a journal durable, and only then does the marker go.
         replica.conn.execute_batch("COMMIT")?;
-        let mode = journal_mode(&replica.conn, "WAL")?;
-        if mode != "wal" {
-            return Err(SyncError::JournalMode { mode });
-        }
+        back_to_wal(&replica.conn)?;
         replica.conn.execute_batch(LOAD_PRAGMAS_END)?;
     } else {
         // Make every loaded row durable before the state that says they are there (see
@@ -803,12 +808,38 @@ fn make_load_durable(conn: &rusqlite::Connection) -> Result<(), SyncError> {
     checkpoint_durably(conn)
 }
 
-/// Sets the journal mode and returns the one SQLite took (it keeps WAL while another
-/// connection has the database open).
-fn journal_mode(conn: &rusqlite::Connection, mode: &str) -> Result<String, SyncError> {
+/// Sets the journal mode and returns the one SQLite took.
+fn journal_mode(conn: &rusqlite::Connection, mode: &str) -> rusqlite::Result<String> {
     let taken: String =
         conn.query_row(&format!("PRAGMA journal_mode = {mode}"), [], |r| r.get(0))?;
     Ok(taken.to_ascii_lowercase())
+}
+
+fn is_busy(error: &rusqlite::Error) -> bool {
+    matches!(
+        error.sqlite_error_code(),
+        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+    )
+}
+
+/// How long the switch back to WAL after an unjournaled load waits for readers to let go.
+const BACK_TO_WAL_WAIT: Duration = Duration::from_secs(30);
+
+/// Switches back to WAL after an unjournaled load. The switch needs the database to itself,
+/// and SQLite refuses it as busy rather than wait while another connection reads (a monitor
+/// polling the replica's state, say): it is tried again until [`BACK_TO_WAL_WAIT`] has passed.
+fn back_to_wal(conn: &rusqlite::Connection) -> Result<(), SyncError> {
+    let started = Instant::now();
+    loop {
+        match journal_mode(conn, "WAL") {
+            Ok(mode) if mode == "wal" => return Ok(()),
+            Ok(mode) => return Err(SyncError::JournalMode { mode }),
+            Err(e) if is_busy(&e) && started.elapsed() < BACK_TO_WAL_WAIT => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Copies every WAL frame into the database file under `synchronous = FULL`, which fsyncs the
@@ -1466,12 +1497,37 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let handle = Handle::current();
         let mut paths = Vec::new();
-        for (name, workers) in [("reference", 0), ("one", 1), ("three", 3)] {
+        // "watched": another connection reads the replica all through the load, as a monitor
+        // polling its state would (the bench's did, and the switches of journal mode around
+        // the load failed as busy).
+        for (name, workers) in [("reference", 0), ("one", 1), ("three", 3), ("watched", 2)] {
             let path = dir.join(name).join("replica.db");
             std::fs::create_dir_all(path.parent().unwrap()).unwrap();
             let client = pg.connect().await.unwrap();
             let (handle, source, config) = (handle.clone(), source.clone(), params.upstream());
             let path_for_sync = path.clone();
+            let watching = std::sync::Arc::new(AtomicBool::new(name == "watched"));
+            let watcher = {
+                let (watching, path) = (watching.clone(), path.clone());
+                std::thread::spawn(move || {
+                    let mut reads = 0u32;
+                    while watching.load(Ordering::Relaxed) {
+                        let conn = rusqlite::Connection::open_with_flags(
+                            &path,
+                            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+                        );
+                        if let Ok(conn) = conn {
+                            let read: rusqlite::Result<i64> =
+                                conn.query_row(r#"SELECT count(*) FROM "_hw_state""#, [], |r| {
+                                    r.get(0)
+                                });
+                            reads += u32::from(read.is_ok());
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    reads
+                })
+            };
             let report = tokio::task::spawn_blocking(move || {
                 let mut replica = Replica::open(&path_for_sync).unwrap();
                 if workers == 0 {
@@ -1500,11 +1556,21 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
+            watching.store(false, Ordering::Relaxed);
+            let reads = watcher.join().unwrap();
+            if name == "watched" {
+                assert!(reads > 0, "the watcher never read the replica");
+            }
             if let Some(report) = report {
                 assert_eq!((report.tables, report.rows), (4, 3 + 4500 + 2100 + 3));
             }
             paths.push(path);
         }
+        assert_eq!(
+            dump(&paths[3], &["_hw_seq", "next_seq"]),
+            dump(&paths[0], &["_hw_seq", "next_seq"]),
+            "two readers, watched, against the old copy"
+        );
         let reference = dump(&paths[0], &[]);
         assert_eq!(
             dump(&paths[1], &[]),
