@@ -113,8 +113,11 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     path
 }
 
-fn scratch() -> PathBuf {
-    std::env::temp_dir().join(format!("highwater-pg-tls-{}", std::process::id()))
+/// A directory of the test's own. The tests of this file run in one process at once, so the
+/// process id alone would give them one directory, and the first to finish would remove the
+/// other's certificates.
+fn scratch(test: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("highwater-pg-tls-{}-{test}", std::process::id()))
 }
 
 fn url(pg: &PrivatePg, host: &str, user: &str, query: &str) -> String {
@@ -139,7 +142,7 @@ async fn is_encrypted(pg: &PrivatePg, pid: i32) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sslmode_and_sslrootcert_govern_every_postgres_connection() {
     let pg = server().await;
-    let dir = scratch();
+    let dir = scratch("sslmode");
     let certs = make_certs();
     let ca = write(&dir, "ca.pem", &certs.ca_pem);
     let wrong_ca = write(&dir, "other-ca.pem", &other_ca_pem());
@@ -317,7 +320,7 @@ async fn client_certificates_from_sslcert_and_sslkey_satisfy_clientcert_verify_f
         .batch_execute("CREATE ROLE cert_user LOGIN REPLICATION")
         .await
         .unwrap();
-    let dir = scratch().join("client-certs");
+    let dir = scratch("client-certs");
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca_params
