@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod change_log;
+pub mod data_lock;
 pub mod demo;
 pub mod pause_point;
 pub mod private_pg;

@@ -22,6 +22,7 @@ use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
+use crate::data_lock::DataDirLock;
 use crate::pause_point::{self, Point};
 use crate::upstream::{backfill_item, feed, reconcile_relation, Backfills, Catalog, EffectHost};
 
@@ -86,6 +87,8 @@ pub fn replicate(
     args: &ReplicateArgs,
     mut stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
+    // Held until this returns: a second process on the same directory is refused at start.
+    let _data_lock = DataDirLock::acquire(&args.data)?;
     // Postgres going away half-way through startup (a restart, a cut connection) starts it
     // again, as `serve` does; any other error is returned at once.
     let started = crate::startup_retry::retrying(

@@ -126,3 +126,39 @@ fn tls_needs_both_files_and_refuses_unreadable_ones_before_any_work() {
     );
     let _ = std::fs::remove_dir_all(&data);
 }
+
+#[test]
+fn a_second_process_on_a_data_directory_in_use_is_refused_before_any_work() {
+    let data = scratch("in-use");
+    // This test process holds the directory, as a running server would.
+    let held = highwater_host::data_lock::DataDirLock::acquire(&data).expect("lock");
+    let expected = format!(
+        "another highwater process (pid {}) is using the data directory",
+        std::process::id()
+    );
+    let output = serve(&data, &[]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(&expected), "{stderr}");
+    assert!(
+        !stderr.contains("Could not connect to Postgres"),
+        "no upstream work: {stderr}"
+    );
+    let output = Command::new(env!("CARGO_BIN_EXE_highwater"))
+        .arg("replicate")
+        .args(["--upstream", "postgres://nobody@127.0.0.1:9/none"])
+        .arg("--data")
+        .arg(&data)
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("highwater runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(&expected), "{stderr}");
+    // Once the holder is gone, a server goes on (to Postgres, which is not there).
+    drop(held);
+    let output = serve(&data, &[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("Could not connect to Postgres"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&data);
+}

@@ -51,6 +51,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::change_log::ChangeLogError;
+use crate::data_lock::{DataDirLock, DataLockError};
 use crate::replica::initial_sync::SyncError;
 use crate::replica::ReplicaError;
 use crate::replication::setup::DEFAULT_APP_ID;
@@ -263,6 +264,8 @@ pub enum ServeError {
     Tls(#[from] tls::TlsFileError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    DataLock(#[from] DataLockError),
     #[error("relaying failed: {0}")]
     Relay(#[from] RelayError),
     #[error("the replication stream failed: {0}")]
@@ -308,6 +311,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), ServeError> {
     let sync = load_sync(&args)?;
     let token = preflight(&args).await?;
+    // Held until this returns: a second server on the same directory is refused at start.
+    let _data_lock = DataDirLock::acquire(&args.data)?;
     if let Some(from) = args.from.clone() {
         return relay::serve(args, from, token, sync, stop).await;
     }
