@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use highwater_engine::change_stream::{Change, DownstreamMessage};
-use highwater_engine::pgoutput::Relation;
+use highwater_engine::pgoutput::{Relation, TextRowChange};
 use highwater_engine::upstream::{GroupCommit, GroupDecision, GroupLimits, Input, UpstreamSession};
 use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
@@ -294,6 +294,8 @@ fn stream_changes(
         epoch: Instant::now(),
     };
     replicator.writer.set_group_commit(true);
+    // The replica takes row values as Postgres wrote them: no JSON row per change.
+    replicator.session.keep_row_text();
     let mut last_report = Instant::now();
     let mut batch = Vec::with_capacity(BATCH_EVENTS);
     let mut queued = VecDeque::new();
@@ -407,6 +409,12 @@ impl EffectHost for Replicator<'_> {
             }
             Applied::Pending | Applied::RolledBack => Vec::new(),
         })
+    }
+
+    fn apply_text(&mut self, change: TextRowChange) -> anyhow::Result<Vec<Watermark>> {
+        // A row change is never a commit: nothing becomes durable here.
+        self.writer.apply_text(&change)?;
+        Ok(Vec::new())
     }
 
     fn settle(&mut self) -> anyhow::Result<Vec<Watermark>> {

@@ -9,7 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use highwater_engine::change_stream::{Begin, Change, DownstreamMessage};
-use highwater_engine::pgoutput::{Relation, ReplicaIdentity};
+use highwater_engine::pgoutput::{Relation, ReplicaIdentity, TextRowChange};
 use highwater_engine::upstream::{Effect, Input, SessionConfig, SessionError, UpstreamSession};
 use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
@@ -50,6 +50,12 @@ pub trait EffectHost {
     /// Hands a message on to storage; returns the commits that are durable now (a store
     /// that commits later reports them from [`EffectHost::settle`] or on its own).
     fn apply(&mut self, message: DownstreamMessage) -> Result<Vec<Watermark>, Self::Error>;
+
+    /// Hands on a row change whose values kept their text (a session told to keep row text);
+    /// by default, as the `data` message it stands for.
+    fn apply_text(&mut self, change: TextRowChange) -> Result<Vec<Watermark>, Self::Error> {
+        self.apply(DownstreamMessage::Data(change.to_change()))
+    }
 
     /// Carries out every store asked for so far; returns the commits that became durable.
     fn settle(&mut self) -> Result<Vec<Watermark>, Self::Error>;
@@ -96,6 +102,9 @@ pub fn carry<H: EffectHost>(host: &mut H, effects: Vec<Effect>) -> Result<(), H:
         let stored = |watermark| Input::Stored { watermark };
         match effect {
             Effect::Apply(message) => inputs.extend(host.apply(message)?.into_iter().map(stored)),
+            Effect::ApplyText(change) => {
+                inputs.extend(host.apply_text(change)?.into_iter().map(stored))
+            }
             Effect::Ack(lsn) => host.confirm(lsn),
             Effect::AckFrames(ids) => host.ack_frames(ids),
             Effect::Reconnect {

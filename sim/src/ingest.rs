@@ -149,6 +149,10 @@ impl Ingest {
                             );
                         }
                     }
+                    // The simulated server forwards JSON rows; a text row is the same change.
+                    Effect::ApplyText(change) => out.push(Ingested::Forward(
+                        DownstreamMessage::Data(change.to_change()),
+                    )),
                     Effect::Ack(lsn) => out.push(Ingested::Ack(lsn)),
                     Effect::ReconcileRelation(relation) => {
                         let changes = self.relation_changes(&relation);

@@ -5,7 +5,8 @@
 //! - [`PgoutputMessage`] decodes the pgoutput messages inside XLogData, borrowing from the input.
 //! - [`RelationCache`] remembers Relation messages by OID.
 //! - [`PgoutputMapper`] turns a session's frames into change-stream messages
-//!   ([`crate::change_stream::DownstreamMessage`]), keepalives and logical messages.
+//!   ([`crate::change_stream::DownstreamMessage`]), keepalives and logical messages; for a store
+//!   that takes values as they are, row changes can keep their text instead ([`TextRowChange`]).
 //!
 //! Values arrive in Postgres TEXT format and are converted by type OID as Zero's replicator
 //! expects (see `value.rs`). Date/time values must be printed with `DateStyle` ISO, so the
@@ -21,6 +22,7 @@ mod mapper;
 mod message;
 mod reader;
 mod relation;
+mod text_row;
 mod value;
 
 /// Encodes pgoutput messages and replication frames (tests, and the `testkit` feature for the
@@ -39,4 +41,5 @@ pub use message::{
     TupleValue, Update,
 };
 pub use relation::{RelationCache, UnknownRelation};
+pub use text_row::{TextRow, TextRowChange, TextRowKind, TextValue};
 pub use value::{ScalarText, TextColumn};

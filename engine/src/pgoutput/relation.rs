@@ -24,6 +24,8 @@ pub(super) struct CachedRelation {
     /// Built once per Relation message and cloned into each row change.
     /// Shared by every row change of the relation (cloning it is a reference count).
     pub(super) stream_relation: std::sync::Arc<change_stream::Relation>,
+    /// The column names, shared the same way by row changes that keep their text.
+    pub(super) column_names: std::sync::Arc<[String]>,
 }
 
 /// The relation as row changes carry it: `rowKey` from the key-flagged columns and the replica
@@ -58,6 +60,7 @@ impl RelationCache {
     pub fn insert(&mut self, relation: Relation) -> Option<Relation> {
         let entry = CachedRelation {
             stream_relation: std::sync::Arc::new(stream_relation(&relation)),
+            column_names: relation.columns.iter().map(|c| c.name.clone()).collect(),
             relation,
         };
         self.relations

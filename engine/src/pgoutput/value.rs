@@ -104,6 +104,10 @@ impl TextColumn {
         }
     }
 
+    pub(super) fn of(ty: ValueType) -> TextColumn {
+        TextColumn { ty }
+    }
+
     /// The value of `text`, or what it should have looked like. Text-like and JSON values
     /// take `text` as their string without copying it.
     pub fn convert(&self, text: String) -> Result<Value, &'static str> {

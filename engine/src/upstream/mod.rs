@@ -33,6 +33,9 @@
 //!   message is a `commit`, report [`Input::Stored`] with its watermark once it is durable —
 //!   later is fine (several transactions committed as one storage transaction report only the
 //!   last: every commit at or below a durable watermark is durable).
+//! * [`Effect::ApplyText`]: the same for a row change whose values kept their text (a session
+//!   told to [`keep_row_text`](UpstreamSession::keep_row_text): `replicate`, whose replica
+//!   takes them as they are, with no JSON row in between).
 //! * [`Effect::Ack`]: confirm the LSN to Postgres (standby status update, flush position).
 //! * [`Effect::AckFrames`]: send `{"ack":id}` to the primary for each id, in order.
 //! * [`Effect::ResolveDdl`] / [`Effect::ReconcileRelation`]: with every earlier `Apply` carried
@@ -71,7 +74,7 @@ mod liveness;
 mod tests;
 
 use crate::change_stream::{Begin, Change, Commit, DownstreamMessage, ErrorKind, Rollback};
-use crate::pgoutput::{MappingError, PgoutputEvent, PgoutputMapper, Relation};
+use crate::pgoutput::{MappingError, PgoutputEvent, PgoutputMapper, Relation, TextRowChange};
 use crate::watermark::{Lsn, Watermark};
 use ack::AckQueue;
 use frames::FrameAcks;
@@ -119,6 +122,11 @@ pub enum Input<'a> {
 pub enum Effect {
     /// Store (and forward) this message; report [`Input::Stored`] for a commit once durable.
     Apply(DownstreamMessage),
+    /// Store this row change, in the transaction of the `Apply`s around it: a `data` message
+    /// whose values kept their text, from a session that
+    /// [keeps row text](UpstreamSession::keep_row_text) (`TextRowChange::to_change` is that
+    /// message).
+    ApplyText(TextRowChange),
     /// Confirm this LSN to Postgres.
     Ack(Lsn),
     /// Acknowledge these frames of the primary, in order.
@@ -188,6 +196,8 @@ enum Awaiting {
 pub struct UpstreamSession {
     config: SessionConfig,
     mapper: PgoutputMapper,
+    /// Row changes of the replication stream go out as [`Effect::ApplyText`].
+    row_text: bool,
     frames: FrameAcks,
     acks: AckQueue,
     tx: Option<OpenTx>,
@@ -210,6 +220,7 @@ impl UpstreamSession {
         UpstreamSession {
             config,
             mapper: PgoutputMapper::new(),
+            row_text: false,
             frames: FrameAcks::new(stored.clone()),
             acks: AckQueue::new(stored.clone(), acked),
             tx: None,
@@ -220,6 +231,14 @@ impl UpstreamSession {
             subscribed: false,
             refused: false,
         }
+    }
+
+    /// From now on, the replication stream's inserts, updates and deletes go out as
+    /// [`Effect::ApplyText`], their values kept as Postgres' text, for a store that takes them
+    /// as they are; nothing else about the session changes. A relay's frames are unaffected.
+    pub fn keep_row_text(&mut self) {
+        self.row_text = true;
+        self.mapper.keep_row_text();
     }
 
     /// The newest commit handed on.
@@ -364,6 +383,9 @@ impl UpstreamSession {
             }
         }
         self.mapper = PgoutputMapper::new();
+        if self.row_text {
+            self.mapper.keep_row_text();
+        }
         self.acks.restarted();
         self.frames = FrameAcks::new(self.acks.stored().clone());
         self.subscribed = false;
@@ -402,6 +424,17 @@ impl UpstreamSession {
                     out.push(Effect::ResolveDdl {
                         content: message.content,
                     });
+                }
+            }
+            PgoutputEvent::RowText(change) => {
+                let Some(tx) = &self.tx else {
+                    return Err(unexpected(
+                        "row and schema changes inside a transaction",
+                        format!("{} outside one", change.tag()),
+                    ));
+                };
+                if !tx.skip {
+                    out.push(Effect::ApplyText(change));
                 }
             }
             PgoutputEvent::Relation { relation, .. } => {

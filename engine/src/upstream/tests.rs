@@ -111,6 +111,7 @@ fn line(effect: &Effect) -> String {
         Effect::Apply(DownstreamMessage::Begin(b)) => format!("apply begin {}", b.commit_watermark),
         Effect::Apply(DownstreamMessage::Commit(c)) => format!("apply commit {}", c.watermark),
         Effect::Apply(DownstreamMessage::Data(change)) => format!("apply {}", change.tag()),
+        Effect::ApplyText(change) => format!("apply text {}", change.tag()),
         Effect::Apply(DownstreamMessage::Rollback(_)) => "apply rollback".to_owned(),
         Effect::Apply(DownstreamMessage::Status(_)) => "apply status".to_owned(),
         Effect::Apply(other) => format!("apply {other:?}"),
@@ -217,6 +218,55 @@ fn a_resent_transaction_at_or_below_the_stored_commit_is_skipped_but_acked() {
             format!("apply commit {}", w(0x30)),
         ]
     );
+}
+
+#[test]
+fn a_session_keeping_row_text_hands_rows_on_as_text_under_the_same_rules() {
+    let mut s = started(0x20);
+    s.keep_row_text();
+    // Stored already: skipped whole, as with JSON rows.
+    assert_eq!(
+        wal(&mut s, &tx(0x20)),
+        [format!("ack {}", end(0x20)), "backfill due".to_owned()]
+    );
+    let frames = [pg_begin(0x30), pg_insert(&["2", "b"]), pg_commit(0x30)];
+    assert_eq!(
+        wal(&mut s, &frames),
+        [
+            format!("apply begin {}", w(0x30)),
+            "apply text insert".to_owned(),
+            format!("apply commit {}", w(0x30)),
+        ]
+    );
+    let row = s
+        .handle(Input::Started)
+        .and_then(|_| s.handle(Input::WalData(&pg_begin(0x40))))
+        .and_then(|_| s.handle(Input::WalData(&pg_relation(&["id", "v"]))))
+        .and_then(|_| s.handle(Input::SchemaChanges(Vec::new())))
+        .and_then(|_| s.handle(Input::WalData(&pg_insert(&["3", "c"]))))
+        .expect("taken");
+    // A new session (a reconnect) keeps the mode.
+    match row.as_slice() {
+        [Effect::ApplyText(change)] => {
+            let Change::Insert(insert) = change.to_change() else {
+                panic!("{change:?}")
+            };
+            assert_eq!(
+                serde_json::Value::Object(insert.new),
+                serde_json::json!({"id": "3", "v": "c"})
+            );
+        }
+        other => panic!("expected one text row, got {other:?}"),
+    }
+    // Outside a transaction a row is refused, as a JSON row is.
+    let mut outside = started(0x20);
+    outside.keep_row_text();
+    wal(&mut outside, &[pg_begin(0x30), pg_relation(&["id", "v"])]);
+    feed(&mut outside, Input::SchemaChanges(Vec::new()));
+    wal(&mut outside, &[pg_commit(0x30)]);
+    assert!(outside
+        .handle(Input::WalData(&pg_insert(&["4", "d"])))
+        .is_err());
 }
 
 #[test]

@@ -387,7 +387,7 @@ async fn catch_up(
         reports.push(PhaseReport {
             phase,
             commit,
-            stream: summarize(&output, 0..len, &mut PgoutputMapper::new())?,
+            stream: summarize(&output, 0..len, &mut replicate_mapper())?,
             consumers: [highwater, recvlogical],
         });
     }
@@ -431,7 +431,7 @@ async fn live(
     }
 
     let rss_reset = reset_peak_rss();
-    let mut mapper = PgoutputMapper::new();
+    let mut mapper = replicate_mapper();
     let mut offset = 0;
     let mut reports = Vec::new();
     for &phase in phases {
@@ -691,6 +691,13 @@ impl PhaseReport {
         let highwater = highwater.elapsed.as_secs_f64();
         (highwater > 0.0).then(|| recvlogical.elapsed.as_secs_f64() / highwater)
     }
+}
+
+/// The mapper as `replicate`'s session runs it: row values kept as text.
+fn replicate_mapper() -> PgoutputMapper {
+    let mut mapper = PgoutputMapper::new();
+    mapper.keep_row_text();
+    mapper
 }
 
 fn workload_text(p: &PhaseReport) -> String {

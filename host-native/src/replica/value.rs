@@ -78,6 +78,21 @@ impl SqlScalar<'_> {
     }
 }
 
+impl From<SqlValue> for SqlScalar<'_> {
+    fn from(value: SqlValue) -> Self {
+        match value {
+            SqlValue::Null => SqlScalar::Null,
+            SqlValue::Integer(i) => SqlScalar::Integer(i),
+            SqlValue::Real(f) => SqlScalar::Real(f),
+            SqlValue::Text(text) => SqlScalar::Text(text.into()),
+            // No change-stream value is stored as a blob; kept as what SQLite would read back.
+            SqlValue::Blob(bytes) => {
+                SqlScalar::Text(String::from_utf8_lossy(&bytes).into_owned().into())
+            }
+        }
+    }
+}
+
 impl rusqlite::ToSql for SqlScalar<'_> {
     fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
         Ok(rusqlite::types::ToSqlOutput::Borrowed(self.as_value_ref()))
