@@ -2,6 +2,8 @@
 //!
 //! - `ingest` ([`ingest`]): Postgres changes to the durable SQLite replica, with
 //!   `pg_recvlogical` on the same workload as the yardstick.
+//! - `apply` ([`apply`]): the replica's apply path alone (no Postgres), JSON rows against rows
+//!   that kept their pgoutput text.
 //! - `fanout` ([`fanout`]): committed changes delivered to 1, 10, 100 change-stream
 //!   subscribers (throughput, commit-to-subscriber latency), and catch-up speed from the log.
 //! - `initial-sync` ([`initial_sync`]): copying a table into a fresh replica, against
@@ -9,6 +11,7 @@
 //! - `sync` ([`sync`]): scope sync on `/sync`: commit-to-client latency at many connections,
 //!   replay rows/s, memory per idle subscription.
 
+pub mod apply;
 mod common;
 pub mod fanout;
 pub mod ingest;
@@ -29,6 +32,8 @@ pub struct BenchArgs {
 pub enum Benchmark {
     /// Ingest throughput, commit to durable replica, against `pg_recvlogical` on the same WAL.
     Ingest(ingest::IngestArgs),
+    /// The replica's apply path alone: JSON rows against rows that kept their text.
+    Apply(apply::ApplyArgs),
     /// Delivery to many change-stream subscribers, and catch-up of one far behind.
     Fanout(fanout::FanoutArgs),
     /// Initial sync of a large table, against `psql \copy … to /dev/null` of it.
@@ -41,6 +46,7 @@ pub enum Benchmark {
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.benchmark {
         Benchmark::Ingest(args) => ingest::run(args),
+        Benchmark::Apply(args) => apply::run(args),
         Benchmark::Fanout(args) => fanout::run(args),
         Benchmark::InitialSync(args) => initial_sync::run(args),
         Benchmark::Sync(args) => sync::run(args),
