@@ -12,6 +12,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use futures::FutureExt as _;
 use highwater_engine::pgoutput::{ReplicationFrame, StandbyStatusUpdate};
 use highwater_engine::watermark::Lsn;
 use tokio::sync::{mpsc, watch};
@@ -24,6 +25,9 @@ use super::error::ReplicationError;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 /// Tick period when the server has no `wal_sender_timeout`: nothing is due, so rarely.
 const IDLE_TICK: Duration = Duration::from_secs(30);
+/// Payloads already read that go on without checking stop, acknowledgements and liveness: a
+/// burst costs one such check, and a long one still makes it this often.
+const BURST_PAYLOADS: u32 = 64;
 
 /// How to run the stream.
 #[derive(Debug, Clone)]
@@ -284,6 +288,7 @@ impl Driver {
         let mut ticker = tokio::time::interval(liveness.tick_period());
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut pending = Some(first);
+        let mut burst = 0;
         loop {
             if let Some(event) = pending.take() {
                 if let Some(end) = self
@@ -293,7 +298,20 @@ impl Driver {
                     return Ok(end);
                 }
             }
-            let payload = tokio::select! {
+            // A payload already in the read buffer goes on at once, up to BURST_PAYLOADS in a
+            // row: the select below (stop, acknowledgements, the liveness tick) then runs once
+            // per burst instead of once per payload, and its timer and clock reads with it.
+            let ready = if burst < BURST_PAYLOADS {
+                stream.next_copy_data().now_or_never()
+            } else {
+                None
+            };
+            let payload = if let Some(payload) = ready {
+                burst += 1;
+                payload?
+            } else {
+                burst = 0;
+                tokio::select! {
                 biased;
                 _ = self.stop.changed() => return Ok(SessionEnd::Stopped),
                 changed = self.acks.changed() => {
@@ -312,11 +330,15 @@ impl Driver {
                     continue;
                 }
                 payload = stream.next_copy_data() => payload?,
+                }
             };
             let Some(payload) = payload else {
                 return Ok(SessionEnd::ServerEndedCopy);
             };
-            liveness.received();
+            if burst <= 1 {
+                // Later payloads of a burst arrived with its first.
+                liveness.received();
+            }
             if payload.first() == Some(&b'k') {
                 match ReplicationFrame::decode(&payload) {
                     Ok(ReplicationFrame::Keepalive(keepalive)) if keepalive.reply_requested => {
@@ -345,6 +367,17 @@ impl Driver {
         ticker: &mut tokio::time::Interval,
         event: WalEvent,
     ) -> Result<Option<SessionEnd>, ReplicationError> {
+        // Room now (the common case while the consumer keeps up): no select, no timer.
+        match self.events.try_reserve() {
+            Ok(permit) => {
+                permit.send(Ok(event));
+                return Ok(None);
+            }
+            Err(tokio::sync::mpsc::error::TrySendError::Closed(())) => {
+                return Ok(Some(SessionEnd::Stopped))
+            }
+            Err(tokio::sync::mpsc::error::TrySendError::Full(())) => {}
+        }
         let permit = loop {
             tokio::select! {
                 biased;
