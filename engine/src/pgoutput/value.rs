@@ -210,8 +210,8 @@ fn is_json_number(text: &str) -> bool {
 
 impl TextColumn {
     /// [`TextColumn::convert`] of a scalar column's `text`, borrowing it: `None` where that
-    /// takes more than a look at the text (arrays, a float whose text is not a JSON number),
-    /// and the caller converts with [`TextColumn::convert`] instead.
+    /// takes more than a look at the text (arrays, a float or numeric whose JSON spelling is not
+    /// its text), and the caller converts with [`TextColumn::convert`] instead.
     pub fn convert_scalar<'a>(
         &self,
         text: &'a str,
@@ -219,53 +219,99 @@ impl TextColumn {
         let ValueType::Scalar(scalar) = self.ty else {
             return None;
         };
-        // serde_json writes an exponent as `e` with its sign (`1E5` is `1e+5`): other
-        // spellings (rare: Postgres writes `e+`/`e-`) are left to `convert`, so that `Number`
-        // always holds the JSON number's own text.
-        let keeps_text = |text: &str| {
-            let b = text.as_bytes();
-            !b.iter().enumerate().any(|(i, &c)| {
-                c == b'E' || (c == b'e' && !matches!(b.get(i + 1), Some(b'+' | b'-')))
-            })
-        };
-        Some(match scalar {
-            Scalar::Text | Scalar::Json => Ok(ScalarText::String(text)),
-            // A canonical integer is a JSON number with its own text.
-            Scalar::Integer if is_canonical_integer(text) => Ok(ScalarText::Number(text)),
-            Scalar::Bool if text == "t" => Ok(ScalarText::Bool(true)),
-            Scalar::Bool if text == "f" => Ok(ScalarText::Bool(false)),
-            Scalar::Date | Scalar::Time | Scalar::TimeTz => match convert_scalar(scalar, text) {
-                Err(e) => Err(e.expected),
-                Ok(Value::Null) => Ok(ScalarText::Null),
-                Ok(Value::Number(n)) => return n.as_i64().map(|n| Ok(ScalarText::Integer(n))),
-                Ok(_) => return None,
-            },
-            // Not an integer or boolean: `convert`'s error.
-            Scalar::Integer | Scalar::Bool => Err(convert_scalar(scalar, text).err()?.expected),
-            Scalar::Float => match text {
-                "NaN" | "Infinity" | "-Infinity" => Ok(ScalarText::Null),
-                _ if text.parse::<f64>().is_err() => Err("a floating-point number"),
-                _ if is_json_number(text) && keeps_text(text) => Ok(ScalarText::Number(text)),
-                // Re-rendered from the parsed float by `convert`.
-                _ => return None,
-            },
-            Scalar::Numeric => match text {
-                "NaN" | "Infinity" | "-Infinity" => Ok(ScalarText::Null),
-                _ if !is_json_number(text) => Err("a numeric"),
-                _ if keeps_text(text) => Ok(ScalarText::Number(text)),
-                _ => return None,
-            },
-            Scalar::Timestamp | Scalar::TimestampTz => {
-                let with_zone = scalar == Scalar::TimestampTz;
-                match datetime::parse_timestamp(text, with_zone) {
-                    Some(Instant::Infinite) => Ok(ScalarText::Null),
-                    Some(Instant::Finite(micros)) => Ok(ScalarText::Micros(micros)),
-                    // The same error as `convert`'s.
-                    None => Err(convert_scalar(scalar, text).err()?.expected),
-                }
-            }
-        })
+        match classify(scalar, text) {
+            Ok(Classified::Scalar(value)) => Some(Ok(value)),
+            Ok(Classified::Respelled(_) | Classified::Float(_)) => None,
+            Err(e) => Some(Err(e.expected)),
+        }
     }
+}
+
+/// A scalar's text, read: what both conversions (to JSON, and to the borrowed [`ScalarText`])
+/// are made from, so that they cannot disagree.
+enum Classified<'a> {
+    /// The value, borrowing the text.
+    Scalar(ScalarText<'a>),
+    /// A JSON number whose text serde_json spells differently (an exponent written `E`, or `e`
+    /// without a sign: `1E5` is `1e+5`).
+    Respelled(&'a str),
+    /// A finite float whose text is not a JSON number: written from the parsed value.
+    Float(f64),
+}
+
+/// serde_json writes an exponent as `e` with its sign; a number spelled so keeps its text.
+fn keeps_text(text: &str) -> bool {
+    let b = text.as_bytes();
+    !b.iter()
+        .enumerate()
+        .any(|(i, &c)| c == b'E' || (c == b'e' && !matches!(b.get(i + 1), Some(b'+' | b'-'))))
+}
+
+/// A JSON number's text as [`Classified`]: itself, or respelled.
+fn number(text: &str) -> Classified<'_> {
+    if keeps_text(text) {
+        Classified::Scalar(ScalarText::Number(text))
+    } else {
+        Classified::Respelled(text)
+    }
+}
+
+fn classify(scalar: Scalar, text: &str) -> Result<Classified<'_>, ValueError> {
+    let fail = |expected| ValueError { expected };
+    let value = match scalar {
+        Scalar::Text | Scalar::Json => ScalarText::String(text),
+        Scalar::Bool => match text {
+            "t" => ScalarText::Bool(true),
+            "f" => ScalarText::Bool(false),
+            _ => return Err(fail("a boolean 't' or 'f'")),
+        },
+        // A canonical integer is a JSON number with its own text.
+        Scalar::Integer if is_canonical_integer(text) => ScalarText::Number(text),
+        Scalar::Integer => return Err(fail("an integer")),
+        Scalar::Float => match text {
+            "NaN" | "Infinity" | "-Infinity" => ScalarText::Null,
+            _ => {
+                let parsed: f64 = text.parse().map_err(|_| fail("a floating-point number"))?;
+                // Keep Postgres's shortest round-trip text; re-render only if it is not JSON.
+                if is_json_number(text) {
+                    return Ok(number(text));
+                }
+                if !parsed.is_finite() {
+                    return Err(fail("a finite floating-point number"));
+                }
+                return Ok(Classified::Float(parsed));
+            }
+        },
+        Scalar::Numeric => match text {
+            "NaN" | "Infinity" | "-Infinity" => ScalarText::Null,
+            _ if is_json_number(text) => return Ok(number(text)),
+            _ => return Err(fail("a numeric")),
+        },
+        Scalar::Timestamp | Scalar::TimestampTz => {
+            let with_zone = scalar == Scalar::TimestampTz;
+            match datetime::parse_timestamp(text, with_zone) {
+                Some(Instant::Infinite) => ScalarText::Null,
+                Some(Instant::Finite(micros)) => ScalarText::Micros(micros),
+                None if with_zone => return Err(fail("a timestamptz 'YYYY-MM-DD HH:MM:SS[.ffffff]±HH[:MM[:SS]][ BC]' (DateStyle ISO)")),
+                None => return Err(fail("a timestamp 'YYYY-MM-DD HH:MM:SS[.ffffff][ BC]' (DateStyle ISO)")),
+            }
+        }
+        Scalar::Date => match datetime::parse_date(text) {
+            Some(Instant::Infinite) => ScalarText::Null,
+            // At most ~2.1e9 days either way, so the product fits i64.
+            Some(Instant::Finite(days)) => ScalarText::Integer(days * MS_PER_DAY),
+            None => return Err(fail("a date 'YYYY-MM-DD[ BC]' (DateStyle ISO)")),
+        },
+        Scalar::Time => match datetime::parse_time(text) {
+            Some(ms) => ScalarText::Integer(ms),
+            None => return Err(fail("a time 'HH:MM:SS[.ffffff]'")),
+        },
+        Scalar::TimeTz => match datetime::parse_time_tz(text) {
+            Some(ms) => ScalarText::Integer(ms),
+            None => return Err(fail("a timetz 'HH:MM:SS[.ffffff]±HH[:MM[:SS]]'")),
+        },
+    };
+    Ok(Classified::Scalar(value))
 }
 
 /// What a value should have looked like; the caller adds the column and type.
@@ -276,70 +322,30 @@ pub(super) struct ValueError {
 
 pub(super) fn convert(ty: ValueType, text: &str) -> Result<Value, ValueError> {
     match ty {
-        ValueType::Scalar(scalar) => convert_scalar(scalar, text),
-        ValueType::Array(scalar) => {
-            parse_array(text, &mut |element| convert_scalar(scalar, element)).map_err(|e| match e {
+        ValueType::Scalar(scalar) => scalar_value(scalar, text),
+        ValueType::Array(scalar) => parse_array(text, &mut |element| scalar_value(scalar, element))
+            .map_err(|e| match e {
                 ArrayError::Element(e) => e,
                 ArrayError::Syntax { expected, .. } => ValueError { expected },
-            })
-        }
+            }),
     }
 }
 
-fn convert_scalar(scalar: Scalar, text: &str) -> Result<Value, ValueError> {
-    let fail = |expected| ValueError { expected };
-    match scalar {
-        Scalar::Text => Ok(Value::String(text.to_owned())),
-        Scalar::Json => Ok(Value::String(text.to_owned())),
-        Scalar::Bool => match text {
-            "t" => Ok(Value::Bool(true)),
-            "f" => Ok(Value::Bool(false)),
-            _ => Err(fail("a boolean 't' or 'f'")),
-        },
-        Scalar::Integer => {
-            if !is_canonical_integer(text) {
-                return Err(fail("an integer"));
-            }
-            exact_number(text).ok_or(fail("an integer"))
+/// The JSON value of a scalar's text.
+fn scalar_value(scalar: Scalar, text: &str) -> Result<Value, ValueError> {
+    match classify(scalar, text)? {
+        Classified::Scalar(value) => Ok(value.to_value()),
+        // serde_json parses any JSON number.
+        Classified::Respelled(text) => exact_number(text).ok_or(ValueError {
+            expected: "a numeric",
+        }),
+        Classified::Float(parsed) => {
+            Number::from_f64(parsed)
+                .map(Value::Number)
+                .ok_or(ValueError {
+                    expected: "a finite floating-point number",
+                })
         }
-        Scalar::Float => match text {
-            "NaN" | "Infinity" | "-Infinity" => Ok(Value::Null),
-            _ => {
-                let parsed: f64 = text.parse().map_err(|_| fail("a floating-point number"))?;
-                // Keep Postgres's shortest round-trip text; re-render only if it is not JSON.
-                exact_number(text)
-                    .or_else(|| Number::from_f64(parsed).map(Value::Number))
-                    .ok_or(fail("a finite floating-point number"))
-            }
-        },
-        Scalar::Numeric => match text {
-            "NaN" | "Infinity" | "-Infinity" => Ok(Value::Null),
-            _ => exact_number(text).ok_or(fail("a numeric")),
-        },
-        Scalar::Timestamp | Scalar::TimestampTz => {
-            let with_zone = scalar == Scalar::TimestampTz;
-            match datetime::parse_timestamp(text, with_zone) {
-                Some(Instant::Infinite) => Ok(Value::Null),
-                Some(Instant::Finite(micros)) => exact_number(&datetime::micros_as_ms_text(micros))
-                    .ok_or(fail("a timestamp")),
-                None if with_zone => Err(fail("a timestamptz 'YYYY-MM-DD HH:MM:SS[.ffffff]±HH[:MM[:SS]][ BC]' (DateStyle ISO)")),
-                None => Err(fail("a timestamp 'YYYY-MM-DD HH:MM:SS[.ffffff][ BC]' (DateStyle ISO)")),
-            }
-        }
-        Scalar::Date => match datetime::parse_date(text) {
-            Some(Instant::Infinite) => Ok(Value::Null),
-            Some(Instant::Finite(days)) => Ok(Value::Number(Number::from(
-                // At most ~2.1e9 days either way, so the product fits i64.
-                days * MS_PER_DAY,
-            ))),
-            None => Err(fail("a date 'YYYY-MM-DD[ BC]' (DateStyle ISO)")),
-        },
-        Scalar::Time => datetime::parse_time(text)
-            .map(|ms| Value::Number(ms.into()))
-            .ok_or(fail("a time 'HH:MM:SS[.ffffff]'")),
-        Scalar::TimeTz => datetime::parse_time_tz(text)
-            .map(|ms| Value::Number(ms.into()))
-            .ok_or(fail("a timetz 'HH:MM:SS[.ffffff]±HH[:MM[:SS]]'")),
     }
 }
 
