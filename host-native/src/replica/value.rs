@@ -13,48 +13,21 @@ use serde_json::{Number, Value};
 
 use super::schema::{ReplicaColumn, ValueKind};
 
-/// The SQLite value stored for a change-stream value of `column`.
+/// The SQLite value stored for a change-stream value of `column`: [`to_sql_ref`], owned.
 pub fn to_sql(column: &ReplicaColumn, value: &Value, json: JsonFormat) -> SqlValue {
-    match (column.kind, value) {
-        (_, Value::Null) => SqlValue::Null,
-        // Stringified JSON is already the text to store; parsed JSON (even a bare string) is not.
-        (ValueKind::Json, Value::String(text)) if json == JsonFormat::Stringified => {
-            SqlValue::Text(text.clone())
-        }
-        (ValueKind::Json, other) => SqlValue::Text(other.to_string()),
-        (_, Value::Bool(b)) => {
-            if column.kind == ValueKind::Text {
-                SqlValue::Text(b.to_string())
-            } else {
-                SqlValue::Integer(i64::from(*b))
-            }
-        }
-        (ValueKind::Text, Value::Number(n)) => SqlValue::Text(n.to_string()),
-        (_, Value::Number(n)) => number_to_sql(n),
-        (_, Value::String(text)) => SqlValue::Text(text.clone()),
-        (_, other @ (Value::Array(_) | Value::Object(_))) => SqlValue::Text(other.to_string()),
-    }
+    to_sql_ref(column, value, json).into()
 }
 
 /// [`to_sql`] taking the value: the same SQLite value, without copying its text.
 pub fn into_sql(column: &ReplicaColumn, value: Value, json: JsonFormat) -> SqlValue {
-    match (column.kind, value) {
-        (_, Value::Null) => SqlValue::Null,
-        (ValueKind::Json, Value::String(text)) if json == JsonFormat::Stringified => {
+    match value {
+        // A string is stored as it is, except a parsed JSON string, which is stored as JSON.
+        Value::String(text)
+            if column.kind != ValueKind::Json || json == JsonFormat::Stringified =>
+        {
             SqlValue::Text(text)
         }
-        (ValueKind::Json, other) => SqlValue::Text(other.to_string()),
-        (_, Value::Bool(b)) => {
-            if column.kind == ValueKind::Text {
-                SqlValue::Text(b.to_string())
-            } else {
-                SqlValue::Integer(i64::from(b))
-            }
-        }
-        (ValueKind::Text, Value::Number(n)) => SqlValue::Text(n.to_string()),
-        (_, Value::Number(n)) => number_to_sql(&n),
-        (_, Value::String(text)) => SqlValue::Text(text),
-        (_, other @ (Value::Array(_) | Value::Object(_))) => SqlValue::Text(other.to_string()),
+        value => to_sql(column, &value, json),
     }
 }
 
@@ -74,6 +47,17 @@ impl SqlScalar<'_> {
             SqlScalar::Integer(i) => ValueRef::Integer(*i),
             SqlScalar::Real(f) => ValueRef::Real(*f),
             SqlScalar::Text(text) => ValueRef::Text(text.as_bytes()),
+        }
+    }
+}
+
+impl From<SqlScalar<'_>> for SqlValue {
+    fn from(value: SqlScalar<'_>) -> Self {
+        match value {
+            SqlScalar::Null => SqlValue::Null,
+            SqlScalar::Integer(i) => SqlValue::Integer(i),
+            SqlScalar::Real(f) => SqlValue::Real(f),
+            SqlScalar::Text(text) => SqlValue::Text(text.into_owned()),
         }
     }
 }
@@ -99,8 +83,8 @@ impl rusqlite::ToSql for SqlScalar<'_> {
     }
 }
 
-/// [`to_sql`] borrowing the value's text instead of copying it: the same SQLite value, for
-/// binding straight from a change-stream row.
+/// The SQLite value stored for a change-stream value of `column`, borrowing the value's text:
+/// for binding straight from a change-stream row.
 pub fn to_sql_ref<'v>(column: &ReplicaColumn, value: &'v Value, json: JsonFormat) -> SqlScalar<'v> {
     match (column.kind, value) {
         (_, Value::Null) => SqlScalar::Null,
@@ -165,7 +149,8 @@ pub fn scalar_to_sql<'a>(column: &ReplicaColumn, value: ScalarText<'a>) -> SqlSc
     }
 }
 
-/// [`number_to_sql`] of the JSON number written `text`.
+/// The SQLite value of the JSON number written `text`: an INTEGER where it is one that fits,
+/// else a finite REAL, else its text (a number beyond the largest double).
 fn number_text_to_sql(text: Cow<'_, str>) -> SqlScalar<'_> {
     if let Ok(i) = text.parse::<i64>() {
         SqlScalar::Integer(i)
@@ -173,16 +158,6 @@ fn number_text_to_sql(text: Cow<'_, str>) -> SqlScalar<'_> {
         SqlScalar::Real(f)
     } else {
         SqlScalar::Text(text)
-    }
-}
-
-fn number_to_sql(n: &Number) -> SqlValue {
-    if let Some(i) = n.as_i64() {
-        SqlValue::Integer(i)
-    } else if let Some(f) = n.as_f64() {
-        SqlValue::Real(f)
-    } else {
-        SqlValue::Text(n.to_string())
     }
 }
 
@@ -306,7 +281,7 @@ mod tests {
     }
 
     #[test]
-    fn into_sql_and_to_sql_ref_store_what_to_sql_stores() {
+    fn into_sql_stores_what_to_sql_stores() {
         let big: Value = serde_json::from_str("9007199254740993").unwrap();
         let values = [
             Value::Null,
@@ -327,11 +302,6 @@ mod tests {
                 for json in [JsonFormat::Parsed, JsonFormat::Stringified] {
                     assert_eq!(
                         into_sql(&col, value.clone(), json),
-                        to_sql(&col, value, json),
-                        "{data_type} {value} {json:?}"
-                    );
-                    assert_eq!(
-                        owned(to_sql_ref(&col, value, json)),
                         to_sql(&col, value, json),
                         "{data_type} {value} {json:?}"
                     );
