@@ -305,10 +305,8 @@ impl PgoutputMapper {
     /// The `key` of an update or delete: the key columns of a `K` tuple, or the whole old row
     /// of an `O` tuple (replica identity FULL).
     fn old_row(&self, entry: &CachedRelation, old: &OldTuple<'_>) -> Result<Row, MappingError> {
-        match old {
-            OldTuple::Key(t) => self.row(entry, t, Columns::Key, None),
-            OldTuple::Full(t) => self.row(entry, t, Columns::All, None),
-        }
+        let (tuple, columns) = old_columns(old);
+        self.row(entry, tuple, columns, None)
     }
 
     /// A tuple as a row. Unchanged TOAST values are taken from `old` where it has them (an
@@ -339,10 +337,8 @@ impl PgoutputMapper {
         entry: &CachedRelation,
         old: &OldTuple<'_>,
     ) -> Result<TextRow, MappingError> {
-        match old {
-            OldTuple::Key(t) => self.text_row(entry, t, Columns::Key, None),
-            OldTuple::Full(t) => self.text_row(entry, t, Columns::All, None),
-        }
+        let (tuple, columns) = old_columns(old);
+        self.text_row(entry, tuple, columns, None)
     }
 
     /// [`PgoutputMapper::row`], its values kept as text: the same columns, checked the same way.
@@ -406,6 +402,15 @@ impl PgoutputMapper {
 enum Columns {
     All,
     Key,
+}
+
+/// An old tuple and the columns its row has: the key columns of a `K` tuple, every column of an
+/// `O` tuple.
+fn old_columns<'o, 't>(old: &'o OldTuple<'t>) -> (&'o Tuple<'t>, Columns) {
+    match old {
+        OldTuple::Key(t) => (t, Columns::Key),
+        OldTuple::Full(t) => (t, Columns::All),
+    }
 }
 
 /// Calls `each` with every column of `tuple` that a row of `columns` has, its position and its

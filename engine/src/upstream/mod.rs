@@ -427,13 +427,7 @@ impl UpstreamSession {
                 }
             }
             PgoutputEvent::RowText(change) => {
-                let Some(tx) = &self.tx else {
-                    return Err(unexpected(
-                        "row and schema changes inside a transaction",
-                        format!("{} outside one", change.tag()),
-                    ));
-                };
-                if !tx.skip {
+                if self.data_is_live(change.tag())? {
                     out.push(Effect::ApplyText(change));
                 }
             }
@@ -446,6 +440,18 @@ impl UpstreamSession {
             }
         }
         Ok(())
+    }
+
+    /// Whether a row or schema change (of wire tag `tag`) is to be applied: inside a
+    /// transaction that is not skipped. Outside any transaction it is refused.
+    fn data_is_live(&self, tag: &str) -> Result<bool, SessionError> {
+        match &self.tx {
+            Some(tx) => Ok(!tx.skip),
+            None => Err(unexpected(
+                "row and schema changes inside a transaction",
+                format!("{tag} outside one"),
+            )),
+        }
     }
 
     fn in_live_transaction(&self) -> bool {
@@ -519,13 +525,7 @@ impl UpstreamSession {
         match message {
             DownstreamMessage::Begin(begin) => self.begin(begin, origin, out),
             DownstreamMessage::Data(change) => {
-                let Some(tx) = &self.tx else {
-                    return Err(unexpected(
-                        "row and schema changes inside a transaction",
-                        format!("{} outside one", change.tag()),
-                    ));
-                };
-                if !tx.skip {
+                if self.data_is_live(change.tag())? {
                     out.push(Effect::Apply(DownstreamMessage::Data(change)));
                 }
                 Ok(())
