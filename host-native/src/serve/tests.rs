@@ -472,6 +472,40 @@ async fn upstream_is_acked_only_once_the_transaction_is_durable() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_taken_from_the_source_queue_together_is_stored_forwarded_and_acked_in_order() {
+    let h = Harness::start("burst", Duration::from_secs(30)).await;
+    let mut client = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    client.messages(1).await;
+    // Sent without waiting for any of it: the source queue fills, and the ingest loop takes
+    // what is queued together instead of one event per wake-up.
+    const TXNS: u64 = 200;
+    for n in 0..TXNS {
+        h.transaction(0x200 + n * 0x10, &[n + 1], n == 0).await;
+    }
+    let frames = 3 * TXNS + 1;
+    let messages = client.messages(usize::try_from(frames).unwrap()).await;
+    let expected: Vec<Watermark> = (0..TXNS).map(|n| w(0x200 + n * 0x10)).collect();
+    assert_eq!(commits(&messages), expected, "every transaction, in order");
+    wait_until(|| h.acks().len() == usize::try_from(frames).unwrap()).await;
+    // Every frame acknowledged once, in order, and only once stored.
+    assert_eq!(h.acks(), (1..=frames).collect::<Vec<_>>());
+    assert_eq!(
+        stored_last_watermark(&h.db()),
+        w(0x200 + (TXNS - 1) * 0x10).as_str()
+    );
+    let ids: Vec<u64> = h
+        .db()
+        .prepare("SELECT id FROM items ORDER BY id")
+        .expect("query")
+        .query_map([], |r| r.get(0))
+        .expect("rows")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    assert_eq!(ids, (1..=TXNS).collect::<Vec<_>>());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolled_back_transaction_is_forwarded_but_never_stored() {
     let h = Harness::start("rollback", Duration::from_secs(30)).await;
     h.transaction(0x200, &[1], true).await;
