@@ -9,6 +9,11 @@
 //! at all; a transaction at or below the stored position is refused (the upstream session skips
 //! what is stored), which makes a replay after a crash exactly-once.
 //!
+//! `replicate`'s row changes arrive with their values still as pgoutput text
+//! ([`ReplicaWriter::apply_text`]) and are stored exactly as their change-stream `data` message
+//! would be: both forms go through the same insert, update and delete code, read through
+//! [`RowValues`].
+//!
 //! Backfills follow `reference/zero-protocol.md` §9.8: rows are upserted by key, except rows
 //! deleted (or truncated) after the backfill's snapshot; a backfilling column keeps a value the
 //! stream wrote after that snapshot (tracked per row in `_hw_backfill_versions` while the column
