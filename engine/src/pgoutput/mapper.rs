@@ -14,7 +14,7 @@ use super::message::{
 };
 use super::relation::{CachedRelation, RelationCache, UnknownRelation};
 use super::text_row::{TextRow, TextRowChange, TextRowKind};
-use super::value::{self, ScalarText, TextColumn, ValueType};
+use super::value::{self, ScalarText, TextColumn, TextRead, ValueType};
 use crate::change_stream::{self, Change, DownstreamMessage, JsonFormat, Row};
 use crate::watermark::{Lsn, Watermark};
 
@@ -368,10 +368,12 @@ impl PgoutputMapper {
             };
             let text = utf8(relation, column, bytes)?;
             let ty = TextColumn::of(self.value_type(column.type_oid));
-            match ty.convert_scalar(text) {
-                Some(Ok(scalar)) => row.push_scalar(position, scalar),
-                Some(Err(expected)) => return Err(invalid(relation, column, expected, bytes)),
-                None => row.push_json(position, self.text_value(relation, column, bytes)?),
+            match ty
+                .read(text)
+                .map_err(|expected| invalid(relation, column, expected, bytes))?
+            {
+                TextRead::Scalar(scalar) => row.push_scalar(position, scalar),
+                TextRead::Json(value) => row.push_json(position, value),
             }
             Ok(())
         })?;

@@ -42,4 +42,4 @@ pub use message::{
 };
 pub use relation::{RelationCache, UnknownRelation};
 pub use text_row::{TextRow, TextRowChange, TextRowKind, TextValue};
-pub use value::{ScalarText, TextColumn};
+pub use value::{ScalarText, TextColumn, TextRead};

@@ -137,15 +137,6 @@ impl TextRow {
             .unwrap_or_default()
     }
 
-    /// How many columns are present.
-    pub fn len(&self) -> usize {
-        self.cells.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.cells.is_empty()
-    }
-
     /// The present columns (their position in the relation) and values, in column order.
     pub fn iter(&self) -> impl Iterator<Item = (usize, TextValue<'_>)> {
         self.cells

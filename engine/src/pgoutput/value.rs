@@ -118,6 +118,15 @@ impl TextColumn {
     }
 }
 
+/// A column value read from its text by [`TextColumn::read`]: borrowed where the type allows,
+/// else the JSON value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TextRead<'a> {
+    Scalar(ScalarText<'a>),
+    /// Arrays, and floats or numerics whose JSON spelling is not their text.
+    Json(Value),
+}
+
 /// A scalar column value read from its text without building a JSON value: what
 /// [`TextColumn::convert`] makes of the same text, in parts a store can take as they are (the
 /// replica's initial sync converts every COPY field this way).
@@ -223,6 +232,19 @@ impl TextColumn {
             Ok(Classified::Scalar(value)) => Some(Ok(value)),
             Ok(Classified::Respelled(_) | Classified::Float(_)) => None,
             Err(e) => Some(Err(e.expected)),
+        }
+    }
+}
+
+impl TextColumn {
+    /// The value of `text` as [`TextColumn::convert`] makes it, borrowing the text where
+    /// [`TextColumn::convert_scalar`] can, or what it should have looked like.
+    pub fn read<'a>(&self, text: &'a str) -> Result<TextRead<'a>, &'static str> {
+        match self.convert_scalar(text) {
+            Some(scalar) => scalar.map(TextRead::Scalar),
+            None => convert(self.ty, text)
+                .map(TextRead::Json)
+                .map_err(|e| e.expected),
         }
     }
 }

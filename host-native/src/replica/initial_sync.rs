@@ -24,10 +24,9 @@ use futures::{FutureExt as _, StreamExt};
 use highwater_engine::change_stream::{Change, DownstreamMessage, JsonFormat, Row};
 use highwater_engine::pgoutput::{
     self, MappingError, PgTimestamp, PgType, PgoutputEvent, PgoutputMapper, PgoutputMessage,
-    RelationColumn, TextColumn, Tuple, TupleValue,
+    RelationColumn, TextColumn, TextRead, Tuple, TupleValue,
 };
 use highwater_engine::watermark::{Lsn, Watermark};
-use rusqlite::types::Value as SqlValue;
 use serde_json::Value;
 use tokio::runtime::Handle;
 use tokio_postgres::Client;
@@ -202,8 +201,8 @@ impl TextRowConverter {
 /// each field goes through the replication stream's per-column conversion
 /// ([`TextColumn`], the one the mapper applies to tuple values) and the replica's
 /// [`into_sql`], so it is stored as [`TextRowConverter`] followed by `to_sql` would store it.
-/// Scalars take the borrowed path of both ([`TextColumn::convert_scalar`], [`scalar_to_sql`]):
-/// no JSON value, no allocation per field.
+/// Scalars take the borrowed path of both ([`TextColumn::read`], [`scalar_to_sql`]): no JSON
+/// value, no allocation per field.
 struct CopyRowConverter {
     table: String,
     columns: Vec<(ReplicaColumn, TextColumn)>,
@@ -250,13 +249,11 @@ impl CopyRowConverter {
                 expected,
                 len: text.len(),
             };
-            match text_column.convert_scalar(text) {
-                Some(Ok(value)) => block.push(scalar_to_sql(column, value)),
-                Some(Err(expected)) => return Err(invalid(expected).into()),
+            match text_column.read(text).map_err(invalid)? {
+                TextRead::Scalar(value) => block.push(scalar_to_sql(column, value)),
                 // Arrays and rare spellings: through the JSON value.
-                None => {
-                    let value = text_column.convert(text.to_owned()).map_err(invalid)?;
-                    block.push_value(into_sql(column, value, JsonFormat::Stringified));
+                TextRead::Json(value) => {
+                    block.push(into_sql(column, value, JsonFormat::Stringified).into());
                 }
             }
         }
@@ -296,20 +293,6 @@ impl RowBlock {
             }
         };
         self.cells.push(cell);
-    }
-
-    fn push_value(&mut self, value: SqlValue) {
-        match value {
-            SqlValue::Null => self.push(SqlScalar::Null),
-            SqlValue::Integer(i) => self.push(SqlScalar::Integer(i)),
-            SqlValue::Real(f) => self.push(SqlScalar::Real(f)),
-            SqlValue::Text(text) => self.push(SqlScalar::Text(text.into())),
-            // `into_sql` makes no blobs; stored as SQLite would show one, as hex text.
-            SqlValue::Blob(bytes) => {
-                let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-                self.push(SqlScalar::Text(hex.into()));
-            }
-        }
     }
 
     fn end_row(&mut self) {
@@ -1065,7 +1048,6 @@ fn write_batches(
                     "initial sync: table copied"
                 );
                 progress.finish(job);
-                // The table's internal indexes, as `create_replica_table` made them.
                 // The key index, as `create_replica_table` made it (the seq index was kept).
                 if let Some(sql) = table.create_key_index_sql() {
                     replica.conn.execute_batch(&sql)?;
@@ -1308,6 +1290,7 @@ mod tests {
     use super::*;
     use crate::private_pg::{PgOptions, PrivatePg};
     use crate::replication::ConnectParams;
+    use rusqlite::types::Value as SqlValue;
     use rusqlite::types::ValueRef;
 
     const SCHEMA: &str = r#"

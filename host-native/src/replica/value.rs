@@ -69,7 +69,7 @@ impl From<SqlValue> for SqlScalar<'_> {
             SqlValue::Integer(i) => SqlScalar::Integer(i),
             SqlValue::Real(f) => SqlScalar::Real(f),
             SqlValue::Text(text) => SqlScalar::Text(text.into()),
-            // No change-stream value is stored as a blob; kept as what SQLite would read back.
+            // `into_sql` makes no blobs; one would read back from SQLite as its bytes as text.
             SqlValue::Blob(bytes) => {
                 SqlScalar::Text(String::from_utf8_lossy(&bytes).into_owned().into())
             }
@@ -310,21 +310,12 @@ mod tests {
         }
     }
 
-    fn owned(value: SqlScalar<'_>) -> SqlValue {
-        match value {
-            SqlScalar::Null => SqlValue::Null,
-            SqlScalar::Integer(i) => SqlValue::Integer(i),
-            SqlScalar::Real(f) => SqlValue::Real(f),
-            SqlScalar::Text(text) => SqlValue::Text(text.into_owned()),
-        }
-    }
-
     /// Every storage kind, with every shape of scalar value.
     fn assert_scalar_stores_as_into_sql(value: ScalarText<'_>) {
         for (data_type, class) in STORAGE_TYPES {
             let col = column(data_type, class);
             let slow = into_sql(&col, value.to_value(), JsonFormat::Stringified);
-            let fast = owned(scalar_to_sql(&col, value));
+            let fast = SqlValue::from(scalar_to_sql(&col, value));
             // NaN never occurs (non-finite numbers are NULL or text), so `==` is exact.
             assert_eq!(fast, slow, "{data_type} {value:?}");
             if let (SqlValue::Real(a), SqlValue::Real(b)) = (&fast, &slow) {
