@@ -18,9 +18,13 @@
 //!   runs until the replica's stored position (`_hw_state`) covers the phase. The consumers
 //!   never compete with each other or with the workload for CPU: this is pure decode and apply
 //!   throughput on identical input. Times include each consumer's start-up.
-//! - `live`: both consumers stream while the workload runs; each phase is timed from its start
-//!   and from its last commit until the replica covers it, or until `pg_recvlogical`'s file
-//!   ends with the phase's last commit (written, not yet fsynced: it fsyncs every 10 s).
+//! - `live`: one consumer at a time streams while the workload runs, each on the same fresh
+//!   database (table, publication and slot made anew, a checkpoint before the run):
+//!   `pg_recvlogical` first, then Highwater. Each phase is timed from its start and from its
+//!   last commit until the replica covers it, or until `pg_recvlogical`'s file ends with the
+//!   phase's last commit (written, not yet fsynced: it fsyncs every 10 s).
+//! - `live-shared`: both consumers stream the same run at once, so they also compete with
+//!   each other (and with two WAL senders) for the machine's cores.
 //!
 //! MiB/s counts pgoutput payload bytes, the messages both consumers receive, as found in
 //! `pg_recvlogical`'s output.
@@ -78,7 +82,8 @@ pub struct IngestArgs {
     #[arg(long)]
     pub upstream: Option<String>,
     /// `catch-up`: consumers run one after the other over each phase's committed WAL.
-    /// `live`: both stream while the workload runs.
+    /// `live`: each consumer streams while the workload runs, one run per consumer on the
+    /// same fresh database. `live-shared`: both stream one run at once.
     #[arg(long, value_enum, default_value_t = Mode::CatchUp)]
     pub mode: Mode,
     /// Connections sending phase B's transactions.
@@ -87,6 +92,10 @@ pub struct IngestArgs {
     /// Statements in flight per connection in phase B.
     #[arg(long, default_value_t = 16)]
     pub pipeline: usize,
+    /// `live` only: runs of both consumers, alternating which goes first (pg_recvlogical in
+    /// odd rounds), each pair reported on its own.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: u32,
     /// Directory for the replica and pg_recvlogical's output; by default a temporary one,
     /// removed afterwards.
     #[arg(long)]
@@ -97,6 +106,7 @@ pub struct IngestArgs {
 pub enum Mode {
     CatchUp,
     Live,
+    LiveShared,
 }
 
 /// Runs the benchmark and prints its tables.
@@ -154,6 +164,9 @@ struct ConsumerResult {
     peak_rss_kib: Option<u64>,
     /// Highwater in catch-up mode only: CPU time this process used meanwhile.
     cpu: Option<Duration>,
+    /// Live modes only: when the phase's last commit returned, from the phase start, in the
+    /// run this consumer streamed.
+    committed: Option<Duration>,
 }
 
 #[derive(Debug, Clone)]
@@ -163,6 +176,8 @@ struct PhaseReport {
     /// What `pg_recvlogical` received for the phase.
     stream: OutputSummary,
     consumers: [ConsumerResult; 2],
+    /// `live` only: the round, and the consumer that ran first in it.
+    round: Option<(u32, Consumer)>,
 }
 
 #[derive(Debug, Clone)]
@@ -240,25 +255,6 @@ async fn run_phases(
         auto_reset: false,
         sync_workers: 2,
     };
-    // The initial sync creates Highwater's slot; the yardstick's comes right after, so both
-    // start before the workload.
-    let mut highwater = Replicator::spawn(&replicate_args);
-    let deadline = Instant::now() + START_TIMEOUT;
-    while highwater.position().is_none() {
-        highwater.check_running().await?;
-        if Instant::now() > deadline {
-            bail!("the replicator did not finish its initial sync in {START_TIMEOUT:?}");
-        }
-        tokio::time::sleep(POLL).await;
-    }
-    client
-        .execute(
-            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&recvlogical::SLOT],
-        )
-        .await
-        .context("cannot create the pg_recvlogical slot")?;
-
     let mut phases = Vec::new();
     if args.rows > 0 {
         phases.push(Phase::Bulk);
@@ -266,15 +262,47 @@ async fn run_phases(
     if args.txns > 0 {
         phases.push(Phase::SingleRow);
     }
+    if args.rounds > 1 && args.mode != Mode::Live {
+        bail!("--rounds applies to --mode live only");
+    }
+    let mut checked_rows = None;
     let reports = match args.mode {
         Mode::CatchUp => {
-            highwater.stop().await?;
+            // Both slots before the workload, so both consumers read the same WAL.
+            start_replicator(&replicate_args).await?.stop().await?;
+            create_recvlogical_slot(client).await?;
             catch_up(args, upstream, client, work, &replicate_args, &phases).await?
         }
-        Mode::Live => live(args, upstream, client, work, highwater, &phases).await?,
+        Mode::LiveShared => {
+            let highwater = start_replicator(&replicate_args).await?;
+            create_recvlogical_slot(client).await?;
+            let output = work.recvlogical_output("live")?;
+            let run = stream_phases(
+                args,
+                upstream,
+                client,
+                Some(highwater),
+                Some(&output),
+                &phases,
+            )
+            .await?;
+            let mut mapper = replicate_mapper();
+            run.into_iter()
+                .map(|phase| phase.report(&output, &mut mapper))
+                .collect::<anyhow::Result<_>>()?
+        }
+        Mode::Live => {
+            let (reports, rows) =
+                live(args, upstream, client, work, &replicate_args, &phases).await?;
+            checked_rows = Some(rows);
+            reports
+        }
     };
-    let upstream_rows = workload::row_count(client).await?;
-    let replica_rows = replica_row_count(&work.replica_dir())?;
+    // A live run checked each replica before the next run dropped the table.
+    let (upstream_rows, replica_rows) = match checked_rows {
+        Some(rows) => rows,
+        None => check_rows(args, client, work).await?,
+    };
     for report in &reports {
         let (rows, txns) = (report.commit.rows, report.commit.txns);
         // Other activity upstream may add empty transactions, never inserts.
@@ -288,13 +316,6 @@ async fn run_phases(
             );
         }
     }
-    if replica_rows != upstream_rows || upstream_rows != args.rows + args.txns {
-        bail!(
-            "expected {} rows upstream and in the replica, got {upstream_rows} upstream and \
-             {replica_rows} in the replica",
-            args.rows + args.txns
-        );
-    }
     Ok(IngestReport {
         mode: args.mode,
         server_version,
@@ -304,6 +325,81 @@ async fn run_phases(
         upstream_rows,
         replica_rows,
     })
+}
+
+/// The rows upstream and in the replica, which must both be every row the phases wrote.
+async fn check_rows(
+    args: &IngestArgs,
+    client: &Client,
+    work: &WorkDir,
+) -> anyhow::Result<(u64, u64)> {
+    let upstream_rows = workload::row_count(client).await?;
+    let replica_rows = replica_row_count(&work.replica_dir())?;
+    if replica_rows != upstream_rows || upstream_rows != args.rows + args.txns {
+        bail!(
+            "expected {} rows upstream and in the replica, got {upstream_rows} upstream and \
+             {replica_rows} in the replica",
+            args.rows + args.txns
+        );
+    }
+    Ok((upstream_rows, replica_rows))
+}
+
+/// Rounds of one live run per consumer, each on the same fresh database: `pg_recvlogical`
+/// first in odd rounds, Highwater first in even ones. Every Highwater run's replica is checked
+/// against the upstream before the next run drops the table; the last check's counts are
+/// returned with the reports.
+async fn live(
+    args: &IngestArgs,
+    upstream: &Upstream,
+    client: &mut Client,
+    work: &WorkDir,
+    replicate_args: &ReplicateArgs,
+    phases: &[Phase],
+) -> anyhow::Result<(Vec<PhaseReport>, (u64, u64))> {
+    let mut reports = Vec::new();
+    let mut rows = (0, 0);
+    for round in 1..=args.rounds {
+        let output = work.recvlogical_output("live")?;
+        let recvlogical_first = round % 2 == 1;
+        let mut recv_run = None;
+        let mut highwater_run = None;
+        for recvlogical_turn in [recvlogical_first, !recvlogical_first] {
+            fresh_database(client).await?;
+            if recvlogical_turn {
+                create_recvlogical_slot(client).await?;
+                recv_run =
+                    Some(stream_phases(args, upstream, client, None, Some(&output), phases).await?);
+            } else {
+                let replica = work.replica_dir();
+                if replica.exists() {
+                    std::fs::remove_dir_all(&replica)
+                        .with_context(|| format!("cannot remove {}", replica.display()))?;
+                }
+                let highwater = start_replicator(replicate_args).await?;
+                highwater_run = Some(
+                    stream_phases(args, upstream, client, Some(highwater), None, phases).await?,
+                );
+                rows = check_rows(args, client, work).await?;
+            }
+        }
+        let (Some(recv_run), Some(highwater_run)) = (recv_run, highwater_run) else {
+            bail!("expected a run of each consumer in round {round}");
+        };
+        let first = if recvlogical_first {
+            Consumer::PgRecvlogical
+        } else {
+            Consumer::Highwater
+        };
+        let mut mapper = replicate_mapper();
+        for (mut phase, highwater) in recv_run.into_iter().zip(highwater_run) {
+            phase.highwater = highwater.highwater;
+            let mut report = phase.report(&output, &mut mapper)?;
+            report.round = Some((round, first));
+            reports.push(report);
+        }
+    }
+    Ok((reports, rows))
 }
 
 async fn commit_phase(
@@ -360,6 +456,7 @@ async fn catch_up(
             after_commit: None,
             peak_rss_kib: None,
             cpu: None,
+            committed: None,
         };
 
         let rss_reset = reset_peak_rss();
@@ -380,6 +477,7 @@ async fn catch_up(
             after_commit: None,
             peak_rss_kib: peak_rss_kib().filter(|_| rss_reset),
             cpu,
+            committed: None,
         };
         replicator.stop().await?;
 
@@ -389,25 +487,103 @@ async fn catch_up(
             commit,
             stream: summarize(&output, 0..len, &mut replicate_mapper())?,
             consumers: [highwater, recvlogical],
+            round: None,
         });
     }
     Ok(reports)
 }
 
-/// Both consumers stream throughout; each phase is timed until both are through it.
-async fn live(
+/// Starts Highwater's replicator and waits for its initial sync, which creates its slot.
+async fn start_replicator(args: &ReplicateArgs) -> anyhow::Result<Replicator> {
+    let mut highwater = Replicator::spawn(args);
+    let deadline = Instant::now() + START_TIMEOUT;
+    while highwater.position().is_none() {
+        highwater.check_running().await?;
+        if Instant::now() > deadline {
+            bail!("the replicator did not finish its initial sync in {START_TIMEOUT:?}");
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    Ok(highwater)
+}
+
+async fn create_recvlogical_slot(client: &Client) -> anyhow::Result<()> {
+    client
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&recvlogical::SLOT],
+        )
+        .await
+        .context("cannot create the pg_recvlogical slot")?;
+    Ok(())
+}
+
+/// The bench objects dropped and made anew, and a checkpoint, so that a run does not pay for
+/// writing back the one before it.
+async fn fresh_database(client: &Client) -> anyhow::Result<()> {
+    drop_objects(client).await?;
+    workload::create_schema(client).await?;
+    client
+        .batch_execute("CHECKPOINT")
+        .await
+        .context("cannot checkpoint the upstream (the benchmark needs a superuser)")?;
+    Ok(())
+}
+
+/// One phase of a live run, for the consumers that streamed it.
+struct LivePhase {
+    phase: Phase,
+    commit: PhaseCommit,
+    highwater: Option<ConsumerResult>,
+    /// `pg_recvlogical`'s result and the phase's bytes of its output.
+    recvlogical: Option<(ConsumerResult, std::ops::Range<u64>)>,
+}
+
+impl LivePhase {
+    /// The phase's report, once both consumers have a result; `mapper` has read the output's
+    /// earlier phases, whose relation messages later ones do not repeat.
+    fn report(
+        self,
+        output: &std::path::Path,
+        mapper: &mut PgoutputMapper,
+    ) -> anyhow::Result<PhaseReport> {
+        let (Some(highwater), Some((recvlogical, bytes))) = (self.highwater, self.recvlogical)
+        else {
+            bail!("expected both consumers through phase {}", self.phase.key());
+        };
+        Ok(PhaseReport {
+            phase: self.phase,
+            stream: summarize(output, bytes, mapper)?,
+            commit: self.commit,
+            consumers: [highwater, recvlogical],
+            round: None,
+        })
+    }
+}
+
+/// The given consumers stream throughout the phases (each already has its slot); each phase
+/// is timed until every one of them is through it.
+async fn stream_phases(
     args: &IngestArgs,
     upstream: &Upstream,
     client: &mut Client,
-    work: &WorkDir,
-    mut highwater: Replicator,
+    mut highwater: Option<Replicator>,
+    output: Option<&std::path::Path>,
     phases: &[Phase],
-) -> anyhow::Result<Vec<PhaseReport>> {
-    let output = work.recvlogical_output("live")?;
-    let mut recv =
-        RecvLogical::spawn(&upstream.bin_dir, &upstream.url, PUBLICATION, &output, None)?;
-    let highwater_slot = ReplicationNames::for_app(APP_ID)?.slot;
-    let slots = vec![highwater_slot, recvlogical::SLOT.to_owned()];
+) -> anyhow::Result<Vec<LivePhase>> {
+    let mut recv = output
+        .map(|output| {
+            RecvLogical::spawn(&upstream.bin_dir, &upstream.url, PUBLICATION, output, None)
+        })
+        .transpose()?;
+    let mut slots = Vec::new();
+    if highwater.is_some() {
+        slots.push(ReplicationNames::for_app(APP_ID)?.slot);
+    }
+    if recv.is_some() {
+        slots.push(recvlogical::SLOT.to_owned());
+    }
+    let consumers = i64::try_from(slots.len())?;
     let deadline = Instant::now() + START_TIMEOUT;
     loop {
         let active: i64 = client
@@ -417,23 +593,19 @@ async fn live(
             )
             .await?
             .try_get(0)?;
-        if active == 2 {
+        if active == consumers {
             break;
         }
-        highwater.check_running().await?;
-        if let Some(exit) = recv.exited() {
-            bail!("{exit}");
-        }
+        check_consumers(&mut highwater, &mut recv).await?;
         if Instant::now() > deadline {
             bail!("the consumers did not start streaming in {START_TIMEOUT:?}");
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 
-    let rss_reset = reset_peak_rss();
-    let mut mapper = replicate_mapper();
+    let rss_reset = highwater.is_some() && reset_peak_rss();
     let mut offset = 0;
-    let mut reports = Vec::new();
+    let mut run = Vec::new();
     for &phase in phases {
         let started = Instant::now();
         let commit = commit_phase(phase, args, upstream, client).await?;
@@ -441,20 +613,24 @@ async fn live(
         let deadline = Instant::now() + CONSUMER_TIMEOUT;
         let mut highwater_done = None;
         let mut recv_done = None;
-        while highwater_done.is_none() || recv_done.is_none() {
-            if highwater_done.is_none() && highwater.position().is_some_and(|p| p >= floor) {
+        while (highwater.is_some() && highwater_done.is_none())
+            || (recv.is_some() && recv_done.is_none())
+        {
+            if highwater_done.is_none()
+                && highwater
+                    .as_mut()
+                    .and_then(Replicator::position)
+                    .is_some_and(|p| p >= floor)
+            {
                 highwater_done = Some(Instant::now());
             }
-            if recv_done.is_none() {
-                let (commit_lsn, len) = last_commit(&output)?;
+            if let (None, Some(output)) = (recv_done, output) {
+                let (commit_lsn, len) = last_commit(output)?;
                 if commit_lsn.is_some_and(|lsn| lsn >= floor) {
                     recv_done = Some((Instant::now(), len));
                 }
             }
-            highwater.check_running().await?;
-            if let Some(exit) = recv.exited() {
-                bail!("{exit}");
-            }
+            check_consumers(&mut highwater, &mut recv).await?;
             if Instant::now() > deadline {
                 bail!(
                     "the consumers did not get through phase {} in {CONSUMER_TIMEOUT:?}",
@@ -463,35 +639,53 @@ async fn live(
             }
             tokio::time::sleep(POLL).await;
         }
-        let (Some(highwater_at), Some((recv_at, end))) = (highwater_done, recv_done) else {
-            bail!("expected both consumers through phase {}", phase.key());
-        };
         let result = |consumer, at: Instant| ConsumerResult {
             consumer,
             elapsed: at - started,
             after_commit: Some(at.saturating_duration_since(commit.committed_at)),
             peak_rss_kib: None,
             cpu: None,
+            committed: Some(commit.elapsed),
         };
-        let stream = summarize(&output, offset..end, &mut mapper)?;
-        offset = end;
-        reports.push(PhaseReport {
+        let recvlogical = recv_done.map(|(at, end)| {
+            let bytes = offset..end;
+            offset = end;
+            (result(Consumer::PgRecvlogical, at), bytes)
+        });
+        run.push(LivePhase {
             phase,
-            consumers: [
-                result(Consumer::Highwater, highwater_at),
-                result(Consumer::PgRecvlogical, recv_at),
-            ],
+            highwater: highwater_done.map(|at| result(Consumer::Highwater, at)),
+            recvlogical,
             commit,
-            stream,
         });
     }
     let peak = peak_rss_kib().filter(|_| rss_reset);
-    for report in &mut reports {
-        report.consumers[0].peak_rss_kib = peak;
+    for phase in &mut run {
+        if let Some(highwater) = &mut phase.highwater {
+            highwater.peak_rss_kib = peak;
+        }
     }
-    recv.stop().await?;
-    highwater.stop().await?;
-    Ok(reports)
+    if let Some(recv) = recv {
+        recv.stop().await?;
+    }
+    if let Some(highwater) = highwater {
+        highwater.stop().await?;
+    }
+    Ok(run)
+}
+
+/// Fails if a consumer has stopped.
+async fn check_consumers(
+    highwater: &mut Option<Replicator>,
+    recv: &mut Option<RecvLogical>,
+) -> anyhow::Result<()> {
+    if let Some(highwater) = highwater {
+        highwater.check_running().await?;
+    }
+    if let Some(exit) = recv.as_mut().and_then(RecvLogical::exited) {
+        bail!("{exit}");
+    }
+    Ok(())
 }
 
 /// Highwater's replicator running in this process on a blocking thread.
@@ -597,8 +791,13 @@ impl IngestReport {
                  retained WAL, one after the other; seconds from consumer start until durable"
             }
             Mode::Live => {
-                "live: both consumers stream while the workload runs; seconds from phase start \
-                 until durable (pg_recvlogical: written to its file)"
+                "live: each consumer streams while the workload runs, one run each on the same \
+                 fresh database; seconds from phase start until durable (pg_recvlogical: \
+                 written to its file)"
+            }
+            Mode::LiveShared => {
+                "live-shared: both consumers stream one run while the workload runs; seconds \
+                 from phase start until durable (pg_recvlogical: written to its file)"
             }
         };
         let _ = writeln!(out, "highwater bench ingest ({method})");
@@ -616,7 +815,7 @@ impl IngestReport {
             let _ = writeln!(
                 out,
                 "| {} | {} | {:.2} s | {:.1} MiB | {:.1} MiB | {} |",
-                p.phase.key(),
+                p.label(),
                 workload_text(p),
                 p.commit.elapsed.as_secs_f64(),
                 p.commit.wal_bytes as f64 / MIB,
@@ -626,21 +825,28 @@ impl IngestReport {
         }
         let _ = writeln!(
             out,
-            "\n| Phase | Consumer | Rows | Txns | Seconds | Rows/s | MiB/s | After last commit \
-             | CPU | Peak RSS |"
+            "\n| Phase | Consumer | Rows | Txns | Seconds | Rows/s | MiB/s | Committed at \
+             | After last commit | CPU | Peak RSS |"
         );
-        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(
+            out,
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
         let optional = |value: Option<String>| value.unwrap_or_else(|| "-".to_owned());
         for p in &self.phases {
             let rows = |name: &str, elapsed: Duration, c: Option<&ConsumerResult>| {
                 let seconds = elapsed.as_secs_f64().max(1e-9);
                 format!(
-                    "| {} | {name} | {} | {} | {seconds:.3} | {} | {:.1} | {} | {} | {} |\n",
-                    p.phase.key(),
+                    "| {} | {name} | {} | {} | {seconds:.3} | {} | {:.1} | {} | {} | {} | {} |\n",
+                    p.label(),
                     thousands(p.commit.rows as f64),
                     thousands(p.commit.txns as f64),
                     thousands(p.commit.rows as f64 / seconds),
                     p.stream.payload_bytes as f64 / MIB / seconds,
+                    optional(
+                        c.and_then(|c| c.committed)
+                            .map(|d| format!("{:.3} s", d.as_secs_f64()))
+                    ),
                     optional(c.and_then(|c| c.after_commit).map(|d| {
                         if d < POLL {
                             // Already there at the first look: below the poll resolution.
@@ -671,7 +877,7 @@ impl IngestReport {
         let ratios: Vec<String> = self
             .phases
             .iter()
-            .filter_map(|p| Some(format!("{} {:.2}", p.phase.key(), p.throughput_ratio()?)))
+            .filter_map(|p| Some(format!("{} {:.2}", p.label(), p.throughput_ratio()?)))
             .collect();
         let _ = writeln!(
             out,
@@ -685,6 +891,20 @@ impl IngestReport {
 }
 
 impl PhaseReport {
+    /// The phase's key, with its live round and the consumer that ran first in it.
+    fn label(&self) -> String {
+        match self.round {
+            Some((round, first)) => {
+                format!(
+                    "{} (round {round}, {} first)",
+                    self.phase.key(),
+                    first.name()
+                )
+            }
+            None => self.phase.key().to_owned(),
+        }
+    }
+
     /// Highwater's rows/s over `pg_recvlogical`'s.
     fn throughput_ratio(&self) -> Option<f64> {
         let [highwater, recvlogical] = &self.consumers;
@@ -719,56 +939,94 @@ mod tests {
             mode,
             clients: 2,
             pipeline: 8,
+            rounds: 1,
             work_dir: None,
         }
     }
 
-    fn assert_complete(report: &IngestReport) {
+    /// Every round's two phases delivered every row to both consumers.
+    fn assert_complete(report: &IngestReport, rounds: usize) {
         assert_eq!(report.replica_rows, 2_200);
         assert_eq!(report.upstream_rows, 2_200);
         let phases: Vec<_> = report.phases.iter().map(|p| p.phase).collect();
-        assert_eq!(phases, [Phase::Bulk, Phase::SingleRow]);
-        let [bulk, single] = &report.phases[..] else {
-            panic!("two phases expected");
-        };
-        assert_eq!((bulk.stream.inserts, bulk.stream.commits), (2_000, 1));
-        assert_eq!((single.stream.inserts, single.stream.commits), (200, 200));
-        assert!(bulk.stream.last_commit >= Some(bulk.commit.last_commit_floor));
-        assert!(single.stream.last_commit >= Some(single.commit.last_commit_floor));
+        assert_eq!(phases, [Phase::Bulk, Phase::SingleRow].repeat(rounds));
+        for round in report.phases.chunks(2) {
+            let [bulk, single] = round else {
+                panic!("two phases expected");
+            };
+            assert_eq!((bulk.stream.inserts, bulk.stream.commits), (2_000, 1));
+            assert_eq!((single.stream.inserts, single.stream.commits), (200, 200));
+            assert!(bulk.stream.last_commit >= Some(bulk.commit.last_commit_floor));
+            assert!(single.stream.last_commit >= Some(single.commit.last_commit_floor));
+        }
         let table = report.render();
-        assert_eq!(table.matches("| highwater |").count(), 2, "{table}");
-        assert_eq!(table.matches("| pg_recvlogical |").count(), 2, "{table}");
+        assert_eq!(
+            table.matches("| highwater |").count(),
+            2 * rounds,
+            "{table}"
+        );
+        assert_eq!(
+            table.matches("| pg_recvlogical |").count(),
+            2 * rounds,
+            "{table}"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn tiny_catch_up_run_replicates_every_row_to_both_consumers() {
         let report = ingest(&tiny(Mode::CatchUp, None)).await.unwrap();
-        assert_complete(&report);
+        assert_complete(&report, 1);
         assert!(report.phases[0].consumers[0].peak_rss_kib.is_some());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn tiny_live_run_on_an_upstream_leaves_no_slots_behind() {
+    async fn tiny_live_runs_on_an_upstream_leave_no_slots_behind() {
         let pg = PrivatePg::start(PgOptions::default()).await.unwrap();
-        let report = ingest(&tiny(Mode::Live, Some(pg.url()))).await.unwrap();
-        assert_complete(&report);
-        assert!(report.phases[1].consumers[0].after_commit.is_some());
         let client = pg.connect().await.unwrap();
-        let slots: i64 = client
-            .query_one("SELECT count(*) FROM pg_replication_slots", &[])
-            .await
-            .unwrap()
-            .get(0);
-        assert_eq!(slots, 0);
-        let tables: i64 = client
-            .query_one(
-                "SELECT count(*) FROM pg_tables WHERE tablename = $1",
-                &[&workload::TABLE],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        assert_eq!(tables, 0);
+        for (mode, rounds) in [(Mode::Live, 2), (Mode::LiveShared, 1)] {
+            let args = IngestArgs {
+                rounds,
+                ..tiny(mode, Some(pg.url()))
+            };
+            let report = ingest(&args).await.unwrap();
+            assert_complete(&report, rounds as usize);
+            let firsts: Vec<_> = report.phases.iter().map(|p| p.round).collect();
+            if mode == Mode::Live {
+                use Consumer::{Highwater, PgRecvlogical};
+                let expected = [
+                    (1, PgRecvlogical),
+                    (1, PgRecvlogical),
+                    (2, Highwater),
+                    (2, Highwater),
+                ];
+                assert_eq!(firsts, expected.map(Some));
+            } else {
+                assert_eq!(firsts, [None, None]);
+            }
+            for phase in &report.phases {
+                for consumer in &phase.consumers {
+                    assert!(consumer.after_commit.is_some(), "{mode:?}");
+                    // A consumer may be through just before the commit returns to the client.
+                    let committed = consumer.committed.expect("a live run's commit time");
+                    assert!(committed > Duration::ZERO, "{mode:?}: {consumer:?}");
+                }
+            }
+            let slots: i64 = client
+                .query_one("SELECT count(*) FROM pg_replication_slots", &[])
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(slots, 0, "{mode:?}");
+            let tables: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_tables WHERE tablename = $1",
+                    &[&workload::TABLE],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(tables, 0, "{mode:?}");
+        }
     }
 
     #[test]
