@@ -944,28 +944,61 @@ async fn a_peer_that_stops_answering_pings_is_dropped_section_2_2() {
             health["connections"].as_u64().expect("connections")
         }
     };
-    // This one reads, so its library answers every ping.
+    // This one reads throughout, so its library answers every ping; its frames come here.
     let mut lively = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    let (frames, mut lively_frames) = tokio::sync::mpsc::unbounded_channel();
     let reader = tokio::spawn(async move {
-        let end = tokio::time::Instant::now() + Duration::from_millis(800);
-        while tokio::time::Instant::now() < end {
-            let _ = tokio::time::timeout(Duration::from_millis(50), lively.socket.next()).await;
+        while let Some(Ok(message)) = lively.socket.next().await {
+            if let Message::Text(text) = message {
+                let frame = decode_downstream_frame(text.as_str())
+                    .unwrap_or_else(|e| panic!("invalid frame {text}: {e}"));
+                if frames.send(frame).is_err() {
+                    break;
+                }
+            }
         }
-        lively
     });
-    // This one never reads again: no pong ever comes back.
-    let _silent = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
-    assert_eq!(connections(&h).await, 2);
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(connections(&h).await, 1);
-    let mut lively = reader.await.expect("reader");
-    // Still subscribed: live changes reach it.
+    // This one reads its initial status, so it was subscribed, and then never again: no pong
+    // ever comes back.
+    let mut silent = Client::connect(&changes_url(&h, 6, &w(VERSION), &w(VERSION))).await;
+    let status = silent.frame().await;
+    assert!(
+        matches!(status.messages(), [DownstreamMessage::Status(_)]),
+        "{status:?}"
+    );
+    // Pings go every 100 ms: the silent peer is dropped after a few of them, however busy the
+    // machine running the test is.
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    while connections(&h).await != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "expected the silent peer dropped within {PROMPT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Still subscribed: live changes reach the one that answers.
     h.transaction(0x200, &[1], true).await;
-    let frame = lively.frame().await;
+    let frame = loop {
+        let frame = tokio::time::timeout(PROMPT, lively_frames.recv())
+            .await
+            .expect("a frame in time")
+            .expect("the lively peer still connected");
+        // Its initial status came before the transaction.
+        if !matches!(frame.messages(), [DownstreamMessage::Status(_)]) {
+            break frame;
+        }
+    };
     assert!(
         matches!(frame.messages(), [DownstreamMessage::Begin(_)]),
         "{frame:?}"
     );
+    assert_eq!(connections(&h).await, 1);
+    // The one the server dropped is the silent one.
+    assert!(
+        matches!(silent.next().await, Received::Closed(_)),
+        "expected the silent peer's socket closed"
+    );
+    reader.abort();
     h.stop().await;
 }
 
