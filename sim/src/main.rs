@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Ends with `simulation: N seeds, F failed, S steps, K crashes, D disconnects, X transactions,
-//! B backfills (R failed before their commit, C crashes during one), Z subscriber resets`
+//! B backfills (R failed before their commit, C crashes during one)`
 //! and `# pass P` / `# fail F`; exits non-zero when a seed failed.
 
 use std::process::ExitCode;
@@ -78,7 +78,6 @@ fn main() -> ExitCode {
     };
     let (mut failed, mut steps, mut crashes, mut disconnects, mut txs) = (0u64, 0, 0, 0, 0);
     let (mut backfills, mut backfill_failures, mut backfill_crashes) = (0u64, 0u64, 0u64);
-    let mut resets = 0u64;
     for &s in &list {
         let mut opts = Options::new(s);
         opts.full_trace = trace;
@@ -99,7 +98,6 @@ fn main() -> ExitCode {
         backfills += outcome.backfills;
         backfill_failures += outcome.backfill_failures;
         backfill_crashes += outcome.backfill_crashes;
-        resets += outcome.subscriber_resets;
         if trace {
             for line in &outcome.trace {
                 println!("{line}");
@@ -130,7 +128,7 @@ fn main() -> ExitCode {
     }
     let n = list.len() as u64;
     println!(
-        "simulation: {n} seeds, {failed} failed, {steps} steps, {crashes} crashes, {disconnects} disconnects, {txs} transactions, {backfills} backfills ({backfill_failures} failed before their commit, {backfill_crashes} crashes during one), {resets} subscriber resets"
+        "simulation: {n} seeds, {failed} failed, {steps} steps, {crashes} crashes, {disconnects} disconnects, {txs} transactions, {backfills} backfills ({backfill_failures} failed before their commit, {backfill_crashes} crashes during one)"
     );
     println!("# pass {}", n - failed);
     println!("# fail {failed}");

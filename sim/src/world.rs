@@ -86,9 +86,6 @@ pub struct Outcome {
     pub backfill_failures: u64,
     /// Crashes while a backfill ran.
     pub backfill_crashes: u64,
-    /// Change-stream subscribers that had to reset: they held a backfill forwarded live that a
-    /// crash lost before it was durable.
-    pub subscriber_resets: u64,
     /// The event list (the last [`TRACE_TAIL`] lines unless a full trace was asked for).
     pub trace: Vec<String>,
 }
@@ -1194,7 +1191,12 @@ impl World {
                             }
                         }
                         let server = self.server.as_mut().expect("checked");
-                        server.streamer.on_stored(w.clone());
+                        match server.streamer.on_stored(w.clone()) {
+                            Ok(effects) => self.streamer_effects(effects),
+                            Err(e) => {
+                                return self.fail(format!("the streamer rejected a message: {e}"))
+                            }
+                        }
                         if let Some(server) = self.server.as_mut() {
                             let items = server.ingest.stored(w);
                             self.ingested(items);
@@ -2020,30 +2022,6 @@ impl World {
                 self.cs[i].open = None;
             }
             DownstreamMessage::Status(_) => {}
-            DownstreamMessage::Error(e)
-                if e.kind()
-                    == Some(highwater_engine::change_stream::ErrorKind::WatermarkTooOld)
-                    && self.backfills.contains_key(&self.cs[i].last)
-                    && !self
-                        .storage
-                        .durable()
-                        .log
-                        .iter()
-                        .any(|r| r.watermark == self.cs[i].last) =>
-            {
-                // Known hazard (see RELIABILITY.md): the streamer forwards a backfill live
-                // before it is durable; a crash loses it, and the retry, read from a later
-                // snapshot, takes another watermark. The subscriber holds a transaction the
-                // log never will and must reset from a snapshot of the replica.
-                let last = self.cs[i].last.clone();
-                let restored = self.storage.last_watermark().clone();
-                self.log(format!(
-                    "{name} resets: its backfill {last} was lost in a crash and redone elsewhere; restored at {restored}"
-                ));
-                self.out.subscriber_resets += 1;
-                self.cs[i].last = restored;
-                self.cs[i].open = None;
-            }
             DownstreamMessage::Error(e) => {
                 let e = format!("{e:?}");
                 self.fail(format!("{name} got an error from the streamer: {e}"));

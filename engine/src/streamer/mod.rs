@@ -12,8 +12,15 @@
 //!
 //! * [`Effect::Store`] and [`Effect::FetchCatchup`] go through one storage queue, in order: a
 //!   catch-up read must see every store asked for before it. After a [`LogOp::Commit`] is
-//!   durable, report it with [`Streamer::on_stored`]. What to confirm to the change source, and
-//!   when, is the upstream session's rule (`crate::upstream`), not the streamer's.
+//!   durable, report it with [`Streamer::on_stored`] and carry out what it returns. What to
+//!   confirm to the change source, and when, is the upstream session's rule
+//!   (`crate::upstream`), not the streamer's.
+//!
+//! Upstream transactions reach subscribers before they are durable: one lost in a crash is
+//! sent again by the source at the same watermark. A `skipAck` transaction (a backfill) is not:
+//! its retry is read later and may commit at another watermark, and a subscriber that had the
+//! lost one would hold a watermark the change log never will. So its commit is held from
+//! subscribers, and the upstream paused, until the host reports it durable.
 //! * [`Effect::PauseUpstream`]: feed no more upstream messages until [`Effect::ResumeUpstream`].
 //!   [`Effect::PauseCatchup`]: read no more catch-up rows for that connection until
 //!   [`Effect::ResumeCatchup`].
@@ -187,6 +194,8 @@ pub struct SubscriberStatus {
 struct OpenTx {
     watermark: Watermark,
     next_pos: u64,
+    /// Begun with `skipAck`: its commit waits to be durable before subscribers get it.
+    skip_ack: bool,
 }
 
 /// The change-streamer state machine. See the module documentation for the host's side.
@@ -205,6 +214,11 @@ pub struct Streamer {
     /// The last commit forwarded.
     last_commit: Watermark,
     tx: Option<OpenTx>,
+    /// A `skipAck` transaction's commit, stored but not yet durable: forwarded by
+    /// [`Streamer::on_stored`]. Meanwhile the upstream is paused, and whatever the host still
+    /// feeds waits in `behind_held`, in order.
+    held_commit: Option<Arc<Entry>>,
+    behind_held: std::collections::VecDeque<DownstreamMessage>,
     upstream_paused: bool,
     restart_signalled: bool,
     /// Some connection may hold live messages for the end of the burst.
@@ -229,6 +243,8 @@ impl Streamer {
             log_min: log.min_watermark,
             last_commit: log.last_watermark,
             tx: None,
+            held_commit: None,
+            behind_held: std::collections::VecDeque::new(),
             upstream_paused: false,
             restart_signalled: false,
             holding: false,
@@ -245,6 +261,11 @@ impl Streamer {
     /// Whether an upstream transaction is in flight.
     pub fn in_transaction(&self) -> bool {
         self.tx.is_some()
+    }
+
+    /// Whether a `skipAck` commit waits to be durable before subscribers get it.
+    pub fn holds_commit(&self) -> bool {
+        self.held_commit.is_some()
     }
 
     /// Whether the host was told to stop reading upstream.
@@ -293,6 +314,12 @@ impl Streamer {
         message: DownstreamMessage,
     ) -> Result<Vec<Effect>, UpstreamError> {
         let mut out = Vec::new();
+        if self.held_commit.is_some() {
+            // The host was told to pause: what it still feeds (the rest of a relayed frame)
+            // follows the held commit.
+            self.behind_held.push_back(message);
+            return Ok(out);
+        }
         match message {
             DownstreamMessage::Begin(begin) => {
                 if let Some(tx) = &self.tx {
@@ -311,6 +338,7 @@ impl Streamer {
                 self.tx = Some(OpenTx {
                     watermark: watermark.clone(),
                     next_pos: 1,
+                    skip_ack: begin.skip_ack == Some(true),
                 });
                 let entry = self.entry(DownstreamMessage::Begin(begin), Some(watermark.clone()));
                 out.push(Effect::Store(LogOp::Begin(StoredChange::new(
@@ -344,7 +372,7 @@ impl Streamer {
                         found: commit.watermark,
                     });
                 }
-                let pos = tx.next_pos;
+                let (pos, skip_ack) = (tx.next_pos, tx.skip_ack);
                 self.tx = None;
                 let watermark = commit.watermark.clone();
                 let entry = self.entry(DownstreamMessage::Commit(commit), Some(watermark.clone()));
@@ -352,9 +380,11 @@ impl Streamer {
                     &entry, &watermark, pos,
                 ))));
                 self.last_commit = watermark.clone();
-                self.forward(&entry, &mut out);
-                self.activate_queued(&mut out);
-                self.at_boundary(&mut out);
+                if skip_ack {
+                    self.held_commit = Some(entry);
+                } else {
+                    self.end_of_commit(&entry, &mut out);
+                }
             }
             DownstreamMessage::Rollback(rollback) => {
                 if self.tx.is_none() {
@@ -393,23 +423,54 @@ impl Streamer {
         // with the flushed WAL, which under load is every few messages, while more of them
         // are already queued at the host.
         let mut out = Vec::new();
-        if self.tx.is_none() {
+        if self.tx.is_none() && self.held_commit.is_none() {
             self.at_boundary(&mut out);
         }
         out
     }
 
-    /// The commit at `watermark` (and everything before it) is durable in the change log.
-    pub fn on_stored(&mut self, watermark: Watermark) {
+    /// The commit at `watermark` (and everything before it) is durable in the change log. A
+    /// held `skipAck` commit it covers goes to the subscribers, then what waited behind it
+    /// (whose rejection is returned as [`Streamer::on_upstream`]'s would be).
+    pub fn on_stored(&mut self, watermark: Watermark) -> Result<Vec<Effect>, UpstreamError> {
         if watermark > self.stored {
             self.stored = watermark;
         }
+        let mut out = Vec::new();
+        let durable = self
+            .held_commit
+            .as_ref()
+            .is_some_and(|held| held.watermark().is_some_and(|w| *w <= self.stored));
+        if durable {
+            if let Some(entry) = self.held_commit.take() {
+                self.end_of_commit(&entry, &mut out);
+            }
+            while self.held_commit.is_none() {
+                let Some(message) = self.behind_held.pop_front() else {
+                    break;
+                };
+                out.extend(self.on_upstream(message)?);
+            }
+        }
+        self.update_gate(&mut out);
+        Ok(out)
+    }
+
+    /// A commit goes to the subscribers; subscribers waiting for a boundary start, and the
+    /// upstream restarts if one needs it.
+    fn end_of_commit(&mut self, entry: &Arc<Entry>, out: &mut Vec<Effect>) {
+        self.forward(entry, out);
+        self.activate_queued(out);
+        self.at_boundary(out);
     }
 
     /// The upstream stream ended (error, close, or a restart). A transaction in flight is
     /// rolled back for the subscribers that saw its beginning and discarded from storage.
     pub fn upstream_ended(&mut self) -> Vec<Effect> {
         let mut out = Vec::new();
+        // The ended stream's messages not yet taken are sent again by the next one. A held
+        // commit stays held: its store is already asked for.
+        self.behind_held.clear();
         if self.tx.is_some() {
             self.end_transaction(Rollback::default(), &mut out);
         }
@@ -488,7 +549,7 @@ impl Streamer {
     }
 
     fn update_gate(&mut self, out: &mut Vec<Effect>) {
-        let mut blocked = false;
+        let mut blocked = self.held_commit.is_some();
         for c in self.conns.values_mut() {
             if let Some(s) = c.subscriber.as_mut().filter(|s| s.blocking) {
                 blocked = true;
@@ -609,7 +670,8 @@ impl Streamer {
                 self.close(holder, NORMAL_CLOSE_CODE, reason, &mut out);
             }
         }
-        if self.tx.is_none() {
+        // A held commit is a transaction not yet ended for subscribers.
+        if self.tx.is_none() && self.held_commit.is_none() {
             self.activate(conn, &mut out);
         }
         out
@@ -984,7 +1046,7 @@ impl Streamer {
     fn aligned(&mut self, tracker_key: &str, out: &mut Vec<Effect>) {
         self.tracker.mark_aligned(tracker_key);
         // Between transactions a restart can happen right away.
-        if self.tx.is_none() {
+        if self.tx.is_none() && self.held_commit.is_none() {
             self.at_boundary(out);
         }
     }

@@ -115,6 +115,10 @@ fn has(effects: &[Effect], wanted: &str) -> bool {
     lines(effects).iter().any(|l| l == wanted)
 }
 
+fn has_prefix(effects: &[Effect], prefix: &str) -> bool {
+    lines(effects).iter().any(|l| l.starts_with(prefix))
+}
+
 fn unwrap_ok(result: Result<Vec<Effect>, UpstreamError>) -> Vec<Effect> {
     result.expect("upstream message accepted")
 }
@@ -189,7 +193,7 @@ fn golden_v6_subscription_lifecycle_catchup_backlog_live_purge() {
     t.upstream(commit("0d"));
     let e = t.streamer.catchup_done(c);
     t.record("catchup done #1", e);
-    t.streamer.on_stored(w("0d"));
+    t.streamer.on_stored(w("0d")).expect("accepted");
     for id in 1..=7 {
         let e = t.streamer.on_ack(c, id, 100);
         t.record(&format!("ack #1 {id}"), e);
@@ -985,7 +989,7 @@ fn reservation_is_released_after_its_task_subscribes() {
         "close #1 1000 snapshot reservation of t1 ended by its subscription"
     );
     // Released: a purge is bounded by the subscriber (at 0a) and no longer by the reservation.
-    s.on_stored(w("0c"));
+    s.on_stored(w("0c")).expect("accepted");
     s.backup_watermark(backup("0c"), 1);
     assert_eq!(lines(&s.tick(30_001)), ["purge below 0a"]);
 }
@@ -1022,7 +1026,7 @@ fn reservations_are_refused_without_backups() {
 #[test]
 fn purge_floor_holds_at_confirmed_reservations_and_subscriber_acks() {
     let mut s = streamer_at("0f", RV);
-    s.on_stored(w("0f"));
+    s.on_stored(w("0f")).expect("accepted");
     s.open(ConnId(1), 6, false);
     s.reserve(ConnId(1), "t1", 0);
     s.backup_watermark(backup("0b"), 0); // confirms t1 at 0b
@@ -1065,6 +1069,12 @@ fn backfill_request(column: &str, progress: Option<&str>) -> BackfillRequest {
 fn v8(wm: &str, backfills: Vec<BackfillRequest>) -> SubscribeContext {
     let mut c = serving(wm);
     c.backfills = Some(backfills);
+    c
+}
+
+fn v8_at(wm: &str) -> SubscribeContext {
+    let mut c = serving(wm);
+    c.id = "vs8".to_owned();
     c
 }
 
@@ -1130,18 +1140,110 @@ fn forwarded_backfill_messages_move_the_subscribers_progress() {
         r#"["data",{"tag":"backfill","relation":{"schema":"s","name":"t","rowKey":{"columns":["id"]}},"columns":["b"],"watermark":"0c","rowValues":[[1,"x"]],"progressMarks":{"current":{"progressMark":"m1"}}}]"#,
     )));
     unwrap_ok(s.on_upstream(commit("0c.01")));
-    let requests = s
-        .backfills()
-        .subscriber("vs/1")
-        .map(|b| b.requests())
-        .unwrap_or_default();
-    assert_eq!(requests, [backfill_request("b", Some("m1"))]);
+    let requests = |s: &Streamer| {
+        s.backfills()
+            .subscriber("vs/1")
+            .map(|b| b.requests())
+            .unwrap_or_default()
+    };
+    // The subscriber has its progress with the commit, which waits to be durable.
+    assert_eq!(requests(&s), [backfill_request("b", None)]);
+    s.on_stored(w("0c.01")).expect("accepted");
+    assert_eq!(requests(&s), [backfill_request("b", Some("m1"))]);
+}
+
+/// A backfill (`skipAck`) transaction, retried from a later snapshot if it is lost, may commit
+/// at another watermark: its commit reaches subscribers only once it is durable.
+#[test]
+fn a_backfill_commit_reaches_subscribers_only_once_durable() {
+    let mut s = streamer_at("0c", RV);
+    let (v6, v8) = (ConnId(1), ConnId(2));
+    s.open(v6, 6, false);
+    s.open(v8, 8, false);
+    s.subscribe(v6, serving("0c"), 0);
+    s.subscribe(v8, v8_at("0c"), 0);
+    let mut skip = Begin::new(w("0c.01"));
+    skip.skip_ack = Some(true);
+    let mut e = unwrap_ok(s.on_upstream(DownstreamMessage::Begin(skip)));
+    e.extend(unwrap_ok(s.on_upstream(insert(1))));
+    e.extend(unwrap_ok(s.on_upstream(commit("0c.01"))));
+    e.extend(s.on_upstream_drained());
+    assert!(has_prefix(&e, "store commit 0c.01/"), "{:?}", lines(&e));
+    assert!(has(&e, "pause upstream"), "{:?}", lines(&e));
+    assert!(s.holds_commit());
+    for conn in [v6, v8] {
+        let got = messages_to(&e, conn);
+        assert!(
+            got.iter().any(|m| m.starts_with(r#"["begin""#)),
+            "{conn}: {got:?}"
+        );
+        assert!(
+            !got.iter().any(|m| m.starts_with(r#"["commit""#)),
+            "{conn} got the commit before it was durable: {got:?}"
+        );
+    }
+    // What the host still feeds waits behind the held commit: not forwarded, not stored yet.
+    let e = unwrap_ok(s.on_upstream(begin("0d")));
+    assert!(e.is_empty(), "{:?}", lines(&e));
+    // An older commit made durable releases nothing.
+    let e = s.on_stored(w("0c")).expect("accepted");
+    assert!(e.is_empty(), "{:?}", lines(&e));
+    let mut e = s.on_stored(w("0c.01")).expect("accepted");
+    e.extend(s.on_upstream_drained());
+    assert!(!s.holds_commit());
+    assert!(has(&e, "resume upstream"), "{:?}", lines(&e));
+    assert!(has_prefix(&e, "store begin 0d/"), "{:?}", lines(&e));
+    for conn in [v6, v8] {
+        let got = messages_to(&e, conn);
+        assert_eq!(got.len(), 2, "{conn}: {got:?}");
+        assert!(got[0].starts_with(r#"["commit""#), "{conn}: {got:?}");
+        assert!(got[0].contains(r#""0c.01""#), "{conn}: {got:?}");
+        assert!(got[1].starts_with(r#"["begin""#), "{conn}: {got:?}");
+    }
+    // An upstream transaction's commit is not held.
+    let mut e = unwrap_ok(s.on_upstream(commit("0d")));
+    e.extend(s.on_upstream_drained());
+    assert!(!s.holds_commit());
+    assert!(messages_to(&e, v6)[0].starts_with(r#"["commit""#));
+}
+
+#[test]
+fn messages_behind_a_held_commit_from_an_ended_stream_are_dropped() {
+    let mut s = streamer_at("0c", RV);
+    let c = ConnId(1);
+    s.open(c, 6, false);
+    s.subscribe(c, serving("0c"), 0);
+    let mut skip = Begin::new(w("0c.01"));
+    skip.skip_ack = Some(true);
+    unwrap_ok(s.on_upstream(DownstreamMessage::Begin(skip)));
+    unwrap_ok(s.on_upstream(commit("0c.01")));
+    unwrap_ok(s.on_upstream(begin("0d")));
+    unwrap_ok(s.on_upstream(insert(4)));
+    // The stream ends; the next one sends 0d again.
+    let e = s.upstream_ended();
+    assert!(!has(&e, "store abort"), "{:?}", lines(&e));
+    assert!(s.holds_commit(), "its store is already asked for");
+    // A subscriber arriving meanwhile waits for the held transaction to end.
+    let late = ConnId(2);
+    s.open(late, 6, false);
+    let e = s.subscribe(late, serving("0c"), 0);
+    assert!(!has_prefix(&e, "fetch"), "{:?}", lines(&e));
+    let e = s.on_stored(w("0c.01")).expect("accepted");
+    let got = messages_to(&e, c);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].starts_with(r#"["commit""#));
+    assert!(!has_prefix(&e, "store begin 0d/"), "{:?}", lines(&e));
+    assert!(
+        has_prefix(&e, "fetch catchup #2 "),
+        "the late subscriber catches up from the log: {:?}",
+        lines(&e)
+    );
 }
 
 // ---- property: every subscriber gets every transaction once, in order, without gaps ----
 
 mod simulation {
-    use std::collections::{BTreeMap, VecDeque};
+    use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
     use proptest::prelude::*;
 
@@ -1154,6 +1256,8 @@ mod simulation {
     #[derive(Debug, Clone)]
     struct TxSpec {
         rows: u8,
+        /// A backfill's transaction: its commit must not reach anyone before it is durable.
+        skip_ack: bool,
         rollback: bool,
         interrupted: bool,
         status_inside: bool,
@@ -1184,9 +1288,10 @@ mod simulation {
     }
 
     fn tx_spec() -> impl Strategy<Value = TxSpec> {
-        (0u8..4, 0u8..8, 0u8..8, any::<bool>(), any::<bool>()).prop_map(
-            |(rows, rollback, interrupted, status_inside, keepalive_after)| TxSpec {
+        (0u8..4, 0u8..4, 0u8..8, 0u8..8, any::<bool>(), any::<bool>()).prop_map(
+            |(rows, skip_ack, rollback, interrupted, status_inside, keepalive_after)| TxSpec {
                 rows,
+                skip_ack: skip_ack == 0,
                 rollback: rollback == 0,
                 interrupted: interrupted == 0,
                 status_inside,
@@ -1216,16 +1321,22 @@ mod simulation {
     /// A committed upstream transaction: its insert ids.
     type Committed = BTreeMap<Watermark, Vec<u64>>;
 
-    fn script(specs: &[TxSpec]) -> (VecDeque<Step>, Committed) {
+    fn script(specs: &[TxSpec]) -> (VecDeque<Step>, Committed, BTreeSet<Watermark>) {
         let mut steps = VecDeque::new();
         let mut committed = Committed::new();
+        let mut skip_acks = BTreeSet::new();
         for (i, spec) in specs.iter().enumerate() {
             let wm = Watermark::parse(&encode_lexi(100 + i as u128)).expect("lexi");
             let ids: Vec<u64> = (0..u64::from(spec.rows))
                 .map(|j| i as u64 * 10 + j)
                 .collect();
+            if spec.skip_ack {
+                skip_acks.insert(wm.clone());
+            }
             let body = |steps: &mut VecDeque<Step>| {
-                steps.push_back(Step::Message(Box::new(begin(wm.as_str()))));
+                let mut b = Begin::new(wm.clone());
+                b.skip_ack = spec.skip_ack.then_some(true);
+                steps.push_back(Step::Message(Box::new(DownstreamMessage::Begin(b))));
                 for (j, id) in ids.iter().enumerate() {
                     if spec.status_inside && j == 0 {
                         steps.push_back(Step::Message(Box::new(status())));
@@ -1250,7 +1361,7 @@ mod simulation {
                 steps.push_back(Step::Idle);
             }
         }
-        (steps, committed)
+        (steps, committed, skip_acks)
     }
 
     #[derive(Default)]
@@ -1283,6 +1394,9 @@ mod simulation {
         paused: bool,
         conns: Vec<Received>,
         max_message: usize,
+        /// The backfill transactions' commits, and the newest commit durable in the log.
+        skip_acks: BTreeSet<Watermark>,
+        durable: Watermark,
     }
 
     impl Host {
@@ -1307,6 +1421,8 @@ mod simulation {
                 paused: false,
                 conns: Vec::new(),
                 max_message: 0,
+                skip_acks: BTreeSet::new(),
+                durable: w(RV),
             }
         }
 
@@ -1317,6 +1433,16 @@ mod simulation {
                         let r = &mut self.conns[conn.0 as usize];
                         assert!(r.open, "sent to closed {conn}");
                         let text = frame.to_text();
+                        for m in decode_downstream_frame(&text).expect("valid").messages() {
+                            if let DownstreamMessage::Commit(c) = m {
+                                assert!(
+                                    !self.skip_acks.contains(&c.watermark)
+                                        || c.watermark <= self.durable,
+                                    "backfill commit {} sent to {conn} before it was durable",
+                                    c.watermark
+                                );
+                            }
+                        }
                         match decode_downstream_frame(&text).expect("valid frame") {
                             Frame::Message { id, msg } => {
                                 r.unacked.push_back(id);
@@ -1410,7 +1536,12 @@ mod simulation {
                         row.change_json(),
                     ));
                     self.log.append(&mut self.open_tx);
-                    self.streamer.on_stored(row.watermark().clone());
+                    self.durable = row.watermark().clone();
+                    let effects = self
+                        .streamer
+                        .on_stored(row.watermark().clone())
+                        .expect("what waited behind a held commit is accepted");
+                    self.apply(effects);
                 }
                 Queued::Fetch {
                     conn,
@@ -1591,8 +1722,9 @@ mod simulation {
             specs in proptest::collection::vec(tx_spec(), 1..14),
             ops in proptest::collection::vec(op(), 0..120),
         ) {
-            let (steps, committed) = script(&specs);
+            let (steps, committed, skip_acks) = script(&specs);
             let mut host = Host::new(steps);
+            host.skip_acks = skip_acks;
             for op in ops {
                 match op {
                     Op::Feed => { host.feed(); }

@@ -213,7 +213,18 @@ impl Ingest {
             self.prune_exits()?;
             let watermark = durable.last.clone();
             self.hub.set_last_watermark(watermark.clone());
-            self.hub.with(|s| s.on_stored(watermark));
+            // A held backfill commit goes to the subscribers now, and the upstream resumes.
+            let mut rejected = None;
+            self.hub.call(|s, _| match s.on_stored(watermark) {
+                Ok(effects) => effects,
+                Err(e) => {
+                    rejected = Some(e);
+                    Vec::new()
+                }
+            });
+            if let Some(e) = rejected {
+                return Err(e.into());
+            }
         }
         for (conn, from, through) in std::mem::take(&mut self.deferred_catchups) {
             self.spawn_catchup(conn, from, through);
