@@ -15,12 +15,6 @@
 //!   durable, report it with [`Streamer::on_stored`] and carry out what it returns. What to
 //!   confirm to the change source, and when, is the upstream session's rule
 //!   (`crate::upstream`), not the streamer's.
-//!
-//! Upstream transactions reach subscribers before they are durable: one lost in a crash is
-//! sent again by the source at the same watermark. A `skipAck` transaction (a backfill) is not:
-//! its retry is read later and may commit at another watermark, and a subscriber that had the
-//! lost one would hold a watermark the change log never will. So its commit is held from
-//! subscribers, and the upstream paused, until the host reports it durable.
 //! * [`Effect::PauseUpstream`]: feed no more upstream messages until [`Effect::ResumeUpstream`].
 //!   [`Effect::PauseCatchup`]: read no more catch-up rows for that connection until
 //!   [`Effect::ResumeCatchup`].
@@ -33,6 +27,12 @@
 //!   are held until then, so a burst of upstream transactions reaches each of them as one batch
 //!   frame with one ack instead of a frame and an ack per message; a hold that grows past
 //!   [`HELD_MAX_MESSAGES`] or [`HELD_MAX_BYTES`] goes out without waiting.
+//!
+//! Upstream transactions reach subscribers before they are durable: one lost in a crash is
+//! sent again by the source at the same watermark. A `skipAck` transaction (a backfill) is not:
+//! its retry is read later and may commit at another watermark, and a subscriber that had the
+//! lost one would hold a watermark the change log never will. So its commit is held from
+//! subscribers, and the upstream paused, until the host reports it durable.
 //!
 //! Connection ids ([`ConnId`]) and the time (`now_ms`) come from the host.
 

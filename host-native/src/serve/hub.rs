@@ -209,7 +209,10 @@ impl Hub {
                     }
                 }
                 Effect::PauseUpstream => {
-                    tracing::debug!("a subscriber backlog is full: pausing the upstream stream");
+                    tracing::debug!(
+                        "pausing the upstream stream (a subscriber backlog is full, or a \
+                         backfill's commit waits to be durable)"
+                    );
                     self.upstream_paused.send_replace(true);
                 }
                 Effect::ResumeUpstream => {
