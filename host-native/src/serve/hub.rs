@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use highwater_engine::streamer::{
-    ConnId, Effect, LogOp, Outgoing, Streamer, TRY_AGAIN_LATER_CLOSE_CODE,
+    ConnId, Effect, LogOp, Outgoing, Streamer, UpstreamError, TRY_AGAIN_LATER_CLOSE_CODE,
 };
 use highwater_engine::watermark::Watermark;
 use tokio::sync::{mpsc, watch};
@@ -154,6 +154,22 @@ impl Hub {
             let effects = streamer.on_close(conn);
             overflowed.extend(self.dispatch(effects));
         }
+    }
+
+    /// Runs an upstream-side call of the streamer and carries out its effects; a message it
+    /// rejects changed nothing, and the rejection is returned.
+    pub fn try_call(
+        &self,
+        f: impl FnOnce(&mut Streamer) -> Result<Vec<Effect>, UpstreamError>,
+    ) -> Result<(), UpstreamError> {
+        let mut rejected = None;
+        self.call(|s, _| {
+            f(s).unwrap_or_else(|e| {
+                rejected = Some(e);
+                Vec::new()
+            })
+        });
+        rejected.map_or(Ok(()), Err)
     }
 
     /// Reads the streamer without producing effects.

@@ -214,17 +214,7 @@ impl Ingest {
             let watermark = durable.last.clone();
             self.hub.set_last_watermark(watermark.clone());
             // A held backfill commit goes to the subscribers now, and the upstream resumes.
-            let mut rejected = None;
-            self.hub.call(|s, _| match s.on_stored(watermark) {
-                Ok(effects) => effects,
-                Err(e) => {
-                    rejected = Some(e);
-                    Vec::new()
-                }
-            });
-            if let Some(e) = rejected {
-                return Err(e.into());
-            }
+            self.hub.try_call(|s| s.on_stored(watermark))?;
         }
         for (conn, from, through) in std::mem::take(&mut self.deferred_catchups) {
             self.spawn_catchup(conn, from, through);
@@ -594,18 +584,8 @@ impl EffectHost for Ingest {
         {
             backfills.note(begin);
         }
-        let mut rejected = None;
-        self.hub.call(|s, _| match s.on_upstream(message) {
-            Ok(effects) => effects,
-            Err(e) => {
-                rejected = Some(e);
-                Vec::new()
-            }
-        });
-        match rejected {
-            Some(e) => Err(e.into()),
-            None => Ok(Vec::new()),
-        }
+        self.hub.try_call(|s| s.on_upstream(message))?;
+        Ok(Vec::new())
     }
 
     fn settle(&mut self) -> Result<Vec<Watermark>, ServeError> {
