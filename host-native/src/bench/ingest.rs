@@ -242,7 +242,10 @@ async fn run_phases(
     client: &mut Client,
     work: &WorkDir,
 ) -> anyhow::Result<IngestReport> {
-    workload::create_schema(client).await?;
+    // Live mode makes the table anew before each consumer's run.
+    if args.mode != Mode::Live {
+        workload::create_schema(client).await?;
+    }
     let server_version: String = client
         .query_one("SHOW server_version", &[])
         .await?
