@@ -22,7 +22,13 @@
 //! - commit→subscriber latency, per (subscriber, transaction): the wall-clock time at which
 //!   the subscriber read the frame carrying the commit, minus the transaction's commit
 //!   timestamp as Postgres recorded it (`commitTime`, µs, from pgoutput). Both clocks are this
-//!   machine's. p50 / p99 / max over all pairs.
+//!   machine's. p50 / p99 / max over all pairs;
+//! - sent tx/s: transactions ÷ the time until Postgres' WAL sender had sent the server all the
+//!   workload wrote (its `sent_lsn` in `pg_stat_replication` at the flush position read once the
+//!   last commit returned, polled every 2 ms): what any consumer of the slot could have had, so
+//!   the gap to delivered tx/s is the server's own;
+//! - server µs/tx: CPU time of the server's threads over the level (Linux `schedstat`), per
+//!   transaction.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -123,6 +129,13 @@ pub struct LevelReport {
     pub commit_elapsed: Duration,
     /// From the first INSERT sent until every subscriber had the last commit.
     pub delivered_elapsed: Duration,
+    /// From the first INSERT sent until Postgres' WAL sender had sent the server everything
+    /// the workload wrote (`pg_stat_replication.sent_lsn`, polled every 2 ms once the last
+    /// commit returned); `None` if it did not get there within the wait.
+    pub sent_elapsed: Option<Duration>,
+    /// CPU time the server's threads used from just before the first INSERT until every
+    /// subscriber had the last commit (Linux only: `None` elsewhere).
+    pub server_cpu: Option<Duration>,
     /// Commits and rows each subscriber received, in subscriber order.
     pub received: Vec<(u64, u64)>,
     /// Commits received out of watermark order, over all subscribers (must be 0).
@@ -502,11 +515,14 @@ async fn fan_out(
         let (txns, rate) = (args.txns, args.rate);
         async move { write_with(&pg_url, first_id, txns, clients, rate, go_rx).await }
     });
+    let monitor = pg.connect().await?;
     // The writers are connected and prepared once they wait on `go`.
     tokio::time::sleep(Duration::from_millis(200)).await;
+    let cpu_before = server_cpu();
     let started = Instant::now();
     go.send_replace(true);
     let committed = writer.await??;
+    let sent = tokio::spawn(async move { wal_sent(&monitor).await });
     let mut received = Vec::with_capacity(subscribers);
     let mut latencies = Vec::new();
     let mut out_of_order = 0;
@@ -529,12 +545,18 @@ async fn fan_out(
         messages += r.messages;
         latencies.extend(r.latencies_us);
     }
+    let cpu_after = server_cpu();
     latencies.sort_unstable();
+    let sent = sent.await??;
     let report = LevelReport {
         subscribers,
         txns: args.txns,
         commit_elapsed: committed.saturating_duration_since(started),
         delivered_elapsed: delivered.saturating_duration_since(started),
+        sent_elapsed: sent.map(|sent| sent.saturating_duration_since(started)),
+        server_cpu: cpu_before
+            .zip(cpu_after)
+            .map(|(before, after)| after.saturating_sub(before)),
         received,
         out_of_order,
         frames,
@@ -542,6 +564,55 @@ async fn fan_out(
         latencies_us: latencies,
     };
     Ok((report, last_commit))
+}
+
+/// CPU time so far of this process's threads named `serve` (the server's runtime, whose
+/// blocking threads include the ingest thread), from each thread's `schedstat` (ns on CPU).
+/// The followers finish on another runtime, so this is read once they are all done; a thread
+/// of the server's that ended in between is not counted.
+fn server_cpu() -> Option<Duration> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let path = task.ok()?.path();
+        let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
+            continue; // ended since the listing
+        };
+        if comm.trim_end() != "serve" {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(path.join("schedstat")) else {
+            continue;
+        };
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(Duration::from_nanos(total))
+}
+
+/// When Postgres' WAL sender had sent everything flushed so far: polls the server's
+/// walsender's `sent_lsn` (the end of the last record it decoded and sent) every 2 ms until it
+/// reaches the current flush position; `None` after 30 s without (the bench's server is the
+/// only walsender). What the sender has sent is what any consumer of this slot could have by
+/// now, so it tells the sender's lag from the server's own.
+async fn wal_sent(monitor: &Client) -> anyhow::Result<Option<Instant>> {
+    let flushed: String = monitor
+        .query_one("SELECT pg_current_wal_flush_lsn()::text", &[])
+        .await?
+        .get(0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let poll = monitor
+        .prepare(
+            "SELECT coalesce(bool_or(sent_lsn >= $1::text::pg_lsn), false) \
+             FROM pg_stat_replication",
+        )
+        .await?;
+    while Instant::now() < deadline {
+        let reached: bool = monitor.query_one(&poll, &[&flushed]).await?.get(0);
+        if reached {
+            return Ok(Some(Instant::now()));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    Ok(None)
 }
 
 /// Sends `txns` single-row transactions, ids `first ..`, from `clients` connections, each
@@ -948,12 +1019,14 @@ impl FanoutReport {
                 self.protocol, first.txns, self.clients
             ));
             out.push_str(&format!(
-                "{:>11} {:>11} {:>14} {:>13} {:>10} {:>11} {:>11} {:>11}\n",
+                "{:>11} {:>11} {:>11} {:>14} {:>13} {:>10} {:>12} {:>11} {:>11} {:>11}\n",
                 "subscribers",
                 "commit tx/s",
+                "sent tx/s",
                 "delivered tx/s",
                 "msgs out/s",
                 "msgs/frame",
+                "server µs/tx",
                 "p50",
                 "p99",
                 "max"
@@ -964,12 +1037,20 @@ impl FanoutReport {
             // begin, insert, commit to every subscriber.
             let messages = delivered * 3.0 * level.subscribers as f64;
             out.push_str(&format!(
-                "{:>11} {:>11.0} {:>14.0} {:>13.0} {:>10.1} {:>11} {:>11} {:>11}\n",
+                "{:>11} {:>11.0} {:>11} {:>14.0} {:>13.0} {:>10.1} {:>12} {:>11} {:>11} {:>11}\n",
                 level.subscribers,
                 per_second(level.txns, level.commit_elapsed),
+                level.sent_elapsed.map_or_else(
+                    || "-".to_owned(),
+                    |sent| format!("{:.0}", per_second(level.txns, sent))
+                ),
                 delivered,
                 messages,
                 level.messages as f64 / level.frames.max(1) as f64,
+                level.server_cpu.map_or_else(
+                    || "-".to_owned(),
+                    |cpu| format!("{:.1}", cpu.as_secs_f64() * 1e6 / level.txns.max(1) as f64)
+                ),
                 millis(percentile(&level.latencies_us, 0.50)),
                 millis(percentile(&level.latencies_us, 0.99)),
                 millis(level.latencies_us.last().copied()),
@@ -1063,6 +1144,12 @@ mod tests {
             assert_eq!(level.received, vec![(40, 40); subscribers]);
             assert_eq!(level.out_of_order, 0);
             assert_eq!(level.latencies_us.len(), 40 * subscribers);
+            // The server's WAL sender was seen to have sent everything.
+            assert!(level.sent_elapsed.is_some(), "{level:?}");
+            // The server did the work on its own threads.
+            if cfg!(target_os = "linux") {
+                assert!(level.server_cpu.is_some_and(|cpu| cpu > Duration::ZERO));
+            }
         }
         let table = report.render();
         assert_eq!(table.lines().count(), 3 + 1 + 2 + 2, "{table}");
