@@ -530,6 +530,11 @@ fn js_safe_number(value: i64) -> Option<Number> {
 /// A Postgres-epoch timestamp as Unix microseconds (Zero's `commitTime`), exact beyond 2^53.
 fn unix_micros(pg_micros: i64) -> Value {
     let micros = i128::from(pg_micros) + i128::from(PG_EPOCH_UNIX_MS) * 1000;
+    // Every real timestamp fits an i64, which needs no text round trip; only Postgres'
+    // `infinity` neighbours go beyond it.
+    if let Ok(micros) = i64::try_from(micros) {
+        return Value::from(micros);
+    }
     // An i128 always renders as a valid JSON integer; the fallback is unreachable.
     micros
         .to_string()
@@ -540,6 +545,24 @@ fn unix_micros(pg_micros: i64) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn commit_times_render_exactly_at_every_size() {
+        let offset = i128::from(PG_EPOCH_UNIX_MS) * 1000;
+        for pg in [
+            0,
+            1,
+            -1,
+            817_000_000_000_000, // 2025
+            i64::MAX - offset as i64,
+            i64::MAX - offset as i64 + 1, // the first past i64
+            i64::MAX,
+            i64::MIN,
+        ] {
+            let value = unix_micros(pg);
+            assert_eq!(value.to_string(), (i128::from(pg) + offset).to_string());
+        }
+    }
     use crate::change_stream::encode_downstream;
     use crate::pgoutput::frame::PgTimestamp;
     use crate::pgoutput::message::{
