@@ -69,3 +69,57 @@ async fn serve_against_a_non_superuser_upstream_learns_added_columns_and_tables(
     s.close().await;
     server.stop().await;
 }
+
+/// Regression: `serve` holds a small transaction whole until its commit before storing it,
+/// but a schema change is computed against the replica as of every message before it. A
+/// second DDL in the same transaction must see the first one applied, or it announces that
+/// one again (a second `add-column` of the same column stops the server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_schema_changes_in_one_transaction_are_each_applied_once() {
+    let pg = start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client
+        .batch_execute(&format!(
+            "{MARKER_DDL}
+             CREATE TABLE items (id int8 PRIMARY KEY, v text);
+             INSERT INTO items SELECT g, 'item ' || g FROM generate_series(1, 10) g;"
+        ))
+        .await
+        .unwrap();
+    let data = DataDir::new("serve-ddl-txn");
+    let server = InProcess::start(serve_args(&pg.url(), data.path(), free_port())).await;
+    let rv = replica_version(server.addr).await;
+    let mut s = Subscriber::connect(server.addr, &changes_path(6, &rv, &rv)).await;
+    client
+        .batch_execute(
+            "BEGIN;
+             ALTER TABLE items ADD COLUMN rank int;
+             UPDATE items SET rank = 1 WHERE id = 3;
+             ALTER TABLE items ADD COLUMN note text;
+             CREATE TABLE label (id int PRIMARY KEY, text text);
+             INSERT INTO label VALUES (1, 'one');
+             UPDATE items SET note = 'noted' WHERE id = 4;
+             COMMIT;",
+        )
+        .await
+        .unwrap();
+    catch_up(&client, data.path()).await;
+    assert_replica_matches(&pg, data.path(), &["highwater_pub"]).await;
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    let reached = s
+        .follow(deadline, |m| {
+            m.rows.get(&4).is_some_and(|row| row["note"] == "noted")
+        })
+        .await;
+    assert!(reached, "{:?}", s.model.schema_changes);
+    let added = s
+        .model
+        .schema_changes
+        .iter()
+        .filter(|c| *c == "add-column")
+        .count();
+    assert_eq!(added, 2, "{:?}", s.model.schema_changes);
+    assert_eq!(s.model.rows[&3]["rank"], 1);
+    s.close().await;
+    server.stop().await;
+}

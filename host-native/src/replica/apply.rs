@@ -39,6 +39,20 @@ use super::schema::{
 use super::value::{into_sql, row_key_json, scalar_to_sql, to_sql_ref, SqlScalar};
 use super::{Replica, ReplicaError, ReplicaState};
 
+/// One part of a whole transaction for [`ReplicaWriter::apply_whole`]: a message, or a row
+/// change that kept its text.
+#[derive(Debug, Clone, Copy)]
+pub enum TxnItem<'a> {
+    Message(&'a DownstreamMessage),
+    Text(&'a TextRowChange),
+}
+
+impl<'a> From<&'a DownstreamMessage> for TxnItem<'a> {
+    fn from(message: &'a DownstreamMessage) -> Self {
+        TxnItem::Message(message)
+    }
+}
+
 /// What applying one message did, as far as acknowledging upstream is concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Applied {
@@ -91,6 +105,11 @@ pub struct ReplicaWriter {
     grouping: bool,
     /// A SQLite transaction holding grouped, not yet durable upstream transactions.
     group_open: bool,
+    /// The transaction being begun is one the caller holds whole ([`ReplicaWriter::apply_whole`]).
+    whole: bool,
+    /// The position in memory is ahead of the one in `_hw_state`: a grouped commit leaves
+    /// the row to the group's commit, which writes it once for all of its transactions.
+    state_unwritten: bool,
     /// Row statements' SQL text, built once per table and column set.
     row_sql: RowSql,
 }
@@ -106,6 +125,8 @@ impl ReplicaWriter {
             committed: None,
             grouping: false,
             group_open: false,
+            state_unwritten: false,
+            whole: false,
             row_sql: RowSql::default(),
         }
     }
@@ -137,7 +158,17 @@ impl ReplicaWriter {
         if !self.group_open {
             return Ok(false);
         }
-        self.replica.conn.execute_batch("COMMIT")?;
+        if self.state_unwritten {
+            let state = self.state()?;
+            write_state(
+                &self.replica.conn,
+                &state.watermark,
+                state.lsn,
+                state.next_seq,
+            )?;
+            self.state_unwritten = false;
+        }
+        run_cached(&self.replica.conn, "COMMIT")?;
         self.group_open = false;
         Ok(true)
     }
@@ -150,6 +181,7 @@ impl ReplicaWriter {
         }
         if self.group_open {
             self.group_open = false;
+            self.state_unwritten = false;
             self.replica.conn.execute_batch("ROLLBACK")?;
             // The positions in memory were those of the discarded commits.
             self.replica.reload()?;
@@ -203,6 +235,52 @@ impl ReplicaWriter {
             let _ = self.rollback();
         }
         result
+    }
+
+    /// Applies a whole upstream transaction, `begin` to `commit`, that the caller held until
+    /// its commit arrived. Inside an open group it opens no savepoint of its own (the
+    /// savepoint and its journal of the pages the transaction touches are much of what a
+    /// small transaction costs): a transaction whose commit is here is never rolled back
+    /// alone. So an error discards the open group with it; nothing in the group was
+    /// acknowledged, so upstream sends all of it again.
+    pub fn apply_whole<'a, I>(&mut self, items: I) -> Result<Applied, ReplicaError>
+    where
+        I: IntoIterator,
+        I::Item: Into<TxnItem<'a>>,
+    {
+        let mut items = items.into_iter().map(Into::into);
+        let Some(TxnItem::Message(first @ DownstreamMessage::Begin(_))) = items.next() else {
+            return Err(ReplicaError::IncompleteTransaction {
+                found: "one without its `begin`",
+            });
+        };
+        self.whole = true;
+        let mut applied = self.apply(first);
+        self.whole = false;
+        for item in items {
+            if applied.is_err() {
+                break;
+            }
+            applied = match item {
+                TxnItem::Message(message) => self.apply(message),
+                TxnItem::Text(change) => self.apply_text(change),
+            };
+        }
+        match applied {
+            Ok(Applied::Pending) => {
+                let _ = self.discard_group();
+                Err(ReplicaError::IncompleteTransaction {
+                    found: "one without its `commit`",
+                })
+            }
+            Ok(applied) => Ok(applied),
+            Err(error) => {
+                // `apply` rolled the transaction back, and the group with it; this clears
+                // what is left.
+                let _ = self.discard_group();
+                Err(error)
+            }
+        }
     }
 
     /// Applies a row change whose values kept their text, inside the open transaction: what
@@ -273,10 +351,11 @@ impl ReplicaWriter {
             });
         }
         // Inside an open group, a savepoint: a rollback then undoes this transaction alone.
-        let savepoint = self.group_open;
+        // A whole transaction needs none: it is never rolled back alone.
+        let savepoint = self.group_open && !self.whole;
         if savepoint {
             run_cached(&self.replica.conn, "SAVEPOINT hw_txn")?;
-        } else {
+        } else if !self.group_open {
             run_cached(&self.replica.conn, "BEGIN IMMEDIATE")?;
         }
         self.committed = None;
@@ -317,15 +396,16 @@ impl ReplicaWriter {
             let changes = capture.commit(&self.replica.conn, &self.replica.tables, &updated_at)?;
             self.committed = Some(changes);
         }
-        self.replica
-            .conn
-            .prepare_cached(
-                r#"UPDATE "_hw_state" SET "watermark" = ?1, "lsn" = ?2, "next_seq" = ?3 WHERE "lock" = 1"#,
-            )?
-            .execute(params![watermark.as_str(), lsn.to_string(), self.next_seq])?;
-        if savepoint {
-            run_cached(&self.replica.conn, "RELEASE hw_txn")?;
-        } else if !self.grouping {
+        if self.grouping {
+            // The group's commit writes the position of its last transaction: one write of
+            // the row per group, not per transaction.
+            if savepoint {
+                run_cached(&self.replica.conn, "RELEASE hw_txn")?;
+            }
+            self.state_unwritten = true;
+            self.group_open = true;
+        } else {
+            write_state(&self.replica.conn, &watermark, lsn, self.next_seq)?;
             run_cached(&self.replica.conn, "COMMIT")?;
         }
         self.txn = None;
@@ -335,7 +415,6 @@ impl ReplicaWriter {
             state.next_seq = self.next_seq;
         }
         if self.grouping {
-            self.group_open = true;
             return Ok(Applied::Grouped { watermark, lsn });
         }
         Ok(Applied::Committed { watermark, lsn })
@@ -359,11 +438,24 @@ impl ReplicaWriter {
                 .execute_batch("ROLLBACK TO hw_txn; RELEASE hw_txn")?;
         } else {
             self.replica.conn.execute_batch("ROLLBACK")?;
+            if self.group_open {
+                // A whole transaction inside a group: the group goes with it.
+                self.group_open = false;
+                self.state_unwritten = false;
+                self.replica.reload()?;
+                self.row_sql.clear();
+                self.next_seq = self.state()?.next_seq;
+                return Ok(Applied::RolledBack);
+            }
+        }
+        if txn.schema_changed {
+            // The schema as the rollback left it; the position stays the one in memory (that
+            // of the last commit), which `_hw_state` may not hold yet inside a group.
+            let state = self.replica.state.take();
+            self.replica.reload()?;
+            self.replica.state = state;
         }
         self.next_seq = self.state()?.next_seq;
-        if txn.schema_changed {
-            self.replica.reload()?;
-        }
         Ok(Applied::RolledBack)
     }
 
@@ -456,6 +548,20 @@ impl ReplicaWriter {
 }
 
 type Tables = std::collections::HashMap<String, ReplicaTable>;
+
+/// Writes the replica's position to `_hw_state`, in the open SQLite transaction.
+fn write_state(
+    conn: &Connection,
+    watermark: &Watermark,
+    lsn: Lsn,
+    next_seq: i64,
+) -> Result<(), ReplicaError> {
+    conn.prepare_cached(
+        r#"UPDATE "_hw_state" SET "watermark" = ?1, "lsn" = ?2, "next_seq" = ?3 WHERE "lock" = 1"#,
+    )?
+    .execute(params![watermark.as_str(), lsn.to_string(), next_seq])?;
+    Ok(())
+}
 
 /// Runs a statement without parameters through the connection's statement cache: the
 /// per-transaction `SAVEPOINT`, `RELEASE`, `BEGIN` and `COMMIT` are parsed once, not once per
@@ -1766,6 +1872,144 @@ mod tests {
         assert_eq!(
             stored_state(&w),
             (Lsn(0x500).to_watermark().as_str().to_owned(), 4)
+        );
+    }
+
+    fn whole(lsn: u64, changes: Vec<Change>) -> Vec<DownstreamMessage> {
+        let wm = Lsn(lsn).to_watermark();
+        std::iter::once(DownstreamMessage::Begin(Begin::new(wm.clone())))
+            .chain(changes.into_iter().map(DownstreamMessage::Data))
+            .chain(std::iter::once(DownstreamMessage::Commit(Commit::new(wm))))
+            .collect()
+    }
+
+    fn unknown_table_insert() -> Change {
+        Change::Insert(Insert {
+            relation: rel("nope", &["id"], ReplicaIdentity::Default).into(),
+            new: row(json!({"id": 1})),
+            extra: Default::default(),
+        })
+    }
+
+    #[test]
+    fn whole_transactions_join_a_group_and_an_error_in_one_discards_the_group() {
+        let mut w = writer();
+        w.set_group_commit(true);
+        // The first of a group opens the SQLite transaction; later ones join it.
+        assert!(matches!(
+            w.apply_whole(&whole(0x200, vec![insert(1, "a")])).unwrap(),
+            Applied::Grouped { .. }
+        ));
+        txn(&mut w, 0x300, vec![insert(2, "b")]);
+        assert_eq!(
+            w.apply_whole(&whole(0x400, vec![insert(3, "c"), insert(4, "d")]))
+                .unwrap(),
+            Applied::Grouped {
+                watermark: Lsn(0x400).to_watermark(),
+                lsn: Lsn(0x400)
+            }
+        );
+        assert!(!w.in_transaction());
+        // One write of the position, by the group's commit.
+        assert_eq!(
+            stored_state(&w),
+            (Lsn(0x100).to_watermark().as_str().to_owned(), 1)
+        );
+        assert!(w.commit_group().unwrap());
+        assert_eq!(
+            stored_state(&w),
+            (Lsn(0x400).to_watermark().as_str().to_owned(), 5)
+        );
+        // Inside the next group, a failing whole transaction takes the group's undurable
+        // transactions with it: the replica is back at the durable position, in memory too.
+        txn(&mut w, 0x500, vec![insert(5, "e")]);
+        let failed = w.apply_whole(&whole(0x600, vec![insert(6, "f"), unknown_table_insert()]));
+        assert!(
+            matches!(failed, Err(ReplicaError::UnknownTable { .. })),
+            "{failed:?}"
+        );
+        assert!(!w.group_open());
+        assert!(!w.in_transaction());
+        assert!(w.replica().conn.is_autocommit());
+        assert_eq!(rows(&w, "issue").len(), 4);
+        let state = w.replica().state().unwrap();
+        assert_eq!(
+            (state.watermark.clone(), state.next_seq),
+            (Lsn(0x400).to_watermark(), 5)
+        );
+        // Sent again, they apply.
+        txn(&mut w, 0x500, vec![insert(5, "e")]);
+        w.apply_whole(&whole(0x600, vec![insert(6, "f")])).unwrap();
+        w.commit_group().unwrap();
+        assert_eq!(rows(&w, "issue").len(), 6);
+        assert_eq!(
+            stored_state(&w),
+            (Lsn(0x600).to_watermark().as_str().to_owned(), 7)
+        );
+    }
+
+    #[test]
+    fn a_whole_transaction_must_run_from_begin_to_commit() {
+        let mut w = writer();
+        w.set_group_commit(true);
+        txn(&mut w, 0x200, vec![insert(1, "a")]);
+        let mut headless = whole(0x300, vec![insert(2, "b")]);
+        headless.remove(0);
+        assert!(matches!(
+            w.apply_whole(&headless),
+            Err(ReplicaError::IncompleteTransaction { .. })
+        ));
+        // Refused before anything was applied: the group stays.
+        assert!(w.group_open());
+        let mut endless = whole(0x300, vec![insert(2, "b")]);
+        endless.pop();
+        assert!(matches!(
+            w.apply_whole(&endless),
+            Err(ReplicaError::IncompleteTransaction { .. })
+        ));
+        assert!(!w.group_open() && !w.in_transaction());
+        assert!(rows(&w, "issue").is_empty());
+        assert_eq!(
+            w.replica().state().unwrap().watermark,
+            Lsn(0x100).to_watermark()
+        );
+    }
+
+    /// The position of a group's commits is written only by the group's commit: a schema
+    /// change rolled back inside the group reloads the schema, not that older position.
+    #[test]
+    fn a_schema_change_rolled_back_inside_a_group_keeps_the_groups_position() {
+        let mut w = writer();
+        w.set_group_commit(true);
+        txn(&mut w, 0x200, vec![insert(1, "a")]);
+        let wm = Lsn(0x300).to_watermark();
+        w.apply(&DownstreamMessage::Begin(Begin::new(wm))).unwrap();
+        w.apply(&DownstreamMessage::Data(add_column(
+            "extra", "int4", "5", false,
+        )))
+        .unwrap();
+        w.apply(&DownstreamMessage::Rollback(Default::default()))
+            .unwrap();
+        let state = w.replica().state().unwrap();
+        assert_eq!(
+            (state.watermark.clone(), state.next_seq),
+            (Lsn(0x200).to_watermark(), 2)
+        );
+        assert!(w
+            .replica()
+            .table("issue")
+            .unwrap()
+            .column("extra")
+            .is_none());
+        // Not applied again, and the group's commit writes it.
+        let replay = w.apply(&DownstreamMessage::Begin(Begin::new(
+            Lsn(0x200).to_watermark(),
+        )));
+        assert!(matches!(replay, Err(ReplicaError::NotAfterPosition { .. })));
+        w.commit_group().unwrap();
+        assert_eq!(
+            stored_state(&w),
+            (Lsn(0x200).to_watermark().as_str().to_owned(), 2)
         );
     }
 

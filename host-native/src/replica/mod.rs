@@ -25,7 +25,7 @@ use highwater_engine::change_stream::{JsonFormat, Row};
 use highwater_engine::watermark::{Lsn, Watermark, WatermarkError};
 use rusqlite::{params, Connection, OptionalExtension};
 
-pub use apply::{Applied, PendingBackfill, ReplicaWriter};
+pub use apply::{Applied, PendingBackfill, ReplicaWriter, TxnItem};
 use schema::{quote_ident, ReplicaTable};
 
 /// Anything that stops the replica from reading or applying.
@@ -59,6 +59,8 @@ pub enum ReplicaError {
     },
     #[error("expected `begin` before {what}, got it outside a transaction")]
     NotInTransaction { what: &'static str },
+    #[error("expected a whole transaction, `begin` to `commit`, got {found}")]
+    IncompleteTransaction { found: &'static str },
     #[error("expected `commit` or `rollback` of transaction {open}, got `begin` of {next}")]
     NestedTransaction { open: Watermark, next: Watermark },
     #[error("expected a transaction after the replica's position {position}, got one at {found}")]

@@ -82,8 +82,15 @@ pub(crate) struct Ingest {
     /// Catch-up reads asked for while a transaction was half applied inside an open group:
     /// started once that transaction's commit made the group durable.
     deferred_catchups: Vec<(ConnId, Watermark, Watermark)>,
+    /// The transaction being stored, held whole until its commit while it is small (then
+    /// applied with no savepoint of its own and its log rows written a few to a statement);
+    /// `None` between transactions and once one outgrew the hold and streams into SQLite.
+    held: Option<Vec<StoredChange>>,
     /// Bytes (stored change text) of the transaction being stored.
     txn_bytes: usize,
+    /// The open group's last commit, for the change log's `last_watermark`: written once, as
+    /// the group is made durable (the replica's position likewise, by the writer).
+    log_last: Option<Watermark>,
     epoch: std::time::Instant,
 }
 
@@ -110,6 +117,11 @@ impl SyncFeed {
 
 /// Source events taken from the channel at a time at most.
 const EVENTS_PER_TAKE: usize = 256;
+
+/// A transaction is held whole until its commit up to this many messages and bytes of stored
+/// text; a larger one streams into SQLite inside a savepoint (memory stays bounded).
+const HOLD_MESSAGES: usize = 256;
+const HOLD_BYTES: usize = 256 * 1024;
 
 // Lives for one loop step; boxing the common message variant would only add an allocation.
 #[allow(clippy::large_enum_variant)]
@@ -176,7 +188,9 @@ impl Ingest {
             group: GroupCommit::new(group),
             grouped: Vec::new(),
             deferred_catchups: Vec::new(),
+            held: None,
             txn_bytes: 0,
+            log_last: None,
             epoch: std::time::Instant::now(),
         }
     }
@@ -189,7 +203,7 @@ impl Ingest {
     /// the group's scope-feed entries and starts what waited for it; returns the group's last
     /// commit, for the session ([`Ingest::report`]).
     fn make_durable(&mut self) -> Result<Option<Watermark>, ServeError> {
-        if self.writer.in_transaction() {
+        if self.in_transaction() {
             return Err(ServeError::Invariant {
                 expected: "a group made durable between transactions".to_owned(),
                 found: "one with a transaction half applied".to_owned(),
@@ -197,6 +211,9 @@ impl Ingest {
         }
         if self.group.is_open() {
             let transactions = self.group.transactions();
+            if let Some(last) = self.log_last.take() {
+                change_log::commit(self.conn(), &last)?;
+            }
             pause_point::reach(Point::BeforeGroupCommit, transactions);
             self.writer.commit_group()?;
             pause_point::reach(Point::AfterGroupCommit, transactions);
@@ -252,6 +269,67 @@ impl Ingest {
         self.writer.replica().connection()
     }
 
+    /// A transaction is being stored: held, or streaming into SQLite.
+    fn in_transaction(&self) -> bool {
+        self.held.is_some() || self.writer.in_transaction()
+    }
+
+    /// Stores one message of a transaction that streams into SQLite.
+    fn store(&mut self, row: &StoredChange) -> Result<(), ServeError> {
+        let message = typed(row)?;
+        self.writer.apply(message)?;
+        self.append(row)?;
+        if let DownstreamMessage::Data(change) = message {
+            if !change.is_row_change() {
+                change_log::apply_cookie_ops(self.conn(), change)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The held transaction outgrew the hold: what it holds goes into SQLite (its `begin`
+    /// opening a savepoint inside a group), and the rest streams after it.
+    fn spill(&mut self) -> Result<(), ServeError> {
+        for row in self.held.take().unwrap_or_default() {
+            self.store(&row)?;
+        }
+        Ok(())
+    }
+
+    /// Stores the held transaction, now that its commit is here: the replica and its log rows
+    /// in the open SQLite transaction, with no savepoint.
+    fn store_whole(
+        &mut self,
+        held: Vec<StoredChange>,
+        commit: &StoredChange,
+    ) -> Result<Applied, ServeError> {
+        let messages = held
+            .iter()
+            .chain(std::iter::once(commit))
+            .map(typed)
+            .collect::<Result<Vec<_>, _>>()?;
+        let applied = self.writer.apply_whole(messages.iter().copied())?;
+        for message in &messages {
+            if let DownstreamMessage::Data(change) = message {
+                if !change.is_row_change() {
+                    change_log::apply_cookie_ops(self.conn(), change)?;
+                }
+            }
+        }
+        let rows = held
+            .iter()
+            .chain(std::iter::once(commit))
+            .map(|row| change_log::LogRow {
+                watermark: row.watermark(),
+                pos: row.pos(),
+                tag: row.tag(),
+                change: row.change_json(),
+            })
+            .collect::<Vec<_>>();
+        change_log::append_rows(self.conn(), &rows)?;
+        Ok(applied)
+    }
+
     /// Runs until `shutdown`, the source failing, or a storage error. Blocking.
     pub fn run(
         mut self,
@@ -269,7 +347,7 @@ impl Ingest {
             }
             // About to wait for input: an open group waits no longer than its deadline.
             let now = self.now_us();
-            let in_transaction = self.writer.in_transaction();
+            let in_transaction = self.in_transaction();
             if self.group.flush_due(now, in_transaction) {
                 if let Err(e) = self.make_durable().and_then(|stored| self.report(stored)) {
                     break Err(e);
@@ -361,6 +439,7 @@ impl Ingest {
                 let _ = self.execute(op);
             }
         }
+        self.held = None;
         if self.writer.in_transaction() {
             let _ = self
                 .writer
@@ -374,6 +453,7 @@ impl Ingest {
         };
         if !stored {
             self.group.discarded();
+            self.log_last = None;
             self.grouped.clear();
             self.deferred_catchups.clear();
             let _ = self.writer.discard_group();
@@ -430,39 +510,49 @@ impl Ingest {
     fn execute(&mut self, op: StorageOp) -> Result<Option<Watermark>, ServeError> {
         match op {
             StorageOp::Store(LogOp::Begin(row)) => {
-                let message = typed(&row)?;
+                typed(&row)?;
+                if self.in_transaction() {
+                    return Err(ServeError::Invariant {
+                        expected: "a `begin` between transactions".to_owned(),
+                        found: format!("the `begin` of {} inside one", row.watermark()),
+                    });
+                }
                 // A group never holds its first transaction back longer than its delay.
-                let stored = if self
-                    .group
-                    .flush_due(self.now_us(), self.writer.in_transaction())
-                {
+                let stored = if self.group.flush_due(self.now_us(), false) {
                     self.make_durable()?
                 } else {
                     None
                 };
                 self.txn_bytes = row.change_json().len();
-                // Replica and log commit together, so the replica is never ahead of the log;
-                // the writer refuses a transaction not after its position.
-                self.writer.apply(message)?;
-                self.append(&row)?;
+                // Held until its commit or until it outgrows the hold. Replica and log commit
+                // together, so the replica is never ahead of the log; the writer refuses a
+                // transaction not after its position.
+                self.held = Some(vec![row]);
                 return Ok(stored);
             }
             StorageOp::Store(LogOp::Append(row)) => {
-                let message = typed(&row)?;
                 self.txn_bytes = self.txn_bytes.saturating_add(row.change_json().len());
-                self.writer.apply(message)?;
-                self.append(&row)?;
-                if let DownstreamMessage::Data(change) = message {
-                    if !change.is_row_change() {
-                        change_log::apply_cookie_ops(self.conn(), change)?;
+                let txn_bytes = self.txn_bytes;
+                match self.held.as_mut() {
+                    Some(held) => {
+                        held.push(row);
+                        if held.len() >= HOLD_MESSAGES || txn_bytes >= HOLD_BYTES {
+                            self.spill()?;
+                        }
                     }
+                    None => self.store(&row)?,
                 }
             }
             StorageOp::Store(LogOp::Commit(row)) => {
-                let message = typed(&row)?;
-                self.append(&row)?;
-                change_log::commit(self.conn(), row.watermark())?;
-                match self.writer.apply(message)? {
+                let applied = match self.held.take() {
+                    Some(held) => self.store_whole(held, &row)?,
+                    None => {
+                        let message = typed(&row)?;
+                        self.append(&row)?;
+                        self.writer.apply(message)?
+                    }
+                };
+                match applied {
                     Applied::Grouped { .. } => {}
                     other => {
                         return Err(ServeError::Invariant {
@@ -471,6 +561,7 @@ impl Ingest {
                         })
                     }
                 }
+                self.log_last = Some(row.watermark().clone());
                 if let Some(changes) = self.writer.take_committed() {
                     self.grouped.push(changes);
                 }
@@ -484,8 +575,11 @@ impl Ingest {
                 }
             }
             StorageOp::Store(LogOp::Abort) => {
-                self.writer
-                    .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
+                // A held transaction never reached SQLite.
+                if self.held.take().is_none() {
+                    self.writer
+                        .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
+                }
                 if !self.deferred_catchups.is_empty() {
                     return self.make_durable();
                 }
@@ -498,7 +592,7 @@ impl Ingest {
                 // The read runs on its own connection: it must find every store before it.
                 if !self.group.is_open() {
                     self.spawn_catchup(conn, from, through);
-                } else if self.writer.in_transaction() {
+                } else if self.in_transaction() {
                     self.deferred_catchups.push((conn, from, through));
                 } else {
                     let stored = self.make_durable()?;
@@ -507,7 +601,7 @@ impl Ingest {
                 }
             }
             StorageOp::Purge { below } => {
-                if self.writer.in_transaction() || self.group.is_open() {
+                if self.in_transaction() || self.group.is_open() {
                     self.pending_purge = Some(match self.pending_purge.take() {
                         Some(pending) if pending > below => pending,
                         _ => below,
@@ -589,7 +683,13 @@ impl EffectHost for Ingest {
     }
 
     fn settle(&mut self) -> Result<Vec<Watermark>, ServeError> {
-        self.drain()
+        let stored = self.drain()?;
+        // The replica as of every message handed on, as schema changes are computed against
+        // it: a transaction held whole (one whose DDL came earlier, say) goes into SQLite now.
+        if self.held.is_some() {
+            self.spill()?;
+        }
+        Ok(stored)
     }
 
     fn confirm(&mut self, lsn: Lsn) {

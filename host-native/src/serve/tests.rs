@@ -217,6 +217,21 @@ impl Harness {
             .expect("server running");
     }
 
+    /// Sends `messages` as one frame: the server takes them all in one go.
+    async fn send_frame(&self, messages: &[String]) {
+        let messages = messages
+            .iter()
+            .map(|m| decode_downstream(m).expect("a valid scripted message"))
+            .collect();
+        self.source
+            .send(SourceEvent::Frame {
+                id: self.next_id.fetch_add(1, Ordering::SeqCst),
+                messages,
+            })
+            .await
+            .expect("server running");
+    }
+
     /// The source reconnects: frame ids start over.
     async fn restart(&self) {
         self.source
@@ -913,6 +928,100 @@ async fn a_restarted_source_resends_without_duplicates_or_half_transactions() {
         .expect("count");
     // Seed (2) + 0x200 (begin, create, insert, commit) + 0x300 (begin, insert, commit).
     assert_eq!(stored, 2 + 4 + 3);
+    h.stop().await;
+}
+
+fn begin_of(n: u64) -> String {
+    format!(
+        r#"["begin",{{"tag":"begin"}},{{"commitWatermark":"{}"}}]"#,
+        w(n)
+    )
+}
+
+fn insert_of(id: u64) -> String {
+    format!(r#"["data",{{"tag":"insert","relation":{ITEMS},"new":{{"id":{id},"v":"row {id}"}}}}]"#)
+}
+
+fn commit_of(n: u64) -> String {
+    format!(
+        r#"["commit",{{"tag":"commit"}},{{"watermark":"{}"}}]"#,
+        w(n)
+    )
+}
+
+/// The ingest thread holds a small transaction whole until its commit (no savepoint) and
+/// streams a large one into SQLite in a savepoint. Cut off by a restart right behind a
+/// commit that is still in the open group, either kind leaves that commit stored and
+/// nothing of itself: sent again, each is stored once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_and_streamed_transactions_cut_off_inside_a_group_leave_nothing_behind() {
+    let h = Harness::start("cut-off", Duration::from_secs(30)).await;
+    h.transaction(0x200, &[1], true).await;
+    // One frame: a whole transaction, then the start of a small one; then the restart.
+    h.send_frame(&[
+        begin_of(0x300),
+        insert_of(2),
+        commit_of(0x300),
+        begin_of(0x400),
+        insert_of(3),
+    ])
+    .await;
+    h.restart().await;
+    h.transaction(0x300, &[2], false).await;
+    h.transaction(0x400, &[3], false).await;
+    // The same with a transaction too large to hold (more messages than the hold takes).
+    let large: Vec<u64> = (1000..1300).collect();
+    let mut frame = vec![
+        begin_of(0x500),
+        insert_of(4),
+        commit_of(0x500),
+        begin_of(0x600),
+    ];
+    frame.extend(large.iter().map(|&id| insert_of(id)));
+    h.send_frame(&frame).await;
+    h.restart().await;
+    h.transaction(0x500, &[4], false).await;
+    h.transaction(0x600, &large, false).await;
+    wait_until(|| stored_last_watermark(&h.db()) == w(0x600).as_str()).await;
+    let ids: Vec<u64> = h
+        .db()
+        .prepare("SELECT id FROM items ORDER BY id")
+        .expect("query")
+        .query_map([], |r| r.get(0))
+        .expect("rows")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    let expected: Vec<u64> = [1, 2, 3, 4]
+        .into_iter()
+        .chain(large.iter().copied())
+        .collect();
+    assert_eq!(ids, expected);
+    let per_transaction: Vec<(String, i64)> = h
+        .db()
+        .prepare(r#"SELECT "watermark", count(*) FROM "_hw_change_log" GROUP BY 1 ORDER BY 1"#)
+        .expect("query")
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .expect("rows")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    let expected: Vec<(String, i64)> = [
+        (VERSION, 2),
+        (0x200, 4),
+        (0x300, 3),
+        (0x400, 3),
+        (0x500, 3),
+        (0x600, 2 + large.len() as i64),
+    ]
+    .into_iter()
+    .map(|(n, rows)| (w(n).as_str().to_owned(), rows))
+    .collect();
+    assert_eq!(per_transaction, expected);
+    // The replica's position, written once per group, is the last commit's.
+    let position: String = h
+        .db()
+        .query_row(r#"SELECT "watermark" FROM "_hw_state""#, [], |r| r.get(0))
+        .expect("position");
+    assert_eq!(position, w(0x600).as_str());
     h.stop().await;
 }
 
