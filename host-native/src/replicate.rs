@@ -28,7 +28,7 @@ use crate::upstream::{backfill_item, feed, reconcile_relation, Backfills, Catalo
 
 use crate::replica::bootstrap::{BootstrapError, Upstream};
 use crate::replica::initial_sync::{SyncError, SyncOptions, DEFAULT_SYNC_WORKERS};
-use crate::replica::{Applied, Replica, ReplicaWriter};
+use crate::replica::{Applied, Replica, ReplicaWriter, TxnItem};
 use crate::replication::setup::DEFAULT_APP_ID;
 use crate::replication::{WalEvent, WalStream};
 
@@ -202,8 +202,34 @@ struct Replicator<'a> {
     group: GroupCommit<Watermark>,
     /// Bytes of replication data since the last commit applied.
     txn_bytes: usize,
+    /// The transaction being applied, held whole until its commit while it is small (then
+    /// applied with no savepoint of its own); `None` between transactions and once one
+    /// outgrew the hold and streams into SQLite.
+    held: Option<Vec<Held>>,
     epoch: Instant,
 }
+
+/// A message of a held transaction (row changes are text rows; the boxed messages are
+/// mostly its `begin` and `commit`).
+enum Held {
+    Message(Box<DownstreamMessage>),
+    Text(TextRowChange),
+}
+
+impl<'a> From<&'a Held> for TxnItem<'a> {
+    fn from(held: &'a Held) -> Self {
+        match held {
+            Held::Message(message) => TxnItem::Message(message),
+            Held::Text(change) => TxnItem::Text(change),
+        }
+    }
+}
+
+/// A transaction is held whole until its commit up to this many messages and bytes of
+/// replication data; a larger one streams into SQLite inside a savepoint (memory stays
+/// bounded).
+const HOLD_MESSAGES: usize = 256;
+const HOLD_BYTES: usize = 256 * 1024;
 
 /// Events taken from the replication socket's queue in one wake-up.
 const BATCH_EVENTS: usize = 256;
@@ -230,12 +256,64 @@ impl Replicator<'_> {
     }
 
     /// At a stop: what is applied between transactions is whole, so it is made durable (and
-    /// acknowledged); a transaction half applied is rolled back by the caller.
+    /// acknowledged); a transaction half applied is rolled back by the caller, and one held
+    /// never reached SQLite.
     fn stop(&mut self) -> anyhow::Result<()> {
+        self.held = None;
         if !self.writer.in_transaction() {
             self.flush()?;
         }
         Ok(())
+    }
+
+    /// A transaction is being applied: held, or streaming into SQLite.
+    fn in_transaction(&self) -> bool {
+        self.held.is_some() || self.writer.in_transaction()
+    }
+
+    /// Holds `item` if a transaction is held, spilling it once it outgrows the hold; gives it
+    /// back otherwise.
+    fn hold(&mut self, item: Held) -> anyhow::Result<Option<Held>> {
+        let Some(held) = self.held.as_mut() else {
+            return Ok(Some(item));
+        };
+        held.push(item);
+        if held.len() >= HOLD_MESSAGES || self.txn_bytes >= HOLD_BYTES {
+            self.spill()?;
+        }
+        Ok(None)
+    }
+
+    /// The held transaction goes into SQLite as it came (its `begin` opening a savepoint
+    /// inside a group), and the rest streams after it.
+    fn spill(&mut self) -> anyhow::Result<()> {
+        for item in self.held.take().unwrap_or_default() {
+            match item {
+                Held::Message(message) => self.writer.apply(&message)?,
+                Held::Text(change) => self.writer.apply_text(&change)?,
+            };
+        }
+        Ok(())
+    }
+
+    /// What a commit applied means for the group: the commits it made durable, if any.
+    fn committed(&mut self, applied: Applied) -> anyhow::Result<Vec<Watermark>> {
+        Ok(match applied {
+            Applied::Grouped { watermark, .. } => {
+                let bytes = std::mem::take(&mut self.txn_bytes);
+                let now = self.now_us();
+                if self.group.applied(watermark, bytes, now) == GroupDecision::Flush {
+                    self.make_durable()?.into_iter().collect()
+                } else {
+                    Vec::new()
+                }
+            }
+            Applied::Committed { watermark, .. } => {
+                self.committed += 1;
+                vec![watermark]
+            }
+            Applied::Pending | Applied::RolledBack => Vec::new(),
+        })
     }
 
     /// Makes the open group durable and reports it to the session (acknowledging it).
@@ -250,12 +328,12 @@ impl Replicator<'_> {
     /// arrives; flushes it now if that has passed. `None`: wait for input without a deadline.
     fn flush_deadline(&mut self) -> anyhow::Result<Option<Duration>> {
         let now = self.now_us();
-        let in_transaction = self.writer.in_transaction();
+        let in_transaction = self.in_transaction();
         if self.group.flush_due(now, in_transaction) {
             self.flush()?;
         }
         Ok(match self.group.deadline_us() {
-            Some(deadline) if !self.writer.in_transaction() => {
+            Some(deadline) if !self.in_transaction() => {
                 Some(Duration::from_micros(deadline.saturating_sub(now)))
             }
             _ => None,
@@ -291,6 +369,7 @@ fn stream_changes(
         committed: 0,
         group: GroupCommit::new(GroupLimits::default()),
         txn_bytes: 0,
+        held: None,
         epoch: Instant::now(),
     };
     replicator.writer.set_group_commit(true);
@@ -390,35 +469,59 @@ impl EffectHost for Replicator<'_> {
     }
 
     fn apply(&mut self, message: DownstreamMessage) -> anyhow::Result<Vec<Watermark>> {
-        if let DownstreamMessage::Begin(begin) = &message {
-            self.backfills.note(begin);
-        }
-        Ok(match self.writer.apply(&message)? {
-            Applied::Grouped { watermark, .. } => {
-                let bytes = std::mem::take(&mut self.txn_bytes);
-                let now = self.now_us();
-                if self.group.applied(watermark, bytes, now) == GroupDecision::Flush {
-                    self.make_durable()?.into_iter().collect()
-                } else {
-                    Vec::new()
+        let message = match message {
+            DownstreamMessage::Begin(begin) if !self.in_transaction() => {
+                self.backfills.note(&begin);
+                // Held until its commit, or until it outgrows the hold.
+                self.held = Some(vec![Held::Message(Box::new(DownstreamMessage::Begin(
+                    begin,
+                )))]);
+                return Ok(Vec::new());
+            }
+            commit @ DownstreamMessage::Commit(_) => match self.held.take() {
+                Some(mut held) => {
+                    held.push(Held::Message(Box::new(commit)));
+                    let applied = self.writer.apply_whole(&held)?;
+                    return self.committed(applied);
                 }
+                None => commit,
+            },
+            DownstreamMessage::Rollback(rollback) => {
+                // A held transaction never reached SQLite.
+                if self.held.take().is_some() {
+                    return Ok(Vec::new());
+                }
+                DownstreamMessage::Rollback(rollback)
             }
-            Applied::Committed { watermark, .. } => {
-                self.committed += 1;
-                vec![watermark]
+            // The writer refuses a `begin` inside a transaction.
+            begin @ DownstreamMessage::Begin(_) => {
+                self.spill()?;
+                begin
             }
-            Applied::Pending | Applied::RolledBack => Vec::new(),
-        })
+            other => match self.hold(Held::Message(Box::new(other)))? {
+                Some(Held::Message(message)) => *message,
+                _ => return Ok(Vec::new()),
+            },
+        };
+        let applied = self.writer.apply(&message)?;
+        self.committed(applied)
     }
 
     fn apply_text(&mut self, change: TextRowChange) -> anyhow::Result<Vec<Watermark>> {
         // A row change is never a commit: nothing becomes durable here.
-        self.writer.apply_text(&change)?;
+        if let Some(Held::Text(change)) = self.hold(Held::Text(change))? {
+            self.writer.apply_text(&change)?;
+        }
         Ok(Vec::new())
     }
 
     fn settle(&mut self) -> anyhow::Result<Vec<Watermark>> {
-        // Every message is applied as it comes.
+        // The replica as of every message, as schema changes are computed against it: a held
+        // transaction (one whose DDL came earlier, say) goes into SQLite now. Everything else
+        // is applied as it comes.
+        if self.held.is_some() {
+            self.spill()?;
+        }
         Ok(Vec::new())
     }
 
