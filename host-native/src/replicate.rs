@@ -2,8 +2,9 @@
 //!
 //! An empty (or never completed) replica is synced from a fresh slot's exported snapshot; a
 //! synced one resumes from its stored position. Upstream transactions are applied in SQLite
-//! transactions — several queued ones in one, each in a savepoint, as the engine's group-commit
-//! rule (`upstream::GroupCommit`) says — and acknowledged upstream only once committed, so a
+//! transactions — several queued ones in one, as the engine's group-commit rule
+//! (`upstream::GroupCommit`) says, a small one held whole until its commit, a large one in a
+//! savepoint — and acknowledged upstream only once committed, so a
 //! crash at any point loses nothing and applies nothing twice. An open group is made durable
 //! when it is full, when its deadline passes with nothing more to apply, and at a stop (a
 //! backfill starts only with everything durable, by the session's rule). Ctrl-C / SIGTERM stop

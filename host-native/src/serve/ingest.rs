@@ -8,8 +8,9 @@
 //!
 //! Group commit (the engine's `upstream::GroupCommit` holds the rule; on unless `serve
 //! --no-group-commit`, which stores one transaction per SQLite commit): while more upstream
-//! transactions are queued, the next ones are applied into the same SQLite transaction, each
-//! in a savepoint of its own. The group is made durable when the engine says it is full, when
+//! transactions are queued, the next ones are applied into the same SQLite transaction: a
+//! small one held whole until its commit and applied then with no savepoint (it is never
+//! rolled back alone), a large one in a savepoint of its own. The group is made durable when the engine says it is full, when
 //! its deadline passes with nothing more to apply (the thread never waits for input past it),
 //! and before anything that must see the store committed: a catch-up read (one asked for in
 //! the middle of a transaction waits for that transaction's commit, which then closes the
