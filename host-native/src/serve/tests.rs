@@ -281,6 +281,17 @@ impl Harness {
         rusqlite::Connection::open(self.dir.0.join("replica.db")).expect("open replica")
     }
 
+    /// The ids in the replica's `items`, in order.
+    fn item_ids(&self) -> Vec<u64> {
+        self.db()
+            .prepare("SELECT id FROM items ORDER BY id")
+            .expect("query")
+            .query_map([], |r| r.get(0))
+            .expect("rows")
+            .collect::<Result<_, _>>()
+            .expect("rows")
+    }
+
     async fn stop(self) {
         let _ = self.stop.send(true);
         let result = tokio::time::timeout(PROMPT, self.server)
@@ -508,14 +519,7 @@ async fn a_burst_taken_from_the_source_queue_together_is_stored_forwarded_and_ac
         stored_last_watermark(&h.db()),
         w(0x200 + (TXNS - 1) * 0x10).as_str()
     );
-    let ids: Vec<u64> = h
-        .db()
-        .prepare("SELECT id FROM items ORDER BY id")
-        .expect("query")
-        .query_map([], |r| r.get(0))
-        .expect("rows")
-        .collect::<Result<_, _>>()
-        .expect("rows");
+    let ids = h.item_ids();
     assert_eq!(ids, (1..=TXNS).collect::<Vec<_>>());
     h.stop().await;
 }
@@ -983,14 +987,7 @@ async fn held_and_streamed_transactions_cut_off_inside_a_group_leave_nothing_beh
     h.transaction(0x500, &[4], false).await;
     h.transaction(0x600, &large, false).await;
     wait_until(|| stored_last_watermark(&h.db()) == w(0x600).as_str()).await;
-    let ids: Vec<u64> = h
-        .db()
-        .prepare("SELECT id FROM items ORDER BY id")
-        .expect("query")
-        .query_map([], |r| r.get(0))
-        .expect("rows")
-        .collect::<Result<_, _>>()
-        .expect("rows");
+    let ids = h.item_ids();
     let expected: Vec<u64> = [1, 2, 3, 4]
         .into_iter()
         .chain(large.iter().copied())
