@@ -29,7 +29,7 @@ use crate::upstream::{backfill_item, feed, reconcile_relation, Backfills, Catalo
 
 use crate::replica::bootstrap::{BootstrapError, Upstream};
 use crate::replica::initial_sync::{SyncError, SyncOptions, DEFAULT_SYNC_WORKERS};
-use crate::replica::{Applied, Replica, ReplicaWriter, TxnItem};
+use crate::replica::{outgrows_hold, Applied, Replica, ReplicaWriter, TxnItem};
 use crate::replication::setup::DEFAULT_APP_ID;
 use crate::replication::{WalEvent, WalStream};
 
@@ -226,12 +226,6 @@ impl<'a> From<&'a Held> for TxnItem<'a> {
     }
 }
 
-/// A transaction is held whole until its commit up to this many messages and bytes of
-/// replication data; a larger one streams into SQLite inside a savepoint (memory stays
-/// bounded).
-const HOLD_MESSAGES: usize = 256;
-const HOLD_BYTES: usize = 256 * 1024;
-
 /// Events taken from the replication socket's queue in one wake-up.
 const BATCH_EVENTS: usize = 256;
 
@@ -272,17 +266,16 @@ impl Replicator<'_> {
         self.held.is_some() || self.writer.in_transaction()
     }
 
-    /// Holds `item` if a transaction is held, spilling it once it outgrows the hold; gives it
-    /// back otherwise.
-    fn hold(&mut self, item: Held) -> anyhow::Result<Option<Held>> {
-        let Some(held) = self.held.as_mut() else {
-            return Ok(Some(item));
-        };
-        held.push(item);
-        if held.len() >= HOLD_MESSAGES || self.txn_bytes >= HOLD_BYTES {
-            self.spill()?;
+    /// Adds `item` to the held transaction, spilling it once it outgrows the hold (the bytes
+    /// are the replication data since the last commit).
+    fn hold(&mut self, item: Held) -> anyhow::Result<()> {
+        if let Some(held) = self.held.as_mut() {
+            held.push(item);
+            if outgrows_hold(held.len(), self.txn_bytes) {
+                self.spill()?;
+            }
         }
-        Ok(None)
+        Ok(())
     }
 
     /// The held transaction goes into SQLite as it came (its `begin` opening a savepoint
@@ -499,10 +492,11 @@ impl EffectHost for Replicator<'_> {
                 self.spill()?;
                 begin
             }
-            other => match self.hold(Held::Message(Box::new(other)))? {
-                Some(Held::Message(message)) => *message,
-                _ => return Ok(Vec::new()),
-            },
+            other if self.held.is_some() => {
+                self.hold(Held::Message(Box::new(other)))?;
+                return Ok(Vec::new());
+            }
+            other => other,
         };
         let applied = self.writer.apply(&message)?;
         self.committed(applied)
@@ -510,7 +504,9 @@ impl EffectHost for Replicator<'_> {
 
     fn apply_text(&mut self, change: TextRowChange) -> anyhow::Result<Vec<Watermark>> {
         // A row change is never a commit: nothing becomes durable here.
-        if let Some(Held::Text(change)) = self.hold(Held::Text(change))? {
+        if self.held.is_some() {
+            self.hold(Held::Text(change))?;
+        } else {
             self.writer.apply_text(&change)?;
         }
         Ok(Vec::new())

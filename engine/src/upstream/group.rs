@@ -130,6 +130,11 @@ impl<P: Ord + Clone> GroupCommit<P> {
         self.open.is_some()
     }
 
+    /// The position of the open group's last transaction; `None` with no group open.
+    pub fn last(&self) -> Option<&P> {
+        self.open.as_ref().map(|open| &open.last)
+    }
+
     /// Transactions in the open group.
     pub fn transactions(&self) -> usize {
         self.open.as_ref().map_or(0, |open| open.transactions)

@@ -39,6 +39,17 @@ use super::schema::{
 use super::value::{into_sql, row_key_json, scalar_to_sql, to_sql_ref, SqlScalar};
 use super::{Replica, ReplicaError, ReplicaState};
 
+/// A transaction is held whole until its commit (then applied with
+/// [`ReplicaWriter::apply_whole`]) up to this many messages and bytes; a larger one streams
+/// into SQLite inside a savepoint, so the memory a held transaction takes stays bounded.
+const HOLD_MESSAGES: usize = 256;
+const HOLD_BYTES: usize = 256 * 1024;
+
+/// Whether a held transaction of `messages` and `bytes` must stream into SQLite from now on.
+pub fn outgrows_hold(messages: usize, bytes: usize) -> bool {
+    messages >= HOLD_MESSAGES || bytes >= HOLD_BYTES
+}
+
 /// One part of a whole transaction for [`ReplicaWriter::apply_whole`]: a message, or a row
 /// change that kept its text.
 #[derive(Debug, Clone, Copy)]
@@ -105,8 +116,6 @@ pub struct ReplicaWriter {
     grouping: bool,
     /// A SQLite transaction holding grouped, not yet durable upstream transactions.
     group_open: bool,
-    /// The transaction being begun is one the caller holds whole ([`ReplicaWriter::apply_whole`]).
-    whole: bool,
     /// The position in memory is ahead of the one in `_hw_state`: a grouped commit leaves
     /// the row to the group's commit, which writes it once for all of its transactions.
     state_unwritten: bool,
@@ -126,7 +135,6 @@ impl ReplicaWriter {
             grouping: false,
             group_open: false,
             state_unwritten: false,
-            whole: false,
             row_sql: RowSql::default(),
         }
     }
@@ -180,14 +188,20 @@ impl ReplicaWriter {
             self.rollback()?;
         }
         if self.group_open {
-            self.group_open = false;
-            self.state_unwritten = false;
             self.replica.conn.execute_batch("ROLLBACK")?;
-            // The positions in memory were those of the discarded commits.
-            self.replica.reload()?;
-            self.row_sql.clear();
-            self.next_seq = self.state()?.next_seq;
+            self.forget_group()?;
         }
+        Ok(())
+    }
+
+    /// After the group's SQLite transaction was rolled back: the schema and positions in
+    /// memory were those of the discarded commits, so they are read again from the replica.
+    fn forget_group(&mut self) -> Result<(), ReplicaError> {
+        self.group_open = false;
+        self.state_unwritten = false;
+        self.replica.reload()?;
+        self.row_sql.clear();
+        self.next_seq = self.state()?.next_seq;
         Ok(())
     }
 
@@ -222,7 +236,7 @@ impl ReplicaWriter {
     /// Applies one message. On an error inside a transaction the transaction is rolled back.
     pub fn apply(&mut self, message: &DownstreamMessage) -> Result<Applied, ReplicaError> {
         let result = match message {
-            DownstreamMessage::Begin(begin) => self.begin(begin),
+            DownstreamMessage::Begin(begin) => self.begin(begin, false),
             DownstreamMessage::Data(change) => self.data(change).map(|()| Applied::Pending),
             DownstreamMessage::Commit(commit) => self.commit(commit),
             DownstreamMessage::Rollback(_) => self.rollback(),
@@ -249,14 +263,12 @@ impl ReplicaWriter {
         I::Item: Into<TxnItem<'a>>,
     {
         let mut items = items.into_iter().map(Into::into);
-        let Some(TxnItem::Message(first @ DownstreamMessage::Begin(_))) = items.next() else {
+        let Some(TxnItem::Message(DownstreamMessage::Begin(begin))) = items.next() else {
             return Err(ReplicaError::IncompleteTransaction {
                 found: "one without its `begin`",
             });
         };
-        self.whole = true;
-        let mut applied = self.apply(first);
-        self.whole = false;
+        let mut applied = self.begin(begin, true);
         for item in items {
             if applied.is_err() {
                 break;
@@ -334,7 +346,8 @@ impl ReplicaWriter {
         self.replica.state().ok_or(ReplicaError::NotInitialized)
     }
 
-    fn begin(&mut self, begin: &Begin) -> Result<Applied, ReplicaError> {
+    /// Begins a transaction; `whole`: one the caller holds whole ([`ReplicaWriter::apply_whole`]).
+    fn begin(&mut self, begin: &Begin, whole: bool) -> Result<Applied, ReplicaError> {
         if let Some(open) = &self.txn {
             return Err(ReplicaError::NestedTransaction {
                 open: open.watermark.clone(),
@@ -352,7 +365,7 @@ impl ReplicaWriter {
         }
         // Inside an open group, a savepoint: a rollback then undoes this transaction alone.
         // A whole transaction needs none: it is never rolled back alone.
-        let savepoint = self.group_open && !self.whole;
+        let savepoint = self.group_open && !whole;
         if savepoint {
             run_cached(&self.replica.conn, "SAVEPOINT hw_txn")?;
         } else if !self.group_open {
@@ -440,11 +453,7 @@ impl ReplicaWriter {
             self.replica.conn.execute_batch("ROLLBACK")?;
             if self.group_open {
                 // A whole transaction inside a group: the group goes with it.
-                self.group_open = false;
-                self.state_unwritten = false;
-                self.replica.reload()?;
-                self.row_sql.clear();
-                self.next_seq = self.state()?.next_seq;
+                self.forget_group()?;
                 return Ok(Applied::RolledBack);
             }
         }

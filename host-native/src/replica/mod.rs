@@ -25,7 +25,7 @@ use highwater_engine::change_stream::{JsonFormat, Row};
 use highwater_engine::watermark::{Lsn, Watermark, WatermarkError};
 use rusqlite::{params, Connection, OptionalExtension};
 
-pub use apply::{Applied, PendingBackfill, ReplicaWriter, TxnItem};
+pub use apply::{outgrows_hold, Applied, PendingBackfill, ReplicaWriter, TxnItem};
 use schema::{quote_ident, ReplicaTable};
 
 /// Anything that stops the replica from reading or applying.

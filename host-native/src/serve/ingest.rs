@@ -10,10 +10,10 @@
 //! --no-group-commit`, which stores one transaction per SQLite commit): while more upstream
 //! transactions are queued, the next ones are applied into the same SQLite transaction: a
 //! small one held whole until its commit and applied then with no savepoint (it is never
-//! rolled back alone), a large one in a savepoint of its own. The group is made durable when the engine says it is full, when
-//! its deadline passes with nothing more to apply (the thread never waits for input past it),
-//! and before anything that must see the store committed: a catch-up read (one asked for in
-//! the middle of a transaction waits for that transaction's commit, which then closes the
+//! rolled back alone), a large one in a savepoint of its own. The group is made durable when
+//! the engine says it is full, when its deadline passes with nothing more to apply (the
+//! thread never waits for input past it), and before anything that must see the store
+//! committed: a catch-up read (one asked for in the middle of a transaction waits for that transaction's commit, which then closes the
 //! group), a purge, a stop (a backfill starts only with everything durable, by the session's
 //! rule). Only then are its commits reported stored (the streamer, and the session, which
 //! releases the upstream confirmation of the last one) and their scope-feed entries routed.
@@ -47,7 +47,7 @@ use crate::pause_point::{self, Point};
 use crate::replica::backfill::BackfillItem;
 use crate::replica::feed::CommittedChanges;
 use crate::replica::initial_sync::SyncError;
-use crate::replica::{Applied, Replica, ReplicaWriter};
+use crate::replica::{outgrows_hold, Applied, Replica, ReplicaWriter};
 use crate::upstream::{
     backfill_item, feed, reconcile_relation, Backfills, Catalog, EffectError, EffectHost,
 };
@@ -89,9 +89,6 @@ pub(crate) struct Ingest {
     held: Option<Vec<StoredChange>>,
     /// Bytes (stored change text) of the transaction being stored.
     txn_bytes: usize,
-    /// The open group's last commit, for the change log's `last_watermark`: written once, as
-    /// the group is made durable (the replica's position likewise, by the writer).
-    log_last: Option<Watermark>,
     epoch: std::time::Instant,
 }
 
@@ -118,11 +115,6 @@ impl SyncFeed {
 
 /// Source events taken from the channel at a time at most.
 const EVENTS_PER_TAKE: usize = 256;
-
-/// A transaction is held whole until its commit up to this many messages and bytes of stored
-/// text; a larger one streams into SQLite inside a savepoint (memory stays bounded).
-const HOLD_MESSAGES: usize = 256;
-const HOLD_BYTES: usize = 256 * 1024;
 
 // Lives for one loop step; boxing the common message variant would only add an allocation.
 #[allow(clippy::large_enum_variant)]
@@ -191,7 +183,6 @@ impl Ingest {
             deferred_catchups: Vec::new(),
             held: None,
             txn_bytes: 0,
-            log_last: None,
             epoch: std::time::Instant::now(),
         }
     }
@@ -212,8 +203,10 @@ impl Ingest {
         }
         if self.group.is_open() {
             let transactions = self.group.transactions();
-            if let Some(last) = self.log_last.take() {
-                change_log::commit(self.conn(), &last)?;
+            // The change log's position, once per group (the replica's likewise, by the
+            // writer).
+            if let Some(last) = self.group.last() {
+                change_log::commit(self.conn(), last)?;
             }
             pause_point::reach(Point::BeforeGroupCommit, transactions);
             self.writer.commit_group()?;
@@ -454,7 +447,6 @@ impl Ingest {
         };
         if !stored {
             self.group.discarded();
-            self.log_last = None;
             self.grouped.clear();
             self.deferred_catchups.clear();
             let _ = self.writer.discard_group();
@@ -537,7 +529,7 @@ impl Ingest {
                 match self.held.as_mut() {
                     Some(held) => {
                         held.push(row);
-                        if held.len() >= HOLD_MESSAGES || txn_bytes >= HOLD_BYTES {
+                        if outgrows_hold(held.len(), txn_bytes) {
                             self.spill()?;
                         }
                     }
@@ -562,7 +554,6 @@ impl Ingest {
                         })
                     }
                 }
-                self.log_last = Some(row.watermark().clone());
                 if let Some(changes) = self.writer.take_committed() {
                     self.grouped.push(changes);
                 }
