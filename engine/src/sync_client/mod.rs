@@ -372,6 +372,8 @@ pub struct SyncClient {
     refresh: Option<u64>,
     sockets_issued: SocketId,
     requests_issued: u64,
+    /// Every `Subscribe` the app made on this client; part of each scope's subscription ids.
+    subscribes_made: u64,
     scopes: BTreeMap<ScopeKey, ScopeSlot>,
     /// Subscription id → scope, for every subscription out on the socket.
     routes: BTreeMap<String, ScopeKey>,
@@ -397,6 +399,7 @@ impl SyncClient {
             refresh: None,
             sockets_issued: 0,
             requests_issued: 0,
+            subscribes_made: 0,
             scopes: BTreeMap::new(),
             routes: BTreeMap::new(),
             status: ConnectionStatus {
@@ -759,10 +762,14 @@ impl SyncClient {
         let resource_type = params.scope.resource_type.clone().unwrap_or_default();
         let digest =
             Scope::of_type(resource_type.clone(), params.scope.conditions.clone()).digest();
+        // A key unsubscribed and subscribed again must not reuse an id: the server may still
+        // be sending the old subscription's replay, and its pages and `channel-subscribed`
+        // would be taken for the new one's, leaving rows out under a confirmed cursor.
+        self.subscribes_made += 1;
         let bridge = ScopeBridge::new(BridgeConfig {
             local_origin: None,
             resource_types: [resource_type].into_iter().collect(),
-            subscription_id_prefix: format!("s{key}."),
+            subscription_id_prefix: format!("s{key}.{}.", self.subscribes_made),
             reopen_on_resume: true,
         });
         let mut rows = BTreeMap::new();
