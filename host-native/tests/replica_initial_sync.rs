@@ -143,6 +143,12 @@ async fn a_value_a_reader_cannot_read_fails_the_sync_and_marks_nothing_synced() 
         ),
         other => panic!("expected the reader's COPY to fail, got {other:?}"),
     }
+    // What the log shows says what Postgres said, not only "db error".
+    let text = result.unwrap_err().to_string();
+    assert!(
+        text.contains("22021") && text.contains("invalid byte sequence"),
+        "{text}"
+    );
     let replica = Replica::open_in_dir(data.path()).unwrap();
     assert!(replica.state().is_none(), "a failed sync is not synced");
 }

@@ -21,9 +21,9 @@ use crate::replication::{ConnectParams, ReplicationConnection, ReplicationError,
 pub enum BootstrapError {
     #[error(transparent)]
     Replication(#[from] ReplicationError),
-    #[error("upstream query failed: {0}")]
+    #[error("upstream query failed: {}", crate::replication::PgErrorText(.0))]
     Postgres(#[from] tokio_postgres::Error),
-    #[error("cannot install the DDL event trigger: {0}")]
+    #[error("cannot install the DDL event trigger: {}", crate::replication::PgErrorText(.0))]
     DdlTrigger(tokio_postgres::Error),
     #[error(transparent)]
     Replica(#[from] ReplicaError),

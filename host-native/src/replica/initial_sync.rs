@@ -51,7 +51,7 @@ pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
-    #[error("upstream query failed: {0}")]
+    #[error("upstream query failed: {}", crate::replication::PgErrorText(.0))]
     Postgres(#[from] tokio_postgres::Error),
     /// Boxed: the connection error is large, and this one travels in many results.
     #[error(transparent)]

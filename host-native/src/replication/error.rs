@@ -55,6 +55,30 @@ impl ServerError {
     }
 }
 
+/// A tokio-postgres error as a person needs to read it: its own text says only "db error" for
+/// what the server answered, so the server's severity, SQLSTATE, message, detail and hint are
+/// added (as [`ServerError`] shows them).
+pub struct PgErrorText<'a>(pub &'a tokio_postgres::Error);
+
+impl fmt::Display for PgErrorText<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.as_db_error() {
+            Some(db) => ServerError {
+                severity: db.severity().to_owned(),
+                code: db.code().code().to_owned(),
+                message: db.message().to_owned(),
+                detail: db.detail().map(str::to_owned),
+                hint: db.hint().map(str::to_owned),
+            }
+            .fmt(f),
+            None => match std::error::Error::source(self.0) {
+                Some(source) => write!(f, "{}: {source}", self.0),
+                None => self.0.fmt(f),
+            },
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicationError {
     #[error("Invalid connection settings: {0}")]
@@ -126,7 +150,7 @@ pub enum ReplicationError {
     )]
     Silent { silence: Duration },
 
-    #[error("Postgres query failed: {0}")]
+    #[error("Postgres query failed: {}", PgErrorText(.0))]
     Query(#[from] tokio_postgres::Error),
 }
 

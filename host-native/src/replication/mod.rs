@@ -25,5 +25,5 @@ pub use connection::{
     ConnectParams, CreatedSlot, PgConfig, PgConnection, ReplicationConnection, ReplicationStream,
     SystemIdentity, TextRows,
 };
-pub use error::{ReplicationError, ServerError};
+pub use error::{PgErrorText, ReplicationError, ServerError};
 pub use stream::{Acker, StreamConfig, WalEvent, WalStream};

@@ -245,7 +245,7 @@ pub enum ServeError {
     Sync(#[from] SyncError),
     #[error(transparent)]
     Bootstrap(#[from] crate::replica::bootstrap::BootstrapError),
-    #[error("upstream query failed: {0}")]
+    #[error("upstream query failed: {}", crate::replication::PgErrorText(.0))]
     Postgres(#[from] tokio_postgres::Error),
     #[error("the change source broke the change-stream protocol: {0}")]
     Upstream(#[from] highwater_engine::streamer::UpstreamError),
