@@ -25,7 +25,10 @@ use tokio::sync::watch;
 
 use crate::data_lock::DataDirLock;
 use crate::pause_point::{self, Point};
-use crate::upstream::{backfill_item, feed, reconcile_relation, Backfills, Catalog, EffectHost};
+use crate::upstream::{
+    backfill_item, backfill_retry_in, feed, reconcile_relation, retry_backfills, Backfills,
+    Catalog, EffectHost,
+};
 
 use crate::replica::bootstrap::{BootstrapError, Upstream};
 use crate::replica::initial_sync::{SyncError, SyncOptions, DEFAULT_SYNC_WORKERS};
@@ -335,6 +338,14 @@ impl Replicator<'_> {
     }
 }
 
+/// What woke a wait for the replication stream other than input.
+enum Woke {
+    /// The open group's deadline passed.
+    Flush,
+    /// A failed backfill's retry delay passed.
+    RetryBackfills,
+}
+
 // The replicator's whole state, passed down from `replicate`.
 #[allow(clippy::too_many_arguments)]
 fn stream_changes(
@@ -410,23 +421,31 @@ fn stream_changes(
                 // it: from now on the backfill is the only source, until its commit.
                 continue;
             }
+            // A failed backfill is tried again after its delay even if no commit comes.
+            let retry_in = backfill_retry_in(Some(&*replicator.backfills));
             let stream = &mut *replicator.stream;
             let taken = handle.block_on(async {
                 tokio::select! {
                     _ = stop.changed() => None,
-                    taken = stream.recv_many(&mut batch, BATCH_EVENTS) => Some(Some(taken)),
+                    taken = stream.recv_many(&mut batch, BATCH_EVENTS) => Some(Ok(taken)),
                     _ = tokio::time::sleep(flush_in.unwrap_or_default()),
-                        if flush_in.is_some() => Some(None),
+                        if flush_in.is_some() => Some(Err(Woke::Flush)),
+                    _ = tokio::time::sleep(retry_in.unwrap_or_default()),
+                        if retry_in.is_some() => Some(Err(Woke::RetryBackfills)),
                 }
             });
             match taken {
                 None => return replicator.stop(),
-                Some(None) => {
+                Some(Err(Woke::Flush)) => {
                     replicator.flush()?;
                     continue;
                 }
-                Some(Some(0)) => bail!("the replication stream ended"),
-                Some(Some(_)) => queued.extend(batch.drain(..)),
+                Some(Err(Woke::RetryBackfills)) => {
+                    retry_backfills(&mut replicator)?;
+                    continue;
+                }
+                Some(Ok(0)) => bail!("the replication stream ended"),
+                Some(Ok(_)) => queued.extend(batch.drain(..)),
             }
         }
         let Some(event) = queued.pop_front() else {

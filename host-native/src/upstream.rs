@@ -35,7 +35,7 @@ pub enum EffectError {
     Replica(#[from] ReplicaError),
     #[error("cannot connect to the upstream Postgres: {0}")]
     Connect(String),
-    #[error("upstream catalog query failed: {0}")]
+    #[error("upstream catalog query failed: {}", crate::replication::PgErrorText(.0))]
     Catalog(#[from] tokio_postgres::Error),
     #[error("a Relation message arrived from a source without a Postgres catalog")]
     NoCatalog,
@@ -325,7 +325,7 @@ impl Backfills {
 
 /// Feeds an item of the running backfill to the host's session: its messages until its commit,
 /// then its end; a failure (or an end before the commit) ends it too, and it is tried again
-/// after the next transaction.
+/// after the next transaction or its retry delay ([`backfill_retry_in`]).
 pub fn backfill_item<H: EffectHost>(
     host: &mut H,
     item: Option<Result<BackfillItem, SyncError>>,
@@ -345,6 +345,9 @@ pub fn backfill_item<H: EffectHost>(
             let commit = matches!(message, DownstreamMessage::Commit(_));
             feed(host, Input::Backfill(message))?;
             if commit {
+                if let Some((backfills, _)) = host.backfills() {
+                    backfills.planner.on_completed();
+                }
                 end_backfill(host)?;
             }
             return Ok(());
@@ -359,12 +362,43 @@ pub fn backfill_item<H: EffectHost>(
         None => None,
     };
     if let Some(error) = failure {
-        tracing::warn!(%table, %error, "backfill failed; retrying after the next transaction");
-        backfills.planner.on_failed(&table, &position);
+        backfills
+            .planner
+            .on_failed(&table, &position, std::time::Instant::now());
+        let retry_in = backfills
+            .planner
+            .retry_at()
+            .map(|at| at.saturating_duration_since(std::time::Instant::now()));
+        tracing::warn!(
+            %table,
+            %error,
+            ?retry_in,
+            "backfill failed; retrying after the next transaction or the delay"
+        );
     }
     // Subscribers that saw a failed backfill's beginning get a rollback (the session hands it
     // on); nothing of it is stored.
     end_backfill(host)
+}
+
+/// How long until a failed backfill may be tried again with no upstream commit in between;
+/// `None` when none waits. A host about to wait for input waits at most this long, then calls
+/// [`retry_backfills`].
+pub fn backfill_retry_in(backfills: Option<&Backfills>) -> Option<std::time::Duration> {
+    let at = backfills?.planner.retry_at()?;
+    Some(at.saturating_duration_since(std::time::Instant::now()))
+}
+
+/// Releases the failed backfills whose delay passed and tells the session, which starts one
+/// as soon as nothing is in between ([`Effect::BackfillDue`]).
+pub fn retry_backfills<H: EffectHost>(host: &mut H) -> Result<(), H::Error> {
+    let released = host
+        .backfills()
+        .is_some_and(|(backfills, _)| backfills.planner.release_due(std::time::Instant::now()));
+    if released {
+        feed(host, Input::RetryBackfills)?;
+    }
+    Ok(())
 }
 
 fn end_backfill<H: EffectHost>(host: &mut H) -> Result<(), H::Error> {

@@ -6,6 +6,8 @@
 
 mod replica_support;
 
+use std::time::Duration;
+
 use replica_support::*;
 
 fn index_names(data: &std::path::Path) -> Vec<String> {
@@ -177,6 +179,49 @@ async fn a_table_added_to_the_publication_is_backfilled() {
         .batch_execute("ALTER PUBLICATION hw_test DROP TABLE app.doc;")
         .await
         .unwrap();
+    catch_up(&client, data.path()).await;
+    assert_replica_matches(&pg, data.path(), &publ).await;
+    replicator.stop().await.expect("clean stop");
+}
+
+/// A backfill that fails is tried again after its retry delay with nothing more committed
+/// upstream: a quiet database still gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_backfill_is_retried_in_a_quiet_database() {
+    let pg = start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client
+        .batch_execute(&format!(
+            "{MARKER_DDL}
+             CREATE TABLE quiet (id int PRIMARY KEY, body text);
+             INSERT INTO quiet SELECT g, 'row ' || g FROM generate_series(1, 500) g;"
+        ))
+        .await
+        .unwrap();
+    let data = DataDir::new("backfill-retry");
+    let publ = ["highwater_pub"];
+    let replicator = InProcess::spawn(args(&pg.url(), data.path(), &[]));
+    catch_up(&client, data.path()).await;
+    alter_so_the_backfill_fails_once(
+        &pg,
+        &client,
+        "quiet",
+        "ALTER TABLE quiet ADD COLUMN r float8 DEFAULT random()",
+    )
+    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while replica_scalar::<i64>(
+        data.path(),
+        "SELECT count(*) FROM _hw_columns WHERE backfill IS NOT NULL",
+    ) > 0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the failed backfill was not retried"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    reset_lock_timeout(&client).await;
     catch_up(&client, data.path()).await;
     assert_replica_matches(&pg, data.path(), &publ).await;
     replicator.stop().await.expect("clean stop");

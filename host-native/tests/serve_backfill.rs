@@ -520,3 +520,46 @@ async fn kill_9_during_a_backfill_then_restart_completes_it() {
     s.close().await;
     assert!(server.terminate().await.success());
 }
+
+/// A backfill that fails (its snapshot's lock waits behind a client's lock and hits
+/// `lock_timeout`) is tried again after its retry delay even though nothing more is committed
+/// upstream: a quiet database still gets its backfill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_backfill_is_retried_in_a_quiet_database() {
+    let pg = replica_support::start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client
+        .batch_execute(&format!(
+            "{}
+             CREATE TABLE quiet (id int PRIMARY KEY, body text);
+             INSERT INTO quiet SELECT g, 'row ' || g FROM generate_series(1, 500) g;",
+            replica_support::MARKER_DDL
+        ))
+        .await
+        .unwrap();
+    let data = DataDir::new("backfill-retry");
+    let server = InProcess::start(serve_args(&pg.url(), data.path(), free_port())).await;
+    let rv = replica_version(server.addr).await;
+    let mut s = Subscriber::connect(server.addr, &changes_path(6, &rv, &rv)).await;
+    let mut model = StreamModel::default();
+    model.keys.insert("quiet".to_owned(), vec!["id".to_owned()]);
+
+    replica_support::alter_so_the_backfill_fails_once(
+        &pg,
+        &client,
+        "quiet",
+        "ALTER TABLE quiet ADD COLUMN r float8 DEFAULT random()",
+    )
+    .await;
+    let done = |m: &StreamModel| backfill_transaction(m, "quiet").is_some();
+    assert!(follow(&mut s, &mut model, Duration::from_secs(30), done).await);
+    let (columns, rows) =
+        check_backfill_transaction(backfill_transaction(&model, "quiet").unwrap());
+    assert_eq!(columns, ["r"]);
+    assert_eq!(rows, 500);
+    replica_support::reset_lock_timeout(&client).await;
+    replica_support::catch_up(&client, data.path()).await;
+    replica_support::assert_replica_matches(&pg, data.path(), &["highwater_pub"]).await;
+    s.close().await;
+    server.stop().await;
+}

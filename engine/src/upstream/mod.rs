@@ -48,7 +48,9 @@
 //! * [`Effect::BackfillDue`]: a backfill may start now. If the replica waits for one, start it
 //!   and feed [`Input::BackfillStarted`], then its messages as [`Input::Backfill`] and
 //!   [`Input::BackfillEnded`] when its stream ends; feed no upstream input meanwhile
-//!   ([`UpstreamSession::accepts_upstream`]).
+//!   ([`UpstreamSession::accepts_upstream`]). It is due again after each commit; a host
+//!   whose backfill failed feeds [`Input::RetryBackfills`] when its retry delay has passed,
+//!   as a quiet database brings no commit.
 //! * [`Effect::Reconnect`]: the primary refused or failed this subscription: acknowledge its
 //!   `acks` (the primary closes once its error is acknowledged), close the connection and
 //!   connect again after a backoff, or, with `restore`, restore the replica from a new snapshot
@@ -113,6 +115,9 @@ pub enum Input<'a> {
     Backfill(DownstreamMessage),
     /// The running backfill's stream ended (after its commit, or failed before it).
     BackfillEnded,
+    /// A backfill that failed may be tried again now, with no upstream commit since (a quiet
+    /// database has none): [`Effect::BackfillDue`] follows as soon as one may start.
+    RetryBackfills,
 }
 
 /// What the host must do; see the module documentation.
@@ -346,6 +351,7 @@ impl UpstreamSession {
                 self.backfill_running = false;
                 self.backfill_due = true;
             }
+            Input::RetryBackfills => self.backfill_due = true,
         }
         self.check_backfill_due(&mut out);
         Ok(out)

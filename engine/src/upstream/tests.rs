@@ -518,6 +518,26 @@ fn a_backfill_that_fails_mid_transaction_is_rolled_back() {
     assert!(s.accepts_upstream());
 }
 
+/// A failed backfill's retry needs no upstream commit: the host says when its delay passed,
+/// and the session lets it start as soon as nothing is in between.
+#[test]
+fn a_backfill_retry_is_due_without_an_upstream_commit_but_never_inside_a_transaction() {
+    let mut s = started(0x10);
+    feed(&mut s, Input::BackfillStarted);
+    assert_eq!(
+        feed(&mut s, Input::BackfillEnded),
+        ["backfill due"],
+        "the host's planner holds the failed one back"
+    );
+    assert!(feed(&mut s, Input::RetryBackfills).contains(&"backfill due".to_owned()));
+    // Asked for in the middle of an upstream transaction, it waits for that commit's storing.
+    wal(&mut s, &[pg_begin(0x20)]);
+    assert!(!feed(&mut s, Input::RetryBackfills).contains(&"backfill due".to_owned()));
+    let effects = wal(&mut s, &[pg_commit(0x20)]);
+    assert!(!effects.contains(&"backfill due".to_owned()), "{effects:?}");
+    assert!(stored(&mut s, 0x20).contains(&"backfill due".to_owned()));
+}
+
 // ---- relay frames ----
 
 fn begin_msg(n: u64) -> DownstreamMessage {

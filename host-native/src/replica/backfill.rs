@@ -25,6 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use highwater_engine::backoff::{Backoff, BackoffPolicy};
 use highwater_engine::change_stream::{
     Backfill, BackfillCompleted, Begin, Change, Commit, DownloadStatus, DownstreamMessage,
     JsonFormat, NewRelation, RowKey,
@@ -513,20 +514,57 @@ async fn read_rows(
 }
 
 /// Chooses the next backfill to run and remembers what upstream cannot serve yet.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct BackfillPlanner {
     /// `(table, column)` → the snapshot where upstream first lacked the column.
     missing: HashMap<(String, String), Watermark>,
-    /// Table → the position at which its backfill failed: retried after the next transaction.
-    failed: HashMap<String, Watermark>,
+    /// Table → where and when its backfill failed: tried again after the next transaction, or
+    /// once its retry delay passed (a quiet database has no next transaction).
+    failed: HashMap<String, Failed>,
     /// Table → the last job handed out for it: the same job at the same position again would
     /// only repeat a run that changed nothing.
     handed_out: HashMap<String, (Watermark, Vec<String>, Vec<String>)>,
+    /// Delays between attempts while backfills keep failing; reset by one that commits.
+    retries: Backoff,
+}
+
+/// A backfill that failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Failed {
+    /// The consumer's last commit when it failed.
+    position: Watermark,
+    /// When it may be tried again at that position.
+    retry_at: Instant,
+}
+
+/// Retry delays of failed backfills: at least a second, at most a minute (full jitter above
+/// the floor, so servers that lost the same Postgres do not retry together).
+const BACKFILL_RETRY: BackoffPolicy = BackoffPolicy {
+    initial_ms: 1_000,
+    max_ms: 60_000,
+};
+const BACKFILL_RETRY_FLOOR_MS: u64 = 1_000;
+
+impl Default for BackfillPlanner {
+    fn default() -> Self {
+        // Jitter only needs to differ between servers.
+        Self::with_seed(std::process::id().into())
+    }
 }
 
 impl BackfillPlanner {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A planner whose retry delays are drawn from `seed`.
+    pub fn with_seed(seed: u64) -> Self {
+        BackfillPlanner {
+            missing: HashMap::new(),
+            failed: HashMap::new(),
+            handed_out: HashMap::new(),
+            retries: Backoff::new(BACKFILL_RETRY, seed),
+        }
     }
 
     /// The next backfill the replica waits for, as a transaction after `position` (the
@@ -552,8 +590,9 @@ impl BackfillPlanner {
         };
         self.missing
             .retain(|(table, column), _| is_pending(table, column));
-        self.failed
-            .retain(|table, at| pending.iter().any(|p| p.table == *table) && *at >= *position);
+        self.failed.retain(|table, failed| {
+            pending.iter().any(|p| p.table == *table) && failed.position >= *position
+        });
         for p in pending {
             let Some(table) = replica.table(&p.table) else {
                 continue;
@@ -613,9 +652,39 @@ impl BackfillPlanner {
         }
     }
 
-    /// The backfill of `table` failed at `position`: not retried before the next transaction.
-    pub fn on_failed(&mut self, table: &str, position: &Watermark) {
-        self.failed.insert(table.to_owned(), position.clone());
+    /// The backfill of `table` failed at `position`, at `now`: not retried before the next
+    /// transaction or its retry delay ([`BackfillPlanner::retry_at`]).
+    pub fn on_failed(&mut self, table: &str, position: &Watermark, now: Instant) {
+        let delay = self.retries.next_delay_ms(BACKFILL_RETRY_FLOOR_MS);
+        self.failed.insert(
+            table.to_owned(),
+            Failed {
+                position: position.clone(),
+                retry_at: now + Duration::from_millis(delay),
+            },
+        );
+        // The failed run changed nothing, and the same job at the same position is what the
+        // retry runs.
+        self.handed_out.remove(table);
+    }
+
+    /// A backfill committed: the next failure waits the shortest delay again.
+    pub fn on_completed(&mut self) {
+        self.retries.reset();
+    }
+
+    /// When the next failed backfill may be tried again without a transaction in between;
+    /// `None` when none waits.
+    pub fn retry_at(&self) -> Option<Instant> {
+        self.failed.values().map(|failed| failed.retry_at).min()
+    }
+
+    /// Releases the failed backfills whose delay has passed at `now`, for the next
+    /// [`BackfillPlanner::next_job`]; `true` if it released any.
+    pub fn release_due(&mut self, now: Instant) -> bool {
+        let before = self.failed.len();
+        self.failed.retain(|_, failed| failed.retry_at > now);
+        self.failed.len() < before
     }
 }
 
@@ -811,11 +880,53 @@ mod tests {
     fn a_failed_backfill_is_retried_after_the_next_transaction() {
         let writer = writer_waiting_for_c();
         let mut planner = BackfillPlanner::new();
-        planner.on_failed("item", &w(0x200));
+        let now = Instant::now();
+        assert!(planner
+            .next_job(writer.replica(), &w(0x200), &[], 10)
+            .is_some());
+        planner.on_failed("item", &w(0x200), now);
         assert_eq!(planner.next_job(writer.replica(), &w(0x200), &[], 10), None);
         assert!(planner
             .next_job(writer.replica(), &w(0x300), &[], 10)
             .is_some());
+        assert_eq!(planner.retry_at(), None, "nothing waits once it ran again");
+    }
+
+    /// With no transaction after it (a quiet database), a failed backfill runs again once its
+    /// delay passed, at the same position, and the delays grow while it keeps failing.
+    #[test]
+    fn a_failed_backfill_is_retried_after_its_delay_without_a_transaction() {
+        let writer = writer_waiting_for_c();
+        let mut planner = BackfillPlanner::with_seed(7);
+        let mut now = Instant::now();
+        let mut delays = Vec::new();
+        for _ in 0..8 {
+            assert!(planner
+                .next_job(writer.replica(), &w(0x200), &[], 10)
+                .is_some());
+            planner.on_failed("item", &w(0x200), now);
+            let retry_at = planner.retry_at().unwrap();
+            let delay = retry_at - now;
+            assert!(delay >= Duration::from_secs(1) && delay <= Duration::from_secs(60));
+            delays.push(delay);
+            assert!(!planner.release_due(retry_at - Duration::from_millis(1)));
+            assert_eq!(planner.next_job(writer.replica(), &w(0x200), &[], 10), None);
+            assert!(planner.release_due(retry_at));
+            assert_eq!(planner.retry_at(), None);
+            now = retry_at;
+        }
+        // Full jitter above the floor: the later windows are wider than the first.
+        assert!(
+            delays[4..].iter().any(|d| *d > Duration::from_secs(2)),
+            "{delays:?}"
+        );
+        // One that commits resets the delays.
+        planner.on_completed();
+        assert!(planner
+            .next_job(writer.replica(), &w(0x200), &[], 10)
+            .is_some());
+        planner.on_failed("item", &w(0x200), now);
+        assert!(planner.retry_at().unwrap() - now <= Duration::from_secs(2));
     }
 
     fn job(writer: &ReplicaWriter, settle: &[&str]) -> BackfillJob {

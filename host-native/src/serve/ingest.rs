@@ -49,7 +49,8 @@ use crate::replica::feed::CommittedChanges;
 use crate::replica::initial_sync::SyncError;
 use crate::replica::{outgrows_hold, Applied, Replica, ReplicaWriter};
 use crate::upstream::{
-    backfill_item, feed, reconcile_relation, Backfills, Catalog, EffectError, EffectHost,
+    backfill_item, backfill_retry_in, feed, reconcile_relation, retry_backfills, Backfills,
+    Catalog, EffectError, EffectHost,
 };
 
 pub(crate) struct Ingest {
@@ -128,6 +129,8 @@ enum Next {
     Resumed,
     /// The open group's deadline passed with nothing more to apply.
     Flush,
+    /// A failed backfill's retry delay passed.
+    RetryBackfills,
 }
 
 impl From<EffectError> for ServeError {
@@ -381,6 +384,12 @@ impl Ingest {
             // Nothing queued that this loop could take now: the burst is over, and what the
             // streamer held back for it goes out as one batch per subscriber.
             self.hub.call(|s, _| s.on_upstream_drained());
+            // A failed backfill is tried again after its delay even if no commit comes.
+            let retry_in = if backfilling {
+                None
+            } else {
+                backfill_retry_in(self.backfills.as_ref())
+            };
             let handle = self.handle.clone();
             let (ops, backfills) = (&mut self.ops, &mut self.backfills);
             let next = handle.block_on(async {
@@ -390,6 +399,9 @@ impl Ingest {
                     op = ops.recv() => op.map_or(Next::Stop, Next::Op),
                     _ = tokio::time::sleep(flush_in.unwrap_or_default()), if flush_in.is_some() => {
                         Next::Flush
+                    }
+                    _ = tokio::time::sleep(retry_in.unwrap_or_default()), if retry_in.is_some() => {
+                        Next::RetryBackfills
                     }
                     _ = paused.changed(), if is_paused => Next::Resumed,
                     item = async {
@@ -412,6 +424,7 @@ impl Ingest {
                 Next::Stop => break Ok(()),
                 Next::Resumed => Ok(()),
                 Next::Flush => self.make_durable().and_then(|stored| self.report(stored)),
+                Next::RetryBackfills => retry_backfills(&mut self),
                 Next::Op(op) => self.execute(op).and_then(|stored| self.report(stored)),
                 Next::Source(event) => self.on_source(event),
                 Next::Taken => match taken.pop_front() {

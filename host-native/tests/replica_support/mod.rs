@@ -224,6 +224,78 @@ pub async fn wait_for_marker(data: &Path, n: i32) {
     }
 }
 
+/// Runs `alter` (a DDL on `table` that asks for a backfill) so that the backfill's first run
+/// fails: a second client queues for the table's lock behind the DDL and holds the table from
+/// its commit on, and the backfill's new connection gives up on the lock after 200 ms
+/// (`lock_timeout`, set for the database). Returns once that attempt gave up and the lock is
+/// released again, with nothing committed after the DDL.
+pub async fn alter_so_the_backfill_fails_once(
+    pg: &PrivatePg,
+    client: &Client,
+    table: &str,
+    alter: &str,
+) {
+    let database: String = client
+        .query_one("SELECT current_database()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    client
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{database}\" SET lock_timeout = '200ms'"
+        ))
+        .await
+        .unwrap();
+    let holder = pg.connect().await.unwrap();
+    holder.batch_execute("SET lock_timeout = 0").await.unwrap();
+    client
+        .batch_execute(&format!("BEGIN; {alter}"))
+        .await
+        .unwrap();
+    let lock = format!("BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE");
+    let locking = tokio::spawn(async move {
+        holder.batch_execute(&lock).await.unwrap();
+        holder
+    });
+    let count =
+        |sql: String| async move { client.query_one(&sql, &[]).await.unwrap().get::<_, i64>(0) };
+    let deadline = Instant::now() + CATCH_UP;
+    let queued = format!(
+        "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = '{table}'::regclass"
+    );
+    while count(queued.clone()).await == 0 {
+        assert!(Instant::now() < deadline, "the holder never queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    client.batch_execute("COMMIT").await.unwrap();
+    let holder = locking.await.unwrap();
+    // The backfill waits behind the holder, then gives up.
+    let waiting = format!(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE wait_event_type = 'Lock' AND query LIKE 'LOCK TABLE ONLY %{table}%'"
+    );
+    while count(waiting.clone()).await == 0 {
+        assert!(Instant::now() < deadline, "no backfill waited");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    while count(waiting.clone()).await > 0 {
+        assert!(Instant::now() < deadline, "the backfill never gave up");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Released without a commit: nothing reaches the stream after the DDL.
+    holder.batch_execute("ROLLBACK").await.unwrap();
+}
+
+/// Undoes [`alter_so_the_backfill_fails_once`]'s setting (a commit upstream).
+pub async fn reset_lock_timeout(client: &Client) {
+    client
+        .batch_execute(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I RESET lock_timeout', current_database()); END $$",
+        )
+        .await
+        .unwrap();
+}
+
 /// Makes the replica catch up with everything committed so far, backfills included. A backfill
 /// starts once everything before it is durable, and with group commit the marker's transaction
 /// may share a group with the change that asked for the backfill: the marker can be stored
