@@ -297,6 +297,12 @@ impl SyncClientCore {
         dispatch(&self.host, ClientInput::BrowserOffline);
     }
 
+    /// The page became visible again or came back from the back/forward cache: the socket is
+    /// probed at once (a ping that must be answered within 3 s) and a backoff wait ends.
+    pub fn woke(&self) {
+        dispatch(&self.host, ClientInput::Woke);
+    }
+
     #[wasm_bindgen(js_name = goOffline)]
     pub fn go_offline(&self) {
         dispatch(&self.host, ClientInput::GoOffline);

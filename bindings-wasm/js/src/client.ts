@@ -345,22 +345,39 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     }
   }
 
-  /** The browser's online/offline events (none in Node). */
+  /**
+   * The browser's online/offline events, and the page shown again (`visibilitychange` to
+   * visible, `pageshow` from the back/forward cache), after which the socket is probed rather
+   * than trusted (none of these exist in Node; a timer that fires late is noticed by the core).
+   */
   #listen(): void {
-    const target = globalThis as unknown as {
-      addEventListener?: (type: string, listener: () => void) => void;
-      removeEventListener?: (type: string, listener: () => void) => void;
+    type Target = {
+      addEventListener?: (type: string, listener: (event?: unknown) => void) => void;
+      removeEventListener?: (type: string, listener: (event?: unknown) => void) => void;
     };
+    const target = globalThis as unknown as Target;
     if (typeof target.addEventListener !== "function" || typeof target.removeEventListener !== "function") return;
     const online = () => this.#core.browserOnline();
     const offline = () => this.#core.browserOffline();
+    const shown = () => this.#core.woke();
+    const restored = (event?: unknown) => {
+      if ((event as { persisted?: boolean } | undefined)?.persisted) shown();
+    };
+    const doc = (globalThis as { document?: Target & { visibilityState?: string } }).document;
+    const visibility = () => {
+      if (doc?.visibilityState === "visible") shown();
+    };
     target.addEventListener("online", online);
     target.addEventListener("offline", offline);
+    target.addEventListener("pageshow", restored);
+    doc?.addEventListener?.("visibilitychange", visibility);
     const nav = (globalThis as { navigator?: { onLine?: boolean } }).navigator;
     if (nav?.onLine === false) this.#core.browserOffline();
     this.#detach = () => {
       target.removeEventListener?.("online", online);
       target.removeEventListener?.("offline", offline);
+      target.removeEventListener?.("pageshow", restored);
+      doc?.removeEventListener?.("visibilitychange", visibility);
     };
   }
 }

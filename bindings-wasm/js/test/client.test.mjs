@@ -216,6 +216,46 @@ test("a half-open socket is found by the heartbeat within 10 s and replaced", ()
     await client.close();
   }));
 
+test("a page shown again probes its socket: a half-open one is replaced within the probe's 3 s", () =>
+  withServer(async (server, url) => {
+    // A browser's page and document, as far as the client listens to them.
+    const page = new EventTarget();
+    const doc = Object.assign(new EventTarget(), { visibilityState: "visible" });
+    const saved = Object.getOwnPropertyDescriptors(globalThis);
+    globalThis.addEventListener = page.addEventListener.bind(page);
+    globalThis.removeEventListener = page.removeEventListener.bind(page);
+    globalThis.document = doc;
+    try {
+      const client = new HighwaterClient({ url });
+      const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+      await todos.ready;
+      let gaveUp;
+      client.on("status", (s) => {
+        if (s.state === "reconnecting" && gaveUp === undefined) gaveUp = { at: Date.now(), reason: s.reason };
+      });
+      server.freeze();
+      const shownAt = Date.now();
+      doc.dispatchEvent(new Event("visibilitychange"));
+      await until(() => gaveUp !== undefined, "the probe to give up", 8_000);
+      assert.match(gaveUp.reason, /after the client woke/);
+      assert.ok(gaveUp.at - shownAt <= 5_000, `gave up after ${gaveUp.at - shownAt} ms`);
+      await until(() => client.status.state === "open" && server.connections === 2, "the new socket");
+      // Restored from the back/forward cache on a live socket: probed, answered, kept.
+      const pings = server.pings;
+      page.dispatchEvent(Object.assign(new Event("pageshow"), { persisted: true }));
+      await until(() => server.pings > pings, "the probe's ping", 1_000);
+      await new Promise((resolve) => setTimeout(resolve, 3_500));
+      assert.equal(server.connections, 2);
+      assert.equal(client.status.state, "open");
+      await client.close();
+    } finally {
+      for (const name of ["addEventListener", "removeEventListener", "document"]) {
+        if (saved[name]) Object.defineProperty(globalThis, name, saved[name]);
+        else delete globalThis[name];
+      }
+    }
+  }));
+
 test("malformed scopes are refused with a code, never an unhandled rejection", () =>
   withServer(async (server, url) => {
     const client = new HighwaterClient({ url });

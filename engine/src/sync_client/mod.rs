@@ -29,7 +29,11 @@
 //!   `healthy_after_ms` (a server that accepts and drops at once keeps the window growing). The browser's `online` event retries at once; while
 //!   the browser says offline, no reconnect is started.
 //! - Heartbeat: an app-level `ping` every `ping_interval_ms`; a socket silent for
-//!   `silence_limit_ms` is half-open and is closed and replaced.
+//!   `silence_limit_ms` is half-open and is closed and replaced. A client that was held back
+//!   (its timer fired more than `wake_gap_ms` late, or the host reports [`ClientInput::Woke`]
+//!   for a page shown again) does not count that silence against the server: it pings at once
+//!   and replaces the socket only if nothing answers within `wake_probe_ms`; a reconnect
+//!   waiting out its backoff starts at once.
 //! - Every new socket re-subscribes every scope from its persisted cursor: the server keeps no
 //!   session state, so a fresh connect, `session-gone` and `session-resumed` end the same way.
 //! - A scope's cursor is persisted only after its rows were applied and its subscription was
@@ -82,6 +86,12 @@ pub struct ClientConfig {
     pub connect_timeout_ms: u64,
     /// A socket up this long resets the backoff window.
     pub healthy_after_ms: u64,
+    /// A timer that fires this much later than it was set for means the page or the machine
+    /// was held back (a sleeping laptop, a throttled background tab): the client woke.
+    pub wake_gap_ms: u64,
+    /// On waking with a socket open, the client pings at once and closes the socket as
+    /// half-open if nothing arrives within this long.
+    pub wake_probe_ms: u64,
     /// Replay page size sent as `limit`; `None` leaves it to the server.
     pub page_limit: Option<u32>,
 }
@@ -94,6 +104,8 @@ impl Default for ClientConfig {
             silence_limit_ms: 9_000,
             connect_timeout_ms: 10_000,
             healthy_after_ms: 30_000,
+            wake_gap_ms: 2_000,
+            wake_probe_ms: 3_000,
             page_limit: None,
         }
     }
@@ -209,6 +221,10 @@ pub enum ClientInput {
     BrowserOnline,
     /// The browser's `offline` event.
     BrowserOffline,
+    /// The page became visible again or was restored from the back/forward cache: the socket
+    /// may have died while it was away. (A timer that fires late says the same, see
+    /// [`ClientConfig::wake_gap_ms`]; the host need not detect that itself.)
+    Woke,
     /// The app asked to go offline: close the socket and stay disconnected.
     GoOffline,
     /// The app asked to reconnect now.
@@ -305,6 +321,8 @@ enum Link {
         opened_ms: u64,
         heard_ms: u64,
         pinged_ms: u64,
+        /// When the ping sent on waking went out, until anything arrives.
+        probe_ms: Option<u64>,
     },
     /// Waiting out a backoff delay.
     Waiting {
@@ -473,6 +491,7 @@ impl SyncClient {
                         opened_ms,
                         heard_ms: now_ms,
                         pinged_ms,
+                        probe_ms: None,
                     };
                     self.frame(&text, &mut out);
                 }
@@ -495,9 +514,16 @@ impl SyncClient {
                 // Node's timers fire early by as long as the event loop was busy when they were
                 // set (they count from the loop's cached clock), and a deadline left unarmed
                 // would wait forever.
-                self.timer = None;
-                self.tick(now_ms, &mut out)
+                let armed = self.timer.take();
+                // Fired much later than set for: the client was held back, and what it knew of
+                // the socket is old.
+                if armed.is_some_and(|at| now_ms > at.saturating_add(self.config.wake_gap_ms)) {
+                    self.woke(now_ms, &mut out)
+                } else {
+                    self.tick(now_ms, &mut out)
+                }
             }
+            ClientInput::Woke => self.woke(now_ms, &mut out),
             ClientInput::BrowserOnline => {
                 self.browser_offline = false;
                 if matches!(self.link, Link::Waiting { .. }) {
@@ -617,6 +643,7 @@ impl SyncClient {
             opened_ms: now_ms,
             heard_ms: now_ms,
             pinged_ms: now_ms,
+            probe_ms: None,
         };
         self.ever_opened = true;
         self.reason = None;
@@ -718,21 +745,25 @@ impl SyncClient {
                 opened_ms,
                 heard_ms,
                 pinged_ms,
+                probe_ms,
             } => {
-                if now_ms.saturating_sub(heard_ms) >= self.config.silence_limit_ms {
+                if now_ms >= self.silence_deadline(heard_ms, probe_ms) {
                     out.push(ClientEffect::CloseSocket {
                         socket,
                         code: 4000,
                         reason: "heartbeat timeout".to_owned(),
                     });
-                    self.lost(
-                        now_ms,
-                        format!(
+                    let reason = match probe_ms {
+                        Some(sent) => format!(
+                            "the server did not answer a ping in {} ms after the client woke",
+                            now_ms.saturating_sub(sent)
+                        ),
+                        None => format!(
                             "the server was silent for {} ms",
                             now_ms.saturating_sub(heard_ms)
                         ),
-                        out,
-                    );
+                    };
+                    self.lost(now_ms, reason, out);
                 } else if now_ms.saturating_sub(pinged_ms) >= self.config.ping_interval_ms {
                     out.push(ClientEffect::Send {
                         socket,
@@ -743,9 +774,50 @@ impl SyncClient {
                         opened_ms,
                         heard_ms,
                         pinged_ms: now_ms,
+                        probe_ms,
                     };
                 }
             }
+        }
+    }
+
+    /// When an open socket that heard nothing since `heard_ms` counts as half-open: the
+    /// silence limit, or the probe's shorter wait after waking (the silence before it was the
+    /// client's own: its timers did not run).
+    fn silence_deadline(&self, heard_ms: u64, probe_ms: Option<u64>) -> u64 {
+        match probe_ms {
+            Some(sent) => sent.saturating_add(self.config.wake_probe_ms),
+            None => heard_ms.saturating_add(self.config.silence_limit_ms),
+        }
+    }
+
+    /// The page or the machine was held back (hidden, asleep, throttled). An open socket is
+    /// asked at once whether it still lives (a ping, answered within
+    /// [`ClientConfig::wake_probe_ms`] or the socket is replaced), rather than judged by a
+    /// silence the client itself caused; a reconnect waiting out its backoff starts now.
+    fn woke(&mut self, now_ms: u64, out: &mut Vec<ClientEffect>) {
+        match self.link {
+            Link::Open {
+                socket,
+                opened_ms,
+                heard_ms,
+                probe_ms: None,
+                ..
+            } => {
+                out.push(ClientEffect::Send {
+                    socket,
+                    text: ClientFrame::Ping.to_json(),
+                });
+                self.link = Link::Open {
+                    socket,
+                    opened_ms,
+                    heard_ms,
+                    pinged_ms: now_ms,
+                    probe_ms: Some(now_ms),
+                };
+            }
+            Link::Waiting { .. } if !self.browser_offline => self.connect(now_ms, out),
+            _ => self.tick(now_ms, out),
         }
     }
 
@@ -1184,10 +1256,10 @@ impl SyncClient {
             Link::Open {
                 heard_ms,
                 pinged_ms,
+                probe_ms,
                 ..
             } => Some(
-                heard_ms
-                    .saturating_add(self.config.silence_limit_ms)
+                self.silence_deadline(heard_ms, probe_ms)
                     .min(pinged_ms.saturating_add(self.config.ping_interval_ms)),
             ),
         };

@@ -397,6 +397,77 @@ fn heartbeat_pings_and_closes_a_silent_socket_within_ten_seconds() {
         .any(|e| matches!(e, ClientEffect::CloseSocket { .. })));
 }
 
+fn pings(effects: &[ClientEffect]) -> usize {
+    effects
+        .iter()
+        .filter(|e| matches!(e, ClientEffect::Send { text, .. } if text == r#"{"type":"ping"}"#))
+        .count()
+}
+
+fn closes(effects: &[ClientEffect]) -> bool {
+    effects
+        .iter()
+        .any(|e| matches!(e, ClientEffect::CloseSocket { .. }))
+}
+
+/// A background tab whose timers are held back to once a minute, or a laptop that slept: the
+/// silence was the client's own, so a late timer asks the socket (a ping) instead of closing
+/// it, and a socket that answers is kept.
+#[test]
+fn a_timer_that_fires_late_probes_the_socket_instead_of_closing_it() {
+    let (mut client, _) = connected(None);
+    // The timer for 4 s fires a minute later.
+    let effects = client.handle(64_000, ClientInput::Tick);
+    assert!(!closes(&effects), "{effects:?}");
+    assert_eq!(pings(&effects), 1);
+    assert!(effects.contains(&ClientEffect::SetTimer {
+        at_ms: Some(67_000)
+    }));
+    frame(&mut client, 64_050, r#"{"type":"pong"}"#.to_owned());
+    // Answered: the usual heartbeat from there, and again a late timer is only a probe.
+    let effects = client.handle(68_000, ClientInput::Tick);
+    assert!(!closes(&effects) && pings(&effects) == 1, "{effects:?}");
+    let effects = client.handle(128_000, ClientInput::Tick);
+    assert!(!closes(&effects) && pings(&effects) == 1, "{effects:?}");
+}
+
+/// A socket that died while the client was away (a NAT forgot it during sleep) does not answer
+/// the probe and is replaced a probe's wait after waking, not a whole silence limit later.
+#[test]
+fn a_probe_after_waking_that_gets_no_answer_replaces_the_socket() {
+    let (mut client, _) = connected(None);
+    let effects = client.handle(600_000, ClientInput::Tick);
+    assert_eq!(pings(&effects), 1);
+    assert!(!closes(&client.handle(602_999, ClientInput::Tick)));
+    let effects = client.handle(603_000, ClientInput::Tick);
+    assert!(closes(&effects), "{effects:?}");
+    assert_eq!(states(&effects), [ConnectionState::Reconnecting]);
+    assert!(client
+        .status()
+        .reason
+        .as_deref()
+        .is_some_and(|r| r.contains("after the client woke")));
+    // The probe's own timer firing late too does not keep a dead socket forever.
+    let (mut client, _) = connected(None);
+    client.handle(600_000, ClientInput::Tick);
+    assert!(closes(&client.handle(660_000, ClientInput::Tick)));
+}
+
+/// The page shown again (`visibilitychange`, `pageshow`): an open socket is probed at once; a
+/// reconnect waiting out its backoff starts at once.
+#[test]
+fn a_page_shown_again_probes_its_socket_and_ends_a_backoff_wait() {
+    let (mut client, _) = connected(None);
+    let effects = client.handle(1_000, ClientInput::Woke);
+    assert_eq!(pings(&effects), 1);
+    // A second one while the probe is out sends nothing more.
+    assert_eq!(pings(&client.handle(1_500, ClientInput::Woke)), 0);
+    assert!(closes(&client.handle(4_000, ClientInput::Tick)));
+    // Now waiting out a backoff delay: shown again, it connects at once.
+    let effects = client.handle(4_001, ClientInput::Woke);
+    assert!(token_request(&effects).is_some(), "{effects:?}");
+}
+
 /// Found by the simulation (seed 796): a socket closed as silent whose backoff drew 0 ms waited
 /// for the timer that had just fired, and never reconnected.
 #[test]
@@ -430,9 +501,11 @@ fn a_reconnect_due_when_the_fired_timer_was_due_is_armed_again() {
     client.handle(0, ClientInput::SocketOpened { socket });
     frame(&mut client, 5_000, r#"{"type":"pong"}"#.to_owned());
     // Silent since 5 s: the timer for 14 s fires, the socket is closed, and the reconnect is
-    // due at once, at the very time of the timer that fired: it must be armed again.
-    client.handle(9_000, ClientInput::Tick);
-    client.handle(13_000, ClientInput::Tick);
+    // due at once, at the very time of the timer that fired: it must be armed again. (The
+    // timers before it fire on time: a late one would only probe the socket.)
+    for ping_at in [4_000, 8_000, 12_000] {
+        client.handle(ping_at, ClientInput::Tick);
+    }
     let effects = client.handle(14_000, ClientInput::Tick);
     assert!(effects
         .iter()

@@ -15,6 +15,8 @@ export class ContractServer {
   /** Tokens refused as expired. */
   expired = new Set();
   sockets = new Set();
+  /** App-level pings answered. */
+  pings = 0;
 
   async start() {
     this.wss = new WebSocketServer({ port: 0, host: "127.0.0.1" });
@@ -93,7 +95,10 @@ export class ContractServer {
     ws.send(JSON.stringify({ type: "session-established", sessionId: `s${this.connections}`, graceSeconds: 0 }));
     ws.on("message", (raw) => {
       const frame = JSON.parse(String(raw));
-      if (frame.type === "ping") return ws.send(JSON.stringify({ type: "pong" }));
+      if (frame.type === "ping") {
+        this.pings += 1;
+        return ws.send(JSON.stringify({ type: "pong" }));
+      }
       if (frame.type === "session-resume") return ws.send(JSON.stringify({ type: "session-gone" }));
       if (frame.type === "channel-unsubscribe") return ws.subs.delete(frame.subscriptionId);
       if (frame.type !== "channel-subscribe") return;
