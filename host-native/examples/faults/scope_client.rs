@@ -144,6 +144,7 @@ impl ScopeClient {
             healthy_after_ms: 5_000,
             // Small pages: a resume after a fault replays in several.
             page_limit: Some(50),
+            ..ClientConfig::default()
         };
         let client = SyncClient::new(config, rng.next_u64());
         let (halt, halt_rx) = watch::channel(false);
