@@ -5,7 +5,8 @@
 //! seed hit at random points: `kill -9` of the primary, the relay or both (restarted on the
 //! same data directories; also during the initial sync and the snapshot restore, and just after
 //! a large commit), a Postgres restart (immediate, as a crash, or fast), every connection
-//! through a proxy cut, and a scope client restarted from its store. Then the run waits for
+//! through a proxy cut, every connection through a proxy stalled for up to 15 s (silent, not
+//! reset), and a scope client restarted from its store. Then the run waits for
 //! quiet and compares every subscriber and client with Postgres. `RELIABILITY.md` says what
 //! is checked and how lost and duplicated transactions are counted.
 //!
@@ -145,13 +146,15 @@ struct Faults {
     cuts: u64,
     /// Connections the cuts ended.
     connections_cut: u64,
+    /// Proxies stalled: nothing passed for a while, the connections stayed up.
+    stalls: u64,
     /// Scope clients restarted from their stores (client-side, not in the total).
     client_restarts: u64,
 }
 
 impl Faults {
     fn total(&self) -> u64 {
-        self.kill_serve + self.kill_relay + self.pg_restarts + self.cuts
+        self.kill_serve + self.kill_relay + self.pg_restarts + self.cuts + self.stalls
     }
 }
 
@@ -502,6 +505,25 @@ async fn with_work_dir(
                     .clone();
                 println!("# {at:6.1}s scope client {name} restarts from its store");
             }
+            74..=87 => {
+                // Silence, not a reset: peers must find out by their heartbeats and timeouts.
+                let proxies = [&pg_proxy, &primary_proxy, &relay_proxy];
+                let proxy = proxies[rng.range(0, 3) as usize];
+                let millis = rng.range(500, 15_000);
+                let stalled = proxy.stall(true);
+                faults.stalls += 1;
+                println!(
+                    "# {at:6.1}s stall {stalled} connections through the {} proxy for {:.1}s",
+                    proxy.name,
+                    millis as f64 / 1000.0
+                );
+                supervise(
+                    &mut [&mut primary, &mut relay],
+                    Duration::from_millis(millis),
+                )
+                .await?;
+                proxy.stall(false);
+            }
             _ => {
                 let proxies = [&pg_proxy, &primary_proxy, &relay_proxy];
                 let chosen: Vec<&Proxy> = if rng.chance(20) {
@@ -764,12 +786,13 @@ async fn with_work_dir(
         faults.connections_cut, faults.client_restarts
     );
     println!(
-        "fault run: seed {seed}, {} faults injected ({} kill -9 serve, {} kill -9 relay, {} pg restarts, {} connections cut), {} transactions, {lost_total} lost, {duplicated_total} duplicated",
+        "fault run: seed {seed}, {} faults injected ({} kill -9 serve, {} kill -9 relay, {} pg restarts, {} connections cut, {} stalls), {} transactions, {lost_total} lost, {duplicated_total} duplicated",
         faults.total(),
         faults.kill_serve,
         faults.kill_relay,
         faults.pg_restarts,
         faults.cuts,
+        faults.stalls,
         truth.tags.len(),
     );
     println!("# pass {}", checks.passed);
