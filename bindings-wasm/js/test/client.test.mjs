@@ -193,20 +193,28 @@ test("row values cross exactly: integers beyond 2^53 as bigint, a __proto__ colu
     await client.close();
   }));
 
+/**
+ * A client live on one scope, and the first time it gave up its socket (`at`, `reason`),
+ * from status events, not polls of `client.status`: with a short backoff the client can be
+ * reconnecting and open again between two polls.
+ */
+async function liveClientWatchingGiveUp(url) {
+  const client = new HighwaterClient({ url });
+  const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  await todos.ready;
+  const gaveUp = {};
+  client.on("status", (s) => {
+    if (s.state === "reconnecting" && gaveUp.at === undefined) Object.assign(gaveUp, { at: Date.now(), reason: s.reason });
+  });
+  return { client, todos, gaveUp };
+}
+
 test("a half-open socket is found by the heartbeat within 10 s and replaced", () =>
   withServer(async (server, url) => {
-    const client = new HighwaterClient({ url });
-    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
-    await todos.ready;
-    // Status events, not polls of `client.status`: with a short backoff the client can be
-    // reconnecting and open again between two polls.
-    let gaveUp;
-    client.on("status", (s) => {
-      if (s.state === "reconnecting" && gaveUp === undefined) gaveUp = { at: Date.now(), reason: s.reason };
-    });
+    const { client, todos, gaveUp } = await liveClientWatchingGiveUp(url);
     server.freeze();
     const frozenAt = Date.now();
-    await until(() => gaveUp !== undefined, "the heartbeat to give up", 12_000);
+    await until(() => gaveUp.at !== undefined, "the heartbeat to give up", 12_000);
     const noticed = gaveUp.at - frozenAt;
     assert.ok(noticed <= 10_000, `noticed after ${noticed} ms`);
     assert.match(gaveUp.reason, /silent/);
@@ -226,17 +234,11 @@ test("a page shown again probes its socket: a half-open one is replaced within t
     globalThis.removeEventListener = page.removeEventListener.bind(page);
     globalThis.document = doc;
     try {
-      const client = new HighwaterClient({ url });
-      const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
-      await todos.ready;
-      let gaveUp;
-      client.on("status", (s) => {
-        if (s.state === "reconnecting" && gaveUp === undefined) gaveUp = { at: Date.now(), reason: s.reason };
-      });
+      const { client, gaveUp } = await liveClientWatchingGiveUp(url);
       server.freeze();
       const shownAt = Date.now();
       doc.dispatchEvent(new Event("visibilitychange"));
-      await until(() => gaveUp !== undefined, "the probe to give up", 8_000);
+      await until(() => gaveUp.at !== undefined, "the probe to give up", 8_000);
       assert.match(gaveUp.reason, /after the client woke/);
       assert.ok(gaveUp.at - shownAt <= 5_000, `gave up after ${gaveUp.at - shownAt} ms`);
       await until(() => client.status.state === "open" && server.connections === 2, "the new socket");

@@ -742,10 +742,10 @@ impl SyncClient {
             }
             Link::Open {
                 socket,
-                opened_ms,
                 heard_ms,
                 pinged_ms,
                 probe_ms,
+                ..
             } => {
                 if now_ms >= self.silence_deadline(heard_ms, probe_ms) {
                     out.push(ClientEffect::CloseSocket {
@@ -765,19 +765,33 @@ impl SyncClient {
                     };
                     self.lost(now_ms, reason, out);
                 } else if now_ms.saturating_sub(pinged_ms) >= self.config.ping_interval_ms {
-                    out.push(ClientEffect::Send {
-                        socket,
-                        text: ClientFrame::Ping.to_json(),
-                    });
-                    self.link = Link::Open {
-                        socket,
-                        opened_ms,
-                        heard_ms,
-                        pinged_ms: now_ms,
-                        probe_ms,
-                    };
+                    self.ping(now_ms, probe_ms, out);
                 }
             }
+        }
+    }
+
+    /// Sends a `ping` on the open socket at `now_ms`; `probe_ms` is the wake probe that is out
+    /// afterwards, if any.
+    fn ping(&mut self, now_ms: u64, probe_ms: Option<u64>, out: &mut Vec<ClientEffect>) {
+        if let Link::Open {
+            socket,
+            opened_ms,
+            heard_ms,
+            ..
+        } = self.link
+        {
+            out.push(ClientEffect::Send {
+                socket,
+                text: ClientFrame::Ping.to_json(),
+            });
+            self.link = Link::Open {
+                socket,
+                opened_ms,
+                heard_ms,
+                pinged_ms: now_ms,
+                probe_ms,
+            };
         }
     }
 
@@ -797,25 +811,7 @@ impl SyncClient {
     /// silence the client itself caused; a reconnect waiting out its backoff starts now.
     fn woke(&mut self, now_ms: u64, out: &mut Vec<ClientEffect>) {
         match self.link {
-            Link::Open {
-                socket,
-                opened_ms,
-                heard_ms,
-                probe_ms: None,
-                ..
-            } => {
-                out.push(ClientEffect::Send {
-                    socket,
-                    text: ClientFrame::Ping.to_json(),
-                });
-                self.link = Link::Open {
-                    socket,
-                    opened_ms,
-                    heard_ms,
-                    pinged_ms: now_ms,
-                    probe_ms: Some(now_ms),
-                };
-            }
+            Link::Open { probe_ms: None, .. } => self.ping(now_ms, Some(now_ms), out),
             Link::Waiting { .. } if !self.browser_offline => self.connect(now_ms, out),
             _ => self.tick(now_ms, out),
         }

@@ -1349,6 +1349,19 @@ proptest! {
     }
 }
 
+/// Runs `steps` from seed 0, heals, and checks scope 1's rows against the server.
+fn assert_scope_1_converges(steps: Vec<Step>) {
+    let mut harness = Harness::new(0);
+    for step in steps {
+        harness.run(step);
+    }
+    harness.heal();
+    assert_eq!(
+        as_map(harness.client.rows(harness.key(1))),
+        harness.server.rows_of(1)
+    );
+}
+
 /// Found by the property test: a scope whose replay was cut before it was confirmed holds rows
 /// but no cursor; after a resync its full replay (no reset marker) must replace those rows, also
 /// where the new epoch's sequences are lower than the old ones.
@@ -1381,15 +1394,7 @@ fn a_cursorless_replay_over_held_rows_of_an_old_epoch_replaces_them() {
         Step::Write { id: 0, owner: None },
         Step::Resync,
     ];
-    let mut harness = Harness::new(0);
-    for step in steps {
-        harness.run(step);
-    }
-    harness.heal();
-    assert_eq!(
-        as_map(harness.client.rows(harness.key(1))),
-        harness.server.rows_of(1)
-    );
+    assert_scope_1_converges(steps);
 }
 
 #[test]
@@ -1500,15 +1505,7 @@ fn late_frames_of_an_unsubscribed_replay_do_not_confirm_its_resubscription() {
         Deliver(2),
         Reload,
     ];
-    let mut harness = Harness::new(0);
-    for step in steps {
-        harness.run(step);
-    }
-    harness.heal();
-    assert_eq!(
-        as_map(harness.client.rows(harness.key(1))),
-        harness.server.rows_of(1)
-    );
+    assert_scope_1_converges(steps);
 }
 
 #[test]
