@@ -128,6 +128,11 @@ pub enum BridgeInput {
     SessionResumed,
     /// A `session-gone` frame: the server forgot the session and its subscriptions.
     SessionGone,
+    /// A fresh token before the old one expires: every open subscription is opened again with
+    /// it (fresh ids, from the persisted cursor) and the old ones unsubscribed.
+    Renew {
+        authentication_token: Option<String>,
+    },
 }
 
 impl BridgeInput {
@@ -553,6 +558,14 @@ impl ScopeBridge {
                 }
             }
             BridgeInput::SessionGone => self.resubscribe_all(false, &mut effects),
+            BridgeInput::Renew {
+                authentication_token,
+            } => {
+                for track in &mut self.scopes {
+                    track.channel.params.authentication_token = authentication_token.clone();
+                }
+                self.resubscribe_all(true, &mut effects);
+            }
         }
         self.pump(&mut effects);
         Ok(effects)
@@ -1975,6 +1988,7 @@ mod tests {
             BridgeInput::Unsubscribe => "unsubscribe".to_owned(),
             BridgeInput::SessionResumed => "session-resumed".to_owned(),
             BridgeInput::SessionGone => "session-gone".to_owned(),
+            BridgeInput::Renew { .. } => "renew".to_owned(),
         }
     }
 

@@ -109,6 +109,33 @@ test("an expired token is replaced once; a refused scope fails with its code and
     await client.close();
   }));
 
+/** An unsigned JWT-shaped token: the client reads its `iat` and `exp`, the server here none. */
+function jwt(claims) {
+  const part = (value) => Buffer.from(JSON.stringify(value)).toString("base64url");
+  return `${part({ alg: "HS256" })}.${part(claims)}.sig`;
+}
+
+test("a token is renewed halfway through a short life: the scope is subscribed again with it, on the same socket", () =>
+  withServer(async (server, url) => {
+    server.write("a1", "ada");
+    const handed = [];
+    const now = Math.floor(Date.now() / 1000);
+    const client = new HighwaterClient({
+      url,
+      token: () => (handed.push(jwt({ sub: "ada", n: handed.length, iat: now, exp: now + 4 })), handed.at(-1)),
+    });
+    const ada = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await ada.ready;
+    assert.equal(server.subscribes.at(-1).authenticationToken, handed[0]);
+    // A 4 s token is renewed after 2 s, before any expiry.
+    await until(() => server.subscribes.at(-1).authenticationToken === handed[1], "the renewed subscribe", 5_000);
+    assert.equal(server.connections, 1, "renewed on the same socket");
+    server.write("a2", "ada");
+    await until(() => ada.rows().length === 2, "a row after the renewal");
+    assert.equal(client.status.state, "open");
+    await client.close();
+  }));
+
 test("a resync gives a reset, then rows equal the server again", () =>
   withServer(async (server, url) => {
     for (let i = 0; i < 20; i++) server.write(`r${i}`, "ada", { i });

@@ -42,6 +42,10 @@
 //! - Each envelope is applied at once: one [`ClientEffect::Changed`] with the net change per
 //!   row; an entry older than the row held (by `serverSequence`) is skipped, a repeated entry
 //!   changes nothing.
+//! - A JWT token stating `iat` and `exp` is renewed `token_renew_margin_ms` before it expires
+//!   (at the latest halfway): a fresh token is asked for and every subscription opened again
+//!   with it from its persisted cursor, so none runs into `auth-expired`; if the token source
+//!   fails, the subscriptions go on with the old token (reported as `token-renewal-failed`).
 //! - `auth-expired` fetches a fresh token and re-subscribes that scope once; a second auth
 //!   rejection in a row, `auth-invalid`, `auth-required` and every other `channel-error` code
 //!   fail the scope, reported once and never retried; other scopes go on.
@@ -92,6 +96,10 @@ pub struct ClientConfig {
     /// On waking with a socket open, the client pings at once and closes the socket as
     /// half-open if nothing arrives within this long.
     pub wake_probe_ms: u64,
+    /// A token that is a JWT with `iat` and `exp` is renewed this long before it expires (at
+    /// the latest halfway through its life): a fresh one is asked for and every subscription
+    /// is opened again with it, so no subscription reaches `auth-expired`.
+    pub token_renew_margin_ms: u64,
     /// Replay page size sent as `limit`; `None` leaves it to the server.
     pub page_limit: Option<u32>,
 }
@@ -106,6 +114,7 @@ impl Default for ClientConfig {
             healthy_after_ms: 30_000,
             wake_gap_ms: 2_000,
             wake_probe_ms: 3_000,
+            token_renew_margin_ms: 60_000,
             page_limit: None,
         }
     }
@@ -386,8 +395,12 @@ pub struct SyncClient {
     reason: Option<String>,
     /// The token of the current connection.
     token: Option<String>,
-    /// A token request for expired subscriptions, on the open socket.
+    /// A token request for expired subscriptions, or to renew the token, on the open socket.
     refresh: Option<u64>,
+    /// Whether `refresh` renews the token before it expires.
+    renewing: bool,
+    /// When to renew the current token (from its own `iat` and `exp`).
+    renew_at_ms: Option<u64>,
     sockets_issued: SocketId,
     requests_issued: u64,
     /// Every `Subscribe` the app made on this client; part of each scope's subscription ids.
@@ -415,6 +428,8 @@ impl SyncClient {
             reason: None,
             token: None,
             refresh: None,
+            renewing: false,
+            renew_at_ms: None,
             sockets_issued: 0,
             requests_issued: 0,
             subscribes_made: 0,
@@ -515,6 +530,7 @@ impl SyncClient {
                 // set (they count from the loop's cached clock), and a deadline left unarmed
                 // would wait forever.
                 let armed = self.timer.take();
+                self.renew_if_due(now_ms, &mut out);
                 // Fired much later than set for: the client was held back, and what it knew of
                 // the socket is old.
                 if armed.is_some_and(|at| now_ms > at.saturating_add(self.config.wake_gap_ms)) {
@@ -561,6 +577,7 @@ impl SyncClient {
         let request = self.requests_issued;
         // A refresh in flight belongs to the socket being replaced.
         self.refresh = None;
+        self.renewing = false;
         self.link = Link::Token {
             request,
             since_ms: now_ms,
@@ -583,6 +600,7 @@ impl SyncClient {
                 match result {
                     Ok(token) => {
                         self.token = token;
+                        self.plan_renewal(now_ms);
                         self.sockets_issued += 1;
                         let socket = self.sockets_issued;
                         self.link = Link::Opening {
@@ -602,6 +620,7 @@ impl SyncClient {
             return;
         }
         self.refresh = None;
+        let renewing = std::mem::take(&mut self.renewing);
         let waiting: Vec<ScopeKey> = self
             .scopes
             .iter()
@@ -611,8 +630,30 @@ impl SyncClient {
         match result {
             Ok(token) => {
                 self.token = token;
+                self.plan_renewal(now_ms);
+                // The open ones first: the waiting ones are then subscribed once, with it.
+                if renewing {
+                    self.renew_subscriptions(out);
+                }
                 for key in waiting {
                     self.subscribe_scope(key, out);
+                }
+            }
+            Err(message) if renewing => {
+                // The subscriptions keep the old token until the server says it expired; that
+                // path asks again.
+                out.push(ClientEffect::Error {
+                    scope: None,
+                    code: "token-renewal-failed".to_owned(),
+                    message: format!("the token source failed: {message}"),
+                });
+                for key in waiting {
+                    self.fail_scope(
+                        key,
+                        "auth-expired",
+                        format!("the token expired and the token source failed: {message}"),
+                        out,
+                    );
                 }
             }
             Err(message) => {
@@ -792,6 +833,58 @@ impl SyncClient {
                 pinged_ms: now_ms,
                 probe_ms,
             };
+        }
+    }
+
+    /// Plans the current token's renewal from its own lifetime, if it states one.
+    fn plan_renewal(&mut self, now_ms: u64) {
+        self.renew_at_ms = self
+            .token
+            .as_deref()
+            .and_then(jwt_lifetime_ms)
+            .map(|lifetime| {
+                let wait = lifetime
+                    .saturating_sub(self.config.token_renew_margin_ms)
+                    .max(lifetime / 2);
+                now_ms.saturating_add(wait)
+            });
+    }
+
+    /// Asks for a fresh token once the current one is due for renewal, on an open socket.
+    fn renew_if_due(&mut self, now_ms: u64, out: &mut Vec<ClientEffect>) {
+        let due = self.renew_at_ms.is_some_and(|at| now_ms >= at);
+        if due && self.refresh.is_none() && matches!(self.link, Link::Open { .. }) {
+            self.renew_at_ms = None;
+            self.renewing = true;
+            self.requests_issued += 1;
+            self.refresh = Some(self.requests_issued);
+            out.push(ClientEffect::RequestToken {
+                request: self.requests_issued,
+            });
+        }
+    }
+
+    /// Opens every subscribed scope's subscription again with the current token (the bridge
+    /// unsubscribes the old one and replays from the persisted cursor).
+    fn renew_subscriptions(&mut self, out: &mut Vec<ClientEffect>) {
+        let token = self.token.clone();
+        let keys: Vec<ScopeKey> = self.scopes.keys().copied().collect();
+        for key in keys {
+            let Some(slot) = self.scopes.get_mut(&key) else {
+                continue;
+            };
+            if !matches!(slot.phase, Phase::Subscribing | Phase::Live) {
+                continue;
+            }
+            slot.phase = Phase::Subscribing;
+            slot.replaying = 0;
+            let effects = slot
+                .bridge
+                .handle(BridgeInput::Renew {
+                    authentication_token: token.clone(),
+                })
+                .unwrap_or_else(|error| refused(error, &mut *out));
+            self.drive(key, effects, out);
         }
     }
 
@@ -1254,10 +1347,14 @@ impl SyncClient {
                 pinged_ms,
                 probe_ms,
                 ..
-            } => Some(
-                self.silence_deadline(heard_ms, probe_ms)
-                    .min(pinged_ms.saturating_add(self.config.ping_interval_ms)),
-            ),
+            } => {
+                let renew = self.renew_at_ms.filter(|_| self.refresh.is_none());
+                Some(
+                    self.silence_deadline(heard_ms, probe_ms)
+                        .min(pinged_ms.saturating_add(self.config.ping_interval_ms))
+                        .min(renew.unwrap_or(u64::MAX)),
+                )
+            }
         };
         if timer != self.timer {
             self.timer = timer;
@@ -1385,4 +1482,32 @@ fn replay_progress(body: &Value) -> Option<(u64, u64)> {
         progress.get("done")?.as_u64()?,
         progress.get("total")?.as_u64()?,
     ))
+}
+
+/// The lifetime a JWT gives itself (`exp` − `iat`, in ms), read without verifying it: the
+/// server verifies, the client only plans when to ask for the next one. `None` for a token
+/// that is not a JWT or lacks either claim. No clock is needed, so any clock may drive the
+/// client; a token source that hands out a token issued long before makes the renewal late,
+/// and the server's `auth-expired` then asks for one as before.
+fn jwt_lifetime_ms(token: &str) -> Option<u64> {
+    use base64::Engine as _;
+    let mut parts = token.split('.');
+    let (_header, payload, _signature) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() {
+        return None;
+    }
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .ok()?;
+    // From text, as every other frame: the byte reader would add its own copy of the parser
+    // to the browser package.
+    let claims: Value = serde_json::from_str(std::str::from_utf8(&bytes).ok()?).ok()?;
+    let lifetime = claims
+        .get("exp")?
+        .as_i64()?
+        .checked_sub(claims.get("iat")?.as_i64()?)?;
+    u64::try_from(lifetime)
+        .ok()
+        .filter(|seconds| *seconds > 0)?
+        .checked_mul(1000)
 }

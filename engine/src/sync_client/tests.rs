@@ -468,6 +468,120 @@ fn a_page_shown_again_probes_its_socket_and_ends_a_backoff_wait() {
     assert!(token_request(&effects).is_some(), "{effects:?}");
 }
 
+/// An unsigned JWT-shaped token with these claims (the client reads, never verifies, them).
+fn jwt(claims: Value) -> String {
+    use base64::Engine as _;
+    let b64 = |v: &Value| {
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(serde_json::to_vec(v).unwrap())
+    };
+    format!("{}.{}.sig", b64(&json!({"alg": "HS256"})), b64(&claims))
+}
+
+fn unsubscribes(effects: &[ClientEffect]) -> Vec<String> {
+    effects
+        .iter()
+        .filter_map(|effect| match effect {
+            ClientEffect::Send { text, .. } => {
+                let frame: Value = serde_json::from_str(text).unwrap();
+                (frame["type"] == "channel-unsubscribe")
+                    .then(|| frame["subscriptionId"].as_str().unwrap().to_owned())
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// A token good for 10 minutes is renewed a minute before it expires: every subscription is
+/// opened again with the new one, from its cursor, and the old one dropped; the rows stay and
+/// no scope fails.
+#[test]
+fn a_jwt_is_renewed_before_it_expires_and_every_subscription_reopened_with_it() {
+    let first = jwt(json!({"sub": "ada", "iat": 1_000, "exp": 1_600}));
+    let (mut client, sub) = connected(Some(&first));
+    frame(
+        &mut client,
+        1,
+        message(&sub, vec![entry(1, 4, "1", Some(row("1", 4)))]),
+    );
+    frame(&mut client, 2, subscribed(&sub));
+    // Keep the socket heard, and the heartbeat on time, until the renewal is due at 9 min.
+    let mut now = 0;
+    let request = loop {
+        now += 4_000;
+        let effects = client.handle(now, ClientInput::Tick);
+        frame(&mut client, now, r#"{"type":"pong"}"#.to_owned());
+        if let Some(request) = token_request(&effects) {
+            break request;
+        }
+        assert!(now < 600_000, "no renewal before the token expired");
+    };
+    assert!((540_000..=544_000).contains(&now), "renewed at {now} ms");
+    let second = jwt(json!({"sub": "ada", "iat": 1_540, "exp": 2_140}));
+    let effects = client.handle(
+        now,
+        ClientInput::Token {
+            request,
+            result: Ok(Some(second.clone())),
+        },
+    );
+    assert_eq!(unsubscribes(&effects), std::slice::from_ref(&sub));
+    let subs = subscribes(&effects);
+    assert_eq!(subs.len(), 1);
+    assert_eq!(subs[0].1["authenticationToken"], second.as_str());
+    assert_eq!(subs[0].1["afterServerSequence"], 4);
+    assert!(!effects.iter().any(|e| matches!(
+        e,
+        ClientEffect::ScopeFailed { .. } | ClientEffect::CloseSocket { .. }
+    )));
+    assert_eq!(client.rows(1).len(), 1);
+    // The old subscription's late frames change nothing; the new one goes live.
+    assert!(frame(&mut client, now + 1, subscribed(&sub)).is_empty());
+    let effects = frame(&mut client, now + 2, subscribed(&subs[0].0));
+    assert!(effects.contains(&ClientEffect::Ready {
+        scope: 1,
+        replayed: 0
+    }));
+}
+
+/// Tokens that state no lifetime (opaque ones, or JWTs without `iat`) are not renewed ahead;
+/// a renewal the token source fails leaves the subscriptions on the old token.
+#[test]
+fn only_a_token_that_states_its_lifetime_is_renewed_and_a_failed_renewal_fails_nothing() {
+    for token in [
+        "opaque".to_owned(),
+        jwt(json!({"exp": 1_600})),
+        jwt(json!({"iat": 1_600, "exp": 1_000})),
+    ] {
+        let (mut client, _) = connected(Some(&token));
+        let mut now = 0;
+        while now < 1_200_000 {
+            now += 4_000;
+            let effects = client.handle(now, ClientInput::Tick);
+            assert_eq!(token_request(&effects), None, "{token} renewed at {now}");
+            frame(&mut client, now, r#"{"type":"pong"}"#.to_owned());
+        }
+    }
+    let (mut client, sub) = connected(Some(&jwt(json!({"iat": 0, "exp": 8}))));
+    frame(&mut client, 1, subscribed(&sub));
+    let effects = client.handle(4_000, ClientInput::Tick);
+    let request = token_request(&effects).expect("renewed halfway through its 8 s");
+    let effects = client.handle(
+        4_001,
+        ClientInput::Token {
+            request,
+            result: Err("offline".to_owned()),
+        },
+    );
+    assert!(effects
+        .iter()
+        .any(|e| matches!(e, ClientEffect::Error { code, .. } if code == "token-renewal-failed")));
+    assert!(subscribes(&effects).is_empty() && unsubscribes(&effects).is_empty());
+    assert!(!effects
+        .iter()
+        .any(|e| matches!(e, ClientEffect::ScopeFailed { .. })));
+    assert!(client.is_live(1));
+}
+
 /// Found by the simulation (seed 796): a socket closed as silent whose backoff drew 0 ms waited
 /// for the timer that had just fired, and never reconnected.
 #[test]
