@@ -105,6 +105,11 @@ impl Ingest {
         self.run(Input::BackfillEnded)
     }
 
+    /// A failed backfill's retry delay passed (the host's planner released it).
+    pub fn retry_backfills(&mut self) -> Result<Vec<Ingested>, String> {
+        self.run(Input::RetryBackfills)
+    }
+
     /// Whether upstream frames may be fed now.
     pub fn accepts_upstream(&self) -> bool {
         self.session.accepts_upstream()

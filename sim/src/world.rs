@@ -261,6 +261,12 @@ enum Ev {
     BackfillStep {
         gen: u64,
     },
+    /// A failed backfill of `table` may run again without a commit in between (the host's
+    /// retry delay passed).
+    BackfillRetry {
+        gen: u64,
+        table: String,
+    },
     Quiet,
 }
 
@@ -575,6 +581,7 @@ impl World {
                 }
             }
             Ev::BackfillStep { gen } => self.backfill_step(gen),
+            Ev::BackfillRetry { gen, table } => self.backfill_retry(gen, &table),
             Ev::Quiet => self.final_check(),
         }
     }
@@ -843,13 +850,9 @@ impl World {
             },
         )));
         messages.push_back(DownstreamMessage::Commit(Commit::new(watermark.clone())));
-        // Now and then the snapshot's connection fails before the commit; such a failure
-        // needs a later commit to retry after (as the host), so only while the workload runs.
-        let left = self
-            .opts
-            .transactions
-            .saturating_sub(self.out.transactions as usize);
-        let failing = left >= 3 && self.rng.chance(250);
+        // Now and then the snapshot's connection fails before the commit; it is retried after
+        // the next commit or after a delay (as the host), also once the workload is over.
+        let failing = self.rng.chance(250);
         if failing {
             let keep = self.rng.below(messages.len() as u64 - 1) as usize;
             messages.truncate(keep);
@@ -939,17 +942,34 @@ impl World {
         server.backfill = None;
         if let Some(table) = failed {
             let at = server.ingest.last_commit();
+            let gen = server.gen;
+            let delay = self.rng.range(1_000, 5_000);
             self.log(format!(
-                "backfill of {table} failed before its commit; retried after the next commit"
+                "backfill of {table} failed before its commit; retried after the next commit or in {delay} ms"
             ));
             let server = self.server.as_mut().expect("checked");
-            server.backfill_failed.insert(table, at);
+            server.backfill_failed.insert(table.clone(), at);
             self.out.backfill_failures += 1;
+            self.at(delay, Ev::BackfillRetry { gen, table });
         }
         let server = self.server.as_mut().expect("checked");
         let items = server.ingest.backfill_ended();
         self.feed_backfill(items);
         self.kick_pg();
+    }
+
+    /// The retry delay of a failed backfill passed: the planner releases it and tells the
+    /// session, which lets it start once nothing is in between.
+    fn backfill_retry(&mut self, gen: u64, table: &str) {
+        let Some(server) = self.server.as_mut().filter(|s| s.gen == gen) else {
+            return;
+        };
+        if server.backfill_failed.remove(table).is_none() {
+            return;
+        }
+        let items = server.ingest.retry_backfills();
+        self.log(format!("backfill of {table} may run again"));
+        self.ingested(items);
     }
 
     fn ack(&mut self, lsn: Lsn) {
