@@ -142,6 +142,7 @@ pub fn scope_sync_client(data: &[u8]) {
                             up_to: up_to.unwrap_or(0),
                             rows: Vec::new(),
                             total: Some(0),
+                            floor: None,
                         },
                     }),
                     ServerEffect::Send { conn, text } => {

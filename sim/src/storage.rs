@@ -361,7 +361,12 @@ impl Storage {
             rows.sort_by_key(|r| r.seq);
             rows.truncate(limit as usize);
         }
-        PageResult::Rows { up_to, rows, total }
+        PageResult::Rows {
+            up_to,
+            rows,
+            total,
+            floor: self.durable.exit_floor,
+        }
     }
 }
 

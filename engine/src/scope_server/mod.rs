@@ -19,7 +19,9 @@
 //! Feed [`ServerInput::Committed`] with the feed entries of every upstream transaction, in
 //! commit order and only after the replica commit that gave them their seqs (a client must
 //! never hold a seq a crash could reassign). Feed [`ServerInput::RetentionFloor`] after every
-//! prune of exits, before any page read after that prune is answered.
+//! prune of exits; each page also carries the floor its own read saw
+//! ([`PageResult::Rows`]), so a page read after a prune is judged by it even when the host's
+//! hand-off of the new floor comes later.
 //!
 //! Rules carried here: a subscription replays rows up to a high-water pinned on its first page
 //! and gets rows above it live, each once (live entries at or below the pin, or at or below its
@@ -140,6 +142,10 @@ pub enum PageResult {
         rows: Vec<FeedEntry>,
         /// The scope's row count in the replay range, when asked for.
         total: Option<u64>,
+        /// The retention floor as the page's read transaction saw it (seqs at or below it
+        /// may have lost their exits): read with the rows, so a prune committed before the
+        /// read is known here even if [`ServerInput::RetentionFloor`] has not arrived yet.
+        floor: Option<i64>,
     },
     /// The table was truncated after the cursor: the scope starts over.
     Truncated,
@@ -699,6 +705,15 @@ impl ScopeServer {
         // Exits after the cursor were pruned while the replay ran: this page (and earlier
         // ones) may lack removals the client needs. Start over, as for a cursor below the
         // floor at subscribe time.
+        // The floor the page's own read saw counts too: the host hands a new floor over after
+        // the prune commits, and a page read in between would otherwise pass a cursor whose
+        // exits are gone.
+        if let PageResult::Rows {
+            floor: Some(seen), ..
+        } = &result
+        {
+            self.retention_floor = self.retention_floor.max(Some(*seen));
+        }
         let floor = self.retention_floor;
         let past_floor = self.subscription_mut(conn, &id).is_some_and(|sub| {
             matches!(sub.stage, Stage::Replaying)
@@ -713,7 +728,9 @@ impl ScopeServer {
         match result {
             PageResult::Failed { message } => self.fail(conn, &id, codes::INTERNAL, message, out),
             PageResult::Truncated => self.replay_from_scratch(conn, &id, "table-truncated", out),
-            PageResult::Rows { up_to, rows, total } => {
+            PageResult::Rows {
+                up_to, rows, total, ..
+            } => {
                 let Some(sub) = self.subscription_mut(conn, &id) else {
                     return;
                 };

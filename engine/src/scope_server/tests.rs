@@ -132,6 +132,7 @@ fn page(
                 up_to,
                 rows,
                 total: Some(3),
+                floor: None,
             },
         },
         0,
@@ -534,6 +535,62 @@ fn a_retention_floor_that_passes_a_running_replay_restarts_it_with_a_reset() {
     let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
     let pass = fetch(&effects).unwrap().1;
     let effects = page(&mut server, ticket, pass, 9, vec![upsert(6, 1, "ada")]);
+    assert_eq!(
+        sent(&effects)[0]["body"]["syncs"][0]["resourceId"],
+        json!("1")
+    );
+}
+
+/// Found by the simulation (seed 1441): the host prunes exits, then hands the new floor over;
+/// a page read in between reached the server first and passed a cursor whose removals were
+/// gone. The floor the page's own read saw now counts, without the hand-off.
+#[test]
+fn a_page_that_saw_a_floor_past_its_cursor_restarts_the_replay_before_the_floor_arrives() {
+    let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z", "limit": 1});
+    let mut server = server();
+    let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
+    let pass = fetch(&effects).unwrap().1;
+    let effects = server.handle(
+        ServerInput::PageFetched {
+            conn: C,
+            ticket,
+            pass,
+            result: PageResult::Rows {
+                up_to: 9,
+                rows: vec![upsert(8, 2, "ada")],
+                total: Some(1),
+                floor: Some(7),
+            },
+        },
+        0,
+    );
+    let frames = sent(&effects);
+    assert_eq!(
+        frames[0]["body"]["reset"]["reason"],
+        json!("cursor-before-retention"),
+        "{frames:?}"
+    );
+    let (_, _, after, ..) = fetch(&effects).unwrap();
+    assert_eq!(after, None, "a full replay follows");
+    // A floor below the cursor changes nothing.
+    let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z", "limit": 1});
+    let mut server = self::server();
+    let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
+    let pass = fetch(&effects).unwrap().1;
+    let effects = server.handle(
+        ServerInput::PageFetched {
+            conn: C,
+            ticket,
+            pass,
+            result: PageResult::Rows {
+                up_to: 9,
+                rows: vec![upsert(6, 1, "ada")],
+                total: Some(1),
+                floor: Some(3),
+            },
+        },
+        0,
+    );
     assert_eq!(
         sent(&effects)[0]["body"]["syncs"][0]["resourceId"],
         json!("1")

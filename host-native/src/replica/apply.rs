@@ -3218,6 +3218,26 @@ mod tests {
             super::feed::prune_exits(conn, "2100-01-01T00:00:00.000Z").unwrap(),
             Some(3)
         );
+        // A page carries the floor its own read saw, with its rows.
+        use super::feed::{read_scope_page, ScopePage, ScopeQuery};
+        let conditions = serde_json::Map::new();
+        let page = read_scope_page(
+            conn,
+            &w.replica().tables,
+            &ScopeQuery {
+                table: "issue",
+                conditions: &conditions,
+                after: Some(1),
+                up_to: None,
+                limit: 10,
+                count_total: false,
+            },
+        )
+        .unwrap();
+        assert!(
+            matches!(page, ScopePage::Rows { floor: Some(3), .. }),
+            "{page:?}"
+        );
     }
 
     #[test]

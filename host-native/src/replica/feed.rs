@@ -691,6 +691,8 @@ pub enum ScopePage {
         up_to: i64,
         rows: Vec<FeedRow>,
         total: Option<u64>,
+        /// The retention floor in the same read transaction as the rows.
+        floor: Option<i64>,
     },
     /// The cursor cannot be resumed: the table was truncated after it.
     Truncated,
@@ -860,7 +862,15 @@ fn read_in_transaction(
     } else {
         None
     };
-    Ok(ScopePage::Rows { up_to, rows, total })
+    // In the same transaction as the rows: a prune is the exits' deletion and the floor's
+    // rise in one commit, so the page sees both or neither.
+    let floor = retention_floor(conn)?;
+    Ok(ScopePage::Rows {
+        up_to,
+        rows,
+        total,
+        floor,
+    })
 }
 
 fn object(text: &str) -> Result<Map<String, Value>, ReplicaError> {

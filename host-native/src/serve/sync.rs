@@ -230,10 +230,16 @@ impl SyncHub {
         };
         let page = reader.read_scope_page(query);
         let result = match page {
-            Ok(ScopePage::Rows { up_to, rows, total }) => PageResult::Rows {
+            Ok(ScopePage::Rows {
+                up_to,
+                rows,
+                total,
+                floor,
+            }) => PageResult::Rows {
                 up_to,
                 rows: rows.into_iter().map(feed_entry).collect(),
                 total,
+                floor,
             },
             Ok(ScopePage::Truncated) => PageResult::Truncated,
             Ok(ScopePage::UnknownTable) => PageResult::Failed {
