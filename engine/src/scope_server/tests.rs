@@ -123,6 +123,18 @@ fn page(
     up_to: i64,
     rows: Vec<FeedEntry>,
 ) -> Vec<ServerEffect> {
+    page_seeing_floor(server, ticket, pass, up_to, rows, None)
+}
+
+/// A page whose read saw the retention floor `floor`.
+fn page_seeing_floor(
+    server: &mut ScopeServer,
+    ticket: u64,
+    pass: u64,
+    up_to: i64,
+    rows: Vec<FeedEntry>,
+    floor: Option<i64>,
+) -> Vec<ServerEffect> {
     server.handle(
         ServerInput::PageFetched {
             conn: C,
@@ -132,7 +144,7 @@ fn page(
                 up_to,
                 rows,
                 total: Some(3),
-                floor: None,
+                floor,
             },
         },
         0,
@@ -550,19 +562,13 @@ fn a_page_that_saw_a_floor_past_its_cursor_restarts_the_replay_before_the_floor_
     let mut server = server();
     let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
     let pass = fetch(&effects).unwrap().1;
-    let effects = server.handle(
-        ServerInput::PageFetched {
-            conn: C,
-            ticket,
-            pass,
-            result: PageResult::Rows {
-                up_to: 9,
-                rows: vec![upsert(8, 2, "ada")],
-                total: Some(1),
-                floor: Some(7),
-            },
-        },
-        0,
+    let effects = page_seeing_floor(
+        &mut server,
+        ticket,
+        pass,
+        9,
+        vec![upsert(8, 2, "ada")],
+        Some(7),
     );
     let frames = sent(&effects);
     assert_eq!(
@@ -577,19 +583,13 @@ fn a_page_that_saw_a_floor_past_its_cursor_restarts_the_replay_before_the_floor_
     let mut server = self::server();
     let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
     let pass = fetch(&effects).unwrap().1;
-    let effects = server.handle(
-        ServerInput::PageFetched {
-            conn: C,
-            ticket,
-            pass,
-            result: PageResult::Rows {
-                up_to: 9,
-                rows: vec![upsert(6, 1, "ada")],
-                total: Some(1),
-                floor: Some(3),
-            },
-        },
-        0,
+    let effects = page_seeing_floor(
+        &mut server,
+        ticket,
+        pass,
+        9,
+        vec![upsert(6, 1, "ada")],
+        Some(3),
     );
     assert_eq!(
         sent(&effects)[0]["body"]["syncs"][0]["resourceId"],

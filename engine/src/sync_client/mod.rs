@@ -639,24 +639,16 @@ impl SyncClient {
                     self.subscribe_scope(key, out);
                 }
             }
-            Err(message) if renewing => {
-                // The subscriptions keep the old token until the server says it expired; that
-                // path asks again.
-                out.push(ClientEffect::Error {
-                    scope: None,
-                    code: "token-renewal-failed".to_owned(),
-                    message: format!("the token source failed: {message}"),
-                });
-                for key in waiting {
-                    self.fail_scope(
-                        key,
-                        "auth-expired",
-                        format!("the token expired and the token source failed: {message}"),
-                        out,
-                    );
-                }
-            }
             Err(message) => {
+                if renewing {
+                    // The subscriptions keep the old token until the server says it expired;
+                    // that path asks again.
+                    out.push(ClientEffect::Error {
+                        scope: None,
+                        code: "token-renewal-failed".to_owned(),
+                        message: format!("the token source failed: {message}"),
+                    });
+                }
                 for key in waiting {
                     self.fail_scope(
                         key,
