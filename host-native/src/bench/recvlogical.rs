@@ -99,6 +99,12 @@ impl RecvLogical {
 
 /// The commit LSN of the file's last message if that message is a complete Commit, and the
 /// file's length.
+///
+/// The tail is only taken for a Commit when it starts a message (a newline, or the file's
+/// start, before it), has the flags pgoutput sends (0) and ends at or after its commit: the
+/// last bytes of a half-written transaction can decode as a Commit otherwise (a column whose
+/// value is 67 bytes long has the length 0x00000043, a `C`), and a run took its text for a
+/// commit past the workload's and stopped reading early.
 pub fn last_commit(path: &Path) -> std::io::Result<(Option<Lsn>, u64)> {
     let mut file = match File::open(path) {
         Ok(file) => file,
@@ -110,14 +116,24 @@ pub fn last_commit(path: &Path) -> std::io::Result<(Option<Lsn>, u64)> {
     if len < tail_len {
         return Ok((None, len));
     }
-    let mut tail = [0u8; COMMIT_LEN + 1];
-    file.seek(SeekFrom::Start(len - tail_len))?;
-    file.read_exact(&mut tail)?;
+    // The byte before the message too, when there is one.
+    let before = u64::from(len > tail_len);
+    let mut tail = [0u8; COMMIT_LEN + 2];
+    let tail = &mut tail[..usize::try_from(tail_len + before).unwrap_or(COMMIT_LEN + 1)];
+    file.seek(SeekFrom::Start(len - tail_len - before))?;
+    file.read_exact(tail)?;
+    let starts_a_message = before == 0 || tail[0] == b'\n';
+    let message = &tail[usize::from(before == 1)..];
     let commit = match (
-        tail[COMMIT_LEN],
-        PgoutputMessage::decode(&tail[..COMMIT_LEN]),
+        starts_a_message,
+        message[COMMIT_LEN],
+        PgoutputMessage::decode(&message[..COMMIT_LEN]),
     ) {
-        (b'\n', Ok(PgoutputMessage::Commit(commit))) => Some(commit.commit_lsn),
+        (true, b'\n', Ok(PgoutputMessage::Commit(commit)))
+            if commit.flags == 0 && commit.end_lsn >= commit.commit_lsn =>
+        {
+            Some(commit.commit_lsn)
+        }
         _ => None,
     };
     Ok((commit, len))
@@ -339,5 +355,37 @@ mod tests {
         assert_eq!(last_commit(&garbage).unwrap().0, None);
         let _ = std::fs::remove_file(path);
         let _ = std::fs::remove_file(garbage);
+    }
+
+    /// Found by CI (`tiny_live_runs_on_an_upstream_leave_no_slots_behind`, pg_recvlogical
+    /// "received 147 of 200"): a file ending inside a transaction, in an insert whose last
+    /// 26 bytes decode as a Commit (a 67-byte value's length field holds a `C`), was taken to
+    /// end with a commit past the workload's.
+    #[test]
+    fn the_tail_of_an_insert_is_not_taken_for_a_commit() {
+        // The insert's tail: its value's length 0x00000043 ("C" after three zeros), then
+        // 67 bytes of text of which the last 24 follow the `C` and its "flags" byte.
+        let mut value = vec![b'x'; 67];
+        value[..3].copy_from_slice(b"abc");
+        let mut tail_insert = insert(&value);
+        // Make the 26 bytes before the final newline start at the length's `C`.
+        let c_at = tail_insert.len() - 67 - 1;
+        assert_eq!(tail_insert[c_at], b'C');
+        tail_insert.truncate(c_at + COMMIT_LEN);
+        let bytes = [
+            output(&[begin(100), relation(), commit(100), begin(200)]),
+            tail_insert,
+            vec![b'\n'],
+        ]
+        .concat();
+        let path = temp_file("fake-commit", &bytes);
+        let (found, len) = last_commit(&path).unwrap();
+        assert_eq!(found, None, "{found:?}");
+        assert_eq!(len, bytes.len() as u64);
+        // A real one right after the file's start still counts.
+        let only = temp_file("only-commit", &output(&[commit(7)]));
+        assert_eq!(last_commit(&only).unwrap().0, Some(Lsn(7)));
+        let _ = std::fs::remove_file(path);
+        let _ = std::fs::remove_file(only);
     }
 }
