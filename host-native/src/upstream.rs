@@ -365,10 +365,7 @@ pub fn backfill_item<H: EffectHost>(
         backfills
             .planner
             .on_failed(&table, &position, std::time::Instant::now());
-        let retry_in = backfills
-            .planner
-            .retry_at()
-            .map(|at| at.saturating_duration_since(std::time::Instant::now()));
+        let retry_in = backfill_retry_in(Some(backfills));
         tracing::warn!(
             %table,
             %error,

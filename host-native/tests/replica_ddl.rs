@@ -191,24 +191,14 @@ async fn a_failed_backfill_is_retried_in_a_quiet_database() {
     let pg = start_pg().await;
     let client = pg.connect().await.unwrap();
     client
-        .batch_execute(&format!(
-            "{MARKER_DDL}
-             CREATE TABLE quiet (id int PRIMARY KEY, body text);
-             INSERT INTO quiet SELECT g, 'row ' || g FROM generate_series(1, 500) g;"
-        ))
+        .batch_execute(&format!("{MARKER_DDL}{QUIET_TABLE_SQL}"))
         .await
         .unwrap();
     let data = DataDir::new("backfill-retry");
     let publ = ["highwater_pub"];
     let replicator = InProcess::spawn(args(&pg.url(), data.path(), &[]));
     catch_up(&client, data.path()).await;
-    alter_so_the_backfill_fails_once(
-        &pg,
-        &client,
-        "quiet",
-        "ALTER TABLE quiet ADD COLUMN r float8 DEFAULT random()",
-    )
-    .await;
+    alter_so_the_backfill_fails_once(&pg, &client, "quiet", QUIET_ADD_COLUMN).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while replica_scalar::<i64>(
         data.path(),

@@ -530,10 +530,9 @@ async fn a_failed_backfill_is_retried_in_a_quiet_database() {
     let client = pg.connect().await.unwrap();
     client
         .batch_execute(&format!(
-            "{}
-             CREATE TABLE quiet (id int PRIMARY KEY, body text);
-             INSERT INTO quiet SELECT g, 'row ' || g FROM generate_series(1, 500) g;",
-            replica_support::MARKER_DDL
+            "{}{}",
+            replica_support::MARKER_DDL,
+            replica_support::QUIET_TABLE_SQL
         ))
         .await
         .unwrap();
@@ -548,7 +547,7 @@ async fn a_failed_backfill_is_retried_in_a_quiet_database() {
         &pg,
         &client,
         "quiet",
-        "ALTER TABLE quiet ADD COLUMN r float8 DEFAULT random()",
+        replica_support::QUIET_ADD_COLUMN,
     )
     .await;
     let done = |m: &StreamModel| backfill_transaction(m, "quiet").is_some();

@@ -558,18 +558,15 @@ fn a_retention_floor_that_passes_a_running_replay_restarts_it_with_a_reset() {
 /// gone. The floor the page's own read saw now counts, without the hand-off.
 #[test]
 fn a_page_that_saw_a_floor_past_its_cursor_restarts_the_replay_before_the_floor_arrives() {
-    let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z", "limit": 1});
-    let mut server = server();
-    let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
-    let pass = fetch(&effects).unwrap().1;
-    let effects = page_seeing_floor(
-        &mut server,
-        ticket,
-        pass,
-        9,
-        vec![upsert(8, 2, "ada")],
-        Some(7),
-    );
+    // A subscription resuming at seq 5 whose first page's read saw `floor`.
+    let first_page = |row: FeedEntry, floor: i64| {
+        let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z", "limit": 1});
+        let mut server = server();
+        let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
+        let pass = fetch(&effects).unwrap().1;
+        page_seeing_floor(&mut server, ticket, pass, 9, vec![row], Some(floor))
+    };
+    let effects = first_page(upsert(8, 2, "ada"), 7);
     let frames = sent(&effects);
     assert_eq!(
         frames[0]["body"]["reset"]["reason"],
@@ -579,18 +576,7 @@ fn a_page_that_saw_a_floor_past_its_cursor_restarts_the_replay_before_the_floor_
     let (_, _, after, ..) = fetch(&effects).unwrap();
     assert_eq!(after, None, "a full replay follows");
     // A floor below the cursor changes nothing.
-    let cursor = json!({"afterId": "v1:5", "afterServerSequence": 5, "afterUpdatedAt": "2026-12-01T12:00:00.000Z", "limit": 1});
-    let mut server = self::server();
-    let (ticket, effects) = granted(&mut server, "s1", "ada", cursor);
-    let pass = fetch(&effects).unwrap().1;
-    let effects = page_seeing_floor(
-        &mut server,
-        ticket,
-        pass,
-        9,
-        vec![upsert(6, 1, "ada")],
-        Some(3),
-    );
+    let effects = first_page(upsert(6, 1, "ada"), 3);
     assert_eq!(
         sent(&effects)[0]["body"]["syncs"][0]["resourceId"],
         json!("1")

@@ -116,14 +116,13 @@ pub fn last_commit(path: &Path) -> std::io::Result<(Option<Lsn>, u64)> {
     if len < tail_len {
         return Ok((None, len));
     }
-    // The byte before the message too, when there is one.
-    let before = u64::from(len > tail_len);
-    let mut tail = [0u8; COMMIT_LEN + 2];
-    let tail = &mut tail[..usize::try_from(tail_len + before).unwrap_or(COMMIT_LEN + 1)];
-    file.seek(SeekFrom::Start(len - tail_len - before))?;
-    file.read_exact(tail)?;
-    let starts_a_message = before == 0 || tail[0] == b'\n';
-    let message = &tail[usize::from(before == 1)..];
+    // With the byte before the message; the file's start counts as a newline there.
+    let at_start = len == tail_len;
+    let mut tail = [b'\n'; COMMIT_LEN + 2];
+    file.seek(SeekFrom::Start(len - tail_len - u64::from(!at_start)))?;
+    file.read_exact(&mut tail[usize::from(at_start)..])?;
+    let starts_a_message = tail[0] == b'\n';
+    let message = &tail[1..];
     let commit = match (
         starts_a_message,
         message[COMMIT_LEN],

@@ -224,6 +224,12 @@ pub async fn wait_for_marker(data: &Path, n: i32) {
     }
 }
 
+/// The table of the failed-backfill tests (`serve` and `replicate`): 500 rows, and the
+/// column added with a volatile default whose backfill is made to fail once.
+pub const QUIET_TABLE_SQL: &str = "CREATE TABLE quiet (id int PRIMARY KEY, body text);
+     INSERT INTO quiet SELECT g, 'row ' || g FROM generate_series(1, 500) g;";
+pub const QUIET_ADD_COLUMN: &str = "ALTER TABLE quiet ADD COLUMN r float8 DEFAULT random()";
+
 /// Runs `alter` (a DDL on `table` that asks for a backfill) so that the backfill's first run
 /// fails: a second client queues for the table's lock behind the DDL and holds the table from
 /// its commit on, and the backfill's new connection gives up on the lock after 200 ms
