@@ -556,7 +556,7 @@ async fn fan_out(
         sent_elapsed: sent.map(|sent| sent.saturating_duration_since(started)),
         server_cpu: cpu_before
             .zip(cpu_after)
-            .map(|(before, after)| after.saturating_sub(before)),
+            .map(|(before, after)| cpu_used(&before, &after)),
         received,
         out_of_order,
         frames,
@@ -566,12 +566,12 @@ async fn fan_out(
     Ok((report, last_commit))
 }
 
-/// CPU time so far of this process's threads named `serve` (the server's runtime, whose
-/// blocking threads include the ingest thread), from each thread's `schedstat` (ns on CPU).
-/// The followers finish on another runtime, so this is read once they are all done; a thread
-/// of the server's that ended in between is not counted.
-fn server_cpu() -> Option<Duration> {
-    let mut total = 0u64;
+/// CPU time so far of each of this process's threads named `serve` (the server's runtime,
+/// whose blocking threads include the ingest thread), by thread id, from each thread's
+/// `schedstat` (ns on CPU). The followers finish on another runtime, so this is read once they
+/// are all done; a thread of the server's that ended in between is not counted.
+fn server_cpu() -> Option<std::collections::HashMap<String, u64>> {
+    let mut threads = std::collections::HashMap::new();
     for task in std::fs::read_dir("/proc/self/task").ok()? {
         let path = task.ok()?.path();
         let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
@@ -583,9 +583,24 @@ fn server_cpu() -> Option<Duration> {
         let Ok(stat) = std::fs::read_to_string(path.join("schedstat")) else {
             continue;
         };
-        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+        let ns = stat.split_whitespace().next()?.parse::<u64>().ok()?;
+        threads.insert(path.file_name()?.to_string_lossy().into_owned(), ns);
     }
-    Some(Duration::from_nanos(total))
+    Some(threads)
+}
+
+/// CPU the threads of `after` used since `before`, thread by thread: a thread that ended in
+/// between (another server's, in a test process) takes nothing away, and one that started
+/// counts in full.
+fn cpu_used(
+    before: &std::collections::HashMap<String, u64>,
+    after: &std::collections::HashMap<String, u64>,
+) -> Duration {
+    let ns = after
+        .iter()
+        .map(|(tid, ns)| ns.saturating_sub(before.get(tid).copied().unwrap_or(0)))
+        .sum();
+    Duration::from_nanos(ns)
 }
 
 /// When Postgres' WAL sender had sent everything flushed so far: polls the server's
@@ -1112,6 +1127,22 @@ mod tests {
         assert_eq!(percentile(&sorted, 0.99), Some(99));
         assert_eq!(percentile(&[7], 0.99), Some(7));
         assert_eq!(percentile(&[], 0.5), None);
+    }
+
+    /// Found in the lib test process, where other tests' servers come and go: summed over
+    /// the threads alive at each end, a thread that ended in between made the level's CPU
+    /// come out zero.
+    #[test]
+    fn cpu_is_counted_per_thread_so_ended_threads_take_nothing_away() {
+        let map = |pairs: &[(&str, u64)]| {
+            pairs
+                .iter()
+                .map(|(tid, ns)| ((*tid).to_owned(), *ns))
+                .collect::<std::collections::HashMap<_, _>>()
+        };
+        let before = map(&[("1", 100), ("2", 5_000_000)]);
+        let after = map(&[("1", 400), ("3", 50)]);
+        assert_eq!(cpu_used(&before, &after), Duration::from_nanos(350));
     }
 
     /// The whole benchmark, tiny: every subscriber gets every transaction, in order.
