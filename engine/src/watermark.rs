@@ -8,6 +8,7 @@
 use std::cmp::Ordering;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 pub use ethnum::U256;
 
@@ -134,7 +135,7 @@ pub struct Lsn(pub u64);
 impl Lsn {
     /// The watermark of this position: `lexi(lsn)`.
     pub fn to_watermark(self) -> Watermark {
-        Watermark(encode_lexi(self.0 as u128))
+        Watermark(encode_lexi(self.0 as u128).into())
     }
 }
 
@@ -190,15 +191,17 @@ impl StateVersion {
             text.push('.');
             text.push_str(&try_encode_lexi(minor)?);
         }
-        Some(Watermark(text))
+        Some(Watermark(text.into()))
     }
 }
 
 /// A watermark in its wire form: a canonical StateVersion string.
 ///
 /// Ordering is string order, which by construction equals the numeric order of the versions.
+/// The text is shared: the change streamer copies a commit's watermark to every subscriber it
+/// is sent to, and a clone costs a count, not an allocation.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Watermark(String);
+pub struct Watermark(Arc<str>);
 
 impl Watermark {
     /// Validates `text` as `lexi(major)` or `lexi(major).lexi(minor)`.
@@ -214,7 +217,7 @@ impl Watermark {
         if let Some(minor) = minor {
             validate_lexi(minor).map_err(bad)?;
         }
-        Ok(Watermark(text.to_owned()))
+        Ok(Watermark(text.into()))
     }
 
     pub fn as_str(&self) -> &str {
@@ -222,7 +225,7 @@ impl Watermark {
     }
 
     pub fn into_string(self) -> String {
-        self.0
+        self.0.to_string()
     }
 
     /// Decodes the StateVersion.
@@ -246,7 +249,7 @@ impl Watermark {
         let major = self.state_version().major;
         if major > U256::from(u64::MAX) {
             return Err(WatermarkError::MajorTooLarge {
-                text: self.0.clone(),
+                text: self.0.to_string(),
             });
         }
         Ok(Lsn(major.as_u64()))
@@ -281,13 +284,13 @@ impl AsRef<str> for Watermark {
 
 impl PartialEq<str> for Watermark {
     fn eq(&self, other: &str) -> bool {
-        self.0 == other
+        &*self.0 == other
     }
 }
 
 impl PartialEq<&str> for Watermark {
     fn eq(&self, other: &&str) -> bool {
-        self.0 == *other
+        &*self.0 == *other
     }
 }
 

@@ -242,6 +242,25 @@ impl BatchPayload {
         BatchPayload { text, len }
     }
 
+    /// [`BatchPayload::from_encoded`] on a slice, sized in one allocation (a burst's payload
+    /// is up to a few hundred KiB, which growing by doubling would copy several times).
+    pub fn from_slice<T: AsRef<str>>(encoded: &[T]) -> Self {
+        let bytes: usize = encoded.iter().map(|m| m.as_ref().len() + 1).sum();
+        let mut text = String::with_capacity(bytes + r#","batch":[]}"#.len());
+        text.push_str(r#","batch":["#);
+        for (i, message) in encoded.iter().enumerate() {
+            if i > 0 {
+                text.push(',');
+            }
+            text.push_str(message.as_ref());
+        }
+        text.push_str("]}");
+        BatchPayload {
+            text,
+            len: encoded.len(),
+        }
+    }
+
     /// The shared bytes, `,"batch":[…]}`.
     pub fn as_str(&self) -> &str {
         &self.text

@@ -69,7 +69,7 @@ use crate::watermark::Watermark;
 use catchup::{check_first_row, too_old_message, wrong_replica_version_message, FirstRow};
 use entry::Entry;
 use purge::purge_floor;
-use registry::Connection;
+use registry::{Connection, SharedBatch};
 use reservation::Reservations;
 use subscriber::{Delivery, Subscriber, WaterMarks};
 
@@ -223,6 +223,8 @@ pub struct Streamer {
     restart_signalled: bool,
     /// Some connection may hold live messages for the end of the burst.
     holding: bool,
+    /// The batch payload the connections of one burst share (empty between bursts).
+    shared_batch: SharedBatch,
     replica_size: Option<u64>,
     /// The latest time seen in any event.
     now_ms: u64,
@@ -248,6 +250,7 @@ impl Streamer {
             upstream_paused: false,
             restart_signalled: false,
             holding: false,
+            shared_batch: SharedBatch::default(),
             replica_size: None,
             now_ms: 0,
             initial_status: encode_downstream(&DownstreamMessage::Status(Status::default())).into(),
@@ -489,12 +492,13 @@ impl Streamer {
         for (&conn, c) in self.conns.iter_mut() {
             if c.holds() {
                 out.extend(
-                    c.frame(Vec::new())
+                    c.frame_sharing(Vec::new(), &mut self.shared_batch)
                         .into_iter()
                         .map(|frame| Effect::Send { conn, frame }),
                 );
             }
         }
+        self.shared_batch.clear();
         out
     }
 
@@ -526,9 +530,10 @@ impl Streamer {
             if sub.offer(entry, self.limits, &mut d) {
                 aligned.push(sub.tracker_key.clone());
             }
-            emit_live(conn, c, d, out);
+            emit_live(conn, c, d, &mut self.shared_batch, out);
             self.holding |= c.holds();
         }
+        self.shared_batch.clear();
         for key in aligned {
             self.tracker.mark_aligned(&key);
         }
@@ -1087,25 +1092,34 @@ impl Streamer {
 
 /// Frames what a delivery collected for `conn` into effects.
 fn emit(conn: ConnId, c: &mut Connection, d: Delivery, out: &mut Vec<Effect>) {
-    emit_with(conn, c, d, out, Connection::frame);
+    emit_with(conn, d, out, |messages| c.frame(messages));
 }
 
 /// As [`emit`], for live messages of the upstream burst: held for one batch where the
-/// connection takes batches.
-fn emit_live(conn: ConnId, c: &mut Connection, d: Delivery, out: &mut Vec<Effect>) {
-    emit_with(conn, c, d, out, Connection::hold);
+/// connection takes batches, sharing the burst's payload with the other connections.
+fn emit_live(
+    conn: ConnId,
+    c: &mut Connection,
+    d: Delivery,
+    shared: &mut SharedBatch,
+    out: &mut Vec<Effect>,
+) {
+    emit_with(conn, d, out, |messages| c.hold(messages, shared));
 }
 
-type Framer = fn(&mut Connection, Vec<(Arc<str>, subscriber::Carried)>) -> Vec<Outgoing>;
-
-fn emit_with(conn: ConnId, c: &mut Connection, d: Delivery, out: &mut Vec<Effect>, framer: Framer) {
+fn emit_with(
+    conn: ConnId,
+    d: Delivery,
+    out: &mut Vec<Effect>,
+    framer: impl FnOnce(Vec<(Arc<str>, subscriber::Carried)>) -> Vec<Outgoing>,
+) {
     let Delivery {
         out: messages,
         warnings,
         ..
     } = d;
     if !messages.is_empty() {
-        for frame in framer(c, messages) {
+        for frame in framer(messages) {
             out.push(Effect::Send { conn, frame });
         }
     }

@@ -34,6 +34,42 @@ pub struct Connection {
     held_bytes: usize,
 }
 
+/// The batch payload framed last, kept while the streamer frames one burst for every
+/// connection: live subscribers of a burst at one protocol version are sent the same
+/// messages (the same shared texts), so they share one serialized payload instead of each
+/// copying the burst's texts into a payload of its own.
+#[derive(Debug, Default)]
+pub struct SharedBatch {
+    texts: Vec<Arc<str>>,
+    payload: Option<Arc<BatchPayload>>,
+}
+
+impl SharedBatch {
+    /// The payload of `texts`: the last one built if it holds the very same texts.
+    fn payload(&mut self, texts: Vec<Arc<str>>) -> Arc<BatchPayload> {
+        if let Some(payload) = &self.payload {
+            let same = texts.len() == self.texts.len()
+                && texts
+                    .iter()
+                    .zip(&self.texts)
+                    .all(|(a, b)| Arc::ptr_eq(a, b));
+            if same {
+                return payload.clone();
+            }
+        }
+        let payload = Arc::new(BatchPayload::from_slice(&texts));
+        self.texts = texts;
+        self.payload = Some(payload.clone());
+        payload
+    }
+
+    /// Lets go of the last payload (at the end of a burst).
+    pub fn clear(&mut self) {
+        self.texts.clear();
+        self.payload = None;
+    }
+}
+
 /// A held burst goes out as soon as it holds this many messages…
 pub const HELD_MAX_MESSAGES: usize = 512;
 /// …or this many bytes of message text, so a long burst still streams.
@@ -56,16 +92,20 @@ impl Connection {
     /// Live messages of the upstream burst: a batched connection holds them (until
     /// [`Connection::frame`] or a full hold frames them as one batch), any other frames them at
     /// once. Returns the frames to send now.
-    pub fn hold(&mut self, messages: Vec<(Arc<str>, Carried)>) -> Vec<Outgoing> {
+    pub fn hold(
+        &mut self,
+        messages: Vec<(Arc<str>, Carried)>,
+        shared: &mut SharedBatch,
+    ) -> Vec<Outgoing> {
         if !self.batched {
-            return self.frame(messages);
+            return self.frame_sharing(messages, shared);
         }
         for (text, carried) in messages {
             self.held_bytes += text.len();
             self.held.push((text, carried));
         }
         if self.held.len() >= HELD_MAX_MESSAGES || self.held_bytes >= HELD_MAX_BYTES {
-            return self.frame(Vec::new());
+            return self.frame_sharing(Vec::new(), shared);
         }
         Vec::new()
     }
@@ -79,6 +119,15 @@ impl Connection {
     /// else one `{"id","msg"}` frame each (sharing the serialized message).
     /// Held messages go first, in the same frame.
     pub fn frame(&mut self, messages: Vec<(Arc<str>, Carried)>) -> Vec<Outgoing> {
+        self.frame_sharing(messages, &mut SharedBatch::default())
+    }
+
+    /// [`Connection::frame`], reusing `shared`'s payload when it holds the same messages.
+    pub fn frame_sharing(
+        &mut self,
+        messages: Vec<(Arc<str>, Carried)>,
+        shared: &mut SharedBatch,
+    ) -> Vec<Outgoing> {
         let messages = if self.held.is_empty() {
             messages
         } else {
@@ -94,7 +143,7 @@ impl Connection {
                 carried.merge(c);
                 texts.push(text);
             }
-            let payload = Arc::new(BatchPayload::from_encoded(texts));
+            let payload = shared.payload(texts);
             let id = self.next_id(carried, false);
             return vec![Outgoing::Batch { id, payload }];
         }
@@ -180,8 +229,18 @@ mod tests {
     fn held_messages_go_out_first_as_one_batch() {
         let text = |n: u32| Arc::<str>::from(format!("[{n}]"));
         let mut v8 = Connection::new(8, false);
-        assert!(v8.hold(vec![(text(1), carried(None, 0))]).is_empty());
-        assert!(v8.hold(vec![(text(2), carried(Some("0a"), 0))]).is_empty());
+        assert!(v8
+            .hold(
+                vec![(text(1), carried(None, 0))],
+                &mut SharedBatch::default()
+            )
+            .is_empty());
+        assert!(v8
+            .hold(
+                vec![(text(2), carried(Some("0a"), 0))],
+                &mut SharedBatch::default()
+            )
+            .is_empty());
         assert!(v8.holds());
         // The next frame of any kind carries the held messages before its own.
         let frames = v8.frame(vec![(text(3), carried(None, 0))]);
@@ -193,14 +252,68 @@ mod tests {
             "nothing held, nothing sent"
         );
         // An error goes out after what was held.
-        v8.hold(vec![(text(4), carried(None, 0))]);
+        v8.hold(
+            vec![(text(4), carried(None, 0))],
+            &mut SharedBatch::default(),
+        );
         let frames = v8.frame_error(text(5));
         let texts: Vec<String> = frames.iter().map(Outgoing::to_text).collect();
         assert_eq!(texts, [r#"{"id":2,"msg":[4]}"#, r#"{"id":3,"msg":[5]}"#]);
         // A connection without batch frames holds nothing.
         let mut v6 = Connection::new(6, false);
-        assert_eq!(v6.hold(vec![(text(1), carried(None, 0))]).len(), 1);
+        assert_eq!(
+            v6.hold(
+                vec![(text(1), carried(None, 0))],
+                &mut SharedBatch::default()
+            )
+            .len(),
+            1
+        );
         assert!(!v6.holds());
+    }
+
+    #[test]
+    fn connections_holding_the_same_burst_share_one_payload() {
+        let burst: Vec<Arc<str>> = (1..=3).map(|n| Arc::from(format!("[{n}]"))).collect();
+        let messages = |texts: &[Arc<str>]| -> Vec<(Arc<str>, Carried)> {
+            texts
+                .iter()
+                .map(|t| (t.clone(), Carried::default()))
+                .collect()
+        };
+        let payload = |frames: Vec<Outgoing>| match frames.as_slice() {
+            [Outgoing::Batch { payload, .. }] => payload.clone(),
+            other => panic!("expected one batch frame, found {other:?}"),
+        };
+        let mut shared = SharedBatch::default();
+        let mut framed = Vec::new();
+        // Two connections at different frame ids, then one that was sent only part of the
+        // burst, then one sent equal texts that are not the same shared ones.
+        let mut late = Connection::new(8, false);
+        late.frame(messages(&burst[..1]));
+        let copies: Vec<Arc<str>> = burst.iter().map(|t| Arc::from(&**t)).collect();
+        for (mut c, texts) in [
+            (Connection::new(8, false), &burst[..]),
+            (late, &burst[..]),
+            (Connection::new(8, false), &burst[1..]),
+            (Connection::new(8, false), &copies[..]),
+        ] {
+            assert!(c.hold(messages(texts), &mut shared).is_empty());
+            let frames = c.frame_sharing(Vec::new(), &mut shared);
+            let text = frames[0].to_text();
+            framed.push((payload(frames), text));
+        }
+        assert!(
+            Arc::ptr_eq(&framed[0].0, &framed[1].0),
+            "one payload for both"
+        );
+        assert_eq!(framed[0].1, r#"{"id":1,"batch":[[1],[2],[3]]}"#);
+        assert_eq!(framed[1].1, r#"{"id":2,"batch":[[1],[2],[3]]}"#);
+        assert_eq!(framed[2].1, r#"{"id":1,"batch":[[2],[3]]}"#);
+        assert!(!Arc::ptr_eq(&framed[1].0, &framed[2].0));
+        assert_eq!(framed[3].1, r#"{"id":1,"batch":[[1],[2],[3]]}"#);
+        shared.clear();
+        assert!(shared.payload.is_none() && shared.texts.is_empty());
     }
 
     #[test]
@@ -208,16 +321,17 @@ mod tests {
         let mut v8 = Connection::new(8, false);
         let mut frames = Vec::new();
         for n in 0..HELD_MAX_MESSAGES {
-            frames.extend(v8.hold(vec![(
-                Arc::<str>::from(format!("[{n}]")),
-                Carried::default(),
-            )]));
+            frames.extend(v8.hold(
+                vec![(Arc::<str>::from(format!("[{n}]")), Carried::default())],
+                &mut SharedBatch::default(),
+            ));
         }
         assert_eq!(frames.len(), 1, "one batch of {HELD_MAX_MESSAGES} messages");
         assert!(!v8.holds());
         let big: Arc<str> = format!("[\"{}\"]", "x".repeat(HELD_MAX_BYTES)).into();
         assert_eq!(
-            v8.hold(vec![(big, Carried::default())]).len(),
+            v8.hold(vec![(big, Carried::default())], &mut SharedBatch::default())
+                .len(),
             1,
             "bytes bound it too"
         );
