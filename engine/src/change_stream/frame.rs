@@ -229,17 +229,7 @@ impl BatchPayload {
     /// Builds a payload from messages already encoded as JSON text (trusted to be valid JSON,
     /// e.g. the stored bytes of a change log).
     pub fn from_encoded<T: AsRef<str>>(encoded: impl IntoIterator<Item = T>) -> Self {
-        let mut text = String::from(r#","batch":["#);
-        let mut len = 0;
-        for message in encoded {
-            if len > 0 {
-                text.push(',');
-            }
-            text.push_str(message.as_ref());
-            len += 1;
-        }
-        text.push_str("]}");
-        BatchPayload { text, len }
+        Self::from_slice(&encoded.into_iter().collect::<Vec<_>>())
     }
 
     /// [`BatchPayload::from_encoded`] on a slice, sized in one allocation (a burst's payload
