@@ -71,9 +71,12 @@ describe("web demo", { timeout: 240_000 }, () => {
     await page.waitForSelector('#status[data-state="offline"]', { timeout: WAIT });
 
     const statements = Array.from({ length: 100 }, (_, i) => `INSERT INTO todos (owner, title) VALUES ('ada', 'Offline write ${i}');`);
+    const stored = await demo.storedTransactions();
     demo.sql(statements.join("\n"));
-    // The server has them: wait until the replica is past them, with the page still offline.
-    await new Promise((r) => setTimeout(r, 1500));
+    // The server has them (one transaction each), with the page still offline.
+    await demo.stored(stored + 100, "the server to store the 100 offline writes");
+    // Live delivery follows a store within milliseconds: an online page would have them by now.
+    await new Promise((r) => setTimeout(r, 500));
     assert.equal((await rows()).filter((r) => r.title.startsWith("Offline write")).length, 0, "nothing arrives while offline");
 
     await page.click("#offline");
@@ -142,7 +145,9 @@ describe("web demo", { timeout: 240_000 }, () => {
     // The rest runs on a page whose socket reaches the server. A row written meanwhile: the new
     // page starts from IndexedDB's rows and cursor, so the server replays that one row only.
     await page.close();
+    const stored = await demo.storedTransactions();
     demo.sql("INSERT INTO todos (owner, title) VALUES ('ada', 'Written while reloading');");
+    await demo.stored(stored + 1, "the server to store the row written while reloading");
     page = await context.newPage();
     await openPage();
     await waitLive();

@@ -61,10 +61,7 @@ test("after a server restart the page reconnects by itself and gets only what it
   demo.sql(`INSERT INTO todos (owner, title) VALUES ('linus', 'Written while the server was down');`);
 
   demo = await Demo.start(options);
-  await until("the restarted server to store the row it missed", async () => {
-    const health = await (await fetch(`${demo.url}health`)).json();
-    return health.storedTransactions >= 1;
-  }, WAIT);
+  await demo.stored(1, "the restarted server to store the row it missed");
   storedMissedRow();
   await page.unrouteAll({ behavior: "wait" }); // lets the held requests through first
   await page.waitForSelector('#status[data-state="open"]', { timeout: 60_000 }).catch(async (error) => {

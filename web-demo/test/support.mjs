@@ -131,6 +131,19 @@ export class Demo {
     return /upstream\s+(\S+)/.exec(this.stdout)[1];
   }
 
+  /** Upstream transactions this run of the demo has stored durably (`/health`). */
+  async storedTransactions() {
+    return (await (await fetch(`${this.url}health`)).json()).storedTransactions;
+  }
+
+  /**
+   * Waits until this run has stored `count` upstream transactions. A page that (re)subscribes
+   * earlier gets what is missing live rather than by its resume's replay.
+   */
+  async stored(count, what = `${count} stored transactions`) {
+    await until(what, async () => (await this.storedTransactions()) >= count);
+  }
+
   /** Runs SQL in Postgres; each statement of `sql` is its own transaction (psql autocommit). */
   sql(sql) {
     return execFileSync(psqlBinary(), ["-X", "-q", "-t", "-A", "-v", "ON_ERROR_STOP=1", "-d", this.upstream, "-f", "-"], {
