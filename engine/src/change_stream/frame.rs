@@ -2,6 +2,7 @@
 //! (§2.1), the shared pre-serialized batch payload, and the sender's ack-order check.
 
 use std::collections::VecDeque;
+use std::fmt;
 
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
@@ -268,27 +269,31 @@ impl BatchPayload {
     /// The complete frame for one subscriber: `{"id":<id>` followed by the shared payload.
     pub fn frame(&self, id: u64) -> String {
         let mut out = String::with_capacity(self.text.len() + 24);
-        self.write_frame(id, &mut out);
+        // Writing to a String cannot fail.
+        let _ = self.write_frame(id, &mut out);
         out
     }
 
-    /// Appends the complete frame to `out`.
-    pub fn write_frame(&self, id: u64, out: &mut String) {
-        out.push_str(r#"{"id":"#);
-        out.push_str(&id.to_string());
-        out.push_str(&self.text);
+    /// Appends the complete frame to `out` (a buffer the caller reuses, say).
+    pub fn write_frame(&self, id: u64, out: &mut impl fmt::Write) -> fmt::Result {
+        write!(out, r#"{{"id":{id}"#)?;
+        out.write_str(&self.text)
     }
 }
 
 /// `{"id":<id>,"msg":<encoded>}` around an already encoded message.
 pub fn message_frame(id: u64, encoded: &str) -> String {
     let mut out = String::with_capacity(encoded.len() + 24);
-    out.push_str(r#"{"id":"#);
-    out.push_str(&id.to_string());
-    out.push_str(r#","msg":"#);
-    out.push_str(encoded);
-    out.push('}');
+    // Writing to a String cannot fail.
+    let _ = write_message_frame(id, encoded, &mut out);
     out
+}
+
+/// Appends [`message_frame`]'s text to `out`.
+pub fn write_message_frame(id: u64, encoded: &str, out: &mut impl fmt::Write) -> fmt::Result {
+    write!(out, r#"{{"id":{id},"msg":"#)?;
+    out.write_str(encoded)?;
+    out.write_char('}')
 }
 
 /// `{"ack":<id>}`.

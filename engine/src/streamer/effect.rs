@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use super::entry::Entry;
 use super::ConnId;
-use crate::change_stream::{ack_frame, message_frame, BatchPayload, DownstreamMessage};
+use crate::change_stream::{
+    ack_frame, message_frame, write_message_frame, BatchPayload, DownstreamMessage,
+};
 use crate::watermark::Watermark;
 
 /// One frame for a downstream connection.
@@ -34,6 +36,16 @@ impl Outgoing {
             Outgoing::Message { id, message } => message_frame(*id, message),
             Outgoing::Batch { id, payload } => payload.frame(*id),
             Outgoing::Ack { id } => ack_frame(*id),
+        }
+    }
+
+    /// Appends the frame's JSON text ([`Outgoing::to_text`]) to `out`, so a host can write
+    /// every frame of a connection into one buffer it reuses.
+    pub fn write_text(&self, out: &mut impl fmt::Write) -> fmt::Result {
+        match self {
+            Outgoing::Message { id, message } => write_message_frame(*id, message, out),
+            Outgoing::Batch { id, payload } => payload.write_frame(*id, out),
+            Outgoing::Ack { id } => write!(out, r#"{{"ack":{id}}}"#),
         }
     }
 }

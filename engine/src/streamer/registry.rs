@@ -226,6 +226,33 @@ mod tests {
     }
 
     #[test]
+    fn a_frame_written_into_a_reused_buffer_is_its_text() {
+        let mut v8 = Connection::new(8, false);
+        let mut frames = v8.frame(vec![
+            (Arc::<str>::from("[1]"), Carried::default()),
+            (Arc::<str>::from("[2]"), Carried::default()),
+        ]);
+        frames.extend(v8.frame(vec![(Arc::<str>::from("[3]"), Carried::default())]));
+        frames.push(Outgoing::Ack { id: 12 });
+        let mut buf = String::from("left over from the frame before");
+        let mut written = Vec::new();
+        for frame in &frames {
+            buf.clear();
+            frame.write_text(&mut buf).expect("a String takes any text");
+            assert_eq!(buf, frame.to_text());
+            written.push(buf.clone());
+        }
+        assert_eq!(
+            written,
+            [
+                r#"{"id":1,"batch":[[1],[2]]}"#,
+                r#"{"id":2,"msg":[3]}"#,
+                r#"{"ack":12}"#
+            ]
+        );
+    }
+
+    #[test]
     fn held_messages_go_out_first_as_one_batch() {
         let text = |n: u32| Arc::<str>::from(format!("[{n}]"));
         let mut v8 = Connection::new(8, false);
