@@ -8,6 +8,8 @@
 //!   subscribers (throughput, commit-to-subscriber latency), and catch-up speed from the log.
 //! - `initial-sync` ([`initial_sync`]): copying a table into a fresh replica, against
 //!   `psql \copy … to /dev/null` of the same table.
+//! - `streamer` ([`streamer`]): the engine's change-stream streamer alone, in memory: routing
+//!   and framing cost per transaction and subscriber.
 //! - `sync` ([`sync`]): scope sync on `/sync`: commit-to-client latency at many connections,
 //!   replay rows/s, memory per idle subscription.
 
@@ -17,6 +19,7 @@ pub mod fanout;
 pub mod ingest;
 pub mod initial_sync;
 mod recvlogical;
+pub mod streamer;
 pub mod sync;
 mod workload;
 
@@ -38,6 +41,8 @@ pub enum Benchmark {
     Fanout(fanout::FanoutArgs),
     /// Initial sync of a large table, against `psql \copy … to /dev/null` of it.
     InitialSync(initial_sync::InitialSyncArgs),
+    /// The change-stream streamer alone, in memory: routing cost per transaction and subscriber.
+    Streamer(streamer::StreamerArgs),
     /// Scope sync: commit-to-client latency, replay speed, memory per idle subscription.
     Sync(sync::SyncArgs),
 }
@@ -49,6 +54,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Benchmark::Apply(args) => apply::run(args),
         Benchmark::Fanout(args) => fanout::run(args),
         Benchmark::InitialSync(args) => initial_sync::run(args),
+        Benchmark::Streamer(args) => streamer::run(args),
         Benchmark::Sync(args) => sync::run(args),
     }
 }
