@@ -492,7 +492,7 @@ impl Streamer {
         for (&conn, c) in self.conns.iter_mut() {
             if c.holds() {
                 out.extend(
-                    c.frame_sharing(Vec::new(), &mut self.shared_batch)
+                    c.frame_sharing(&mut Vec::new(), &mut self.shared_batch)
                         .into_iter()
                         .map(|frame| Effect::Send { conn, frame }),
                 );
@@ -522,15 +522,18 @@ impl Streamer {
 
     fn forward(&mut self, entry: &Arc<Entry>, out: &mut Vec<Effect>) {
         let mut aligned = Vec::new();
+        // One message list for every connection's delivery, so offering an entry to each
+        // subscriber allocates nothing of its own.
+        let mut messages = Vec::new();
         for (&conn, c) in self.conns.iter_mut() {
             let Some(sub) = c.subscriber.as_mut() else {
                 continue;
             };
-            let mut d = Delivery::new(c.version, &mut self.tracker);
+            let mut d = Delivery::reusing(c.version, &mut self.tracker, messages);
             if sub.offer(entry, self.limits, &mut d) {
                 aligned.push(sub.tracker_key.clone());
             }
-            emit_live(conn, c, d, &mut self.shared_batch, out);
+            messages = emit_live(conn, c, d, &mut self.shared_batch, out);
             self.holding |= c.holds();
         }
         self.shared_batch.clear();
@@ -1092,39 +1095,46 @@ impl Streamer {
 
 /// Frames what a delivery collected for `conn` into effects.
 fn emit(conn: ConnId, c: &mut Connection, d: Delivery, out: &mut Vec<Effect>) {
-    emit_with(conn, d, out, |messages| c.frame(messages));
+    emit_with(conn, d, out, |messages| {
+        c.frame_sharing(messages, &mut SharedBatch::default())
+    });
 }
 
 /// As [`emit`], for live messages of the upstream burst: held for one batch where the
 /// connection takes batches, sharing the burst's payload with the other connections.
+/// Returns the delivery's emptied message list, for the next delivery to fill.
 fn emit_live(
     conn: ConnId,
     c: &mut Connection,
     d: Delivery,
     shared: &mut SharedBatch,
     out: &mut Vec<Effect>,
-) {
-    emit_with(conn, d, out, |messages| c.hold(messages, shared));
+) -> Vec<(Arc<str>, subscriber::Carried)> {
+    emit_with(conn, d, out, |messages| c.hold(messages, shared))
 }
 
+/// Frames the delivery's messages with `framer` (which empties the list) and reports its
+/// warnings; returns the emptied list.
 fn emit_with(
     conn: ConnId,
     d: Delivery,
     out: &mut Vec<Effect>,
-    framer: impl FnOnce(Vec<(Arc<str>, subscriber::Carried)>) -> Vec<Outgoing>,
-) {
+    framer: impl FnOnce(&mut Vec<(Arc<str>, subscriber::Carried)>) -> Vec<Outgoing>,
+) -> Vec<(Arc<str>, subscriber::Carried)> {
     let Delivery {
-        out: messages,
+        out: mut messages,
         warnings,
         ..
     } = d;
     if !messages.is_empty() {
-        for frame in framer(messages) {
+        for frame in framer(&mut messages) {
             out.push(Effect::Send { conn, frame });
         }
+        messages.clear();
     }
     out.extend(warnings.into_iter().map(|message| Effect::Warn {
         conn: Some(conn),
         message,
     }));
+    messages
 }

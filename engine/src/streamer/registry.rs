@@ -45,20 +45,23 @@ pub struct SharedBatch {
 }
 
 impl SharedBatch {
-    /// The payload of `texts`: the last one built if it holds the very same texts.
-    fn payload(&mut self, texts: Vec<Arc<str>>) -> Arc<BatchPayload> {
+    /// The payload of the texts of `messages`: the last one built if it holds the very same
+    /// texts.
+    fn payload(&mut self, messages: &[(Arc<str>, Carried)]) -> Arc<BatchPayload> {
         if let Some(payload) = &self.payload {
-            let same = texts.len() == self.texts.len()
-                && texts
+            let same = messages.len() == self.texts.len()
+                && messages
                     .iter()
                     .zip(&self.texts)
-                    .all(|(a, b)| Arc::ptr_eq(a, b));
+                    .all(|((a, _), b)| Arc::ptr_eq(a, b));
             if same {
                 return payload.clone();
             }
         }
-        let payload = Arc::new(BatchPayload::from_slice(&texts));
-        self.texts = texts;
+        self.texts.clear();
+        self.texts
+            .extend(messages.iter().map(|(text, _)| text.clone()));
+        let payload = Arc::new(BatchPayload::from_slice(&self.texts));
         self.payload = Some(payload.clone());
         payload
     }
@@ -94,18 +97,16 @@ impl Connection {
     /// once. Returns the frames to send now.
     pub fn hold(
         &mut self,
-        messages: Vec<(Arc<str>, Carried)>,
+        messages: &mut Vec<(Arc<str>, Carried)>,
         shared: &mut SharedBatch,
     ) -> Vec<Outgoing> {
         if !self.batched {
             return self.frame_sharing(messages, shared);
         }
-        for (text, carried) in messages {
-            self.held_bytes += text.len();
-            self.held.push((text, carried));
-        }
+        self.held_bytes += messages.iter().map(|(text, _)| text.len()).sum::<usize>();
+        self.held.append(messages);
         if self.held.len() >= HELD_MAX_MESSAGES || self.held_bytes >= HELD_MAX_BYTES {
-            return self.frame_sharing(Vec::new(), shared);
+            return self.frame_sharing(&mut Vec::new(), shared);
         }
         Vec::new()
     }
@@ -118,37 +119,47 @@ impl Connection {
     /// Frames `messages`: one batch frame when batches are allowed and there are several,
     /// else one `{"id","msg"}` frame each (sharing the serialized message).
     /// Held messages go first, in the same frame.
-    pub fn frame(&mut self, messages: Vec<(Arc<str>, Carried)>) -> Vec<Outgoing> {
-        self.frame_sharing(messages, &mut SharedBatch::default())
+    pub fn frame(&mut self, mut messages: Vec<(Arc<str>, Carried)>) -> Vec<Outgoing> {
+        self.frame_sharing(&mut messages, &mut SharedBatch::default())
     }
 
-    /// [`Connection::frame`], reusing `shared`'s payload when it holds the same messages.
+    /// [`Connection::frame`] of what `messages` holds (leaving it empty, its allocation kept
+    /// for the caller), reusing `shared`'s payload when it holds the same messages.
     pub fn frame_sharing(
         &mut self,
-        messages: Vec<(Arc<str>, Carried)>,
+        messages: &mut Vec<(Arc<str>, Carried)>,
         shared: &mut SharedBatch,
     ) -> Vec<Outgoing> {
-        let messages = if self.held.is_empty() {
-            messages
-        } else {
-            self.held_bytes = 0;
-            let mut all = std::mem::take(&mut self.held);
-            all.extend(messages);
-            all
-        };
+        if self.held.is_empty() {
+            return self.frame_all(messages, shared);
+        }
+        self.held_bytes = 0;
+        // The held list is framed in place and handed back empty, so a connection held for
+        // every burst keeps one allocation for it.
+        let mut all = std::mem::take(&mut self.held);
+        all.append(messages);
+        let frames = self.frame_all(&mut all, shared);
+        self.held = all;
+        frames
+    }
+
+    /// Frames `messages` and empties it.
+    fn frame_all(
+        &mut self,
+        messages: &mut Vec<(Arc<str>, Carried)>,
+        shared: &mut SharedBatch,
+    ) -> Vec<Outgoing> {
         if self.batched && messages.len() > 1 {
+            let payload = shared.payload(messages);
             let mut carried = Carried::default();
-            let mut texts = Vec::with_capacity(messages.len());
-            for (text, c) in messages {
+            for (_, c) in messages.drain(..) {
                 carried.merge(c);
-                texts.push(text);
             }
-            let payload = shared.payload(texts);
             let id = self.next_id(carried, false);
             return vec![Outgoing::Batch { id, payload }];
         }
         messages
-            .into_iter()
+            .drain(..)
             .map(|(message, carried)| Outgoing::Message {
                 id: self.next_id(carried, false),
                 message,
@@ -158,7 +169,7 @@ impl Connection {
 
     /// Frames the `error` message whose ack closes the connection, after any held messages.
     pub fn frame_error(&mut self, message: Arc<str>) -> Vec<Outgoing> {
-        let mut frames = self.frame(Vec::new());
+        let mut frames = self.frame_sharing(&mut Vec::new(), &mut SharedBatch::default());
         frames.push(Outgoing::Message {
             id: self.next_id(Carried::default(), true),
             message,
@@ -258,13 +269,13 @@ mod tests {
         let mut v8 = Connection::new(8, false);
         assert!(v8
             .hold(
-                vec![(text(1), carried(None, 0))],
+                &mut vec![(text(1), carried(None, 0))],
                 &mut SharedBatch::default()
             )
             .is_empty());
         assert!(v8
             .hold(
-                vec![(text(2), carried(Some("0a"), 0))],
+                &mut vec![(text(2), carried(Some("0a"), 0))],
                 &mut SharedBatch::default()
             )
             .is_empty());
@@ -280,7 +291,7 @@ mod tests {
         );
         // An error goes out after what was held.
         v8.hold(
-            vec![(text(4), carried(None, 0))],
+            &mut vec![(text(4), carried(None, 0))],
             &mut SharedBatch::default(),
         );
         let frames = v8.frame_error(text(5));
@@ -290,7 +301,7 @@ mod tests {
         let mut v6 = Connection::new(6, false);
         assert_eq!(
             v6.hold(
-                vec![(text(1), carried(None, 0))],
+                &mut vec![(text(1), carried(None, 0))],
                 &mut SharedBatch::default()
             )
             .len(),
@@ -325,8 +336,8 @@ mod tests {
             (Connection::new(8, false), &burst[1..]),
             (Connection::new(8, false), &copies[..]),
         ] {
-            assert!(c.hold(messages(texts), &mut shared).is_empty());
-            let frames = c.frame_sharing(Vec::new(), &mut shared);
+            assert!(c.hold(&mut messages(texts), &mut shared).is_empty());
+            let frames = c.frame_sharing(&mut Vec::new(), &mut shared);
             let text = frames[0].to_text();
             framed.push((payload(frames), text));
         }
@@ -349,7 +360,7 @@ mod tests {
         let mut frames = Vec::new();
         for n in 0..HELD_MAX_MESSAGES {
             frames.extend(v8.hold(
-                vec![(Arc::<str>::from(format!("[{n}]")), Carried::default())],
+                &mut vec![(Arc::<str>::from(format!("[{n}]")), Carried::default())],
                 &mut SharedBatch::default(),
             ));
         }
@@ -357,8 +368,11 @@ mod tests {
         assert!(!v8.holds());
         let big: Arc<str> = format!("[\"{}\"]", "x".repeat(HELD_MAX_BYTES)).into();
         assert_eq!(
-            v8.hold(vec![(big, Carried::default())], &mut SharedBatch::default())
-                .len(),
+            v8.hold(
+                &mut vec![(big, Carried::default())],
+                &mut SharedBatch::default()
+            )
+            .len(),
             1,
             "bytes bound it too"
         );

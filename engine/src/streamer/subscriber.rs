@@ -66,10 +66,20 @@ pub struct Delivery<'a> {
 
 impl<'a> Delivery<'a> {
     pub fn new(version: u32, tracker: &'a mut BackfillStateTracker) -> Self {
+        Self::reusing(version, tracker, Vec::new())
+    }
+
+    /// A delivery that collects into `out` (emptied first), an allocation kept from before.
+    pub fn reusing(
+        version: u32,
+        tracker: &'a mut BackfillStateTracker,
+        mut out: Vec<(Arc<str>, Carried)>,
+    ) -> Self {
+        out.clear();
         Delivery {
             version,
             tracker,
-            out: Vec::new(),
+            out,
             warnings: Vec::new(),
         }
     }
