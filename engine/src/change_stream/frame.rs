@@ -298,7 +298,15 @@ pub fn write_message_frame(id: u64, encoded: &str, out: &mut impl fmt::Write) ->
 
 /// `{"ack":<id>}`.
 pub fn ack_frame(id: u64) -> String {
-    format!(r#"{{"ack":{id}}}"#)
+    let mut out = String::with_capacity(24);
+    // Writing to a String cannot fail.
+    let _ = write_ack_frame(id, &mut out);
+    out
+}
+
+/// Appends [`ack_frame`]'s text to `out`.
+pub fn write_ack_frame(id: u64, out: &mut impl fmt::Write) -> fmt::Result {
+    write!(out, r#"{{"ack":{id}}}"#)
 }
 
 /// A received ack that breaks the exactly-once, in-order rule (fatal for the connection).

@@ -30,7 +30,8 @@ pub use encode::{
 pub use frame::{
     ack_frame, decode_downstream_frame, decode_downstream_frame_value, decode_envelope,
     decode_envelope_value, decode_frame, decode_upstream_frame, decode_upstream_frame_value,
-    message_frame, write_message_frame, AckError, AckQueue, BatchPayload, Envelope, Frame,
+    message_frame, write_ack_frame, write_message_frame, AckError, AckQueue, BatchPayload,
+    Envelope, Frame,
 };
 pub use message::*;
 pub use traffic::{check_traffic, Direction, TrafficError};

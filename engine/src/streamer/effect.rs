@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::entry::Entry;
 use super::ConnId;
 use crate::change_stream::{
-    ack_frame, message_frame, write_message_frame, BatchPayload, DownstreamMessage,
+    ack_frame, message_frame, write_ack_frame, write_message_frame, BatchPayload, DownstreamMessage,
 };
 use crate::watermark::Watermark;
 
@@ -45,7 +45,7 @@ impl Outgoing {
         match self {
             Outgoing::Message { id, message } => write_message_frame(*id, message, out),
             Outgoing::Batch { id, payload } => payload.write_frame(*id, out),
-            Outgoing::Ack { id } => write!(out, r#"{{"ack":{id}}}"#),
+            Outgoing::Ack { id } => write_ack_frame(*id, out),
         }
     }
 }
