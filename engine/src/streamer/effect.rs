@@ -5,9 +5,7 @@ use std::sync::Arc;
 
 use super::entry::Entry;
 use super::ConnId;
-use crate::change_stream::{
-    ack_frame, message_frame, write_ack_frame, write_message_frame, BatchPayload, DownstreamMessage,
-};
+use crate::change_stream::{write_ack_frame, write_message_frame, BatchPayload, DownstreamMessage};
 use crate::watermark::Watermark;
 
 /// One frame for a downstream connection.
@@ -32,11 +30,10 @@ impl Outgoing {
 
     /// The frame's JSON text.
     pub fn to_text(&self) -> String {
-        match self {
-            Outgoing::Message { id, message } => message_frame(*id, message),
-            Outgoing::Batch { id, payload } => payload.frame(*id),
-            Outgoing::Ack { id } => ack_frame(*id),
-        }
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = self.write_text(&mut out);
+        out
     }
 
     /// Appends the frame's JSON text ([`Outgoing::to_text`]) to `out`, so a host can write

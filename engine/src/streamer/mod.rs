@@ -1095,9 +1095,7 @@ impl Streamer {
 
 /// Frames what a delivery collected for `conn` into effects.
 fn emit(conn: ConnId, c: &mut Connection, d: Delivery, out: &mut Vec<Effect>) {
-    emit_with(conn, d, out, |messages| {
-        c.frame_sharing(messages, &mut SharedBatch::default())
-    });
+    emit_with(conn, d, out, |messages| c.frame(std::mem::take(messages)));
 }
 
 /// As [`emit`], for live messages of the upstream burst: held for one batch where the
@@ -1130,7 +1128,6 @@ fn emit_with(
         for frame in framer(&mut messages) {
             out.push(Effect::Send { conn, frame });
         }
-        messages.clear();
     }
     out.extend(warnings.into_iter().map(|message| Effect::Warn {
         conn: Some(conn),

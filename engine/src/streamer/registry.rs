@@ -169,7 +169,7 @@ impl Connection {
 
     /// Frames the `error` message whose ack closes the connection, after any held messages.
     pub fn frame_error(&mut self, message: Arc<str>) -> Vec<Outgoing> {
-        let mut frames = self.frame_sharing(&mut Vec::new(), &mut SharedBatch::default());
+        let mut frames = self.frame(Vec::new());
         frames.push(Outgoing::Message {
             id: self.next_id(Carried::default(), true),
             message,

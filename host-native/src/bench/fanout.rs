@@ -776,12 +776,17 @@ impl Received {
                             .push(received_us.saturating_sub(commit_us));
                     }
                     if let Some(watermark) = message.watermark {
-                        let last = self.last_commit.get_or_insert_with(String::new);
-                        if !last.is_empty() && **last >= *watermark {
-                            self.out_of_order += 1;
+                        match &mut self.last_commit {
+                            Some(last) => {
+                                if **last >= *watermark {
+                                    self.out_of_order += 1;
+                                }
+                                // One buffer for the whole run.
+                                last.clear();
+                                last.push_str(&watermark);
+                            }
+                            None => self.last_commit = Some(watermark.into_owned()),
                         }
-                        last.clear();
-                        last.push_str(&watermark);
                     }
                 }
                 "error" => bail!("the server sent an error: {text:.300}"),
