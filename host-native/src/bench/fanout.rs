@@ -5,7 +5,11 @@
 //! Setup: a private Postgres and `highwater serve` in this process, on its own runtime and
 //! threads, listening on a free port; the subscribers are real WebSocket clients on another
 //! runtime, speaking `/replication/v8/subscribe` (or v6 `/changes` with `--protocol 6`). Every
-//! subscriber acks every frame as soon as it has read it, and counts what it received.
+//! subscriber acks every frame as soon as it has read it, and counts what it received: the
+//! first subscriber of each level parses every frame in full, the others find the messages in
+//! a frame by their tags and parse only the commits (the run fails unless each of them counts
+//! every transaction and row, in order). They share the machine with the server and Postgres,
+//! and a full parse by all of them was the largest use of CPU in a 100-subscriber run.
 //!
 //! Catch-up (first, so the change log holds exactly its load): `--catchup-rows` rows are
 //! committed as transactions of `--catchup-txn-rows` rows each (by default 10,000 transactions
@@ -28,7 +32,9 @@
 //!   last commit returned, polled every 2 ms): what any consumer of the slot could have had, so
 //!   the gap to delivered tx/s is the server's own;
 //! - server µs/tx: CPU time of the server's threads over the level (Linux `schedstat`), per
-//!   transaction.
+//!   transaction;
+//! - bench µs/tx: the same for the benchmark's own threads (the subscribers and the workload's
+//!   Postgres clients). What Postgres used is the rest of the machine's.
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
@@ -114,6 +120,7 @@ pub fn run(args: FanoutArgs) -> anyhow::Result<()> {
     crate::runtime::init_tracing("warn");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .thread_name(BENCH_THREADS)
         .enable_all()
         .build()?;
     let report = runtime.block_on(fanout(&args))?;
@@ -137,6 +144,10 @@ pub struct LevelReport {
     /// CPU time the server's threads used from just before the first INSERT until every
     /// subscriber had the last commit (Linux only: `None` elsewhere).
     pub server_cpu: Option<Duration>,
+    /// CPU time the benchmark's own threads (`bench`: the subscribers and the workload's
+    /// Postgres clients) used over the same span; `None` where it is not measured (Linux
+    /// only, and only under `run`'s runtime).
+    pub bench_cpu: Option<Duration>,
     /// Commits and rows each subscriber received, in subscriber order.
     pub received: Vec<(u64, u64)>,
     /// Commits received out of watermark order, over all subscribers (must be 0).
@@ -294,7 +305,7 @@ impl Server {
         args.purge_delay_ms = 24 * 60 * 60 * 1000;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
-            .thread_name("serve")
+            .thread_name(SERVER_THREADS)
             .enable_all()
             .build()?;
         let (stop, stop_rx) = watch::channel(false);
@@ -456,7 +467,7 @@ async fn catch_up(
         "catchup".to_owned(),
         replica_version.clone(),
         replica_version.clone(),
-        expected,
+        Received::reading(expected, Reading::Parse),
         ready,
     )
     .await?;
@@ -500,7 +511,15 @@ async fn fan_out(
             format!("fanout-{subscribers}-{n}"),
             replica_version.clone(),
             start.clone(),
-            expected,
+            // One subscriber of the level parses every frame in full; the others scan.
+            Received::reading(
+                expected,
+                if n == 0 {
+                    Reading::Parse
+                } else {
+                    Reading::Scan
+                },
+            ),
             ready,
         )));
     }
@@ -519,7 +538,8 @@ async fn fan_out(
     let monitor = pg.connect().await?;
     // The writers are connected and prepared once they wait on `go`.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let cpu_before = server_cpu();
+    let cpu_before = thread_cpu(SERVER_THREADS);
+    let bench_before = thread_cpu(BENCH_THREADS);
     let started = Instant::now();
     go.send_replace(true);
     let committed = writer.await??;
@@ -546,7 +566,8 @@ async fn fan_out(
         messages += r.messages;
         latencies.extend(r.latencies_us);
     }
-    let cpu_after = server_cpu();
+    let cpu_after = thread_cpu(SERVER_THREADS);
+    let bench_after = thread_cpu(BENCH_THREADS);
     latencies.sort_unstable();
     let sent = sent.await??;
     let report = LevelReport {
@@ -558,6 +579,10 @@ async fn fan_out(
         server_cpu: cpu_before
             .zip(cpu_after)
             .map(|(before, after)| cpu_used(&before, &after)),
+        bench_cpu: bench_before
+            .zip(bench_after)
+            .filter(|(_, after)| !after.is_empty())
+            .map(|(before, after)| cpu_used(&before, &after)),
         received,
         out_of_order,
         frames,
@@ -567,18 +592,23 @@ async fn fan_out(
     Ok((report, last_commit))
 }
 
-/// CPU time so far of each of this process's threads named `serve` (the server's runtime,
-/// whose blocking threads include the ingest thread), by thread id, from each thread's
-/// `schedstat` (ns on CPU). The followers finish on another runtime, so this is read once they
-/// are all done; a thread of the server's that ended in between is not counted.
-fn server_cpu() -> Option<std::collections::HashMap<String, u64>> {
+/// The name of the server's threads (its runtime, whose blocking threads include the ingest
+/// thread).
+const SERVER_THREADS: &str = "serve";
+/// The name of the benchmark's own runtime's threads.
+const BENCH_THREADS: &str = "bench";
+
+/// CPU time so far of each of this process's threads named `name`, by thread id, from each
+/// thread's `schedstat` (ns on CPU). The followers finish on another runtime, so this is read
+/// once they are all done; a thread that ended in between is not counted.
+fn thread_cpu(name: &str) -> Option<std::collections::HashMap<String, u64>> {
     let mut threads = std::collections::HashMap::new();
     for task in std::fs::read_dir("/proc/self/task").ok()? {
         let path = task.ok()?.path();
         let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
             continue; // ended since the listing
         };
-        if comm.trim_end() != "serve" {
+        if comm.trim_end() != name {
             continue;
         }
         let Ok(stat) = std::fs::read_to_string(path.join("schedstat")) else {
@@ -697,6 +727,7 @@ struct Expected {
 #[derive(Debug)]
 struct Received {
     expected: Expected,
+    reading: Reading,
     commits: u64,
     rows: u64,
     out_of_order: u64,
@@ -712,9 +743,10 @@ struct Received {
 }
 
 impl Received {
-    fn new(expected: Expected) -> Self {
+    fn reading(expected: Expected, reading: Reading) -> Self {
         Received {
             expected,
+            reading,
             commits: 0,
             rows: 0,
             out_of_order: 0,
@@ -769,35 +801,121 @@ impl Received {
                     self.rows += 1;
                     self.first_row.get_or_insert(now);
                 }
-                "commit" => {
-                    self.commits += 1;
-                    if let Some(commit_us) = message.commit_time_us {
-                        self.latencies_us
-                            .push(received_us.saturating_sub(commit_us));
-                    }
-                    if let Some(watermark) = message.watermark {
-                        match &mut self.last_commit {
-                            Some(last) => {
-                                if **last >= *watermark {
-                                    self.out_of_order += 1;
-                                }
-                                // One buffer for the whole run.
-                                last.clear();
-                                last.push_str(&watermark);
-                            }
-                            None => self.last_commit = Some(watermark.into_owned()),
-                        }
-                    }
-                }
+                "commit" => self.commit(message, received_us),
                 "error" => bail!("the server sent an error: {text:.300}"),
                 _ => {}
             }
         }
+        self.finish(now);
+        Ok(frame.id)
+    }
+
+    /// Counts a commit read at `received_us`: its latency, and whether it came in order.
+    fn commit(&mut self, message: MessageLite, received_us: u64) {
+        self.commits += 1;
+        if let Some(commit_us) = message.commit_time_us {
+            self.latencies_us
+                .push(received_us.saturating_sub(commit_us));
+        }
+        if let Some(watermark) = message.watermark {
+            match &mut self.last_commit {
+                Some(last) => {
+                    if **last >= *watermark {
+                        self.out_of_order += 1;
+                    }
+                    // One buffer for the whole run.
+                    last.clear();
+                    last.push_str(&watermark);
+                }
+                None => self.last_commit = Some(watermark.into_owned()),
+            }
+        }
+    }
+
+    /// Notes when the expected commits and rows were all in.
+    fn finish(&mut self, now: Instant) {
         let expected = self.expected;
         if self.done.is_none() && self.commits >= expected.commits && self.rows >= expected.rows {
             self.done = Some(now);
         }
-        Ok(frame.id)
+    }
+}
+
+/// How a subscriber reads its frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reading {
+    /// Parses every frame in full ([`Received::frame`]).
+    Parse,
+    /// Scans every frame for its messages' tags ([`Received::scan`]).
+    Scan,
+}
+
+/// Message tags a scan counts, each as it opens a message tuple: `["<tag>",`.
+const SCANNED_TAGS: [&str; 5] = ["begin", "data", "commit", "rollback", "status"];
+
+impl Received {
+    /// Takes one frame's text as [`Received::frame`] does, but finds its messages by their
+    /// tags instead of parsing it: only commits are parsed (for their time and watermark).
+    ///
+    /// A hundred subscribers share the cores the server and Postgres run on, and a full parse
+    /// of every frame made them the largest user of CPU in the run. A scan counts the same:
+    /// `["` cannot occur inside a JSON string (a quote in one is escaped), so each match opens
+    /// a JSON array, and an array of the benchmark's stream that starts with one of the tags
+    /// and a comma is a message tuple (the table's columns are `id` and `payload`, so no key
+    /// column list holds such a string). One subscriber per level parses in full, and the
+    /// run fails unless every subscriber counts every transaction.
+    fn scan(&mut self, text: &str, now: Instant) -> anyhow::Result<Option<u64>> {
+        self.frame_bytes += text.len() as u64;
+        if text.starts_with(r#"{"ack":"#) {
+            return Ok(None);
+        }
+        let rest = text
+            .strip_prefix(r#"{"id":"#)
+            .with_context(|| format!("expected a frame starting with its id, found {text:.200}"))?;
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        let id: u64 = rest[..digits]
+            .parse()
+            .with_context(|| format!("expected a frame id, found {text:.200}"))?;
+        let body = &rest[digits..];
+        let received_us = unix_micros();
+        self.frames += 1;
+        for at in memchr::memmem::find_iter(body.as_bytes(), br#"[""#) {
+            let tuple = &body[at..];
+            let Some(tag) = SCANNED_TAGS.iter().find(|tag| {
+                tuple[2..].starts_with(*tag) && tuple[2 + tag.len()..].starts_with(r#"","#)
+            }) else {
+                if tuple.starts_with(r#"["error","#) {
+                    bail!("the server sent an error: {text:.300}");
+                }
+                continue;
+            };
+            self.messages += 1;
+            match *tag {
+                "data" if tuple.starts_with(r#"["data",{"tag":"insert""#) => {
+                    self.rows += 1;
+                    self.first_row.get_or_insert(now);
+                }
+                "commit" => {
+                    let commit = serde_json::Deserializer::from_str(tuple)
+                        .into_iter::<MessageLite>()
+                        .next()
+                        .with_context(|| format!("expected a commit, found {tuple:.200}"))?
+                        .with_context(|| format!("expected a commit, found {tuple:.200}"))?;
+                    self.commit(commit, received_us);
+                }
+                _ => {}
+            }
+        }
+        self.finish(now);
+        Ok(Some(id))
+    }
+
+    /// Takes a frame the way this subscriber reads them.
+    fn read(&mut self, text: &str, now: Instant) -> anyhow::Result<Option<u64>> {
+        match self.reading {
+            Reading::Parse => self.frame(text, now),
+            Reading::Scan => self.scan(text, now),
+        }
     }
 }
 
@@ -815,7 +933,7 @@ async fn follow(
     id: String,
     replica_version: Watermark,
     watermark: Watermark,
-    expected: Expected,
+    mut received: Received,
     ready: oneshot::Sender<()>,
 ) -> anyhow::Result<Received> {
     let path = if protocol >= 7 {
@@ -849,7 +967,6 @@ async fn follow(
         });
         socket.send(Message::text(start.to_string())).await?;
     }
-    let mut received = Received::new(expected);
     let mut ready = Some(ready);
     let deadline = tokio::time::Instant::now() + WAIT;
     while !received.is_done() {
@@ -892,7 +1009,7 @@ async fn take(
     let now = Instant::now();
     match next {
         Some(Ok(Message::Text(text))) => {
-            if let Some(id) = received.frame(text.as_str(), now)? {
+            if let Some(id) = received.read(text.as_str(), now)? {
                 if let Some(ready) = ready.take() {
                     let _ = ready.send(());
                 }
@@ -1010,6 +1127,14 @@ fn millis(us: Option<u64>) -> String {
     )
 }
 
+/// CPU per transaction in µs, or `-` where it was not measured.
+fn micros_per_tx(cpu: Option<Duration>, txns: u64) -> String {
+    cpu.map_or_else(
+        || "-".to_owned(),
+        |cpu| format!("{:.1}", cpu.as_secs_f64() * 1e6 / txns.max(1) as f64),
+    )
+}
+
 fn per_second(count: u64, elapsed: Duration) -> f64 {
     count as f64 / elapsed.as_secs_f64().max(1e-9)
 }
@@ -1051,7 +1176,7 @@ impl FanoutReport {
                 self.protocol, first.txns, self.clients
             ));
             out.push_str(&format!(
-                "{:>11} {:>11} {:>11} {:>14} {:>13} {:>10} {:>12} {:>11} {:>11} {:>11}\n",
+                "{:>11} {:>11} {:>11} {:>14} {:>13} {:>10} {:>12} {:>11} {:>11} {:>11} {:>11}\n",
                 "subscribers",
                 "commit tx/s",
                 "sent tx/s",
@@ -1059,6 +1184,7 @@ impl FanoutReport {
                 "msgs out/s",
                 "msgs/frame",
                 "server µs/tx",
+                "bench µs/tx",
                 "p50",
                 "p99",
                 "max"
@@ -1069,7 +1195,7 @@ impl FanoutReport {
             // begin, insert, commit to every subscriber.
             let messages = delivered * 3.0 * level.subscribers as f64;
             out.push_str(&format!(
-                "{:>11} {:>11.0} {:>11} {:>14.0} {:>13.0} {:>10.1} {:>12} {:>11} {:>11} {:>11}\n",
+                "{:>11} {:>11.0} {:>11} {:>14.0} {:>13.0} {:>10.1} {:>12} {:>11} {:>11} {:>11} {:>11}\n",
                 level.subscribers,
                 per_second(level.txns, level.commit_elapsed),
                 level.sent_elapsed.map_or_else(
@@ -1079,10 +1205,8 @@ impl FanoutReport {
                 delivered,
                 messages,
                 level.messages as f64 / level.frames.max(1) as f64,
-                level.server_cpu.map_or_else(
-                    || "-".to_owned(),
-                    |cpu| format!("{:.1}", cpu.as_secs_f64() * 1e6 / level.txns.max(1) as f64)
-                ),
+                micros_per_tx(level.server_cpu, level.txns),
+                micros_per_tx(level.bench_cpu, level.txns),
                 millis(percentile(&level.latencies_us, 0.50)),
                 millis(percentile(&level.latencies_us, 0.99)),
                 millis(level.latencies_us.last().copied()),
@@ -1098,10 +1222,13 @@ mod tests {
 
     #[test]
     fn frames_are_counted_by_message_with_commit_times_and_order() {
-        let mut r = Received::new(Expected {
-            commits: 2,
-            rows: 2,
-        });
+        let mut r = Received::reading(
+            Expected {
+                commits: 2,
+                rows: 2,
+            },
+            Reading::Parse,
+        );
         let now = Instant::now();
         let v6 = [
             r#"{"id":1,"msg":["status",{"tag":"status"}]}"#,
@@ -1141,6 +1268,61 @@ mod tests {
             .frame(r#"{"id":7,"msg":["error",{"type":1}]}"#, now)
             .is_err());
         assert!(r.frame("[1]", now).is_err());
+    }
+
+    /// A scan counts what a full parse counts, frame by frame, and fails where it fails.
+    #[test]
+    fn a_scan_counts_what_a_parse_counts() {
+        let expected = Expected {
+            commits: 3,
+            rows: 3,
+        };
+        let frames = [
+            r#"{"id":1,"msg":["status",{"tag":"status"}]}"#,
+            r#"{"ack":1}"#,
+            r#"{"id":2,"msg":["begin",{"tag":"begin","commitTime":1},{"commitWatermark":"0b"}]}"#,
+            // A quoted tuple in a value is no message: its quotes are escaped.
+            r#"{"id":3,"msg":["data",{"tag":"insert","relation":{"schema":"public","name":"t","keyColumns":["id"]},"new":{"id":1,"payload":"[\"commit\",[\"data\","}}]}"#,
+            r#"{"id":4,"msg":["commit",{"tag":"commit","commitTime":1000},{"watermark":"0b"}]}"#,
+            r#"{"id":17,"batch":[["begin",{"tag":"begin"},{"commitWatermark":"0c"}],["data",{"tag":"insert","new":{"id":2}}],["data",{"tag":"update"}],["commit",{"tag":"commit","commitTime":2000},{"watermark":"0c"}],["begin",{"tag":"begin"},{"commitWatermark":"0a"}],["data",{"tag":"insert"}],["rollback",{"tag":"rollback"}],["commit",{"tag":"commit"},{"watermark":"0a"}]]}"#,
+        ];
+        let now = Instant::now();
+        let mut parsed = Received::reading(expected, Reading::Parse);
+        let mut scanned = Received::reading(expected, Reading::Scan);
+        for frame in frames {
+            let ids = (
+                parsed.read(frame, now).unwrap(),
+                scanned.read(frame, now).unwrap(),
+            );
+            assert_eq!(ids.0, ids.1, "{frame}");
+            let counts = |r: &Received| {
+                (
+                    r.commits,
+                    r.rows,
+                    r.out_of_order,
+                    r.frames,
+                    r.messages,
+                    r.latencies_us.len(),
+                    r.last_commit.clone(),
+                    r.is_done(),
+                )
+            };
+            assert_eq!(counts(&parsed), counts(&scanned), "after {frame}");
+        }
+        assert_eq!(
+            (scanned.commits, scanned.rows, scanned.out_of_order),
+            (3, 3, 1)
+        );
+        assert_eq!(scanned.messages, 12);
+        assert!(scanned.is_done());
+        for bad in [
+            r#"{"id":9,"msg":["error",{"type":1}]}"#,
+            r#"{"id":9,"batch":[["commit",{"tag":"commit"}"#,
+            r#"{"msg":["status",{"tag":"status"}],"id":9}"#,
+            r#"{"id":x}"#,
+        ] {
+            assert!(scanned.read(bad, now).is_err(), "{bad}");
+        }
     }
 
     #[test]
