@@ -17,6 +17,15 @@ pub const DEFAULT_CATCHUP_BATCH_ROWS: usize = 2000;
 /// A batch also ends once its stored changes reach this many bytes.
 pub const DEFAULT_CATCHUP_BATCH_BYTES: usize = 1024 * 1024;
 
+/// One batch of a catch-up read: the rows after `(?1, ?2)` up to the commit `?3`. The lower
+/// bound is the row value alone, so SQLite seeks the primary key to the cursor. With a
+/// separate `"watermark" >= from` beside it, SQLite ranged the key from `from` and filtered
+/// the row value row by row: every batch read the log again from the start of the catch-up,
+/// and a subscriber 1,000,000 changes behind caught up at 42,000 rows/s instead of 500,000.
+const CATCHUP_BATCH_SQL: &str = r#"SELECT "watermark", "tag", "change", "pos" FROM "_hw_change_log"
+   WHERE ("watermark", "pos") > (?1, ?2) AND "watermark" <= ?3
+   ORDER BY "watermark", "pos""#;
+
 /// How big one batch of catch-up rows may get.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CatchupLimits {
@@ -118,22 +127,14 @@ impl CatchupReader {
             next: None,
         };
         {
-            let mut stmt = tx.prepare_cached(
-                r#"SELECT "watermark", "tag", "change", "pos" FROM "_hw_change_log"
-                   WHERE "watermark" >= ?1 AND "watermark" <= ?2
-                     AND ("watermark", "pos") > (?3, ?4)
-                   ORDER BY "watermark", "pos""#,
-            )?;
+            let mut stmt = tx.prepare_cached(CATCHUP_BATCH_SQL)?;
+            // The first batch starts at `from` (every `pos` is above `i64::MIN`); the next ones
+            // just after the cursor, which is never before `from`.
             let (after_watermark, after_pos) = match after {
                 Some(cursor) => (cursor.watermark.as_str(), cursor.pos),
-                None => ("", i64::MIN),
+                None => (from.as_str(), i64::MIN),
             };
-            let mut rows = stmt.query(params![
-                from.as_str(),
-                through.as_str(),
-                after_watermark,
-                after_pos
-            ])?;
+            let mut rows = stmt.query(params![after_watermark, after_pos, through.as_str()])?;
             let mut bytes = 0;
             while let Some(row) = rows.next()? {
                 let watermark: String = row.get(0)?;
@@ -169,4 +170,29 @@ pub struct CatchupBatch {
     pub rows: Vec<CatchupRow>,
     /// Where the next batch starts; `None` when this one was the last.
     pub next: Option<CatchupCursor>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by `bench fanout`'s catch-up: each batch must start where the last one ended,
+    /// not be found again by reading from the start of the catch-up.
+    #[test]
+    fn a_batch_seeks_to_its_cursor() {
+        let conn = Connection::open_in_memory().expect("open");
+        conn.execute_batch(super::super::SCHEMA_SQL)
+            .expect("schema");
+        let plan: Vec<String> = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {CATCHUP_BATCH_SQL}"))
+            .expect("plan")
+            .query_map(params!["0a", 0, "0b"], |row| row.get::<_, String>(3))
+            .expect("plan rows")
+            .collect::<Result<_, _>>()
+            .expect("plan text");
+        assert!(
+            plan.iter().any(|step| step.contains("(watermark,pos)>")),
+            "expected a search from the cursor, found {plan:?}"
+        );
+    }
 }
