@@ -40,6 +40,22 @@
 //! * [`GroupDecision::Flush`]: commit the storage transaction durably, then call
 //!   [`GroupCommit::durable`] and report its position stored.
 //!
+//! **A sync apart from the commit.** A host whose storage commit does not itself reach the
+//! disk (a write-ahead log written at commit and synced by another thread, so that the thread
+//! applying and forwarding never waits for the disk) reports the two steps apart:
+//!
+//! * [`GroupCommit::committed`] once the group's storage transaction committed. The group is
+//!   visible to readers of the store from then on (a catch-up read, a purge may run), but not
+//!   durable. It answers [`SyncDecision::Start`] when no sync is running: the host starts one,
+//!   which covers this commit and every one before it. [`SyncDecision::Wait`]: a sync started
+//!   before this commit is still running, so it does not cover it; the host waits for it.
+//! * [`GroupCommit::synced`] once the sync the host started returned: the groups committed
+//!   before it started are durable, and it returns them as one [`DurableGroup`] to report
+//!   stored, with [`SyncDecision::Start`] when groups committed since wait for a sync of
+//!   their own.
+//! * One sync at a time: a sync that starts covers every commit before it, so commits made
+//!   while one runs share the next.
+//!
 //! Time (`now_us`, any monotonic microsecond clock) comes from the host.
 
 /// Bounds of one group.
@@ -88,6 +104,17 @@ pub enum GroupDecision {
     Flush,
 }
 
+/// What to do after a group's storage transaction committed, or a sync returned, when the
+/// commit does not sync itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncDecision {
+    /// Start a sync now: it covers every commit made so far.
+    Start,
+    /// Start nothing: a sync is running (and the commit waits for the one after it), or
+    /// nothing waits for one.
+    Wait,
+}
+
 /// A group made durable.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DurableGroup<P> {
@@ -114,11 +141,21 @@ struct Open<P> {
 pub struct GroupCommit<P> {
     limits: GroupLimits,
     open: Option<Open<P>>,
+    /// Committed groups the running sync covers (it started after their commit); `Some`
+    /// exactly while a sync runs.
+    syncing: Option<DurableGroup<P>>,
+    /// Committed groups the running sync does not cover (committed after it started).
+    unsynced: Option<DurableGroup<P>>,
 }
 
 impl<P: Ord + Clone> GroupCommit<P> {
     pub fn new(limits: GroupLimits) -> Self {
-        GroupCommit { limits, open: None }
+        GroupCommit {
+            limits,
+            open: None,
+            syncing: None,
+            unsynced: None,
+        }
     }
 
     pub fn limits(&self) -> GroupLimits {
@@ -202,6 +239,69 @@ impl<P: Ord + Clone> GroupCommit<P> {
     /// failure): nothing of it may be reported stored.
     pub fn discarded(&mut self) {
         self.open = None;
+    }
+
+    /// The storage transaction of the open group committed, not yet synced (see "A sync apart
+    /// from the commit" above). Nothing of it is reported stored until [`GroupCommit::synced`]
+    /// says so.
+    pub fn committed(&mut self) -> SyncDecision {
+        if let Some(open) = self.open.take() {
+            let group = DurableGroup {
+                transactions: open.transactions,
+                bytes: open.bytes,
+                last: open.last,
+            };
+            self.unsynced = Some(merge(self.unsynced.take(), group));
+        }
+        self.start_if_due()
+    }
+
+    /// The sync the host started last returned: the groups committed before it started are
+    /// durable, returned as one to report stored (`None` when it covered none). The decision
+    /// says whether groups committed since wait for a sync of their own.
+    pub fn synced(&mut self) -> (Option<DurableGroup<P>>, SyncDecision) {
+        let durable = self.syncing.take();
+        (durable, self.start_if_due())
+    }
+
+    /// Whether committed groups wait for a sync (running or yet to start): nothing may stop or
+    /// start that needs them durable until [`GroupCommit::synced`] reported them.
+    pub fn sync_pending(&self) -> bool {
+        self.syncing.is_some() || self.unsynced.is_some()
+    }
+
+    /// Whether a sync the host started is running.
+    pub fn sync_running(&self) -> bool {
+        self.syncing.is_some()
+    }
+
+    /// The committed groups the running sync covers, as one.
+    pub fn syncing(&self) -> Option<&DurableGroup<P>> {
+        self.syncing.as_ref()
+    }
+
+    fn start_if_due(&mut self) -> SyncDecision {
+        if self.syncing.is_some() || self.unsynced.is_none() {
+            return SyncDecision::Wait;
+        }
+        self.syncing = self.unsynced.take();
+        SyncDecision::Start
+    }
+}
+
+/// Two runs of committed groups as one, the newer `next` after `earlier`.
+fn merge<P: Ord>(earlier: Option<DurableGroup<P>>, next: DurableGroup<P>) -> DurableGroup<P> {
+    match earlier {
+        None => next,
+        Some(earlier) => DurableGroup {
+            transactions: earlier.transactions + next.transactions,
+            bytes: earlier.bytes.saturating_add(next.bytes),
+            last: if next.last > earlier.last {
+                next.last
+            } else {
+                earlier.last
+            },
+        },
     }
 }
 
@@ -318,5 +418,68 @@ mod tests {
         group.discarded();
         assert!(!group.is_open());
         assert_eq!(group.durable(), None);
+    }
+
+    #[test]
+    fn a_commit_that_does_not_sync_itself_is_reported_durable_only_by_a_sync_started_after_it() {
+        let mut group = GroupCommit::new(limits(2, usize::MAX, u64::MAX));
+        assert_eq!(group.applied(1u64, 10, 0), GroupDecision::Hold);
+        assert_eq!(group.applied(2, 10, 0), GroupDecision::Flush);
+        // Committed, not synced: nothing to report, and the host starts a sync.
+        assert_eq!(group.committed(), SyncDecision::Start);
+        assert!(!group.is_open());
+        assert!(group.sync_pending() && group.sync_running());
+        assert_eq!(group.syncing().map(|d| d.transactions), Some(2));
+        // The next group commits while that sync runs: the running sync does not cover it.
+        assert_eq!(group.applied(3, 10, 0), GroupDecision::Hold);
+        assert_eq!(group.committed(), SyncDecision::Wait);
+        assert_eq!(group.applied(4, 10, 0), GroupDecision::Hold);
+        assert_eq!(group.committed(), SyncDecision::Wait);
+        // The first sync returns: only what it covered is durable, and a second sync starts
+        // for the two groups committed meanwhile.
+        assert_eq!(
+            group.synced(),
+            (
+                Some(DurableGroup {
+                    transactions: 2,
+                    bytes: 20,
+                    last: 2
+                }),
+                SyncDecision::Start
+            )
+        );
+        assert!(group.sync_running());
+        assert_eq!(
+            group.synced(),
+            (
+                Some(DurableGroup {
+                    transactions: 2,
+                    bytes: 20,
+                    last: 4
+                }),
+                SyncDecision::Wait
+            )
+        );
+        assert!(!group.sync_pending());
+        // A sync that returns with nothing started reports nothing.
+        assert_eq!(group.synced(), (None, SyncDecision::Wait));
+        // No group open: a commit starts nothing.
+        assert_eq!(group.committed(), SyncDecision::Wait);
+    }
+
+    #[test]
+    fn an_open_group_is_not_part_of_the_sync_running_beside_it() {
+        let mut group = GroupCommit::new(limits(100, usize::MAX, u64::MAX));
+        group.applied(1u64, 1, 0);
+        assert_eq!(group.committed(), SyncDecision::Start);
+        // Applied while the sync runs, not committed when it returns.
+        group.applied(2, 1, 0);
+        let (durable, next) = group.synced();
+        assert_eq!(durable.map(|d| d.last), Some(1));
+        assert_eq!(next, SyncDecision::Wait);
+        assert!(group.is_open());
+        assert!(!group.sync_pending());
+        assert_eq!(group.committed(), SyncDecision::Start);
+        assert_eq!(group.synced().0.map(|d| d.last), Some(2));
     }
 }

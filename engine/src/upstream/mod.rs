@@ -81,7 +81,7 @@ use crate::watermark::{Lsn, Watermark};
 use ack::AckQueue;
 use frames::FrameAcks;
 
-pub use group::{DurableGroup, GroupCommit, GroupDecision, GroupLimits};
+pub use group::{DurableGroup, GroupCommit, GroupDecision, GroupLimits, SyncDecision};
 pub use liveness::Liveness;
 
 /// Settings of an [`UpstreamSession`].
