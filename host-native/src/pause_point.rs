@@ -5,7 +5,11 @@
 //! [`reach`] costs one look at a value read once.
 //!
 //! Points: `before-group-commit` (transactions applied, the SQLite commit not made) and
-//! `after-group-commit` (the SQLite commit durable, upstream not yet acknowledged).
+//! `after-group-commit` (the SQLite commit made, upstream not yet acknowledged; durable for
+//! `replicate`, whose commits sync themselves, not yet synced for `serve`). `serve` syncs its
+//! WAL apart (`replica::wal_sync`): `before-group-sync` pauses the thread that syncs, before
+//! the fsync (the ingest thread goes on), `after-group-sync` the ingest thread once the sync
+//! returned, before the group is reported durable and acknowledged.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -18,6 +22,8 @@ pub const PAUSE_AT_ENV: &str = "HIGHWATER_PAUSE_AT";
 pub enum Point {
     BeforeGroupCommit,
     AfterGroupCommit,
+    BeforeGroupSync,
+    AfterGroupSync,
 }
 
 impl Point {
@@ -25,6 +31,8 @@ impl Point {
         match self {
             Point::BeforeGroupCommit => "before-group-commit",
             Point::AfterGroupCommit => "after-group-commit",
+            Point::BeforeGroupSync => "before-group-sync",
+            Point::AfterGroupSync => "after-group-sync",
         }
     }
 }

@@ -1,11 +1,14 @@
 //! The SQLite replica: every replicated table with a per-row version and server sequence,
 //! tombstones for deleted rows, and the replication position (`reference/zero-protocol.md` §12).
 //!
-//! Durability: WAL journal with `synchronous=FULL`. The host acknowledges a transaction upstream
-//! as soon as [`ReplicaWriter`] has committed it, and Postgres then may discard its WAL; with
-//! `NORMAL` a power loss could roll back commits that were already acknowledged, losing them
-//! for good. `FULL` costs one WAL fsync per commit (a commit holds a group of upstream
-//! transactions when more are queued), which is what makes the acknowledgement honest.
+//! Durability: WAL journal with `synchronous=FULL`. `replicate` acknowledges a transaction
+//! upstream as soon as [`ReplicaWriter`] has committed it, and Postgres then may discard its
+//! WAL; with `NORMAL` a power loss could roll back commits that were already acknowledged,
+//! losing them for good. `FULL` costs one WAL fsync per commit (a commit holds a group of
+//! upstream transactions when more are queued), which is what makes the acknowledgement
+//! honest. `serve` commits with `NORMAL` and syncs the WAL on another thread ([`wal_sync`]),
+//! acknowledging a group once a sync that started after its commit returned: the same promise,
+//! without the thread that forwards to subscribers waiting for the disk.
 
 mod apply;
 pub mod backfill;
@@ -17,6 +20,7 @@ pub mod initial_sync;
 pub mod load_marker;
 pub mod schema;
 pub mod value;
+pub mod wal_sync;
 
 use std::collections::HashMap;
 use std::path::Path;

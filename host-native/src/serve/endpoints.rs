@@ -77,7 +77,8 @@ async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
         // A subscriber's full backlog holds up replication (back-pressure).
         "upstreamPaused": state.hub.inspect(|s| s.is_upstream_paused()),
         "insecureNoAuth": state.insecure_no_auth,
-        // Group commit: how many upstream transactions share one durable SQLite commit.
+        // Group commit: how many upstream transactions share one sync of the replica's WAL
+        // (`storeCommits` counts the syncs that made commits durable).
         "storeCommits": store_commits,
         "storedTransactions": stored_transactions,
     }))

@@ -266,7 +266,8 @@ impl Hub {
         self.fault.lock(&self.positions, "positions").last_watermark = watermark;
     }
 
-    /// One durable commit stored `transactions` upstream transactions (group commit).
+    /// One sync made `transactions` upstream transactions durable (group commit; with the WAL
+    /// synced apart, one sync may cover several SQLite commits).
     pub fn note_durable(&self, transactions: usize) {
         self.store_commits.fetch_add(1, Ordering::Relaxed);
         self.stored_transactions.fetch_add(
@@ -275,7 +276,7 @@ impl Hub {
         );
     }
 
-    /// Durable commits so far, and the upstream transactions they stored.
+    /// Syncs that made commits durable so far, and the upstream transactions they stored.
     pub fn store_counts(&self) -> (u64, u64) {
         (
             self.store_commits.load(Ordering::Relaxed),

@@ -10,15 +10,20 @@
 //! --no-group-commit`, which stores one transaction per SQLite commit): while more upstream
 //! transactions are queued, the next ones are applied into the same SQLite transaction: a
 //! small one held whole until its commit and applied then with no savepoint (it is never
-//! rolled back alone), a large one in a savepoint of its own. The group is made durable when
-//! the engine says it is full, when its deadline passes with nothing more to apply (the
-//! thread never waits for input past it), and before anything that must see the store
-//! committed: a catch-up read (one asked for in the middle of a transaction waits for that transaction's commit, which then closes the
-//! group), a purge, a stop (a backfill starts only with everything durable, by the session's
-//! rule). Only then are its commits reported stored (the streamer, and the session, which
-//! releases the upstream confirmation of the last one) and their scope-feed entries routed.
-//! Subscribers see every upstream transaction as its own `begin … commit` regardless: the
-//! streamer forwards messages as they arrive.
+//! rolled back alone), a large one in a savepoint of its own. The group is committed when the
+//! engine says it is full, when its deadline passes with nothing more to apply (the thread
+//! never waits for input past it), and before anything that must see the store committed: a
+//! catch-up read (one asked for in the middle of a transaction waits for that transaction's
+//! commit, which then closes the group), a purge, a stop.
+//!
+//! The commit does not wait for the disk: the WAL is synced on another thread
+//! (`replica::wal_sync`), one sync at a time, and a group is durable once a sync that started
+//! after its commit returned (the engine's rule again). Only then are its commits reported
+//! stored (the streamer, and the session, which releases the upstream confirmation of the
+//! last one; a backfill starts only with everything stored) and their scope-feed entries
+//! routed. Meanwhile the thread goes on decoding, forwarding and applying: a disk that stalls
+//! for tens of milliseconds holds back the acknowledgement to Postgres, not the subscribers,
+//! who see every upstream transaction as its own `begin … commit` as it arrives.
 //!
 //! Backfills (`replica::backfill`) are a second source of transactions. When the session says
 //! one may start (between upstream transactions, everything before stored) the thread starts
@@ -33,7 +38,9 @@ use futures::FutureExt as _;
 use highwater_engine::change_stream::{Change, DownstreamMessage, Rollback};
 use highwater_engine::pgoutput::Relation;
 use highwater_engine::streamer::{ConnId, LogOp, StoredChange};
-use highwater_engine::upstream::{GroupCommit, GroupDecision, GroupLimits, Input, UpstreamSession};
+use highwater_engine::upstream::{
+    DurableGroup, GroupCommit, GroupDecision, GroupLimits, Input, SyncDecision, UpstreamSession,
+};
 use highwater_engine::watermark::{Lsn, Watermark};
 use rusqlite::Connection;
 use tokio::runtime::Handle;
@@ -47,6 +54,7 @@ use crate::pause_point::{self, Point};
 use crate::replica::backfill::BackfillItem;
 use crate::replica::feed::CommittedChanges;
 use crate::replica::initial_sync::SyncError;
+use crate::replica::wal_sync::WalSync;
 use crate::replica::{outgrows_hold, Applied, Replica, ReplicaWriter};
 use crate::upstream::{
     backfill_item, backfill_retry_in, feed, reconcile_relation, retry_backfills, Backfills,
@@ -77,10 +85,19 @@ pub(crate) struct Ingest {
     sync: Option<SyncFeed>,
     /// The storage queue the streamer fills, carried out here in order.
     ops: mpsc::UnboundedReceiver<StorageOp>,
-    /// The open group of applied, not yet durable commits.
+    /// The open group of applied, not yet durable commits, and the committed ones waiting for
+    /// their sync.
     group: GroupCommit<Watermark>,
-    /// Their scope-feed entries, routed once the group is durable.
+    /// The open group's scope-feed entries.
     grouped: Vec<CommittedChanges>,
+    /// Committed groups' scope-feed entries (by the group's last commit), routed once a sync
+    /// made the group durable.
+    unsynced_feed: VecDeque<(Watermark, Vec<CommittedChanges>)>,
+    /// Syncs the replica's WAL apart from its commits; `None` when the replica's commits sync
+    /// themselves (a database not in WAL mode), each then durable at its commit.
+    wal_sync: Option<WalSync>,
+    /// Commits made durable and not yet reported stored to the session.
+    stored: Vec<Watermark>,
     /// Catch-up reads asked for while a transaction was half applied inside an open group:
     /// started once that transaction's commit made the group durable.
     deferred_catchups: Vec<(ConnId, Watermark, Watermark)>,
@@ -129,6 +146,8 @@ enum Next {
     Resumed,
     /// The open group's deadline passed with nothing more to apply.
     Flush,
+    /// The running WAL sync returned.
+    Synced(std::io::Result<()>),
     /// A failed backfill's retry delay passed.
     RetryBackfills,
 }
@@ -166,6 +185,13 @@ impl Ingest {
             .map(|(_, upstream)| Catalog::new(upstream.clone()));
         let backfills = backfills.map(|(backfills, _)| backfills);
         writer.set_group_commit(true);
+        let wal_sync = match WalSync::take_over(writer.replica().connection()) {
+            Ok(sync) => Some(sync),
+            Err(error) => {
+                tracing::warn!(%error, "the replica's commits sync on the ingest thread");
+                None
+            }
+        };
         Ingest {
             hub,
             writer,
@@ -183,6 +209,9 @@ impl Ingest {
             ops,
             group: GroupCommit::new(group),
             grouped: Vec::new(),
+            unsynced_feed: VecDeque::new(),
+            wal_sync,
+            stored: Vec::new(),
             deferred_catchups: Vec::new(),
             held: None,
             txn_bytes: 0,
@@ -194,41 +223,33 @@ impl Ingest {
         u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
-    /// Makes the open group durable (between transactions only), tells the streamer, routes
-    /// the group's scope-feed entries and starts what waited for it; returns the group's last
-    /// commit, for the session ([`Ingest::report`]).
-    fn make_durable(&mut self) -> Result<Option<Watermark>, ServeError> {
+    /// Commits the open group (between transactions only) and starts its sync, or the sync
+    /// waits for the one running; starts what waited for the commit (catch-up reads and a
+    /// purge see every store before them). Nothing is reported stored here: that waits for
+    /// the group's sync ([`Ingest::synced`]).
+    fn commit_group(&mut self) -> Result<(), ServeError> {
         if self.in_transaction() {
             return Err(ServeError::Invariant {
-                expected: "a group made durable between transactions".to_owned(),
+                expected: "a group committed between transactions".to_owned(),
                 found: "one with a transaction half applied".to_owned(),
             });
         }
-        if self.group.is_open() {
+        if let Some(last) = self.group.last().cloned() {
             let transactions = self.group.transactions();
             // The change log's position, once per group (the replica's likewise, by the
             // writer).
-            if let Some(last) = self.group.last() {
-                change_log::commit(self.conn(), last)?;
-            }
+            change_log::commit(self.conn(), &last)?;
             pause_point::reach(Point::BeforeGroupCommit, transactions);
             self.writer.commit_group()?;
             pause_point::reach(Point::AfterGroupCommit, transactions);
-        }
-        let durable = self.group.durable();
-        if let Some(durable) = &durable {
-            self.hub.note_durable(durable.transactions);
-            // Only now, durable, may the seqs reach scope subscribers.
-            for changes in std::mem::take(&mut self.grouped) {
-                if let Some(sync) = self.sync.as_ref() {
-                    sync.hub.committed(changes);
-                }
-            }
+            // Pruning is a transaction of its own: here, with none open (a sync returns with
+            // the next group's open).
             self.prune_exits()?;
-            let watermark = durable.last.clone();
-            self.hub.set_last_watermark(watermark.clone());
-            // A held backfill commit goes to the subscribers now, and the upstream resumes.
-            self.hub.try_call(|s| s.on_stored(watermark))?;
+            self.unsynced_feed
+                .push_back((last, std::mem::take(&mut self.grouped)));
+            if self.group.committed() == SyncDecision::Start {
+                self.start_sync()?;
+            }
         }
         for (conn, from, through) in std::mem::take(&mut self.deferred_catchups) {
             self.spawn_catchup(conn, from, through);
@@ -236,7 +257,74 @@ impl Ingest {
         if let Some(below) = self.pending_purge.take() {
             self.purge(&below)?;
         }
-        Ok(durable.map(|durable| durable.last))
+        Ok(())
+    }
+
+    /// Starts the sync the group commit asked for: on its own thread, or (a replica whose
+    /// commits sync themselves) done already.
+    fn start_sync(&mut self) -> Result<(), ServeError> {
+        let handle = self.handle.clone();
+        match self.wal_sync.as_mut() {
+            Some(sync) => {
+                // The transactions the sync covers, for the crash tests' pause point.
+                let transactions = self.group.syncing().map_or(0, |d| d.transactions);
+                sync.start(&handle, transactions);
+                Ok(())
+            }
+            None => self.synced(Ok(())),
+        }
+    }
+
+    /// The running sync returned: the groups it covers are durable. Tells the streamer,
+    /// routes their scope-feed entries, and keeps the last commit to report stored to the
+    /// session.
+    fn synced(&mut self, result: std::io::Result<()>) -> Result<(), ServeError> {
+        result.map_err(ServeError::WalSync)?;
+        let (durable, next) = self.group.synced();
+        pause_point::reach(
+            Point::AfterGroupSync,
+            durable.as_ref().map_or(0, |d| d.transactions),
+        );
+        if let Some(durable) = durable {
+            let watermark = self.durable(durable)?;
+            self.stored.push(watermark);
+        }
+        if next == SyncDecision::Start {
+            self.start_sync()?;
+        }
+        Ok(())
+    }
+
+    fn durable(&mut self, durable: DurableGroup<Watermark>) -> Result<Watermark, ServeError> {
+        self.hub.note_durable(durable.transactions);
+        // Only now, durable, may the seqs reach scope subscribers.
+        while self
+            .unsynced_feed
+            .front()
+            .is_some_and(|(last, _)| *last <= durable.last)
+        {
+            let Some((_, entries)) = self.unsynced_feed.pop_front() else {
+                break;
+            };
+            if let Some(sync) = self.sync.as_ref() {
+                for changes in entries {
+                    sync.hub.committed(changes);
+                }
+            }
+        }
+        let watermark = durable.last;
+        self.hub.set_last_watermark(watermark.clone());
+        // A held backfill commit goes to the subscribers now, and the upstream resumes.
+        self.hub.try_call(|s| s.on_stored(watermark.clone()))?;
+        Ok(watermark)
+    }
+
+    /// Takes the sync's result if it returned since the last look.
+    fn poll_sync(&mut self) -> Result<(), ServeError> {
+        match self.wal_sync.as_mut().and_then(WalSync::poll) {
+            Some(result) => self.synced(result),
+            None => Ok(()),
+        }
     }
 
     /// Prunes exits older than the retention window, when due.
@@ -346,7 +434,7 @@ impl Ingest {
             let now = self.now_us();
             let in_transaction = self.in_transaction();
             if self.group.flush_due(now, in_transaction) {
-                if let Err(e) = self.make_durable().and_then(|stored| self.report(stored)) {
+                if let Err(e) = self.commit_group() {
                     break Err(e);
                 }
                 continue;
@@ -392,10 +480,18 @@ impl Ingest {
             };
             let handle = self.handle.clone();
             let (ops, backfills) = (&mut self.ops, &mut self.backfills);
+            let wal_sync = &mut self.wal_sync;
+            let syncing = wal_sync.as_ref().is_some_and(WalSync::running);
             let next = handle.block_on(async {
                 tokio::select! {
                     biased;
                     _ = shutdown.wait_for(|s| *s) => Next::Stop,
+                    synced = async {
+                        match wal_sync {
+                            Some(sync) => sync.done().await,
+                            None => std::future::pending().await,
+                        }
+                    }, if syncing => Next::Synced(synced),
                     op = ops.recv() => op.map_or(Next::Stop, Next::Op),
                     _ = tokio::time::sleep(flush_in.unwrap_or_default()), if flush_in.is_some() => {
                         Next::Flush
@@ -423,9 +519,10 @@ impl Ingest {
             let step = match next {
                 Next::Stop => break Ok(()),
                 Next::Resumed => Ok(()),
-                Next::Flush => self.make_durable().and_then(|stored| self.report(stored)),
+                Next::Synced(result) => self.synced(result),
+                Next::Flush => self.commit_group(),
                 Next::RetryBackfills => retry_backfills(&mut self),
-                Next::Op(op) => self.execute(op).and_then(|stored| self.report(stored)),
+                Next::Op(op) => self.execute(op),
                 Next::Source(event) => self.on_source(event),
                 Next::Taken => match taken.pop_front() {
                     Some(event) => self.on_source(event),
@@ -453,9 +550,10 @@ impl Ingest {
                 .apply(&DownstreamMessage::Rollback(Rollback::default()));
         }
         // The group's transactions are whole: stored after a stop (confirmed at the next
-        // start, as above), sent again after a failure.
+        // start, as above), sent again after a failure. Either way the syncs of what was
+        // committed run to their end, so that a stop leaves it durable.
         let stored = match &result {
-            Ok(()) => self.make_durable().is_ok(),
+            Ok(()) => self.commit_group().is_ok(),
             Err(_) => false,
         };
         if !stored {
@@ -464,33 +562,46 @@ impl Ingest {
             self.deferred_catchups.clear();
             let _ = self.writer.discard_group();
         }
+        self.finish_syncs();
         if let Err(error) = &result {
             tracing::error!(%error, "replication stopped");
         }
         result
     }
 
-    /// Carries out every queued storage op; returns the commits that became durable.
-    fn drain(&mut self) -> Result<Vec<Watermark>, ServeError> {
-        let mut stored = Vec::new();
-        while let Ok(op) = self.ops.try_recv() {
-            stored.extend(self.execute(op)?);
+    /// Waits for the running sync and those it leads to, at a stop: what was committed is
+    /// durable when the thread ends (reported stored at the next start, where the session
+    /// finds it stored and confirms it).
+    fn finish_syncs(&mut self) {
+        while self.wal_sync.as_ref().is_some_and(WalSync::running) {
+            let handle = self.handle.clone();
+            let Some(sync) = self.wal_sync.as_mut() else {
+                break;
+            };
+            let result = handle.block_on(sync.done());
+            if let Err(error) = self.synced(result) {
+                tracing::error!(%error, "the replica's last commits may not be durable");
+                break;
+            }
         }
-        Ok(stored)
     }
 
-    fn settle_and_report(&mut self) -> Result<(), ServeError> {
-        for watermark in self.drain()? {
-            feed(self, Input::Stored { watermark })?;
+    /// Carries out every queued storage op.
+    fn drain(&mut self) -> Result<(), ServeError> {
+        while let Ok(op) = self.ops.try_recv() {
+            self.execute(op)?;
         }
         Ok(())
     }
 
-    fn report(&mut self, stored: Option<Watermark>) -> Result<(), ServeError> {
-        match stored {
-            Some(watermark) => feed(self, Input::Stored { watermark }),
-            None => Ok(()),
+    /// Carries out the queued storage ops, takes a returned sync and reports what is durable.
+    fn settle_and_report(&mut self) -> Result<(), ServeError> {
+        self.drain()?;
+        self.poll_sync()?;
+        for watermark in std::mem::take(&mut self.stored) {
+            feed(self, Input::Stored { watermark })?;
         }
+        Ok(())
     }
 
     fn on_source(&mut self, event: SourceEvent) -> Result<(), ServeError> {
@@ -512,8 +623,8 @@ impl Ingest {
         backfill_item(self, item)
     }
 
-    /// Carries out one storage op; returns the commit it made durable, if it did.
-    fn execute(&mut self, op: StorageOp) -> Result<Option<Watermark>, ServeError> {
+    /// Carries out one storage op.
+    fn execute(&mut self, op: StorageOp) -> Result<(), ServeError> {
         match op {
             StorageOp::Store(LogOp::Begin(row)) => {
                 typed(&row)?;
@@ -524,17 +635,14 @@ impl Ingest {
                     });
                 }
                 // A group never holds its first transaction back longer than its delay.
-                let stored = if self.group.flush_due(self.now_us(), false) {
-                    self.make_durable()?
-                } else {
-                    None
-                };
+                if self.group.flush_due(self.now_us(), false) {
+                    self.commit_group()?;
+                }
                 self.txn_bytes = row.change_json().len();
                 // Held until its commit or until it outgrows the hold. Replica and log commit
                 // together, so the replica is never ahead of the log; the writer refuses a
                 // transaction not after its position.
                 self.held = Some(vec![row]);
-                return Ok(stored);
             }
             StorageOp::Store(LogOp::Append(row)) => {
                 self.txn_bytes = self.txn_bytes.saturating_add(row.change_json().len());
@@ -576,7 +684,7 @@ impl Ingest {
                     .applied(row.watermark().clone(), bytes, self.now_us());
                 // A catch-up read waiting for this commit closes the group here too.
                 if decision == GroupDecision::Flush || !self.deferred_catchups.is_empty() {
-                    return self.make_durable();
+                    self.commit_group()?;
                 }
             }
             StorageOp::Store(LogOp::Abort) => {
@@ -586,7 +694,7 @@ impl Ingest {
                         .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
                 }
                 if !self.deferred_catchups.is_empty() {
-                    return self.make_durable();
+                    self.commit_group()?;
                 }
             }
             StorageOp::FetchCatchup {
@@ -600,9 +708,8 @@ impl Ingest {
                 } else if self.in_transaction() {
                     self.deferred_catchups.push((conn, from, through));
                 } else {
-                    let stored = self.make_durable()?;
+                    self.commit_group()?;
                     self.spawn_catchup(conn, from, through);
-                    return Ok(stored);
                 }
             }
             StorageOp::Purge { below } => {
@@ -621,7 +728,7 @@ impl Ingest {
                 tracing::warn!(%reason, "a subscriber needs backfills the Postgres source cannot re-request");
             }
         }
-        Ok(None)
+        Ok(())
     }
 
     fn append(&self, row: &StoredChange) -> Result<(), ServeError> {
@@ -688,7 +795,9 @@ impl EffectHost for Ingest {
     }
 
     fn settle(&mut self) -> Result<Vec<Watermark>, ServeError> {
-        let stored = self.drain()?;
+        self.drain()?;
+        self.poll_sync()?;
+        let stored = std::mem::take(&mut self.stored);
         // The replica as of every message handed on, as schema changes are computed against
         // it: a transaction held whole (one whose DDL came earlier, say) goes into SQLite now.
         if self.held.is_some() {

@@ -264,6 +264,10 @@ pub enum ServeError {
     Tls(#[from] tls::TlsFileError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+    /// An fsync of the replica's WAL failed: what it should have made durable may not be, and
+    /// a retry could report lost pages synced, so the server stops.
+    #[error("syncing the replica's write-ahead log failed: {0}")]
+    WalSync(std::io::Error),
     #[error(transparent)]
     DataLock(#[from] DataLockError),
     #[error("relaying failed: {0}")]

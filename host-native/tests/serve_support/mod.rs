@@ -94,6 +94,11 @@ pub struct Binary {
 
 impl Binary {
     pub async fn start(url: &str, data: &Path, port: u16) -> Binary {
+        Binary::start_with_env(url, data, port, &[]).await
+    }
+
+    /// [`Binary::start`] with more environment variables.
+    pub async fn start_with_env(url: &str, data: &Path, port: u16, env: &[(&str, &str)]) -> Binary {
         let child = Command::new(env!("CARGO_BIN_EXE_highwater"))
             .arg("serve")
             .args(["--upstream", url])
@@ -101,6 +106,7 @@ impl Binary {
             .arg(data)
             .args(["--port", &port.to_string(), "--host", "127.0.0.1"])
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()

@@ -193,8 +193,11 @@ pub(super) struct SubscribeTarget {
     pub liveness: Duration,
 }
 
-/// Reads the relay's durable position from its change log, beside the ingest thread's writer:
-/// a commit visible to this connection is committed (and, with `synchronous=FULL`, synced).
+/// Reads the relay's position from its change log, beside the ingest thread's writer: a commit
+/// visible to this connection is committed, not always synced yet (the ingest thread syncs its
+/// WAL apart). Resubscribing from there is sound: this process holds those commits and syncs
+/// them before it acknowledges their frames, and a relay that lost them in a power loss starts
+/// from its older position, which the primary kept because it was never acknowledged.
 struct DurableLog {
     conn: Sqlite,
 }
