@@ -55,6 +55,12 @@
 //!   their own.
 //! * One sync at a time: a sync that starts covers every commit before it, so commits made
 //!   while one runs share the next.
+//! * **While a sync runs, the open group has no deadline.** A group committed now would wait
+//!   for the running sync before its own could start, so committing it earlier makes nothing
+//!   durable sooner; it keeps growing instead (up to its limits: [`GroupCommit::applied`]
+//!   still says `Flush` when it is full) and its deadline comes back when the sync returns.
+//!   A slow disk then makes groups larger, as it does for a host whose commit syncs itself,
+//!   rather than making more, smaller commits whose syncs queue.
 //!
 //! Time (`now_us`, any monotonic microsecond clock) comes from the host.
 
@@ -205,8 +211,12 @@ impl<P: Ord + Clone> GroupCommit<P> {
 
     /// When the open group must be made durable even if nothing more arrives (µs): the
     /// earlier of its delay and its linger after the last transaction applied; `None` with no
-    /// group open. A host about to wait for input waits at most until then.
+    /// group open, or while a sync runs (it waits for the sync's return instead). A host
+    /// about to wait for input waits at most until then.
     pub fn deadline_us(&self) -> Option<u64> {
+        if self.syncing.is_some() {
+            return None;
+        }
         self.open.as_ref().map(|open| {
             let delay = open.opened_at_us.saturating_add(self.limits.max_delay_us);
             let linger = open.applied_at_us.saturating_add(self.limits.linger_us);
@@ -405,6 +415,39 @@ mod tests {
         assert_eq!(
             group.durable().map(|d| d.transactions),
             Some(position as usize)
+        );
+    }
+
+    #[test]
+    fn while_a_sync_runs_the_open_group_grows_past_its_deadline_until_full() {
+        let mut group = GroupCommit::new(GroupLimits {
+            linger_us: 1_000,
+            ..limits(4, usize::MAX, 50_000)
+        });
+        assert_eq!(group.applied(1u64, 1, 0), GroupDecision::Hold);
+        assert!(group.flush_due(1_000, false));
+        assert_eq!(group.committed(), SyncDecision::Start);
+        // The next group opens while that sync runs: no deadline, however long it runs.
+        assert_eq!(group.applied(2, 1, 1_100), GroupDecision::Hold);
+        assert_eq!(group.deadline_us(), None);
+        assert!(!group.flush_due(40_000, false));
+        assert_eq!(group.applied(3, 1, 40_000), GroupDecision::Hold);
+        // The sync returns: the deadline is back (passed), and the group is committed and
+        // synced at once.
+        assert_eq!(group.synced().1, SyncDecision::Wait);
+        assert_eq!(group.deadline_us(), Some(41_000));
+        assert!(group.flush_due(45_000, false));
+        assert_eq!(group.committed(), SyncDecision::Start);
+        // Full while a sync runs: committed anyway, its sync waiting for the running one.
+        for position in 4..7 {
+            assert_eq!(group.applied(position, 1, 50_000), GroupDecision::Hold);
+        }
+        assert_eq!(group.applied(7, 1, 50_000), GroupDecision::Flush);
+        assert_eq!(group.committed(), SyncDecision::Wait);
+        assert_eq!(group.synced().0.map(|d| d.last), Some(3));
+        assert_eq!(
+            group.synced().0.map(|d| (d.transactions, d.last)),
+            Some((4, 7))
         );
     }
 
