@@ -6,9 +6,9 @@
 //! WAL; with `NORMAL` a power loss could roll back commits that were already acknowledged,
 //! losing them for good. `FULL` costs one WAL fsync per commit (a commit holds a group of
 //! upstream transactions when more are queued), which is what makes the acknowledgement
-//! honest. `serve` commits with `NORMAL` and syncs the WAL on another thread ([`wal_sync`]),
-//! acknowledging a group once a sync that started after its commit returned: the same promise,
-//! without the thread that forwards to subscribers waiting for the disk.
+//! honest. `serve` commits with `NORMAL` and syncs (and checkpoints) the WAL on another thread
+//! ([`wal_sync`]), acknowledging a group once a sync that started after its commit returned:
+//! the same promise, without the thread that forwards to subscribers waiting for the disk.
 
 mod apply;
 pub mod backfill;

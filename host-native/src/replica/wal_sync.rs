@@ -15,24 +15,54 @@
 //! level but `OFF`). `fdatasync` of that file after the commit returned puts every frame of the
 //! commit on disk. Frames of later commits, written and not yet synced, may be lost, and their
 //! commits with them: none of those was reported durable, so Postgres sends them again.
-//! Checkpoints (SQLite's own, on the committing connection) sync the WAL before they copy it
-//! into the database file, as they do at `FULL`.
+//!
+//! Checkpoints (copying the WAL into the database file, which syncs the WAL first and the
+//! database file after) run here too, on a connection of their own, after a sync that found
+//! the WAL past [`CHECKPOINT_FRAMES`]: SQLite's automatic ones would run inside a commit on
+//! the ingest thread, two fsyncs long. A checkpoint is `PASSIVE` (it waits for no reader or
+//! writer), never delays a sync's result, and at most one runs at a time. What stays on the
+//! ingest thread is SQLite's sync of the WAL header when the next commit starts the log over
+//! after a checkpoint, once per [`CHECKPOINT_FRAMES`] frames.
 //!
 //! Written by hand: SQLite has no call that syncs a commit already made, and `synchronous` is
 //! a setting of the connection that syncs on the committing thread.
 
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
-use rusqlite::Connection;
+use rusqlite::hooks::Wal;
+use rusqlite::{Connection, OpenFlags};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
 use crate::pause_point::{self, Point};
 
-/// Syncs one database's WAL file, one sync at a time.
+/// WAL frames past which a sync is followed by a checkpoint: SQLite's own default for its
+/// automatic checkpoints (about 4 MiB of 4 KiB pages).
+pub const CHECKPOINT_FRAMES: i32 = 1000;
+
+thread_local! {
+    /// Frames in the WAL after the last commit on this thread, from the connection's WAL hook
+    /// (a plain `fn`, so the count travels through the thread that commits, which is the one
+    /// that starts the syncs).
+    static WAL_FRAMES: Cell<i32> = const { Cell::new(0) };
+}
+
+fn note_wal_frames(_: &Wal, frames: std::ffi::c_int) -> rusqlite::Result<()> {
+    WAL_FRAMES.with(|f| f.set(frames));
+    Ok(())
+}
+
+/// Syncs one database's WAL file, one sync at a time, and checkpoints it.
 pub struct WalSync {
     wal: PathBuf,
     running: Option<oneshot::Receiver<std::io::Result<()>>>,
+    /// The checkpoints' connection; held by the one running.
+    checkpointer: Arc<Mutex<Connection>>,
+    /// Checkpoints that completed (every frame copied), for the tests.
+    checkpoints: Arc<AtomicU64>,
 }
 
 /// Why a connection's commits cannot be synced apart.
@@ -47,9 +77,10 @@ pub enum WalSyncError {
 }
 
 impl WalSync {
-    /// Switches `conn` (a database in WAL mode, in a file) to commits that do not sync, and
-    /// returns what syncs them. Until [`WalSync::start`]'s sync returns, nothing committed on
-    /// `conn` since the last one is durable.
+    /// Switches `conn` (a database in WAL mode, in a file) to commits that do not sync and
+    /// do not checkpoint, and returns what syncs and checkpoints them. Until
+    /// [`WalSync::start`]'s sync returns, nothing committed on `conn` since the last one is
+    /// durable.
     pub fn take_over(conn: &Connection) -> Result<WalSync, WalSyncError> {
         let mode: String = conn.query_row("PRAGMA journal_mode", [], |row| row.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
@@ -59,11 +90,25 @@ impl WalSync {
             .path()
             .filter(|path| !path.is_empty())
             .ok_or(WalSyncError::NoFile)?;
+        let checkpointer = Connection::open_with_flags(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        let wal = wal_path(Path::new(path));
         conn.pragma_update(None, "synchronous", "NORMAL")?;
+        // Replaces the automatic checkpoints (themselves a WAL hook) with the frame count.
+        conn.wal_hook(Some(note_wal_frames));
         Ok(WalSync {
-            wal: wal_path(Path::new(path)),
+            wal,
             running: None,
+            checkpointer: Arc::new(Mutex::new(checkpointer)),
+            checkpoints: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// Checkpoints that completed so far.
+    pub fn checkpoints(&self) -> u64 {
+        self.checkpoints.load(Ordering::Relaxed)
     }
 
     /// Whether a sync is running.
@@ -72,13 +117,21 @@ impl WalSync {
     }
 
     /// Starts a sync of everything committed so far, on a blocking thread (`transactions`:
-    /// those it makes durable, for the crash tests' pause point).
+    /// those it makes durable, for the crash tests' pause point), then a checkpoint if the
+    /// last commit on this thread left the WAL past [`CHECKPOINT_FRAMES`].
     pub fn start(&mut self, handle: &Handle, transactions: usize) {
         let (done, running) = oneshot::channel();
         let wal = self.wal.clone();
+        let checkpoint = WAL_FRAMES.with(Cell::get) >= CHECKPOINT_FRAMES;
+        let (checkpointer, checkpoints) = (self.checkpointer.clone(), self.checkpoints.clone());
         handle.spawn_blocking(move || {
             pause_point::reach(Point::BeforeGroupSync, transactions);
-            let _ = done.send(sync_file(&wal));
+            let synced = sync_file(&wal);
+            let ok = synced.is_ok();
+            let _ = done.send(synced);
+            if ok && checkpoint {
+                run_checkpoint(&checkpointer, &checkpoints);
+            }
         });
         self.running = Some(running);
     }
@@ -110,6 +163,29 @@ impl WalSync {
             .unwrap_or_else(|_| Err(std::io::Error::other("the WAL sync's thread ended")));
         self.running = None;
         result
+    }
+}
+
+/// A `PASSIVE` checkpoint, unless one is running. A checkpoint that fails or cannot copy
+/// everything (a reader still needs old frames) is tried again after a later sync; the WAL
+/// only grows meanwhile, as it would with SQLite's own checkpoints.
+fn run_checkpoint(checkpointer: &Mutex<Connection>, checkpoints: &AtomicU64) {
+    let Ok(conn) = checkpointer.try_lock() else {
+        return;
+    };
+    let result = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
+        Ok((
+            row.get::<_, i64>(0)?,
+            row.get::<_, i64>(1)?,
+            row.get::<_, i64>(2)?,
+        ))
+    });
+    match result {
+        Ok((0, log, copied)) if log == copied => {
+            checkpoints.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(_) => {}
+        Err(error) => tracing::warn!(%error, "a checkpoint of the replica failed"),
     }
 }
 
@@ -172,6 +248,54 @@ mod tests {
         sync.start(runtime.handle(), 1);
         let error = runtime.block_on(sync.done()).unwrap_err();
         assert_eq!(error.kind(), std::io::ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn checkpoints_run_after_a_sync_not_in_the_commits() {
+        let (dir, conn) = temp_db("wal-checkpoint");
+        conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+        let mut sync = WalSync::take_over(&conn).unwrap();
+        conn.execute_batch("CREATE TABLE t (a BLOB)").unwrap();
+        // Well past the frames at which SQLite would have checkpointed (and started the log
+        // over) inside one of these commits.
+        for _ in 0..400 {
+            conn.execute_batch("INSERT INTO t VALUES (randomblob(16000))")
+                .unwrap();
+        }
+        let frames = WAL_FRAMES.with(Cell::get);
+        assert!(
+            frames >= 2 * CHECKPOINT_FRAMES,
+            "no checkpoint ran inside a commit: {frames} frames"
+        );
+        assert_eq!(sync.checkpoints(), 0);
+
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        sync.start(runtime.handle(), 1);
+        runtime.block_on(sync.done()).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while sync.checkpoints() == 0 {
+            assert!(std::time::Instant::now() < deadline, "no checkpoint ran");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        // Everything was copied: the next commit starts the log over.
+        conn.execute_batch("INSERT INTO t VALUES (1)").unwrap();
+        let frames = WAL_FRAMES.with(Cell::get);
+        assert!(frames < 10, "the log did not start over: {frames} frames");
+        let count: i64 = conn
+            .query_row("SELECT count(*) FROM t", [], |row| row.get(0))
+            .unwrap();
+        assert_eq!(count, 401);
+
+        // Below the threshold a sync runs no checkpoint.
+        sync.start(runtime.handle(), 1);
+        runtime.block_on(sync.done()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(sync.checkpoints(), 1);
+        drop(conn);
+        drop(sync);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

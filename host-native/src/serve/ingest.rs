@@ -16,14 +16,16 @@
 //! catch-up read (one asked for in the middle of a transaction waits for that transaction's
 //! commit, which then closes the group), a purge, a stop.
 //!
-//! The commit does not wait for the disk: the WAL is synced on another thread
-//! (`replica::wal_sync`), one sync at a time, and a group is durable once a sync that started
-//! after its commit returned (the engine's rule again). Only then are its commits reported
-//! stored (the streamer, and the session, which releases the upstream confirmation of the
-//! last one; a backfill starts only with everything stored) and their scope-feed entries
-//! routed. Meanwhile the thread goes on decoding, forwarding and applying: a disk that stalls
-//! for tens of milliseconds holds back the acknowledgement to Postgres, not the subscribers,
-//! who see every upstream transaction as its own `begin … commit` as it arrives.
+//! The commit does not wait for the disk: the WAL is synced, and checkpointed, on another
+//! thread (`replica::wal_sync`), one sync at a time, and a group is durable once a sync that
+//! started after its commit returned (the engine's rule again; while a sync runs the open
+//! group has no deadline and grows, since its own sync could not start sooner). Only then
+//! are its commits reported stored (the streamer, and the session, which releases the
+//! upstream confirmation of the last one; a backfill starts only with everything stored) and
+//! their scope-feed entries routed. Meanwhile the thread goes on decoding, forwarding and
+//! applying: a disk that stalls for tens of milliseconds holds back the acknowledgement to
+//! Postgres, not the subscribers, who see every upstream transaction as its own
+//! `begin … commit` as it arrives.
 //!
 //! Backfills (`replica::backfill`) are a second source of transactions. When the session says
 //! one may start (between upstream transactions, everything before stored) the thread starts
