@@ -40,32 +40,68 @@ pub enum WatermarkError {
     MajorTooLarge { text: String },
 }
 
+/// 36^36 − 1, as `max_lexi_value` returns it, computed once.
+const MAX_LEXI: U256 = U256::from_words(
+    0x0456_bc60_e76c_111e,
+    0x6797_35c9_29f6_a0ff_ffff_ffff_ffff_ffff,
+);
+
 /// The largest value a LexiVersion holds: 36^36 − 1 (36 base-36 digits).
 pub fn max_lexi_value() -> U256 {
-    U256::from(36u8).pow(36) - 1
+    MAX_LEXI
+}
+
+/// A LexiVersion's text in a stack buffer: the length prefix, then the digits.
+struct LexiText {
+    buf: [u8; MAX_DIGITS + 1],
+    len: usize,
+}
+
+impl LexiText {
+    /// `value`'s LexiVersion, or `None` beyond 36^36 − 1. Every watermark of an LSN goes
+    /// through here (two per upstream transaction), so values of up to 64 bits, which every
+    /// LSN is, are divided as `u64`s; only wider ones take `U256` division.
+    fn new(value: U256) -> Option<LexiText> {
+        if value > MAX_LEXI {
+            return None;
+        }
+        // Digits least significant first.
+        let mut digits = [0u8; MAX_DIGITS];
+        let mut len = 0;
+        let mut v = value;
+        let base = U256::from(36u8);
+        // Stops at a nonzero value: anything above `u64::MAX` divided by 36 still is.
+        while v > U256::from(u64::MAX) {
+            digits[len] = DIGITS[(v % base).as_usize()];
+            len += 1;
+            v /= base;
+        }
+        let mut small = v.as_u64();
+        loop {
+            digits[len] = DIGITS[(small % 36) as usize];
+            len += 1;
+            small /= 36;
+            if small == 0 {
+                break;
+            }
+        }
+        let mut buf = [0u8; MAX_DIGITS + 1];
+        buf[0] = DIGITS[len - 1];
+        for (to, from) in buf[1..=len].iter_mut().zip(digits[..len].iter().rev()) {
+            *to = *from;
+        }
+        Some(LexiText { buf, len: len + 1 })
+    }
+
+    fn as_str(&self) -> &str {
+        // Only base-36 digits were written, all ASCII.
+        std::str::from_utf8(&self.buf[..self.len]).unwrap_or_default()
+    }
 }
 
 /// Encodes `value` as a LexiVersion, or `None` beyond 36^36 − 1.
 pub fn try_encode_lexi(value: U256) -> Option<String> {
-    if value > max_lexi_value() {
-        return None;
-    }
-    let mut digits = [0u8; MAX_DIGITS];
-    let mut len = 0;
-    let mut v = value;
-    let base = U256::from(36u8);
-    loop {
-        digits[len] = DIGITS[(v % base).as_usize()];
-        len += 1;
-        v /= base;
-        if v == U256::ZERO {
-            break;
-        }
-    }
-    let mut out = String::with_capacity(len + 1);
-    out.push(DIGITS[len - 1] as char);
-    out.extend(digits[..len].iter().rev().map(|&d| d as char));
-    Some(out)
+    LexiText::new(value).map(|text| text.as_str().to_owned())
 }
 
 /// Encodes `value` as a LexiVersion. Every `u128` fits (36^36 > 2^128).
@@ -76,12 +112,23 @@ pub fn encode_lexi(value: u128) -> String {
 /// Decodes a LexiVersion: any value of up to 36 base-36 digits.
 pub fn decode_lexi(text: &str) -> Result<U256, WatermarkError> {
     validate_lexi(text)?;
-    let mut value = U256::ZERO;
-    for c in text.bytes().skip(1) {
-        // Cannot overflow: at most 36 base-36 digits, far below 2^256.
-        value = value * 36 + U256::from(digit_value(c).unwrap_or(0));
+    Ok(lexi_value(text.as_bytes().get(1..).unwrap_or_default()))
+}
+
+/// The value of validated base-36 `digits`. Up to 24 digits fit a `u128` (36^24 < 2^128),
+/// which covers every LSN; longer ones are summed as `U256`.
+fn lexi_value(digits: &[u8]) -> U256 {
+    let digit = |c: u8| digit_value(c).unwrap_or(0);
+    if digits.len() <= 24 {
+        let value = digits
+            .iter()
+            .fold(0u128, |value, &c| value * 36 + u128::from(digit(c)));
+        return U256::from(value);
     }
-    Ok(value)
+    // Cannot overflow: at most 36 base-36 digits, far below 2^256.
+    digits
+        .iter()
+        .fold(U256::ZERO, |value, &c| value * 36 + U256::from(digit(c)))
 }
 
 /// Checks that `text` is a canonical LexiVersion (any of the 36^36 values), without decoding.
@@ -135,7 +182,9 @@ pub struct Lsn(pub u64);
 impl Lsn {
     /// The watermark of this position: `lexi(lsn)`.
     pub fn to_watermark(self) -> Watermark {
-        Watermark(encode_lexi(self.0 as u128).into())
+        // Every u64 fits (36^36 > 2^64), so the empty fallback is never taken.
+        let text = LexiText::new(U256::from(self.0));
+        Watermark(text.as_ref().map_or("", LexiText::as_str).into())
     }
 }
 
@@ -186,12 +235,14 @@ impl StateVersion {
 
     /// The watermark string, or `None` if a part exceeds 36 base-36 digits.
     pub fn to_watermark(self) -> Option<Watermark> {
-        let mut text = try_encode_lexi(self.major)?;
-        if let Some(minor) = self.minor {
-            text.push('.');
-            text.push_str(&try_encode_lexi(minor)?);
-        }
-        Some(Watermark(text.into()))
+        let major = LexiText::new(self.major)?;
+        let Some(minor) = self.minor else {
+            return Some(Watermark(major.as_str().into()));
+        };
+        let minor = LexiText::new(minor)?;
+        Some(Watermark(
+            format!("{}.{}", major.as_str(), minor.as_str()).into(),
+        ))
     }
 }
 
@@ -230,8 +281,8 @@ impl Watermark {
 
     /// Decodes the StateVersion.
     pub fn state_version(&self) -> StateVersion {
-        // Validated at construction, so decoding cannot fail; zero is an unreachable fallback.
-        let decode = |s: &str| decode_lexi(s).unwrap_or(U256::ZERO);
+        // Validated at construction: the digits follow the length prefix.
+        let decode = |s: &str| lexi_value(s.as_bytes().get(1..).unwrap_or_default());
         match self.0.split_once('.') {
             Some((major, minor)) => StateVersion {
                 major: decode(major),
@@ -246,7 +297,8 @@ impl Watermark {
 
     /// The LSN of the major part (the minor part has no LSN).
     pub fn to_lsn(&self) -> Result<Lsn, WatermarkError> {
-        let major = self.state_version().major;
+        let major = self.0.split_once('.').map_or(&*self.0, |(major, _)| major);
+        let major = lexi_value(major.as_bytes().get(1..).unwrap_or_default());
         if major > U256::from(u64::MAX) {
             return Err(WatermarkError::MajorTooLarge {
                 text: self.0.to_string(),
@@ -333,6 +385,49 @@ mod tests {
         for &(value, lexi) in table {
             assert_eq!(encode_lexi(value), lexi, "encode {value}");
             assert_eq!(decode_lexi(lexi), Ok(U256::from(value)), "decode {lexi}");
+        }
+    }
+
+    /// The encoding by plain `U256` division, digit by digit: what the `u64` fast path of
+    /// [`LexiText`] must agree with.
+    fn reference_lexi(value: U256) -> Option<String> {
+        if value > U256::from(36u8).pow(36) - 1 {
+            return None;
+        }
+        let (mut digits, mut v) = (Vec::new(), value);
+        loop {
+            digits.push(DIGITS[(v % U256::from(36u8)).as_usize()] as char);
+            v /= U256::from(36u8);
+            if v == U256::ZERO {
+                break;
+            }
+        }
+        let prefix = DIGITS[digits.len() - 1] as char;
+        Some(
+            std::iter::once(prefix)
+                .chain(digits.into_iter().rev())
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn the_widest_lexi_value_is_36_to_the_36_minus_1() {
+        assert_eq!(max_lexi_value(), U256::from(36u8).pow(36) - 1);
+    }
+
+    #[test]
+    fn lexi_agrees_with_plain_division_at_the_64_bit_boundary() {
+        let edge = U256::from(u64::MAX);
+        for value in [
+            U256::ZERO,
+            edge - 1,
+            edge,
+            edge + 1,
+            U256::from(u128::MAX),
+            max_lexi_value(),
+            max_lexi_value() + 1,
+        ] {
+            assert_eq!(try_encode_lexi(value), reference_lexi(value), "{value}");
         }
     }
 
@@ -458,6 +553,22 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn lexi_agrees_with_plain_division(
+            small in any::<u64>(),
+            wide in any::<u128>(),
+            widest in any::<[u64; 3]>(),
+        ) {
+            let widest = ((U256::from(widest[0]) << 128) + (U256::from(widest[1]) << 64)
+                + U256::from(widest[2])) % (max_lexi_value() + 1);
+            for value in [U256::from(small), U256::from(wide), widest] {
+                let encoded = try_encode_lexi(value);
+                prop_assert_eq!(&encoded, &reference_lexi(value));
+                prop_assert_eq!(decode_lexi(&encoded.unwrap_or_default()), Ok(value));
+            }
+            prop_assert_eq!(Lsn(small).to_watermark().into_string(), encode_lexi(u128::from(small)));
+        }
+
         #[test]
         fn lexi_round_trips(v in any::<u128>()) {
             prop_assert_eq!(decode_lexi(&encode_lexi(v)), Ok(U256::from(v)));
