@@ -170,8 +170,7 @@ impl BridgeInput {
 }
 
 /// One entry of a batch, validated and with its type resolved.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RemoteChange {
     /// The entry's own type, or the channel's default when the entry has no `resourceType` key.
     pub resource_type: String,
@@ -182,13 +181,49 @@ pub struct RemoteChange {
     pub data: Option<Map<String, Value>>,
     /// The entry's change-feed position, if it has one.
     pub cursor: Option<SyncCursor>,
-    /// The entry as received, with scope attributes and unknown keys.
+    /// The entry as received, with scope attributes and unknown keys, but for a `data` object:
+    /// that is moved to [`RemoteChange::data`] rather than held twice (a replay page is mostly
+    /// rows). [`RemoteChange::received`] gives the whole entry back.
     pub entry: SyncEntry,
 }
 
 impl RemoteChange {
     pub fn is_delete(&self) -> bool {
         self.sync_type == "delete"
+    }
+
+    /// The entry as received, `data` included.
+    pub fn received(&self) -> SyncEntry {
+        let mut entry = self.entry.clone();
+        if entry.data.is_none() {
+            entry.data = self.data.clone().map(Value::Object);
+        }
+        entry
+    }
+}
+
+/// Serialized with the whole entry as received ([`RemoteChange::received`]).
+impl Serialize for RemoteChange {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Wire<'a> {
+            resource_type: &'a str,
+            resource_id: &'a Option<String>,
+            sync_type: &'a str,
+            data: &'a Option<Map<String, Value>>,
+            cursor: &'a Option<SyncCursor>,
+            entry: SyncEntry,
+        }
+        Wire {
+            resource_type: &self.resource_type,
+            resource_id: &self.resource_id,
+            sync_type: &self.sync_type,
+            data: &self.data,
+            cursor: &self.cursor,
+            entry: self.received(),
+        }
+        .serialize(serializer)
     }
 }
 
@@ -839,7 +874,7 @@ impl ScopeBridge {
                     let default_type = self
                         .track(&scope)
                         .and_then(|track| track.channel.params.scope.resource_type.clone());
-                    match self.prepare(&body, default_type.as_deref()) {
+                    match self.prepare(body, default_type.as_deref()) {
                         Err(error) => effects.push(BridgeEffect::MessageRejected {
                             scope,
                             subscription_id,
@@ -909,8 +944,8 @@ impl ScopeBridge {
     }
 
     /// Validates a message body (§3.5) and resolves its entries; the whole message or nothing.
-    fn prepare(&self, body: &Value, default_type: Option<&str>) -> Result<Prepared, MessageError> {
-        let envelope = SyncEnvelope::from_value(body)?;
+    fn prepare(&self, body: Value, default_type: Option<&str>) -> Result<Prepared, MessageError> {
+        let envelope = SyncEnvelope::from_owned(body)?;
         if let (Some(local), Some(origin)) = (&self.config.local_origin, &envelope.echo_origin) {
             if local == origin {
                 return Ok(Prepared::Echo);
@@ -934,7 +969,7 @@ impl ScopeBridge {
     fn resolve(
         &self,
         index: usize,
-        entry: SyncEntry,
+        mut entry: SyncEntry,
         default_type: Option<&str>,
     ) -> Result<RemoteChange, MessageError> {
         let resource_type = entry.resolved_resource_type(default_type).ok_or(
@@ -954,7 +989,7 @@ impl ScopeBridge {
             });
         }
         let data = entry
-            .data_object()
+            .take_data_object()
             .map_err(|source| MessageError::BadData { index, source })?;
         Ok(RemoteChange {
             resource_type,
@@ -1481,6 +1516,42 @@ mod tests {
 
     fn body_of(entries: Vec<Value>) -> Value {
         json!({"echoOrigin": null, "syncs": entries})
+    }
+
+    /// A change holds its row once (moved out of the entry), and still gives back and
+    /// serializes the entry exactly as received, whichever form `data` came in.
+    #[test]
+    fn a_change_holds_its_row_once_and_gives_the_entry_back_as_received() {
+        let mut bridge = subscribed(Some(1));
+        let mut textual = entry(3);
+        textual["data"] = json!("{\"id\":\"t3\"}");
+        let mut empty = entry(4);
+        empty["data"] = Value::Null;
+        empty["syncType"] = json!("delete");
+        let mut absent = entry(5);
+        absent.as_object_mut().expect("object").remove("data");
+        absent["syncType"] = json!("delete");
+        let sent = vec![entry(2), textual, empty, absent];
+        let effects = feed(&mut bridge, message("sync-1", body_of(sent.clone())));
+        let [BridgeEffect::ApplyBatch { changes, .. }] = effects.as_slice() else {
+            panic!("expected a batch, got {effects:?}");
+        };
+        assert_eq!(changes[0].entry.data, None, "the object moved to `data`");
+        assert_eq!(changes[0].data, sent[0]["data"].as_object().cloned());
+        assert_eq!(
+            changes[1].data.as_ref().map(|d| d["id"].clone()),
+            Some(json!("t3"))
+        );
+        for (change, sent) in changes.iter().zip(&sent) {
+            let received = change.received();
+            assert_eq!(
+                received.to_value(),
+                SyncEntry::try_from(sent.clone()).unwrap().to_value()
+            );
+            let json = serde_json::to_value(change).expect("serializes");
+            assert_eq!(json["entry"], received.to_value());
+            assert_eq!(json["data"], serde_json::to_value(&change.data).unwrap());
+        }
     }
 
     #[test]

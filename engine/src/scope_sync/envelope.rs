@@ -89,9 +89,17 @@ impl SyncEnvelope {
     /// Decodes a body (§3.5): it must be an object; `syncs` is taken when it is an array,
     /// otherwise the body itself is one bare entry.
     pub fn from_value(body: &Value) -> Result<Self, EnvelopeError> {
-        let object = body.as_object().ok_or_else(|| EnvelopeError::NotObject {
-            found: describe(body),
-        })?;
+        Self::from_owned(body.clone())
+    }
+
+    /// [`SyncEnvelope::from_value`] of a body the caller no longer needs: its entries and rows
+    /// are moved into the envelope, not copied.
+    pub fn from_owned(body: Value) -> Result<Self, EnvelopeError> {
+        let Value::Object(mut object) = body else {
+            return Err(EnvelopeError::NotObject {
+                found: describe(&body),
+            });
+        };
         let echo_origin = match object.get("echoOrigin") {
             None | Some(Value::Null) => None,
             Some(Value::String(origin)) => Some(origin.clone()),
@@ -102,42 +110,44 @@ impl SyncEnvelope {
                 })
             }
         };
-        match object.get("syncs") {
-            Some(Value::Array(items)) => {
-                let syncs = items
-                    .iter()
-                    .enumerate()
-                    .map(|(index, item)| match item {
-                        Value::Object(entry) => SyncEntry::from_object(index, entry),
-                        other => Err(EnvelopeError::EntryNotObject {
-                            index,
-                            found: describe(other),
-                        }),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                let extra = object
-                    .iter()
-                    .filter(|(key, _)| !matches!(key.as_str(), "echoOrigin" | "syncs"))
-                    .map(|(key, value)| (key.clone(), value.clone()))
-                    .collect();
-                Ok(Self {
-                    echo_origin,
-                    syncs,
-                    bare: false,
-                    extra,
-                })
-            }
-            _ => {
-                let mut entry = object.clone();
-                entry.remove("echoOrigin");
-                Ok(Self {
-                    echo_origin,
-                    syncs: vec![SyncEntry::from_object(0, &entry)?],
-                    bare: true,
-                    extra: Map::new(),
-                })
+        if !matches!(object.get("syncs"), Some(Value::Array(_))) {
+            object.shift_remove("echoOrigin");
+            return Ok(Self {
+                echo_origin,
+                syncs: vec![SyncEntry::from_owned_object(0, object)?],
+                bare: true,
+                extra: Map::new(),
+            });
+        }
+        let mut syncs = Vec::new();
+        let mut extra = Map::new();
+        for (key, value) in object {
+            match (key.as_str(), value) {
+                ("echoOrigin", _) => {}
+                ("syncs", Value::Array(items)) => {
+                    syncs = items
+                        .into_iter()
+                        .enumerate()
+                        .map(|(index, item)| match item {
+                            Value::Object(entry) => SyncEntry::from_owned_object(index, entry),
+                            other => Err(EnvelopeError::EntryNotObject {
+                                index,
+                                found: describe(&other),
+                            }),
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                }
+                (_, value) => {
+                    extra.insert(key, value);
+                }
             }
         }
+        Ok(Self {
+            echo_origin,
+            syncs,
+            bare: false,
+            extra,
+        })
     }
 
     /// Decodes a body from its text.
@@ -146,7 +156,7 @@ impl SyncEnvelope {
             serde_json::from_str(text).map_err(|error| EnvelopeError::NotObject {
                 found: format!("invalid JSON ({error})"),
             })?;
-        Self::from_value(&value)
+        Self::from_owned(value)
     }
 
     /// The body as JSON: `{echoOrigin, syncs, …}`, or the entry itself for a bare body.
@@ -196,7 +206,7 @@ impl TryFrom<Value> for SyncEnvelope {
     type Error = EnvelopeError;
 
     fn try_from(value: Value) -> Result<Self, Self::Error> {
-        Self::from_value(&value)
+        Self::from_owned(value)
     }
 }
 
@@ -209,6 +219,15 @@ impl From<SyncEnvelope> for Value {
 impl SyncEntry {
     /// Decodes one entry object; `index` is its position, for error messages.
     pub fn from_object(index: usize, entry: &Map<String, Value>) -> Result<Self, EnvelopeError> {
+        Self::from_owned_object(index, entry.clone())
+    }
+
+    /// [`SyncEntry::from_object`] of an object the caller no longer needs: its values are
+    /// moved into the entry, not copied.
+    pub fn from_owned_object(
+        index: usize,
+        entry: Map<String, Value>,
+    ) -> Result<Self, EnvelopeError> {
         let bad =
             |field: &'static str, expected: &'static str, found: &Value| EnvelopeError::BadField {
                 index,
@@ -216,52 +235,59 @@ impl SyncEntry {
                 expected,
                 found: describe(found),
             };
-        let id_field = |field: &'static str| match entry.get(field) {
+        // One pass: the known keys into their slots (in `ENTRY_KEYS` order), every other key
+        // to `extra` in the order it came. They are checked below in a fixed order, so the
+        // error for an entry with several bad fields does not depend on the key order.
+        let mut known: [Option<Value>; ENTRY_KEYS.len()] = Default::default();
+        let mut extra = Map::new();
+        for (key, value) in entry {
+            match ENTRY_KEYS.iter().position(|known| *known == key) {
+                Some(slot) => known[slot] = Some(value),
+                None => {
+                    extra.insert(key, value);
+                }
+            }
+        }
+        let [data, id, resource_id, resource_type, server_sequence, sync_type, updated_at] = known;
+        let id_field = |field: &'static str, value: Option<Value>| match value {
             None | Some(Value::Null) => Ok(None),
-            Some(Value::String(text)) => Ok(Some(text.clone())),
-            Some(Value::Number(number)) => Ok(Some(json_number_text(number))),
-            Some(other) => Err(bad(field, "a string, a number or null", other)),
+            Some(Value::String(text)) => Ok(Some(text)),
+            Some(Value::Number(number)) => Ok(Some(json_number_text(&number))),
+            Some(other) => Err(bad(field, "a string, a number or null", &other)),
         };
-        let id = id_field("id")?;
-        let resource_id = id_field("resourceId")?;
-        let resource_type = match entry.get("resourceType") {
+        let id = id_field("id", id)?;
+        let resource_id = id_field("resourceId", resource_id)?;
+        let resource_type = match resource_type {
             None => None,
             Some(Value::Null) => Some(None),
-            Some(Value::String(text)) => Some(Some(text.clone())),
-            Some(other) => return Err(bad("resourceType", "a string or null", other)),
+            Some(Value::String(text)) => Some(Some(text)),
+            Some(other) => return Err(bad("resourceType", "a string or null", &other)),
         };
-        let sync_type = match entry.get("syncType") {
+        let sync_type = match sync_type {
             None | Some(Value::Null) => String::new(),
-            Some(Value::String(text)) => text.clone(),
-            Some(other) => return Err(bad("syncType", "a string or null", other)),
+            Some(Value::String(text)) => text,
+            Some(other) => return Err(bad("syncType", "a string or null", &other)),
         };
-        let server_sequence = match entry.get("serverSequence") {
+        let server_sequence = match server_sequence {
             None | Some(Value::Null) => None,
             Some(Value::String(text)) if text.is_empty() => None,
-            Some(value) => Some(sequence_from_value(value).map_err(|error| match error {
+            Some(value) => Some(sequence_from_value(&value).map_err(|error| match error {
                 CursorError::SequenceOutOfRange { .. } => {
-                    bad("serverSequence", "an integer within 64 bits", value)
+                    bad("serverSequence", "an integer within 64 bits", &value)
                 }
-                _ => bad("serverSequence", "an integer or an integer string", value),
+                _ => bad("serverSequence", "an integer or an integer string", &value),
             })?),
         };
-        let updated_at = match entry.get("updatedAt") {
+        let updated_at = match updated_at {
             None | Some(Value::Null) => None,
-            Some(Value::String(text)) => Some(text.clone()),
-            Some(other) => return Err(bad("updatedAt", "an ISO timestamp string or null", other)),
+            Some(Value::String(text)) => Some(text),
+            Some(other) => return Err(bad("updatedAt", "an ISO timestamp string or null", &other)),
         };
-        let data = match entry.get("data") {
+        let data = match data {
             None => None,
-            Some(value @ (Value::Null | Value::Object(_) | Value::String(_))) => {
-                Some(value.clone())
-            }
-            Some(other) => return Err(bad("data", "an object, a JSON string or null", other)),
+            Some(value @ (Value::Null | Value::Object(_) | Value::String(_))) => Some(value),
+            Some(other) => return Err(bad("data", "an object, a JSON string or null", &other)),
         };
-        let extra = entry
-            .iter()
-            .filter(|(key, _)| !ENTRY_KEYS.contains(&key.as_str()))
-            .map(|(key, value)| (key.clone(), value.clone()))
-            .collect();
         Ok(Self {
             id,
             resource_id,
@@ -296,6 +322,18 @@ impl SyncEntry {
     /// Whether this entry removes the resource.
     pub fn is_delete(&self) -> bool {
         self.sync_type == "delete"
+    }
+
+    /// [`SyncEntry::data_object`], moving a `data` object out of the entry (`data` is then
+    /// absent) instead of copying it; `data` in any other form stays.
+    pub fn take_data_object(&mut self) -> Result<Option<Map<String, Value>>, EnvelopeError> {
+        match self.data.take() {
+            Some(Value::Object(object)) => Ok(Some(object)),
+            other => {
+                self.data = other;
+                self.data_object()
+            }
+        }
     }
 
     /// The row as an object: `data` itself, or parsed from a JSON string; `None` for null or
@@ -348,11 +386,11 @@ impl TryFrom<Value> for SyncEntry {
     type Error = EnvelopeError;
 
     fn try_from(value: Value) -> Result<Self, Self::Error> {
-        match &value {
-            Value::Object(entry) => SyncEntry::from_object(0, entry),
+        match value {
+            Value::Object(entry) => SyncEntry::from_owned_object(0, entry),
             other => Err(EnvelopeError::EntryNotObject {
                 index: 0,
-                found: describe(other),
+                found: describe(&other),
             }),
         }
     }
@@ -440,6 +478,21 @@ mod tests {
         assert_eq!(envelope.syncs[0].cursor(), None);
         let again = SyncEnvelope::from_value(&envelope.to_value()).unwrap();
         assert_eq!(again, envelope);
+    }
+
+    /// Scope attributes and unknown keys keep the order they came in, in an envelope, in its
+    /// entries and in a bare entry whose `echoOrigin` sits between them.
+    #[test]
+    fn extra_keys_keep_their_order() {
+        let keys = |extra: &Map<String, Value>| extra.keys().cloned().collect::<Vec<_>>();
+        let bare = json!({"zeta": 1, "echoOrigin": "d", "alpha": 2, "resourceId": "r", "mid": 3});
+        let envelope = SyncEnvelope::from_value(&bare).unwrap();
+        assert_eq!(keys(&envelope.syncs[0].extra), ["zeta", "alpha", "mid"]);
+        let body =
+            json!({"z": 1, "syncs": [{"b": 1, "id": 2, "a": 2}], "echoOrigin": null, "a": 2});
+        let envelope = SyncEnvelope::from_value(&body).unwrap();
+        assert_eq!(keys(&envelope.extra), ["z", "a"]);
+        assert_eq!(keys(&envelope.syncs[0].extra), ["b", "a"]);
     }
 
     #[test]
