@@ -7,7 +7,7 @@
 //! callback as plain objects tagged by `type` (`ClientEvent`).
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::pin::{pin, Pin};
 use std::rc::Rc;
 
@@ -168,6 +168,9 @@ struct Host {
     timer: RefCell<Option<Timeout>>,
     /// Inputs that arrived while effects were being carried out (a callback re-entered).
     queue: RefCell<VecDeque<ClientInput>>,
+    /// Scopes whose row changes somebody listens for: the others' `changed` events carry no
+    /// rows, so a catch-up nobody watches row by row is not converted for JS twice.
+    watched: RefCell<BTreeSet<u32>>,
     busy: Cell<bool>,
 }
 
@@ -200,6 +203,7 @@ impl SyncClientCore {
                 sockets: RefCell::new(BTreeMap::new()),
                 timer: RefCell::new(None),
                 queue: RefCell::new(VecDeque::new()),
+                watched: RefCell::new(BTreeSet::new()),
                 busy: Cell::new(false),
             }),
         }
@@ -254,19 +258,26 @@ impl SyncClientCore {
     }
 
     pub fn unsubscribe(&self, key: u32) {
+        self.host.watched.borrow_mut().remove(&key);
         dispatch(&self.host, ClientInput::Unsubscribe { scope: key });
+    }
+
+    /// Whether somebody listens for the scope's row changes. Until this says so, the scope's
+    /// `changed` events carry empty row lists (a reset is still reported).
+    #[wasm_bindgen(js_name = watchChanges)]
+    pub fn watch_changes(&self, key: u32, watched: bool) {
+        let mut set = self.host.watched.borrow_mut();
+        if watched {
+            set.insert(key);
+        } else {
+            set.remove(&key);
+        }
     }
 
     /// The scope's rows (the replicated columns of each).
     #[wasm_bindgen(unchecked_return_type = "Record<string, JsonValue>[]")]
     pub fn rows(&self, key: u32) -> Result<JsValue, JsValue> {
-        let machine = self.host.machine.borrow();
-        let rows = machine
-            .rows(key)
-            .into_iter()
-            .map(|row| Value::Object(row.clone()))
-            .collect();
-        to_js_bulk(&Value::Array(rows))
+        to_js_bulk(&self.host.machine.borrow().rows(key))
     }
 
     /// The scope's persisted cursor.
@@ -357,7 +368,7 @@ fn stored_scope(value: &JsValue) -> Result<StoredScope, Failure> {
             Ok(EngineRow {
                 id,
                 server_sequence,
-                data,
+                data: data.into(),
             })
         })
         .collect::<Result<_, _>>()?;
@@ -457,12 +468,25 @@ fn carry_out(host: &Rc<Host>, effect: ClientEffect) {
                 *host.timer.borrow_mut() = Some(timeout);
             }
         }
+        ClientEffect::Changed {
+            scope,
+            reset,
+            change,
+        } if !host.watched.borrow().contains(&scope) => {
+            drop(change);
+            let unwatched = ClientEffect::Changed {
+                scope,
+                reset,
+                change: Default::default(),
+            };
+            if let Ok(event) = to_js_bulk(&unwatched) {
+                let _ = host.emit.call1(&JsValue::NULL, &event);
+            }
+        }
         report => {
-            if let Ok(value) = serde_json::to_value(&report) {
-                if let Ok(event) = to_js_bulk(&value) {
-                    // A throwing listener must not stop the client.
-                    let _ = host.emit.call1(&JsValue::NULL, &event);
-                }
+            if let Ok(event) = to_js_bulk(&report) {
+                // A throwing listener must not stop the client.
+                let _ = host.emit.call1(&JsValue::NULL, &event);
             }
         }
     }
@@ -592,9 +616,9 @@ mod tests {
                 scope: 1,
                 reset: true,
                 change: Change {
-                    inserted: vec![data.clone()],
+                    inserted: vec![data.clone().into()],
                     updated: vec![],
-                    removed: vec![data.clone()],
+                    removed: vec![data.clone().into()],
                 },
             },
             ClientEffect::Persist {
@@ -604,7 +628,7 @@ mod tests {
                     upserts: vec![EngineRow {
                         id: "1".into(),
                         server_sequence: Some(2),
-                        data,
+                        data: data.into(),
                     }],
                     deletes: vec!["2".into()],
                     cursor: Some(cursor),

@@ -6,6 +6,7 @@
 //! numbers; objects keep their key order (as far as JS allows: integer-like keys come first).
 
 use js_sys::{Array, BigInt, Object, Reflect};
+use serde::Serialize;
 use serde_json::{Map, Number, Value};
 use wasm_bindgen::prelude::*;
 use wasm_bindgen::JsCast;
@@ -52,38 +53,67 @@ pub(crate) fn to_js(value: &Value) -> Result<JsValue, JsValue> {
     })
 }
 
-/// [`to_js`] for large values: one `JSON.parse` of the text instead of a call across the
-/// boundary per property, when that gives the same value (no integer beyond the safe range, no
-/// negative zero); otherwise [`to_js`].
-pub(crate) fn to_js_bulk(value: &Value) -> Result<JsValue, JsValue> {
-    if !parses_exactly(value) {
-        return to_js(value);
-    }
-    let text = serde_json::to_string(value).map_err(|e| {
+/// [`to_js`] of a serializable value, for large ones (events, pages of rows): one
+/// `JSON.parse` of its text instead of a call across the boundary per property, when that gives
+/// the same value (see [`text_parses_exactly`]); otherwise through [`Value`] and [`to_js`].
+/// Serialized straight to text, so the value is not first copied into a [`Value`].
+pub(crate) fn to_js_bulk<T: Serialize + ?Sized>(value: &T) -> Result<JsValue, JsValue> {
+    let unserializable = |e: serde_json::Error| {
         Failure::new(
             ErrorCode::InvalidValue,
             format!("unserializable value: {e}"),
         )
-    })?;
-    js_sys::JSON::parse(&text)
+    };
+    let text = serde_json::to_string(value).map_err(unserializable)?;
+    if text_parses_exactly(&text) {
+        return js_sys::JSON::parse(&text);
+    }
+    // Read back rather than `serde_json::to_value`, which would build a second serializer
+    // of every event type into the module. The text nests no deeper than the frames and
+    // stored rows it came from, which were read with the same depth limit.
+    to_js(&serde_json::from_str::<Value>(&text).map_err(unserializable)?)
 }
 
-fn parses_exactly(value: &Value) -> bool {
-    match value {
-        Value::Null | Value::Bool(_) | Value::String(_) => true,
-        Value::Number(n) => {
-            let text = n.to_string();
-            if !is_integer_text(&text) {
-                return true;
+/// Whether `JSON.parse(text)` gives what [`to_js`] gives for the same JSON: it does unless a
+/// number is an integer beyond ±(2^53 − 1) (a `bigint` for `to_js`, a rounded number for
+/// `JSON.parse`) or `-0`. `text` is serde_json's own output, so a plain scan finds the numbers:
+/// every number token outside a string. Written by hand: no JSON crate reports this.
+fn text_parses_exactly(text: &str) -> bool {
+    let bytes = text.as_bytes();
+    let mut at = 0;
+    while let Some(&byte) = bytes.get(at) {
+        match byte {
+            b'"' => {
+                at += 1;
+                while let Some(&byte) = bytes.get(at) {
+                    at += if byte == b'\\' { 2 } else { 1 };
+                    if byte == b'"' {
+                        break;
+                    }
+                }
             }
-            text != "-0"
-                && text
-                    .parse::<i64>()
-                    .is_ok_and(|i| i.abs() <= MAX_SAFE_INTEGER)
+            b'-' | b'0'..=b'9' => {
+                let start = at;
+                while bytes
+                    .get(at)
+                    .is_some_and(|b| matches!(b, b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'))
+                {
+                    at += 1;
+                }
+                let token = &text[start..at];
+                if is_integer_text(token)
+                    && (token == "-0"
+                        || !token
+                            .parse::<i64>()
+                            .is_ok_and(|i| i.abs() <= MAX_SAFE_INTEGER))
+                {
+                    return false;
+                }
+            }
+            _ => at += 1,
         }
-        Value::Array(items) => items.iter().all(parses_exactly),
-        Value::Object(map) => map.values().all(parses_exactly),
     }
+    true
 }
 
 fn number_to_js(n: &Number) -> Result<JsValue, JsValue> {
@@ -271,6 +301,26 @@ mod tests {
         }
         for text in ["1.0", "1e3", "-2.5E-7"] {
             assert!(!is_integer_text(text), "{text}");
+        }
+    }
+
+    #[test]
+    fn text_parses_exactly_unless_an_integer_is_unsafe_or_negative_zero() {
+        for text in [
+            r#"{"n":9007199254740991,"m":-9007199254740991,"x":1.5e300,"y":-0.0,"z":0}"#,
+            r#"["12345678901234567890 in a string","\\",-0.5]"#,
+            r#"{"a \" 99999999999999999999":1}"#,
+            "",
+        ] {
+            assert!(text_parses_exactly(text), "{text}");
+        }
+        for text in [
+            r#"{"n":9007199254740992}"#,
+            r#"[-9007199254740992]"#,
+            r#"{"s":"\\","n":123456789012345678901234567890}"#,
+            r#"{"z":-0}"#,
+        ] {
+            assert!(!text_parses_exactly(text), "{text}");
         }
     }
 

@@ -2254,7 +2254,7 @@ impl World {
                         bad = Some(format!(
                             "client{c} stored {table} {} at seq {seq} as {}, the replica gave that seq {}",
                             row.id,
-                            Value::Object(row.data.clone()),
+                            Value::Object((*row.data).clone()),
                             other.map_or("nothing".to_owned(), |d| Value::Object(d.clone()).to_string())
                         ));
                     }

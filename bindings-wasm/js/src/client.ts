@@ -65,6 +65,10 @@ class Emitter<Events> {
     this.#listeners.get(event)?.delete(listener as Listener<never>);
   }
 
+  protected listenerCount(event: keyof Events): number {
+    return this.#listeners.get(event)?.size ?? 0;
+  }
+
   protected emit<K extends keyof Events>(event: K, value: Events[K]): void {
     for (const listener of [...(this.#listeners.get(event) ?? [])]) {
       try {
@@ -133,6 +137,22 @@ export class Subscription extends Emitter<SubscriptionEvents> {
    */
   get replayedOnLastResume(): number {
     return this.#closed || this.#client.closed ? 0 : this.#client.core().replayed(this.#key);
+  }
+
+  override on<K extends keyof SubscriptionEvents>(event: K, listener: Listener<SubscriptionEvents[K]>): () => void {
+    const off = super.on(event, listener);
+    if (event === "change") this.#watch();
+    return off;
+  }
+
+  override off<K extends keyof SubscriptionEvents>(event: K, listener: Listener<SubscriptionEvents[K]>): void {
+    super.off(event, listener);
+    if (event === "change") this.#watch();
+  }
+
+  /** Tells the core whether anybody takes the rows of "change" events (it skips them if not). */
+  #watch(): void {
+    if (!this.#closed && !this.#client.closed) this.#client.core().watchChanges(this.#key, this.listenerCount("change") > 0);
   }
 
   /** Stops syncing the scope; the socket stays open for the others. */

@@ -50,6 +50,39 @@ test("a fresh subscribe equals the server and live changes arrive one event per 
     assert.equal(client.status.state, "closed");
   }));
 
+test("change events carry rows for as long as any listener is left, also one added after others left", () =>
+  withServer(async (server, url) => {
+    const client = new HighwaterClient({ url, token: "t" });
+    try {
+      const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+      const first = [];
+      const second = [];
+      const stopFirst = todos.on("change", (c) => first.push(c));
+      const onSecond = (c) => second.push(c);
+      todos.on("change", onSecond);
+      await todos.ready;
+      server.write("a", "ada", { n: 1 });
+      await until(() => second.length === 1, "the first change");
+      stopFirst();
+      server.write("b", "ada", { n: 2 });
+      await until(() => second.length === 2, "the second change");
+      assert.equal(first.length, 1);
+      assert.deepEqual(second.map((c) => c.inserted.map((row) => row.id)), [["a"], ["b"]]);
+      todos.off("change", onSecond);
+      server.write("c", "ada", { n: 3 });
+      await until(() => todos.rows().length === 3, "the unwatched change applied");
+      const third = [];
+      todos.on("change", (c) => third.push(c));
+      server.write("c", "ada", { n: 4 });
+      await until(() => third.length === 1, "the change after a listener came back");
+      assert.deepEqual(third[0].updated, [{ id: "c", owner: "ada", n: 4 }]);
+      assert.equal(second.length, 2);
+    } finally {
+      // Also when an assertion failed: an open client would keep the test process alive.
+      await client.close();
+    }
+  }));
+
 test("a killed connection reconnects, resumes from the cursor and applies each change once", () =>
   withServer(async (server, url) => {
     const tokens = [];

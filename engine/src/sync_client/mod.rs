@@ -54,6 +54,7 @@
 //! are [`crate::realtime_bridge::ScopeBridge`]'s: each scope drives one bridge.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
 
 use indexmap::IndexMap;
 use serde::Serialize;
@@ -140,6 +141,10 @@ pub struct ConnectionStatus {
     pub reason: Option<String>,
 }
 
+/// A row's replicated columns. Shared: the client's rows, the change reported and the write
+/// to persist hold the same row, not three copies of it.
+pub type RowData = Arc<Map<String, Value>>;
+
 /// One row of a scope as held and stored: the entry's `resourceId`, its `serverSequence` and
 /// the replicated columns.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -147,7 +152,7 @@ pub struct ConnectionStatus {
 pub struct StoredRow {
     pub id: String,
     pub server_sequence: Option<i64>,
-    pub data: Map<String, Value>,
+    pub data: RowData,
 }
 
 /// What a store held for a scope when the app subscribed it.
@@ -180,10 +185,10 @@ impl PersistWrite {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RowChange {
-    pub inserted: Vec<Map<String, Value>>,
-    pub updated: Vec<Map<String, Value>>,
+    pub inserted: Vec<RowData>,
+    pub updated: Vec<RowData>,
     /// The rows as they were before removal.
-    pub removed: Vec<Map<String, Value>>,
+    pub removed: Vec<RowData>,
 }
 
 impl RowChange {
@@ -355,7 +360,7 @@ enum Phase {
 #[derive(Debug, Clone)]
 struct HeldRow {
     server_sequence: Option<i64>,
-    data: Map<String, Value>,
+    data: RowData,
 }
 
 #[derive(Debug, Clone)]
@@ -451,7 +456,7 @@ impl SyncClient {
     pub fn rows(&self, scope: ScopeKey) -> Vec<&Map<String, Value>> {
         self.scopes
             .get(&scope)
-            .map(|slot| slot.rows.values().map(|row| &row.data).collect())
+            .map(|slot| slot.rows.values().map(|row| &*row.data).collect())
             .unwrap_or_default()
     }
 
@@ -928,7 +933,7 @@ impl SyncClient {
         let mut rows = BTreeMap::new();
         let mut inserted = Vec::new();
         for row in stored.rows {
-            inserted.push(row.data.clone());
+            inserted.push(Arc::clone(&row.data));
             rows.insert(
                 row.id,
                 HeldRow {
@@ -1372,7 +1377,7 @@ impl ScopeSlot {
             self.sweep = None;
         }
         // Each touched row's state before the batch, in first-touch order.
-        let mut before: IndexMap<String, Option<Map<String, Value>>> = IndexMap::new();
+        let mut before: IndexMap<String, Option<RowData>> = IndexMap::new();
         for remote in changes {
             let Some(id) = remote.resource_id.clone() else {
                 continue;
@@ -1389,7 +1394,7 @@ impl ScopeSlot {
             }
             before
                 .entry(id.clone())
-                .or_insert_with(|| held.map(|row| row.data.clone()));
+                .or_insert_with(|| held.map(|row| Arc::clone(&row.data)));
             if remote.is_delete() {
                 self.rows.remove(&id);
             } else {
@@ -1397,23 +1402,26 @@ impl ScopeSlot {
                     id,
                     HeldRow {
                         server_sequence: sequence,
-                        data: remote.data.unwrap_or_default(),
+                        data: Arc::new(remote.data.unwrap_or_default()),
                     },
                 );
             }
         }
         for (id, was) in before {
-            match (was, self.rows.get(&id)) {
-                (None, Some(now)) => change.inserted.push(now.data.clone()),
-                (Some(was), Some(now)) if was != now.data => change.updated.push(now.data.clone()),
+            let now = self.rows.get(&id);
+            match (was, now) {
+                (None, Some(now)) => change.inserted.push(Arc::clone(&now.data)),
+                (Some(was), Some(now)) if was != now.data => {
+                    change.updated.push(Arc::clone(&now.data))
+                }
                 (Some(was), None) => change.removed.push(was),
                 _ => {}
             }
-            match self.rows.get(&id) {
+            match now {
                 Some(now) => write.upserts.push(StoredRow {
                     id,
                     server_sequence: now.server_sequence,
-                    data: now.data.clone(),
+                    data: Arc::clone(&now.data),
                 }),
                 None => write.deletes.push(id),
             }

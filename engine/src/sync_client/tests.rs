@@ -146,7 +146,7 @@ fn a_connect_asks_for_a_token_then_opens_and_subscribes_with_it() {
         rows: vec![StoredRow {
             id: "1".to_owned(),
             server_sequence: Some(5),
-            data: row("1", 1).as_object().unwrap().clone(),
+            data: row("1", 1).as_object().unwrap().clone().into(),
         }],
         cursor: Some(SyncCursor::new(
             Some("1:5".to_owned()),
@@ -258,11 +258,11 @@ fn an_envelope_is_one_change_with_the_net_effect_per_row() {
     assert_eq!(changes.len(), 1);
     assert_eq!(
         changes[0].inserted,
-        vec![row("2", 2).as_object().unwrap().clone()]
+        vec![Arc::new(row("2", 2).as_object().unwrap().clone())]
     );
     assert_eq!(
         changes[0].removed,
-        vec![row("1", 1).as_object().unwrap().clone()]
+        vec![Arc::new(row("1", 1).as_object().unwrap().clone())]
     );
     assert!(changes[0].updated.is_empty());
     let write = persists(&effects)[0];
@@ -1230,15 +1230,18 @@ impl Harness {
                     }
                     for row in change.inserted {
                         assert!(
-                            view.insert(row["id"].as_str().unwrap().to_owned(), Value::Object(row))
-                                .is_none(),
+                            view.insert(
+                                row["id"].as_str().unwrap().to_owned(),
+                                Value::Object((*row).clone())
+                            )
+                            .is_none(),
                             "inserted twice"
                         );
                     }
                     for row in change.updated {
                         let old = view.insert(
                             row["id"].as_str().unwrap().to_owned(),
-                            Value::Object(row.clone()),
+                            Value::Object((*row).clone()),
                         );
                         let old = old.expect("updated a row not shown");
                         assert!(
@@ -1428,7 +1431,7 @@ proptest! {
             let stored: BTreeMap<String, Value> = harness.stores[scope]
                 .rows
                 .values()
-                .map(|row| (row.id.clone(), Value::Object(row.data.clone())))
+                .map(|row| (row.id.clone(), Value::Object((*row.data).clone())))
                 .collect();
             prop_assert_eq!(&stored, &expected);
         }
