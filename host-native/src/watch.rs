@@ -67,7 +67,7 @@ async fn watch(args: WatchArgs) -> anyhow::Result<()> {
             .headers_mut()
             .insert(AUTHORIZATION, token.authorization());
     }
-    let (mut socket, _) = tokio_tungstenite::connect_async(request)
+    let (mut socket, _) = tokio_tungstenite::connect_async_with_config(request, None, true)
         .await
         .with_context(|| format!("connecting to {url}"))?;
 

@@ -97,7 +97,9 @@ fn token(owner: &str) -> anyhow::Result<String> {
 }
 
 async fn connect(addr: SocketAddr) -> anyhow::Result<Socket> {
-    let (socket, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/sync")).await?;
+    let (socket, _) =
+        tokio_tungstenite::connect_async_with_config(format!("ws://{addr}/sync"), None, true)
+            .await?;
     Ok(socket)
 }
 

@@ -396,6 +396,28 @@ async fn listen(
     Ok(listener)
 }
 
+/// Sets up an accepted socket: `TCP_NODELAY`, so a small frame (a live change, an ack) goes
+/// out at once instead of waiting for the peer's delayed ACK of the one before it (Nagle),
+/// which added up to 40 ms, and p99s of 21-121 ms, to a socket carrying a steady stream of
+/// small frames.
+pub(crate) fn accepted(tcp: &tokio::net::TcpStream) {
+    if let Err(error) = tcp.set_nodelay(true) {
+        tracing::debug!(%error, "cannot set TCP_NODELAY on an accepted socket");
+    }
+}
+
+/// The plain (no TLS) listener: every accepted socket goes through [`accepted`].
+pub(crate) type PlainListener = axum::serve::TapIo<TcpListener, fn(&mut tokio::net::TcpStream)>;
+
+/// [`PlainListener`] over `listener`.
+pub(crate) fn plain_listener(listener: TcpListener) -> PlainListener {
+    use axum::serve::ListenerExt;
+    fn tap(tcp: &mut tokio::net::TcpStream) {
+        accepted(tcp);
+    }
+    listener.tap_io(tap as fn(&mut tokio::net::TcpStream))
+}
+
 /// How the server runs, from its arguments and the replication token it requires.
 fn settings(
     args: &ServeArgs,
@@ -622,7 +644,7 @@ async fn run_server(
         }
         None => {
             axum::serve(
-                listener,
+                plain_listener(listener),
                 app.into_make_service_with_connect_info::<SocketAddr>(),
             )
             .with_graceful_shutdown(stopping)

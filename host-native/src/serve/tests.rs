@@ -1585,3 +1585,35 @@ fn tls_files_that_are_missing_or_not_pem_are_clear_errors() {
     let error = super::tls::server_config(&cert, &other_key).expect_err("mismatched key");
     assert!(error.to_string().contains("TLS key"), "{error}");
 }
+
+/// Every socket `serve` accepts carries `TCP_NODELAY`, plain and TLS alike: without it a
+/// socket carrying a steady stream of small frames waits on the peer's delayed ACK (Nagle).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_sockets_have_tcp_nodelay_plain_and_tls() {
+    use axum::serve::Listener as _;
+
+    let plain = TcpListener::bind("127.0.0.1:0").await.expect("listen");
+    let addr = plain.local_addr().expect("addr");
+    let mut plain = super::plain_listener(plain);
+    let _client = TcpStream::connect(addr).await.expect("connect");
+    let (io, _) = tokio::time::timeout(PROMPT, plain.accept())
+        .await
+        .expect("accepted in time");
+    assert!(io.nodelay().expect("read TCP_NODELAY"), "plain socket");
+
+    let files = TempDir::new("tls-nodelay");
+    let (ca, cert, key) = tls_files(&files.0);
+    let config = super::tls::server_config(&cert, &key).expect("a TLS config");
+    let tcp = TcpListener::bind("127.0.0.1:0").await.expect("listen");
+    let addr = tcp.local_addr().expect("addr");
+    let mut tls = super::tls::TlsListener::new(tcp, config).expect("TLS listener");
+    let client = tokio::spawn(async move { tls_connect(addr, &ca).await });
+    let (io, _) = tokio::time::timeout(PROMPT, tls.accept())
+        .await
+        .expect("accepted in time");
+    assert!(
+        io.get_ref().0.nodelay().expect("read TCP_NODELAY"),
+        "TLS socket"
+    );
+    drop(client.await.expect("client"));
+}

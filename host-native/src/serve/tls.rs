@@ -149,6 +149,7 @@ impl TlsListener {
                         continue;
                     }
                 };
+                super::accepted(&tcp);
                 let Ok(permit) = handshakes.clone().try_acquire_owned() else {
                     tracing::debug!(%addr, "too many TLS handshakes in progress; closed");
                     continue;
