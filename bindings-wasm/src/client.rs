@@ -8,12 +8,12 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::pin::{pin, Pin};
+use std::pin::pin;
 use std::rc::Rc;
 
 use futures::channel::mpsc::{unbounded, UnboundedReceiver, UnboundedSender};
 use futures::future::{poll_fn, select, Either};
-use futures::{Sink, SinkExt, StreamExt};
+use futures::{SinkExt, StreamExt};
 use gloo_net::websocket::futures::WebSocket;
 use gloo_net::websocket::{Message, State, WebSocketError};
 use gloo_timers::callback::Timeout;
@@ -418,27 +418,20 @@ fn carry_out(host: &Rc<Host>, effect: ClientEffect) {
                 dispatch(&host, ClientInput::Token { request, result });
             });
         }
-        ClientEffect::OpenSocket { socket } => {
-            let opened = web_sys::WebSocket::new(&host.url).map_err(|e| error_text(&e));
-            match opened.and_then(|raw| {
-                WebSocket::try_from(raw.clone())
-                    .map(|ws| (raw, ws))
-                    .map_err(|e| e.to_string())
-            }) {
-                Ok((raw, ws)) => {
-                    let (sender, receiver) = unbounded();
-                    host.sockets.borrow_mut().insert(socket, sender);
-                    spawn_local(run_socket(Rc::clone(host), socket, raw, ws, receiver));
-                }
-                Err(reason) => host
-                    .queue
-                    .borrow_mut()
-                    .push_back(ClientInput::SocketClosed {
-                        socket,
-                        reason: format!("could not open the socket: {reason}"),
-                    }),
+        ClientEffect::OpenSocket { socket } => match web_sys::WebSocket::new(&host.url) {
+            Ok(raw) => {
+                let (sender, receiver) = unbounded();
+                host.sockets.borrow_mut().insert(socket, sender);
+                spawn_local(run_socket(Rc::clone(host), socket, raw, receiver));
             }
-        }
+            Err(error) => host
+                .queue
+                .borrow_mut()
+                .push_back(ClientInput::SocketClosed {
+                    socket,
+                    reason: format!("could not open the socket: {}", error_text(&error)),
+                }),
+        },
         ClientEffect::Send { socket, text } => {
             if let Some(sender) = host.sockets.borrow().get(&socket) {
                 let _ = sender.unbounded_send(Outbound::Text(text));
@@ -492,28 +485,141 @@ fn carry_out(host: &Rc<Host>, effect: ClientEffect) {
     }
 }
 
-/// One socket's life: wait for it to open, then pass frames both ways until it closes or the
-/// client closes it. The gloo socket is dropped only after its close event, so none of its
-/// listeners outlives it.
+/// How a socket's connect ended.
+enum Opened {
+    /// Open, and wrapped in gloo's socket inside the `open` event itself, so no message can
+    /// come before its listeners.
+    Open(WebSocket),
+    /// An `error` or `close` event came first, or gloo refused the socket.
+    Failed(String),
+}
+
+/// Watches a socket while it connects, with listeners of its own that it removes when dropped.
+///
+/// Node's WebSocket (undici) fires `error` but never `close` when a connect fails and stays
+/// `CONNECTING`, so waiting for gloo's readiness or close would last until the connect timeout.
+/// Here `error` while connecting is a failed attempt, in Node and in browsers alike; and as
+/// these listeners are removed, no event of the dead socket can reach a dropped closure.
+struct Opening {
+    raw: web_sys::WebSocket,
+    outcome: Rc<RefCell<(Option<Opened>, Option<std::task::Waker>)>>,
+    on_open: Closure<dyn FnMut()>,
+    on_error: Closure<dyn FnMut()>,
+    on_close: Closure<dyn FnMut()>,
+}
+
+impl Opening {
+    fn watch(raw: &web_sys::WebSocket) -> Opening {
+        let outcome: Rc<RefCell<(Option<Opened>, Option<std::task::Waker>)>> =
+            Rc::new(RefCell::new((None, None)));
+        let settle = |outcome: &Rc<RefCell<(Option<Opened>, Option<std::task::Waker>)>>,
+                      result: Opened| {
+            let mut cell = outcome.borrow_mut();
+            if cell.0.is_none() {
+                cell.0 = Some(result);
+                if let Some(waker) = cell.1.take() {
+                    waker.wake();
+                }
+            }
+        };
+        let on_open = {
+            let outcome = Rc::clone(&outcome);
+            let raw = raw.clone();
+            Closure::<dyn FnMut()>::new(move || {
+                let result = match WebSocket::try_from(raw.clone()) {
+                    Ok(ws) => Opened::Open(ws),
+                    Err(error) => Opened::Failed(format!("could not use the socket: {error}")),
+                };
+                settle(&outcome, result);
+            })
+        };
+        let failed = |reason: &'static str| {
+            let outcome = Rc::clone(&outcome);
+            Closure::<dyn FnMut()>::new(move || {
+                settle(&outcome, Opened::Failed(reason.to_owned()));
+            })
+        };
+        let on_error = failed("could not connect (the socket reported an error)");
+        let on_close = failed("could not connect (the socket closed)");
+        for (name, listener) in [
+            ("open", &on_open),
+            ("error", &on_error),
+            ("close", &on_close),
+        ] {
+            let _ = raw.add_event_listener_with_callback(name, listener.as_ref().unchecked_ref());
+        }
+        Opening {
+            raw: raw.clone(),
+            outcome,
+            on_open,
+            on_error,
+            on_close,
+        }
+    }
+
+    /// Waits for the `open` event or a failure.
+    async fn done(&self) -> Opened {
+        poll_fn(|cx| {
+            let mut cell = self.outcome.borrow_mut();
+            match cell.0.take() {
+                Some(result) => std::task::Poll::Ready(result),
+                None => {
+                    cell.1 = Some(cx.waker().clone());
+                    std::task::Poll::Pending
+                }
+            }
+        })
+        .await
+    }
+}
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        for (name, listener) in [
+            ("open", &self.on_open),
+            ("error", &self.on_error),
+            ("close", &self.on_close),
+        ] {
+            let _ = self
+                .raw
+                .remove_event_listener_with_callback(name, listener.as_ref().unchecked_ref());
+        }
+    }
+}
+
+/// One socket's life: wait for it to open (an `error` while connecting is a failed attempt),
+/// then pass frames both ways until it closes or the client closes it. Once open, the gloo
+/// socket is dropped only after its close event, so none of its listeners outlives it.
 async fn run_socket(
     host: Rc<Host>,
     socket: SocketId,
     raw: web_sys::WebSocket,
-    mut ws: WebSocket,
     mut outbound: UnboundedReceiver<Outbound>,
 ) {
+    let opening = Opening::watch(&raw);
     let opened = {
-        let ready = pin!(poll_fn(|cx| Pin::new(&mut ws).poll_ready(cx)));
-        match select(ready, outbound.next()).await {
-            Either::Left(_) => None,
-            Either::Right((request, _)) => Some(request),
+        let done = pin!(opening.done());
+        match select(done, outbound.next()).await {
+            Either::Left((opened, _)) => Ok(opened),
+            Either::Right((request, _)) => Err(request),
         }
     };
-    if let Some(request) = opened {
-        close_raw(&raw, request);
-        drain(&mut ws).await;
-        return;
-    }
+    drop(opening);
+    let mut ws = match opened {
+        Err(request) => {
+            // The client gave up on this socket while it was connecting.
+            close_raw(&raw, request);
+            return;
+        }
+        Ok(Opened::Open(ws)) => ws,
+        Ok(Opened::Failed(reason)) => {
+            // Closing a socket that failed to connect fires nothing we still listen to.
+            let _ = raw.close();
+            host.sockets.borrow_mut().remove(&socket);
+            dispatch(&host, ClientInput::SocketClosed { socket, reason });
+            return;
+        }
+    };
     if !matches!(ws.state(), State::Open) {
         drain(&mut ws).await;
         host.sockets.borrow_mut().remove(&socket);

@@ -204,3 +204,27 @@ test("a resync (new data directory, new epoch) gives a reset, then equality", as
   assert.notEqual(ada.cursor.id.split(":")[0], before.id.split(":")[0], "the cursor moved to the new epoch");
   await client.close();
 });
+
+test("the server down for 2 s: a Node client connected straight to it is ready again within its backoff", async (t) => {
+  // No proxy in between: while the server is down, connects are refused, and Node's WebSocket
+  // fires `error` without ever firing `close` for them.
+  const client = new HighwaterClient({ url: `ws://127.0.0.1:${serve.port}/sync`, token: () => serve.token("ada") });
+  t.after(() => client.close());
+  const ada = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  await ada.ready;
+  const reasons = [];
+  client.on("status", (s) => reasons.push(`${s.state}${s.reason ? ` (${s.reason})` : ""}`));
+  let readyAt = null;
+  ada.on("ready", () => (readyAt ??= Date.now()));
+  await serve.kill9();
+  await until(() => client.status.state === "reconnecting", "the client to notice");
+  await sleep(2_000);
+  await serve.start(serve.data);
+  const upAt = Date.now();
+  await until(() => readyAt !== null, "the scope to be ready again", 30_000);
+  // Refused connects are failed attempts at once: none waits out the 10 s connect timeout.
+  assert.ok(!reasons.some((r) => r.includes("did not open in time")), reasons.join("\n"));
+  assert.ok(reasons.some((r) => r.includes("could not connect")), reasons.join("\n"));
+  // The backoff window after the few refused attempts of a 2-3 s outage is at most 8 s.
+  assert.ok(readyAt - upAt < 8_000, `ready ${readyAt - upAt} ms after the server answered; ${reasons.join("\n")}`);
+});
