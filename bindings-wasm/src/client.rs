@@ -62,8 +62,10 @@ struct StoredScopeData {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[allow(dead_code)]
 struct PersistWrite {
-    /// Clear the scope's rows and cursor first.
-    reset: bool,
+    /// Drop the scope's stored cursor first (the server reset the scope). Its rows stay: the
+    /// full replay that follows overwrites them, and a later write deletes the ones it did not
+    /// deliver once it is confirmed, so a reset never empties a page.
+    forget_cursor: bool,
     upserts: Vec<StoredRow>,
     /// `resourceId`s to delete.
     deletes: Vec<String>,
@@ -730,7 +732,7 @@ mod tests {
             ClientEffect::Persist {
                 scope: 1,
                 write: Write {
-                    reset: false,
+                    forget_cursor: false,
                     upserts: vec![EngineRow {
                         id: "1".into(),
                         server_sequence: Some(2),

@@ -109,6 +109,17 @@ impl Scope {
                 self.replayed += 1;
             }
         }
+        // A checkpoint: the scope is complete up to this feed position.
+        if let Some(cursor) = body.get("cursor").filter(|c| !c.is_null()) {
+            let seq = cursor["serverSequence"].as_i64().unwrap();
+            if self.cursor.as_ref().is_none_or(|c| seq > c.1) {
+                self.cursor = Some((
+                    cursor["id"].as_str().unwrap().to_owned(),
+                    seq,
+                    cursor["updatedAt"].as_str().unwrap().to_owned(),
+                ));
+            }
+        }
     }
 
     fn cursor_params(&self) -> Value {
@@ -925,5 +936,146 @@ async fn a_client_resuming_during_bursts_of_grouped_transactions_is_equal_within
             want.len()
         );
     }
+    server.stop().await;
+}
+
+/// The replica's retention floor (`_hw_feed_state`), and the newest seq of `owner`'s rows.
+fn floor_and_newest(data: &Path, owner: &str) -> (Option<i64>, i64) {
+    let db = rusqlite::Connection::open_with_flags(
+        data.join("replica.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    )
+    .unwrap();
+    db.busy_timeout(Duration::from_secs(5)).unwrap();
+    let floor = db
+        .query_row(r#"SELECT "floor" FROM "_hw_feed_state""#, [], |r| r.get(0))
+        .ok();
+    let newest = db
+        .query_row(
+            r#"SELECT max("_hw_seq") FROM todos WHERE owner = ?1"#,
+            [owner],
+            |r| r.get(0),
+        )
+        .unwrap();
+    (floor, newest)
+}
+
+/// Resumes `scope` on a fresh socket and checks the answer: no reset, exactly `replayed`
+/// entries, rows equal to Postgres.
+async fn resumes_with(
+    addr: SocketAddr,
+    scope: &Scope,
+    db: &tokio_postgres::Client,
+    replayed: usize,
+    when: &str,
+) -> Scope {
+    let client = resume(addr, scope).await;
+    let got = client.scopes["s1"].clone();
+    assert_eq!(got.resets, 0, "{when}: a reset");
+    assert_eq!(got.replayed, replayed, "{when}: entries replayed");
+    assert_eq!(got.rows, pg_scope(db, "ada").await, "{when}: rows");
+    got
+}
+
+/// On a database that already had rows, a client's cursor after a fresh subscribe is the
+/// replay's high-water, not its scope's newest row: resuming it never resets (the first
+/// start's retention floor is the last seq the initial sync copied), after an idle
+/// disconnect, one edited row, a restart, on a relay, and across a retention prune while it
+/// was connected (live checkpoints move it with the feed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumes_on_a_database_that_already_had_rows_replay_only_what_changed() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    db.batch_execute(
+        "INSERT INTO todos (id, owner, title) SELECT i, (ARRAY['linus', 'ada', 'grace'])[i % 3 + 1], 't' || i FROM generate_series(1, 300) AS i",
+    )
+    .await
+    .unwrap();
+    let files = SyncFiles::new();
+    let data = DataDir::new("sync-resume-rows");
+    let mut args = serve_args(&pg.url(), data.path(), free_port());
+    files.apply(&mut args);
+    args.sync_retention_secs = 1;
+    args.sync_checkpoint_ms = 100;
+    let server = InProcess::start(args.clone()).await;
+    replica_caught_up(&db, data.path()).await;
+    let (floor, newest) = floor_and_newest(data.path(), "ada");
+    assert!(
+        floor.is_some_and(|floor| floor > newest),
+        "ada's newest row ({newest}) is below the first start's floor ({floor:?}): the case"
+    );
+
+    // A fresh subscribe: the whole scope, and a cursor at the replay's high-water.
+    let client = resume(server.addr, &Scope::default()).await;
+    let fresh = client.scopes["s1"].clone();
+    assert_eq!(fresh.replayed, 100);
+    assert!(fresh.cursor.as_ref().unwrap().1 >= floor.unwrap());
+    drop(client);
+    let idle = resumes_with(server.addr, &fresh, &db, 0, "an idle disconnect").await;
+
+    // One of ada's rows edited while disconnected: that row alone.
+    db.batch_execute("UPDATE todos SET title = 'edited' WHERE id = 4")
+        .await
+        .unwrap();
+    replica_caught_up(&db, data.path()).await;
+    let edited = resumes_with(server.addr, &idle, &db, 1, "one edited row").await;
+
+    // A restart: nothing to replay.
+    server.stop().await;
+    let server = InProcess::start(args.clone()).await;
+    let restarted = resumes_with(server.addr, &edited, &db, 0, "after a restart").await;
+
+    // A relay restored from the primary's snapshot takes the same cursor.
+    let relay_data = DataDir::new("sync-resume-relay");
+    let mut relay_args = ServeArgs::relay(format!("ws://{}", server.addr), relay_data.path());
+    relay_args.port = free_port();
+    files.apply(&mut relay_args);
+    let relay = InProcess::start(relay_args).await;
+    replica_caught_up(&db, relay_data.path()).await;
+    resumes_with(relay.addr, &restarted, &db, 0, "on a relay").await;
+    relay.stop().await;
+
+    // Connected while grace's rows move to linus (exits, seqs above ada's cursor), until a
+    // checkpoint tells it the feed's position; then those exits age past the retention
+    // window and a restart prunes them (the first group commit of a start prunes).
+    let mut live = resume(server.addr, &restarted).await;
+    db.batch_execute("UPDATE todos SET owner = 'linus' WHERE id IN (2, 5, 8)")
+        .await
+        .unwrap();
+    replica_caught_up(&db, data.path()).await;
+    let (_, moved) = floor_and_newest(data.path(), "linus");
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    while live.scopes["s1"].cursor.as_ref().unwrap().1 < moved {
+        assert!(tokio::time::Instant::now() < deadline, "no checkpoint");
+        let _ = tokio::time::timeout(Duration::from_millis(200), live.next()).await;
+    }
+    assert_eq!(live.scopes["s1"].replayed, 0);
+    let checkpointed = live.scopes["s1"].clone();
+    drop(live);
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    server.stop().await;
+    let server = InProcess::start(args.clone()).await;
+    db.batch_execute("INSERT INTO todos (id, owner, title) VALUES (1000, 'linus', 'prune')")
+        .await
+        .unwrap();
+    replica_caught_up(&db, data.path()).await;
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    while floor_and_newest(data.path(), "ada").0 < Some(moved) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the exits were not pruned"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    resumes_with(server.addr, &checkpointed, &db, 0, "after a prune").await;
+    // The cursor from before the checkpoint is below the floor now: that one resets.
+    let client = resume(server.addr, &restarted).await;
+    assert_eq!(
+        client.scopes["s1"].resets, 1,
+        "a cursor older than the pruned exits"
+    );
+    assert_eq!(client.scopes["s1"].rows, pg_scope(&db, "ada").await);
+    drop(client);
     server.stop().await;
 }

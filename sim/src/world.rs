@@ -2236,8 +2236,7 @@ impl World {
         let table = self.clients[c].scopes[&scope].0.clone();
         let store = self.clients[c].store.entry(scope).or_default();
         let old_seq = store.cursor.as_ref().and_then(|k| k.server_sequence);
-        if write.reset {
-            store.rows.clear();
+        if write.forget_cursor {
             store.cursor = None;
         }
         for id in &write.deletes {
@@ -2262,7 +2261,9 @@ impl World {
             }
         }
         if let Some(cursor) = &write.cursor {
-            if let (Some(old), Some(new), false) = (old_seq, cursor.server_sequence, write.reset) {
+            if let (Some(old), Some(new), false) =
+                (old_seq, cursor.server_sequence, write.forget_cursor)
+            {
                 if new < old {
                     bad = Some(format!(
                         "client{c} scope {scope} cursor moved backwards: {old} then {new}"

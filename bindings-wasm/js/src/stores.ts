@@ -28,10 +28,11 @@ export class MemoryStore implements ScopeStore {
 
   async write(scope: string, write: PersistWrite): Promise<void> {
     let held = this.#scopes.get(scope);
-    if (held === undefined || write.reset) {
+    if (held === undefined) {
       held = { rows: new Map(), cursor: null };
       this.#scopes.set(scope, held);
     }
+    if (write.forgetCursor) held.cursor = null;
     for (const row of write.upserts) held.rows.set(row.id, row);
     for (const id of write.deletes) held.rows.delete(id);
     if (write.cursor) held.cursor = write.cursor;
@@ -98,10 +99,7 @@ export class IndexedDbStore implements ScopeStore {
     try {
       const rows = tx.objectStore(ROWS);
       const cursors = tx.objectStore(CURSORS);
-      if (write.reset) {
-        rows.delete(scopeRange(scope));
-        cursors.delete(scope);
-      }
+      if (write.forgetCursor) cursors.delete(scope);
       for (const row of write.upserts) rows.put({ scope, id: row.id, serverSequence: row.serverSequence, data: row.data });
       for (const id of write.deletes) rows.delete([scope, id]);
       if (write.cursor) cursors.put({ scope, cursor: write.cursor });

@@ -196,12 +196,22 @@ test("a resync (new data directory, new epoch) gives a reset, then equality", as
   const before = ada.cursor;
   let resets = 0;
   ada.on("reset", () => resets++);
+  // The page is never emptied: rows stay through the reset, and only the row that is gone
+  // is ever removed.
+  const removed = [];
+  let fewest = ada.rows().length;
+  ada.on("change", (change) => {
+    removed.push(...change.removed.map((row) => Number(row.id)));
+    fewest = Math.min(fewest, ada.rows().length);
+  });
   await serve.kill9();
   pg.query("DELETE FROM todos WHERE id = 4");
   await serve.start(scratch("data-resynced"));
   await until(() => resets === 1, "the reset", 30_000);
   await converges(ada, "owner = 'ada'", "equality after the reset");
   assert.notEqual(ada.cursor.id.split(":")[0], before.id.split(":")[0], "the cursor moved to the new epoch");
+  assert.deepEqual(removed, [4], "only the deleted row left the page");
+  assert.ok(fewest >= ada.rows().length, `the page went down to ${fewest} rows`);
   await client.close();
 });
 

@@ -15,32 +15,35 @@ for (const [name, make] of [
   ["MemoryStore", () => new MemoryStore()],
   ["IndexedDbStore", () => new IndexedDbStore(`test-${Math.random()}`)],
 ]) {
-  test(`${name}: rows, deletes, cursor and reset, scope by scope`, async () => {
+  test(`${name}: rows, deletes, cursor and forgetting the cursor, scope by scope`, async () => {
     const store = make();
     assert.equal(await store.load("a"), null);
-    await store.write("a", { reset: false, upserts: [row("1", 1), row("2", 2, { big: 2n ** 60n })], deletes: [], cursor: null });
-    await store.write("b", { reset: false, upserts: [row("1", 3)], deletes: [], cursor: cursor(3) });
-    await store.write("a", { reset: false, upserts: [row("3", 4)], deletes: ["1"], cursor: cursor(4) });
+    await store.write("a", { forgetCursor: false, upserts: [row("1", 1), row("2", 2, { big: 2n ** 60n })], deletes: [], cursor: null });
+    await store.write("b", { forgetCursor: false, upserts: [row("1", 3)], deletes: [], cursor: cursor(3) });
+    await store.write("a", { forgetCursor: false, upserts: [row("3", 4)], deletes: ["1"], cursor: cursor(4) });
     const a = await store.load("a");
     assert.deepEqual(a.rows.map((r) => r.id).sort(), ["2", "3"]);
     assert.equal(a.rows.find((r) => r.id === "2").data.big, 2n ** 60n);
     assert.deepEqual(a.cursor, cursor(4));
     // A write without a cursor keeps the stored one.
-    await store.write("a", { reset: false, upserts: [row("4", 5)], deletes: [], cursor: null });
+    await store.write("a", { forgetCursor: false, upserts: [row("4", 5)], deletes: [], cursor: null });
     assert.deepEqual((await store.load("a")).cursor, cursor(4));
-    // A reset clears that scope only.
-    await store.write("a", { reset: true, upserts: [row("9", 1)], deletes: [], cursor: null });
-    assert.deepEqual(await store.load("a"), { rows: [row("9", 1)], cursor: null });
+    // A reset forgets that scope's cursor only and keeps its rows (the replay after it
+    // overwrites them, and deletes what it did not deliver once confirmed).
+    await store.write("a", { forgetCursor: true, upserts: [row("9", 1)], deletes: [], cursor: null });
+    const reset = await store.load("a");
+    assert.deepEqual(reset.rows.map((r) => r.id).sort(), ["2", "3", "4", "9"]);
+    assert.equal(reset.cursor, null);
     assert.deepEqual(await store.load("b"), { rows: [row("1", 3)], cursor: cursor(3) });
   });
 }
 
 test("IndexedDbStore: a write that fails stores none of it", async () => {
   const store = new IndexedDbStore(`test-${Math.random()}`);
-  await store.write("a", { reset: false, upserts: [row("1", 1)], deletes: [], cursor: cursor(1) });
+  await store.write("a", { forgetCursor: false, upserts: [row("1", 1)], deletes: [], cursor: cursor(1) });
   // A function cannot be cloned into IndexedDB: the transaction aborts after the first put.
   await assert.rejects(
-    store.write("a", { reset: true, upserts: [row("2", 2), row("3", 3, { bad: () => 1 })], deletes: [], cursor: cursor(3) }),
+    store.write("a", { forgetCursor: true, upserts: [row("2", 2), row("3", 3, { bad: () => 1 })], deletes: [], cursor: cursor(3) }),
   );
   assert.deepEqual(await store.load("a"), { rows: [row("1", 1)], cursor: cursor(1) });
 });

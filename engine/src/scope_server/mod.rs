@@ -29,8 +29,18 @@
 //! socket's unflushed bytes are under its budget (P15), and a socket whose budget stays full
 //! longer than a bound is closed 1013 "slow consumer"; a cursor of another epoch, without an
 //! epoch, below the retention floor (at subscribe, or raised past it while its replay runs), or
-//! before a truncate of its table gets a reset marker and a full replay; delivered cursors only move forwards; a subscription whose token expires is
-//! ended with `auth-expired`.
+//! before a truncate of its table gets a reset marker and a full replay; delivered cursors only
+//! move forwards; a subscription whose token expires is ended with `auth-expired`.
+//!
+//! Checkpoints: a client's cursor must follow the feed, not only its scope's rows, or a scope
+//! nobody writes would keep a cursor below the retention floor (raised to the initial sync's
+//! last seq on a first start, and by every prune) and reset on each resume. So the end of a
+//! replay sends a checkpoint envelope (`"cursor"`, see
+//! [`CURSOR_KEY`](crate::scope_sync::CURSOR_KEY)) at the pinned high-water or the newest entry
+//! routed since, whichever is higher, and [`ServerInput::Tick`] sends one to every live
+//! subscription that has not heard of the feed's newest routed entry for
+//! [`ServerConfig::checkpoint_interval_ms`]. Both are exact: every change of the scope up to
+//! that position has been sent on the socket before them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -87,6 +97,10 @@ pub struct ServerConfig {
     pub outbound_hard_limit_bytes: usize,
     /// Live envelopes kept for a subscription whose high-water is not pinned yet.
     pub max_buffered_live: usize,
+    /// How often a live subscription whose scope is quiet while the feed moves on is told the
+    /// feed position it is complete up to (a [`CURSOR_KEY`](crate::scope_sync::CURSOR_KEY) checkpoint), so its client's cursor
+    /// keeps up with the feed and stays above the retention floor.
+    pub checkpoint_interval_ms: u64,
 }
 
 impl ServerConfig {
@@ -98,6 +112,7 @@ impl ServerConfig {
             slow_consumer_timeout_ms: 10_000,
             outbound_hard_limit_bytes: 16 << 20,
             max_buffered_live: 10_000,
+            checkpoint_interval_ms: 30_000,
         }
     }
 }
@@ -258,6 +273,10 @@ struct Subscription {
     done: u64,
     total: Option<u64>,
     indexed: bool,
+    /// The highest feed seq the client has been sent, as an entry or a checkpoint.
+    told: i64,
+    /// When a live checkpoint was last due (set on the first tick after the replay).
+    checkpointed_ms: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -282,6 +301,9 @@ pub struct ScopeServer {
     /// Per table: the columns subscriptions are indexed under, with counts.
     indexed_columns: HashMap<String, BTreeMap<String, usize>>,
     retention_floor: Option<i64>,
+    /// The newest feed entry routed (seq, commit time): every live subscription has each
+    /// change of its scope up to it.
+    routed: Option<(i64, String)>,
     tickets: u64,
 }
 
@@ -294,6 +316,7 @@ impl ScopeServer {
             whole_table: HashMap::new(),
             indexed_columns: HashMap::new(),
             retention_floor: None,
+            routed: None,
             tickets: 0,
         }
     }
@@ -497,6 +520,8 @@ impl ScopeServer {
             done: 0,
             total: None,
             indexed: false,
+            told: 0,
+            checkpointed_ms: None,
         };
         if let Some(connection) = self.connections.get_mut(&conn) {
             connection
@@ -625,6 +650,14 @@ impl ScopeServer {
                         return;
                     };
                     sub.done += envelope.syncs.len() as u64;
+                    if let Some(seq) = envelope
+                        .syncs
+                        .iter()
+                        .filter_map(|e| e.server_sequence)
+                        .max()
+                    {
+                        sub.told = sub.told.max(seq);
+                    }
                     if !sub.sent_live.is_empty() {
                         let sent_live = &sub.sent_live;
                         envelope.syncs.retain(|entry| {
@@ -647,9 +680,28 @@ impl ScopeServer {
                     self.send_text(conn, text, out);
                 }
                 ReplayEffect::Finished { .. } => {
+                    let routed = self.routed.clone();
+                    let epoch = self.config.epoch.clone();
+                    let mut checkpoint = None;
                     if let Some(sub) = self.subscription_mut(conn, id) {
                         sub.stage = Stage::Live;
                         sub.sent_live = HashMap::new();
+                        // Caught up to the pin, and to every entry routed since (live ones
+                        // above the pin were sent): the client's cursor may stand there.
+                        let pinned = sub.pinned.unwrap_or(0);
+                        let through = match &routed {
+                            Some((seq, at)) if *seq >= pinned => Some((*seq, Some(at.clone()))),
+                            _ if pinned > 0 => Some((pinned, None)),
+                            _ => None,
+                        };
+                        if let Some((seq, at)) = through.filter(|(seq, _)| *seq > sub.told) {
+                            sub.told = seq;
+                            checkpoint =
+                                Some(SyncEnvelope::checkpoint(&feed_cursor(&epoch, seq, at)));
+                        }
+                    }
+                    if let Some(envelope) = checkpoint {
+                        self.send_checkpoint(conn, id, envelope, out);
                     }
                     self.send(
                         conn,
@@ -789,6 +841,11 @@ impl ScopeServer {
 
     /// Routes one committed transaction to the subscriptions it reaches.
     fn committed(&mut self, entries: &[FeedEntry], out: &mut Vec<ServerEffect>) {
+        if let Some(last) = entries.iter().max_by_key(|entry| entry.seq) {
+            if self.routed.as_ref().is_none_or(|(seq, _)| last.seq > *seq) {
+                self.routed = Some((last.seq, last.updated_at.clone()));
+            }
+        }
         let mut reached: BTreeMap<SubRef, Vec<FeedEntry>> = BTreeMap::new();
         for entry in entries {
             for target in self.candidates(entry) {
@@ -866,12 +923,65 @@ impl ScopeServer {
                 }
             }
         }
+        if let Some(seq) = syncs.iter().filter_map(|e| e.server_sequence).max() {
+            sub.told = sub.told.max(seq);
+        }
         let envelope = SyncEnvelope::new(None, syncs);
         let _ = sub.planner.handle(ReplayInput::Delivered {
             envelope: envelope.clone(),
         });
         let text = message_text(id, &envelope);
         self.send_text(conn, text, out);
+    }
+
+    /// Sends a [`CURSOR_KEY`](crate::scope_sync::CURSOR_KEY) checkpoint envelope, counted as delivered.
+    fn send_checkpoint(
+        &mut self,
+        conn: ConnId,
+        id: &str,
+        envelope: SyncEnvelope,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let Some(sub) = self.subscription_mut(conn, id) else {
+            return;
+        };
+        let _ = sub.planner.handle(ReplayInput::Delivered {
+            envelope: envelope.clone(),
+        });
+        let text = message_text(id, &envelope);
+        self.send_text(conn, text, out);
+    }
+
+    /// Tells live subscriptions that have not heard of the feed for a checkpoint interval how
+    /// far it has moved (their scopes were quiet meanwhile).
+    fn checkpoints(&mut self, now_ms: u64, out: &mut Vec<ServerEffect>) {
+        let Some((routed, at)) = self.routed.clone() else {
+            return;
+        };
+        let interval = self.config.checkpoint_interval_ms;
+        let budget = self.config.outbound_budget_bytes;
+        let epoch = self.config.epoch.clone();
+        let mut due = Vec::new();
+        for (conn, connection) in &mut self.connections {
+            if connection.closing || connection.unflushed >= budget {
+                continue;
+            }
+            for (id, sub) in &mut connection.subscriptions {
+                if !matches!(sub.stage, Stage::Live) {
+                    continue;
+                }
+                let since = *sub.checkpointed_ms.get_or_insert(now_ms);
+                if sub.told < routed && now_ms.saturating_sub(since) >= interval {
+                    sub.told = routed;
+                    sub.checkpointed_ms = Some(now_ms);
+                    due.push((*conn, id.clone()));
+                }
+            }
+        }
+        for (conn, id) in due {
+            let cursor = feed_cursor(&epoch, routed, Some(at.clone()));
+            self.send_checkpoint(conn, &id, SyncEnvelope::checkpoint(&cursor), out);
+        }
     }
 
     fn send_reset(
@@ -925,6 +1035,7 @@ impl ScopeServer {
             let message = "expected a token valid now, got one that expired".to_owned();
             self.fail(conn, &id, codes::AUTH_EXPIRED, message, out);
         }
+        self.checkpoints(now_ms, out);
     }
 
     /// Closes sockets over their hard limit, or over their budget for too long.

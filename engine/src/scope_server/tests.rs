@@ -228,15 +228,88 @@ fn a_fresh_subscribe_replays_pages_in_order_then_confirms() {
     );
     let effects = page(&mut server, ticket, pass, 9, vec![upsert(8, 3, "ada")]);
     let frames = sent(&effects);
-    assert_eq!(frames.len(), 2);
+    assert_eq!(frames.len(), 3);
     assert_eq!(
         frames[0]["body"]["progress"],
         json!({"done": 3, "total": 3})
     );
+    // The scope's newest row is 8, but the client holds everything up to the pin, 9: its
+    // cursor goes there, so a resume is never judged by a row that is only older.
     assert_eq!(
-        frames[1],
+        frames[1]["body"],
+        json!({"echoOrigin": null, "syncs": [],
+               "cursor": {"id": "v1:9", "serverSequence": 9, "updatedAt": "1970-01-01T00:00:00.000Z"}})
+    );
+    assert_eq!(
+        frames[2],
         json!({"type": "channel-subscribed", "subscriptionId": "s1"})
     );
+    assert_eq!(
+        server
+            .delivered_cursor(C, "s1")
+            .and_then(|c| c.server_sequence),
+        Some(9)
+    );
+}
+
+#[test]
+fn a_replay_whose_last_row_is_the_pin_ends_without_a_checkpoint() {
+    let mut server = server();
+    let (ticket, effects) = granted(&mut server, "s1", "ada", json!({}));
+    let pass = fetch(&effects).unwrap().1;
+    let effects = page(&mut server, ticket, pass, 5, vec![upsert(5, 2, "ada")]);
+    let frames = sent(&effects);
+    assert_eq!(frames.len(), 2, "{frames:?}");
+    assert_eq!(frames[1]["type"], "channel-subscribed");
+}
+
+#[test]
+fn a_quiet_live_scope_is_told_how_far_the_feed_moved_once_per_checkpoint_interval() {
+    let mut config = ServerConfig::new(EPOCH);
+    config.checkpoint_interval_ms = 1_000;
+    let mut server = ScopeServer::new(config);
+    server.handle(
+        ServerInput::Opened {
+            conn: C,
+            session_id: "s".into(),
+        },
+        0,
+    );
+    let (ticket, effects) = granted(&mut server, "s1", "ada", json!({}));
+    let pass = fetch(&effects).unwrap().1;
+    page(&mut server, ticket, pass, 5, vec![upsert(5, 2, "ada")]);
+    // Others' rows move the feed on; ada's scope is quiet.
+    server.handle(
+        ServerInput::Committed {
+            entries: vec![upsert(6, 9, "grace"), upsert(7, 10, "grace")],
+        },
+        0,
+    );
+    assert!(
+        sent(&server.handle(ServerInput::Tick, 100)).is_empty(),
+        "the first tick starts the interval"
+    );
+    assert!(
+        sent(&server.handle(ServerInput::Tick, 900)).is_empty(),
+        "not before the interval"
+    );
+    let frames = sent(&server.handle(ServerInput::Tick, 1_100));
+    assert_eq!(
+        frames,
+        vec![json!({"type": "channel-message", "subscriptionId": "s1",
+            "body": {"echoOrigin": null, "syncs": [],
+                     "cursor": {"id": "v1:7", "serverSequence": 7, "updatedAt": "2026-12-01T12:00:00.000Z"}}})]
+    );
+    // Nothing new since: no second checkpoint.
+    assert!(sent(&server.handle(ServerInput::Tick, 5_000)).is_empty());
+    // Its own row arrives live: that moves its cursor, so no checkpoint is due for it.
+    server.handle(
+        ServerInput::Committed {
+            entries: vec![upsert(8, 2, "ada")],
+        },
+        5_000,
+    );
+    assert!(sent(&server.handle(ServerInput::Tick, 9_000)).is_empty());
     assert_eq!(
         server
             .delivered_cursor(C, "s1")

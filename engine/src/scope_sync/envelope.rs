@@ -4,7 +4,17 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::coercion::{describe, json_number_text};
-use crate::cursor::{sequence_from_value, CursorError, SyncCursor};
+use crate::cursor::{parse_cursor_payload, sequence_from_value, CursorError, SyncCursor};
+
+/// Envelope key of a position the subscription has every change of its scope up to:
+/// `{"echoOrigin":null,"syncs":[],"cursor":{"id":…,"serverSequence":…,"updatedAt":…}}`.
+///
+/// A scope whose rows do not change still sees the feed move on: the server sends this at the
+/// end of a replay (the high-water it pinned) and now and then while live, so the cursor a
+/// client keeps follows the feed instead of staying at its scope's newest row, and a resume
+/// from it is never older than the retention floor only because the scope was quiet.
+/// Velocious peers ignore the key and apply the empty `syncs`.
+pub const CURSOR_KEY: &str = "cursor";
 
 /// The body of a scope-sync `channel-message`.
 ///
@@ -189,11 +199,30 @@ impl SyncEnvelope {
         self.to_value().to_string()
     }
 
-    /// The highest entry cursor strictly after `current`, if any entry is after it (§3.7):
-    /// where a scope watermark moves once this envelope is applied or delivered.
+    /// An empty envelope that tells a subscription it holds every change of its scope up to
+    /// `cursor`: see [`CURSOR_KEY`].
+    pub fn checkpoint(cursor: &SyncCursor) -> Self {
+        let mut envelope = Self::new(None, Vec::new());
+        envelope
+            .extra
+            .insert(CURSOR_KEY.to_owned(), serde_json::json!(cursor));
+        envelope
+    }
+
+    /// The envelope's [`CURSOR_KEY`] position, if it carries a valid one.
+    pub fn checkpoint_cursor(&self) -> Option<SyncCursor> {
+        parse_cursor_payload(self.extra.get(CURSOR_KEY)?)
+            .ok()
+            .flatten()
+    }
+
+    /// The highest cursor strictly after `current` among the entries and the envelope's
+    /// [`CURSOR_KEY`] position, if any is after it (§3.7): where a scope watermark moves once
+    /// this envelope is applied or delivered.
     pub fn advanced_cursor(&self, current: Option<&SyncCursor>) -> Option<SyncCursor> {
         let mut best: Option<SyncCursor> = None;
-        for cursor in self.syncs.iter().filter_map(SyncEntry::cursor) {
+        let entries = self.syncs.iter().filter_map(SyncEntry::cursor);
+        for cursor in entries.chain(self.checkpoint_cursor()) {
             if cursor.is_after(best.as_ref().or(current)) {
                 best = Some(cursor);
             }

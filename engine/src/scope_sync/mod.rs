@@ -11,7 +11,7 @@ mod frame;
 mod subscribe;
 
 pub use coercion::js_string_form;
-pub use envelope::{EnvelopeError, SyncEntry, SyncEnvelope};
+pub use envelope::{EnvelopeError, SyncEntry, SyncEnvelope, CURSOR_KEY};
 pub use frame::{ClientFrame, FrameError, ServerFrame, SYNC_CHANNEL_TYPE};
 pub use subscribe::{
     page_limit, request_sequence, SubscribeError, SubscribeParams, DEFAULT_PAGE_LIMIT,

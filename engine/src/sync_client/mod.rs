@@ -18,7 +18,8 @@
 //! - [`ClientEffect::Changed`]: the scope's rows changed by one server transaction (or by a
 //!   restore or reset); tell the app, once.
 //! - [`ClientEffect::Persist`]: write this to the scope's store in ONE storage transaction, in
-//!   the order given (rows, deletions and the cursor together; `reset` first clears the scope).
+//!   the order given (rows, deletions and the cursor together; `forget_cursor` first drops the
+//!   stored cursor).
 //! - [`ClientEffect::Progress`], [`ClientEffect::Ready`], [`ClientEffect::ScopeFailed`],
 //!   [`ClientEffect::Error`], [`ClientEffect::Status`]: report to the app.
 //!
@@ -38,7 +39,10 @@
 //!   session state, so a fresh connect, `session-gone` and `session-resumed` end the same way.
 //! - A scope's cursor is persisted only after its rows were applied and its subscription was
 //!   confirmed (`channel-subscribed` passed through the apply queue, P3), and never moves
-//!   backwards; a reset marker replaces the scope's rows and drops its cursor.
+//!   backwards; it also moves with an envelope's `cursor` checkpoint (the feed position its
+//!   scope is complete up to). A reset marker drops the cursor but keeps the rows: the full
+//!   replay that follows overwrites them, and once it is confirmed the rows it did not
+//!   deliver are removed, so a reset never empties a page.
 //! - Each envelope is applied at once: one [`ClientEffect::Changed`] with the net change per
 //!   row; an entry older than the row held (by `serverSequence`) is skipped, a repeated entry
 //!   changes nothing.
@@ -166,18 +170,23 @@ pub struct StoredScope {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PersistWrite {
-    /// Clear the scope's rows and cursor first.
-    pub reset: bool,
+    /// Drop the scope's stored cursor first: the server reset the scope. Its rows stay (the
+    /// page is never emptied by a reset); the full replay that follows overwrites them, and
+    /// the ones it does not deliver are deleted by a later write, once it is confirmed.
+    pub forget_cursor: bool,
     pub upserts: Vec<StoredRow>,
     /// `resourceId`s to delete.
     pub deletes: Vec<String>,
-    /// The new cursor; `None` keeps the stored one (or none, after `reset`).
+    /// The new cursor; `None` keeps the stored one (or none, after `forget_cursor`).
     pub cursor: Option<SyncCursor>,
 }
 
 impl PersistWrite {
     fn is_empty(&self) -> bool {
-        !self.reset && self.upserts.is_empty() && self.deletes.is_empty() && self.cursor.is_none()
+        !self.forget_cursor
+            && self.upserts.is_empty()
+            && self.deletes.is_empty()
+            && self.cursor.is_none()
     }
 }
 
@@ -274,7 +283,8 @@ pub enum ClientEffect {
     SetTimer {
         at_ms: Option<u64>,
     },
-    /// `reset`: the rows were replaced after a server reset (the removed rows are listed).
+    /// `reset`: the server reset the scope; its rows stay until the full replay that follows
+    /// is confirmed, when the ones it did not deliver are removed (reported by a later change).
     #[serde(rename_all = "camelCase")]
     Changed {
         scope: ScopeKey,
@@ -1365,16 +1375,18 @@ impl ScopeSlot {
     fn apply(&mut self, reset: bool, changes: Vec<RemoteChange>) -> (RowChange, PersistWrite) {
         let mut change = RowChange::default();
         let mut write = PersistWrite {
-            reset,
+            forget_cursor: reset,
             ..PersistWrite::default()
         };
         if reset {
-            change.removed = std::mem::take(&mut self.rows)
-                .into_values()
-                .map(|row| row.data)
-                .collect();
+            // The rows stay: the full replay that follows overwrites them, and the ones it
+            // does not deliver are removed once it is confirmed (the sweep). Their sequences
+            // may be of another epoch, so they say nothing about its entries.
+            for row in self.rows.values_mut() {
+                row.server_sequence = None;
+            }
             self.cursor = None;
-            self.sweep = None;
+            self.sweep = Some(BTreeSet::new());
         }
         // Each touched row's state before the batch, in first-touch order.
         let mut before: IndexMap<String, Option<RowData>> = IndexMap::new();

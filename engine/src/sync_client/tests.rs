@@ -298,12 +298,18 @@ fn repeated_and_older_entries_change_nothing() {
 }
 
 #[test]
-fn a_reset_marker_replaces_the_rows_and_drops_the_cursor() {
+fn a_reset_marker_keeps_the_rows_until_the_full_replay_is_confirmed_then_drops_the_rest() {
     let (mut client, sub) = connected(None);
     frame(
         &mut client,
         1,
-        message(&sub, vec![entry(1, 7, "1", Some(row("1", 7)))]),
+        message(
+            &sub,
+            vec![
+                entry(1, 7, "1", Some(row("1", 7))),
+                entry(1, 9, "3", Some(row("3", 9))),
+            ],
+        ),
     );
     frame(&mut client, 1, subscribed(&sub));
     assert!(client.cursor(1).is_some());
@@ -334,21 +340,113 @@ fn a_reset_marker_replaces_the_rows_and_drops_the_cursor() {
         "body": {"echoOrigin": null, "syncs": [], "reset": {"reason": "epoch-changed"}}})
     .to_string();
     let effects = frame(&mut client, 100_002, reset);
-    assert!(effects.iter().any(|e| matches!(e, ClientEffect::Changed { reset: true, change, .. } if change.removed.len() == 1)));
-    assert!(persists(&effects)[0].reset);
-    assert!(client.rows(1).is_empty());
+    // Reported, but nothing removed yet: the page keeps showing the rows.
+    assert!(effects.iter().any(|e| matches!(e, ClientEffect::Changed { reset: true, change, .. } if change.removed.is_empty())));
+    let write = &persists(&effects)[0];
+    assert!(write.forget_cursor && write.deletes.is_empty() && write.upserts.is_empty());
+    assert_eq!(client.rows(1).len(), 2);
     assert_eq!(client.cursor(1), None);
-    frame(
+    // The new epoch's replay: row 1 at a lower sequence than it was held at, and a new row 5.
+    let effects = frame(
         &mut client,
         100_003,
-        message(&sub, vec![entry(2, 1, "5", Some(row("5", 1)))]),
+        message(
+            &sub,
+            vec![
+                entry(2, 1, "1", Some(row("1", 1))),
+                entry(2, 2, "5", Some(row("5", 2))),
+            ],
+        ),
+    );
+    assert!(!effects
+        .iter()
+        .any(|e| matches!(e, ClientEffect::Changed { change, .. } if !change.removed.is_empty())));
+    assert_eq!(
+        client.rows(1).len(),
+        3,
+        "row 3 stays until the replay is confirmed"
     );
     let effects = frame(&mut client, 100_004, subscribed(&sub));
-    // The new epoch's lower sequence is taken: the old cursor was dropped.
+    // Confirmed: row 3, which the replay did not deliver, is gone, in the same write as the
+    // new epoch's cursor.
+    assert!(effects.iter().any(
+        |e| matches!(e, ClientEffect::Changed { reset: false, change, .. }
+        if change.removed.len() == 1 && change.removed[0].get("id") == Some(&json!("3")))
+    ));
+    let writes = persists(&effects);
+    assert!(writes.iter().any(|w| w.deletes == ["3"]));
     assert_eq!(
-        persists(&effects)[0].cursor.as_ref().unwrap().id.as_deref(),
-        Some("2:1")
+        writes
+            .last()
+            .unwrap()
+            .cursor
+            .as_ref()
+            .unwrap()
+            .id
+            .as_deref(),
+        Some("2:2")
     );
+    assert_eq!(
+        client.rows(1),
+        vec![
+            row("1", 1).as_object().unwrap(),
+            row("5", 2).as_object().unwrap()
+        ]
+    );
+}
+
+#[test]
+fn a_checkpoint_moves_the_cursor_of_a_quiet_scope_and_is_persisted_once_confirmed() {
+    let (mut client, sub) = connected(None);
+    frame(
+        &mut client,
+        1,
+        message(&sub, vec![entry(1, 7, "1", Some(row("1", 7)))]),
+    );
+    // The end of the replay: the pinned high-water, above the scope's newest row.
+    let checkpoint = json!({"type": "channel-message", "subscriptionId": sub,
+        "body": {"echoOrigin": null, "syncs": [],
+                 "cursor": {"id": "1:300", "serverSequence": 300, "updatedAt": "2026-12-01T00:00:00.000Z"}}})
+    .to_string();
+    let effects = frame(&mut client, 2, checkpoint);
+    assert!(
+        persists(&effects).iter().all(|w| w.cursor.is_none()),
+        "not before channel-subscribed"
+    );
+    assert!(!effects
+        .iter()
+        .any(|e| matches!(e, ClientEffect::Changed { .. })));
+    let effects = frame(&mut client, 3, subscribed(&sub));
+    assert_eq!(
+        persists(&effects)
+            .last()
+            .unwrap()
+            .cursor
+            .as_ref()
+            .unwrap()
+            .server_sequence,
+        Some(300)
+    );
+    assert_eq!(client.cursor(1).unwrap().server_sequence, Some(300));
+    // Live: a later checkpoint moves it on; an older one does not move it back.
+    let at = |seq: i64| {
+        json!({"type": "channel-message", "subscriptionId": sub,
+        "body": {"echoOrigin": null, "syncs": [],
+                 "cursor": {"id": format!("1:{seq}"), "serverSequence": seq, "updatedAt": "2026-12-01T00:00:00.000Z"}}})
+    .to_string()
+    };
+    let effects = frame(&mut client, 4, at(450));
+    assert_eq!(
+        persists(&effects)[0]
+            .cursor
+            .as_ref()
+            .unwrap()
+            .server_sequence,
+        Some(450)
+    );
+    let effects = frame(&mut client, 5, at(400));
+    assert!(persists(&effects).is_empty());
+    assert_eq!(client.cursor(1).unwrap().server_sequence, Some(450));
     assert_eq!(client.rows(1).len(), 1);
 }
 
@@ -1191,8 +1289,8 @@ impl Harness {
                 }
                 ClientEffect::Persist { scope, write } => {
                     let store = &mut self.stores[self.scope_of(scope)];
-                    if write.reset {
-                        *store = StoreModel::default();
+                    if write.forget_cursor {
+                        store.cursor = None;
                     }
                     for row in write.upserts {
                         store.rows.insert(row.id.clone(), row);
@@ -1215,18 +1313,17 @@ impl Harness {
                     change,
                 } => {
                     let view = &mut self.views[self.scope_of(scope)];
-                    if reset {
-                        for row in &change.removed {
-                            assert!(view.remove(row["id"].as_str().unwrap()).is_some());
-                        }
-                        assert!(view.is_empty());
-                    } else {
-                        for row in change.removed {
-                            assert!(
-                                view.remove(row["id"].as_str().unwrap()).is_some(),
-                                "removed a row not shown"
-                            );
-                        }
+                    // A reset removes nothing by itself: the rows stay until its replay is
+                    // confirmed.
+                    assert!(
+                        !reset || change.removed.is_empty(),
+                        "a reset emptied the view"
+                    );
+                    for row in change.removed {
+                        assert!(
+                            view.remove(row["id"].as_str().unwrap()).is_some(),
+                            "removed a row not shown"
+                        );
                     }
                     for row in change.inserted {
                         assert!(

@@ -724,6 +724,13 @@ async fn with_work_dir(
             format!("scope client {name}: its persisted cursor never moved backwards"),
             || format!("{} regressions", state.cursor_regressions),
         );
+        // Kills, Postgres restarts, cut connections and relay switches are no reason to start
+        // a scope over: every resume replays from the client's cursor.
+        checks.check(
+            state.resets == 0,
+            format!("scope client {name}: never reset"),
+            || format!("{} resets", state.resets),
+        );
     }
     for server in [&primary, &relay] {
         let log = std::fs::read_to_string(server.log()).unwrap_or_default();

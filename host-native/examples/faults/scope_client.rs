@@ -254,9 +254,7 @@ async fn drive(
                     ClientEffect::SetTimer { at_ms } => timer = at_ms,
                     ClientEffect::Persist { write, .. } => {
                         let mut state = lock(&shared);
-                        if write.reset {
-                            state.stored.clear();
-                            state.raw.clear();
+                        if write.forget_cursor {
                             state.cursor = None;
                         }
                         for row in &write.upserts {

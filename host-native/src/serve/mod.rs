@@ -42,6 +42,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use highwater_engine::change_stream::MAX_PROTOCOL_VERSION;
+use highwater_engine::scope_server::ServerConfig;
 use highwater_engine::streamer::{
     BackupWatermark, ChangeLogState, Streamer, StreamerConfig, DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
     DEFAULT_BACKLOG_HIGH_WATER_BYTES, DEFAULT_PURGE_DELAY_MS,
@@ -156,6 +157,10 @@ pub struct ServeArgs {
     /// (1013, "slow consumer").
     #[arg(long, default_value_t = DEFAULT_SLOW_CONSUMER_MS, hide = true)]
     pub sync_slow_consumer_ms: u64,
+    /// How often a live scope-sync subscription whose scope is quiet is told how far the feed
+    /// has moved (its client's cursor follows, so it stays above the retention floor).
+    #[arg(long, default_value_t = DEFAULT_SYNC_CHECKPOINT_MS, hide = true)]
+    pub sync_checkpoint_ms: u64,
     /// Store queued upstream transactions in one SQLite commit (group commit), on by default;
     /// `--no-group-commit` stores each in its own commit (for comparing the two).
     #[arg(long = "no-group-commit", hide = true, action = clap::ArgAction::SetFalse)]
@@ -175,6 +180,9 @@ pub const DEFAULT_SLOW_CONSUMER_MS: u64 = 10_000;
 /// WebSocket connections served at once by default: each costs a task, buffers and a
 /// backlog up to its bound, so the total stays within a small server's memory.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+
+/// A quiet live scope-sync subscription hears of the feed's position this often by default.
+pub const DEFAULT_SYNC_CHECKPOINT_MS: u64 = 30_000;
 
 /// Exits are kept a week by default.
 pub const DEFAULT_SYNC_RETENTION_SECS: u64 = 7 * 24 * 3600;
@@ -202,6 +210,7 @@ impl ServeArgs {
             sync_secret: SyncSecretArgs::default(),
             sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,
             sync_slow_consumer_ms: DEFAULT_SLOW_CONSUMER_MS,
+            sync_checkpoint_ms: DEFAULT_SYNC_CHECKPOINT_MS,
             group_commit: true,
             security: Box::default(),
             extra_routes: None,
@@ -429,6 +438,7 @@ fn settings(
         sync,
         sync_retention: Duration::from_secs(args.sync_retention_secs),
         sync_slow_consumer_ms: args.sync_slow_consumer_ms,
+        sync_checkpoint_ms: args.sync_checkpoint_ms,
         group_commit: args.group_commit,
         data: args.data.clone(),
         public_url: args.public_url(),
@@ -455,6 +465,7 @@ struct Settings {
     sync: Option<Arc<SyncAuth>>,
     sync_retention: Duration,
     sync_slow_consumer_ms: u64,
+    sync_checkpoint_ms: u64,
     /// Group commit in the ingest thread (off with `--no-group-commit`).
     group_commit: bool,
     data: PathBuf,
@@ -551,9 +562,11 @@ async fn run_server(
         None => None,
         Some(auth) => {
             writer.enable_scope_feed(auth.filter_columns().into_iter().collect())?;
+            let mut config = ServerConfig::new(log.replica_version.as_str());
+            config.slow_consumer_timeout_ms = settings.sync_slow_consumer_ms;
+            config.checkpoint_interval_ms = settings.sync_checkpoint_ms;
             let sync_hub = sync::SyncHub::new(
-                log.replica_version.as_str(),
-                settings.sync_slow_consumer_ms,
+                config,
                 auth.clone(),
                 db_path.clone(),
                 handle.clone(),

@@ -99,16 +99,13 @@ fn now_ms() -> u64 {
 
 impl SyncHub {
     pub fn new(
-        epoch: &str,
-        slow_consumer_timeout_ms: u64,
+        config: ServerConfig,
         auth: Arc<SyncAuth>,
         replica_path: PathBuf,
         handle: tokio::runtime::Handle,
         ping_interval: Duration,
         fault: Fault,
     ) -> Arc<SyncHub> {
-        let mut config = ServerConfig::new(epoch);
-        config.slow_consumer_timeout_ms = slow_consumer_timeout_ms;
         Arc::new(SyncHub {
             server: Mutex::new(ScopeServer::new(config)),
             peers: Mutex::new(HashMap::new()),

@@ -161,6 +161,7 @@ impl Harness {
             sync: None,
             sync_retention: Duration::from_secs(super::DEFAULT_SYNC_RETENTION_SECS),
             sync_slow_consumer_ms: super::DEFAULT_SLOW_CONSUMER_MS,
+            sync_checkpoint_ms: super::DEFAULT_SYNC_CHECKPOINT_MS,
             group_commit: true,
             data: dir.0.clone(),
             public_url: format!("http://{addr}"),
