@@ -562,3 +562,138 @@ async fn a_failed_backfill_is_retried_in_a_quiet_database() {
     s.close().await;
     server.stop().await;
 }
+
+/// A replica table's rows, each with only `columns` (numbers canonical), ordered by `id`.
+fn replica_projection(data: &std::path::Path, table: &str, columns: &[&str]) -> Vec<Value> {
+    let mut rows: Vec<Value> = replica_support::replica_rows(data)
+        .into_iter()
+        .find(|(name, _)| name == table)
+        .unwrap_or_else(|| panic!("{table} is in the replica"))
+        .1
+        .into_iter()
+        .map(|row| {
+            let object: serde_json::Map<String, Value> = columns
+                .iter()
+                .map(|c| ((*c).to_owned(), canonical(&row[*c])))
+                .collect();
+            Value::Object(object)
+        })
+        .collect();
+    rows.sort_by_key(|r| r["id"].as_i64());
+    rows
+}
+
+/// `SELECT columns FROM table WHERE filter ORDER BY id` in Postgres, the same shape.
+async fn postgres_projection(
+    client: &tokio_postgres::Client,
+    table: &str,
+    columns: &[&str],
+    filter: &str,
+) -> Vec<Value> {
+    let sql = format!(
+        "SELECT coalesce(json_agg(json_build_object({}) ORDER BY id), '[]')::text FROM {table} WHERE {filter}",
+        columns
+            .iter()
+            .map(|c| format!("'{c}', {c}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let text: String = client.query_one(&sql, &[]).await.unwrap().get(0);
+    let rows: Vec<Value> = serde_json::from_str(&text).unwrap();
+    rows.iter()
+        .map(|row| {
+            Value::Object(
+                row.as_object()
+                    .unwrap()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), canonical(v)))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// A publication with a row filter and a column list: the initial sync, the live stream
+/// (updates moving rows into and out of the filter) and backfills (a column with a volatile
+/// default, a table added to the publication with rows of its own) leave the replica holding
+/// exactly what the publication publishes, as `SELECT … WHERE <filter>` gives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filtered_publication_replicates_only_its_rows_and_columns() {
+    let pg = replica_support::start_pg().await;
+    let client = pg.connect().await.unwrap();
+    client
+        .batch_execute(&format!(
+            "{}
+             CREATE TABLE t (id int PRIMARY KEY, tenant int NOT NULL, v text);
+             ALTER TABLE t REPLICA IDENTITY FULL;
+             INSERT INTO t SELECT g, g % 2 + 1, 'v' || g FROM generate_series(1, 40) g;
+             CREATE TABLE u (id int PRIMARY KEY, v text, secret text);
+             INSERT INTO u SELECT g, 'u' || g, 'hidden' FROM generate_series(1, 10) g;
+             CREATE TABLE w (id int PRIMARY KEY, tenant int NOT NULL);
+             ALTER TABLE w REPLICA IDENTITY FULL;
+             INSERT INTO w SELECT g, g % 2 + 1 FROM generate_series(1, 30) g;
+             CREATE PUBLICATION hwpub FOR TABLE hw_marker, t WHERE (tenant = 1), u (id, v);",
+            replica_support::MARKER_DDL
+        ))
+        .await
+        .unwrap();
+    let data = DataDir::new("filtered-publication");
+    let mut args = serve_args(&pg.url(), data.path(), free_port());
+    args.publications = vec!["hwpub".to_owned()];
+    let server = InProcess::start(args).await;
+    replica_support::catch_up(&client, data.path()).await;
+
+    // The initial sync: tenant 1's rows only; u without its unpublished column.
+    let t_cols = ["id", "tenant", "v"];
+    let want = postgres_projection(&client, "t", &t_cols, "tenant = 1").await;
+    assert_eq!(want.len(), 20);
+    assert_eq!(replica_projection(data.path(), "t", &t_cols), want);
+    let u_rows = replica_support::replica_rows(data.path())
+        .into_iter()
+        .find(|(name, _)| name == "u")
+        .unwrap()
+        .1;
+    assert_eq!(u_rows.len(), 10);
+    assert!(
+        u_rows.iter().all(|r| !r.contains_key("secret")),
+        "{u_rows:?}"
+    );
+
+    // Live: rows moving into and out of the filter, rows outside it written.
+    client
+        .batch_execute(
+            "UPDATE t SET tenant = 1 WHERE id = 1;
+             UPDATE t SET tenant = 2 WHERE id = 2;
+             INSERT INTO t VALUES (100, 2, 'outside'), (101, 1, 'inside');
+             UPDATE t SET v = 'changed outside' WHERE id = 3;
+             UPDATE t SET v = 'changed inside' WHERE id = 4;
+             DELETE FROM t WHERE id = 6;
+             UPDATE u SET secret = 'still hidden', v = 'u changed' WHERE id = 1;",
+        )
+        .await
+        .unwrap();
+    // Backfills: a column whose existing values only upstream knows, and a table added to
+    // the publication with a filter of its own.
+    client
+        .batch_execute(
+            "ALTER TABLE t ADD COLUMN r float8 DEFAULT random();
+             ALTER PUBLICATION hwpub ADD TABLE w WHERE (tenant = 1);",
+        )
+        .await
+        .unwrap();
+    replica_support::catch_up(&client, data.path()).await;
+    let t_cols = ["id", "tenant", "v", "r"];
+    assert_eq!(
+        replica_projection(data.path(), "t", &t_cols),
+        postgres_projection(&client, "t", &t_cols, "tenant = 1").await
+    );
+    assert_eq!(
+        replica_projection(data.path(), "w", &["id", "tenant"]),
+        postgres_projection(&client, "w", &["id", "tenant"], "tenant = 1").await
+    );
+    assert_eq!(
+        replica_projection(data.path(), "u", &["id", "v"]),
+        postgres_projection(&client, "u", &["id", "v"], "true").await
+    );
+    server.stop().await;
+}

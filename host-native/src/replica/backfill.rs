@@ -41,6 +41,7 @@ use crate::replication::PgConfig;
 
 use super::apply::PendingBackfill;
 use super::copy_text::CopyRows;
+use super::ddl::combine_row_filters;
 use super::initial_sync::{copy_sql, open_snapshot, SyncError, TextRowConverter};
 use super::schema::{quote_ident, ReplicaColumn, ReplicaTable};
 use super::Replica;
@@ -99,6 +100,8 @@ pub struct BackfillJob {
     /// Upstream transactions (32-bit xids) the snapshot must see: the consumer's latest.
     pub visible_xids: Vec<u32>,
     pub batch_rows: usize,
+    /// The replica's publications: only rows their row filters publish are read.
+    pub publications: Vec<String>,
 }
 
 /// What a running backfill yields.
@@ -252,6 +255,28 @@ async fn upstream_columns(client: &Client, table: &ReplicaTable) -> Result<Vec<S
         .iter()
         .map(|r| r.try_get(0).map_err(SyncError::from))
         .collect()
+}
+
+/// The row filter the replica's publications publish the table with, in the snapshot (see
+/// [`combine_row_filters`]); `None`: every row. Read through `to_jsonb`, so Postgres before 15
+/// (no row filters) answers `None`.
+async fn upstream_row_filter(
+    client: &Client,
+    table: &ReplicaTable,
+    publications: &[String],
+) -> Result<Option<String>, SyncError> {
+    let rows = client
+        .query(
+            "SELECT to_jsonb(pt) ->> 'rowfilter' FROM pg_publication_tables pt \
+             WHERE pt.schemaname = $1 AND pt.tablename = $2 AND pt.pubname::text = ANY($3::text[])",
+            &[&table.schema, &table.table, &publications],
+        )
+        .await?;
+    let filters: Vec<Option<String>> = rows
+        .iter()
+        .map(|r| r.try_get(0))
+        .collect::<Result<_, _>>()?;
+    Ok(combine_row_filters(filters.iter().map(Option::as_deref)))
 }
 
 /// The planner's estimate of the table's rows, for `status` (display only).
@@ -460,8 +485,9 @@ async fn read_rows(
         .collect();
     let total = estimated_rows(client, &job.table).await?;
     let mut converter = TextRowConverter::new(&job.table, &copy_columns)?;
+    let row_filter = upstream_row_filter(client, &job.table, &job.publications).await?;
     let stream = client
-        .copy_out(&copy_sql(&job.table, &copy_columns))
+        .copy_out(&copy_sql(&job.table, &copy_columns, row_filter.as_deref()))
         .await?;
     let mut stream = Box::pin(stream);
     let mut parser = CopyRows::new(copy_columns.len());
@@ -638,6 +664,10 @@ impl BackfillPlanner {
                 commit_watermark: next_minor(position),
                 visible_xids: visible_xids.to_vec(),
                 batch_rows,
+                publications: replica
+                    .state()
+                    .map(|state| state.publications.clone())
+                    .unwrap_or_default(),
             });
         }
         None

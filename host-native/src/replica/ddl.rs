@@ -41,6 +41,13 @@ SELECT coalesce(json_agg(t ORDER BY t.schema, t.name), '[]'::json)::text FROM (
     (SELECT json_agg(DISTINCT pt.pubname::text) FROM pg_publication_tables pt
       WHERE pt.schemaname = n.nspname AND pt.tablename = c.relname
         AND pt.pubname::text = ANY($1::text[])) AS publications,
+    -- Per publication, its column list and row filter (Postgres 15+; read through to_jsonb so
+    -- the query also runs where pg_publication_tables has no such columns).
+    (SELECT json_object_agg(pt.pubname::text, json_build_object(
+        'columns', to_jsonb(pt) -> 'attnames', 'rowFilter', to_jsonb(pt) ->> 'rowfilter'))
+      FROM pg_publication_tables pt
+      WHERE pt.schemaname = n.nspname AND pt.tablename = c.relname
+        AND pt.pubname::text = ANY($1::text[])) AS "publicationDetails",
     (SELECT coalesce(json_agg(json_build_object(
         'name', a.attname::text, 'attnum', a.attnum, 'typeOID', a.atttypid::int8,
         'dataType', CASE WHEN t.typcategory = 'A' AND et.oid IS NOT NULL
@@ -102,6 +109,38 @@ pub struct PublishedTable {
     pub columns: Vec<PublishedColumn>,
     pub key: Vec<String>,
     pub indexes: Vec<PublishedIndex>,
+    /// Per publication: its column list and row filter (absent before Postgres 15).
+    #[serde(default)]
+    pub publication_details: Option<std::collections::BTreeMap<String, PublicationDetail>>,
+    /// The row filter the table is published with to the replica's publications (set by
+    /// [`PublishedTable::restrict_to`]): rows outside it are never replicated.
+    #[serde(skip)]
+    pub row_filter: Option<String>,
+}
+
+/// How one publication publishes a table (Postgres 15+).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PublicationDetail {
+    /// The published columns (every column when the publication has no column list).
+    #[serde(default)]
+    pub columns: Option<Vec<String>>,
+    /// `WHERE` of the publication's row filter, as Postgres deparses it; `None`: every row.
+    #[serde(default)]
+    pub row_filter: Option<String>,
+}
+
+/// The row filter of a table published by several publications: a row is published if any of
+/// them publishes it, so the filters are ORed, and one publication without a filter publishes
+/// every row (as Postgres combines them for its own subscribers).
+pub fn combine_row_filters<'a>(
+    filters: impl IntoIterator<Item = Option<&'a str>>,
+) -> Option<String> {
+    let mut parts = Vec::new();
+    for filter in filters {
+        parts.push(format!("({})", filter?));
+    }
+    (!parts.is_empty()).then(|| parts.join(" OR "))
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -194,6 +233,43 @@ impl PublishedTable {
         replica_table_name(&self.schema, &self.name)
     }
 
+    /// Keeps what `publications` publish of the table: the columns of their column lists (key
+    /// columns always: Postgres requires them in a column list of a publication that publishes
+    /// updates or deletes), the indexes over those columns, and their combined row filter.
+    /// Nothing changes for a schema read before Postgres 15 (no column lists or row filters).
+    pub fn restrict_to(&mut self, publications: &[String]) {
+        let Some(details) = &self.publication_details else {
+            return;
+        };
+        let ours: Vec<&PublicationDetail> = details
+            .iter()
+            .filter(|(name, _)| publications.contains(name))
+            .map(|(_, detail)| detail)
+            .collect();
+        if ours.is_empty() {
+            return;
+        }
+        if ours.iter().all(|detail| detail.columns.is_some()) {
+            let published: std::collections::BTreeSet<&str> = ours
+                .iter()
+                .flat_map(|detail| detail.columns.iter().flatten())
+                .map(String::as_str)
+                .collect();
+            let key = &self.key;
+            self.columns
+                .retain(|c| published.contains(c.name.as_str()) || key.contains(&c.name));
+            let kept: Vec<String> = self.columns.iter().map(|c| c.name.clone()).collect();
+            self.indexes.retain(|index| {
+                index
+                    .columns
+                    .iter()
+                    .flatten()
+                    .all(|(column, _)| kept.contains(column))
+            });
+        }
+        self.row_filter = combine_row_filters(ours.iter().map(|d| d.row_filter.as_deref()));
+    }
+
     /// The table's spec as Zero's change source sends it (its published-table spec: `oid`,
     /// `schemaOID`, `replicaIdentity` as `pg_class.relreplident`, `publications` as a record
     /// of row filters, `replicaIdentityColumns`).
@@ -216,7 +292,14 @@ impl PublishedTable {
         if let Some(publications) = &self.publications {
             let record: serde_json::Map<String, Value> = publications
                 .iter()
-                .map(|p| (p.clone(), json!({"rowFilter": null})))
+                .map(|p| {
+                    let filter = self
+                        .publication_details
+                        .as_ref()
+                        .and_then(|details| details.get(p))
+                        .and_then(|detail| detail.row_filter.clone());
+                    (p.clone(), json!({ "rowFilter": filter }))
+                })
                 .collect();
             extra.insert("publications".into(), Value::Object(record));
         }
@@ -289,7 +372,7 @@ impl PublishedTable {
     }
 }
 
-/// Keeps the tables of `publications`.
+/// Keeps the tables of `publications`, each as they publish it ([`PublishedTable::restrict_to`]).
 pub fn in_publications(
     tables: Vec<PublishedTable>,
     publications: &[String],
@@ -300,6 +383,10 @@ pub fn in_publications(
             t.publications
                 .as_ref()
                 .is_none_or(|p| p.iter().any(|name| publications.contains(name)))
+        })
+        .map(|mut table| {
+            table.restrict_to(publications);
+            table
         })
         .collect()
 }
@@ -696,7 +783,71 @@ mod tests {
             columns,
             key: vec!["id".into()],
             indexes: vec![],
+            publication_details: None,
+            row_filter: None,
         }
+    }
+
+    #[test]
+    fn a_table_is_kept_as_its_publications_publish_it() {
+        let detail = |columns: Option<&[&str]>, filter: Option<&str>| PublicationDetail {
+            columns: columns.map(|c| c.iter().map(|s| s.to_string()).collect()),
+            row_filter: filter.map(str::to_owned),
+        };
+        let mut t = table(
+            1,
+            "t",
+            vec![
+                column("id", 1, "int8"),
+                column("v", 2, "text"),
+                column("tenant", 3, "int4"),
+            ],
+        );
+        t.indexes = vec![PublishedIndex {
+            name: "t_tenant".into(),
+            unique: false,
+            is_primary_key: false,
+            is_replica_identity: false,
+            columns: Some(vec![("tenant".into(), "ASC".into())]),
+        }];
+        t.publication_details = Some(
+            [
+                ("p".to_owned(), detail(Some(&["v"]), Some("(tenant = 1)"))),
+                (
+                    "q".to_owned(),
+                    detail(Some(&["v", "tenant"]), Some("(tenant = 2)")),
+                ),
+                ("other".to_owned(), detail(None, None)),
+            ]
+            .into_iter()
+            .collect(),
+        );
+        // One publication: its column list (the key kept), its filter, no index over a
+        // column it leaves out.
+        let mut only_p = t.clone();
+        only_p.restrict_to(&["p".to_owned()]);
+        let names: Vec<&str> = only_p.columns.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["id", "v"]);
+        assert!(only_p.indexes.is_empty());
+        assert_eq!(only_p.row_filter.as_deref(), Some("((tenant = 1))"));
+        // Two: the union of their columns, their filters ORed.
+        let mut both = t.clone();
+        both.restrict_to(&["p".to_owned(), "q".to_owned()]);
+        assert_eq!(both.columns.len(), 3);
+        assert_eq!(both.indexes.len(), 1);
+        assert_eq!(
+            both.row_filter.as_deref(),
+            Some("((tenant = 1)) OR ((tenant = 2))")
+        );
+        // One of ours without a list or a filter publishes every column and row.
+        let mut with_other = t.clone();
+        with_other.restrict_to(&["p".to_owned(), "other".to_owned()]);
+        assert_eq!(with_other.columns.len(), 3);
+        assert_eq!(with_other.row_filter, None);
+        // Another app's publications change nothing.
+        let mut theirs = t.clone();
+        theirs.restrict_to(&["mine".to_owned()]);
+        assert_eq!((theirs.columns.len(), theirs.row_filter), (3, None));
     }
 
     fn replica_with(tables: &[PublishedTable]) -> super::super::ReplicaWriter {

@@ -346,14 +346,30 @@ fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
-/// `COPY (SELECT cols FROM table) TO STDOUT`.
-pub(super) fn copy_sql(table: &ReplicaTable, columns: &[&ReplicaColumn]) -> String {
-    copy_pages_sql(table, columns, PageRange::ALL)
+/// `COPY (SELECT cols FROM table [WHERE row_filter]) TO STDOUT`: the rows the publications
+/// publish (`row_filter` as [`PublishedTable::row_filter`] gives it), as Postgres' own table
+/// sync copies them.
+pub(super) fn copy_sql(
+    table: &ReplicaTable,
+    columns: &[&ReplicaColumn],
+    row_filter: Option<&str>,
+) -> String {
+    copy_pages_sql(table, columns, PageRange::ALL, row_filter)
 }
 
 /// [`copy_sql`] of the rows in `pages`.
-fn copy_pages_sql(table: &ReplicaTable, columns: &[&ReplicaColumn], pages: PageRange) -> String {
+fn copy_pages_sql(
+    table: &ReplicaTable,
+    columns: &[&ReplicaColumn],
+    pages: PageRange,
+    row_filter: Option<&str>,
+) -> String {
     let cols: Vec<String> = columns.iter().map(|c| quote_ident(&c.name)).collect();
+    let conditions: Vec<String> = pages
+        .condition()
+        .into_iter()
+        .chain(row_filter.map(|filter| format!("({filter})")))
+        .collect();
     format!(
         "COPY (SELECT {} FROM {}.{}{}) TO STDOUT",
         if cols.is_empty() {
@@ -363,9 +379,11 @@ fn copy_pages_sql(table: &ReplicaTable, columns: &[&ReplicaColumn], pages: PageR
         },
         quote_ident(&table.schema),
         quote_ident(&table.table),
-        pages
-            .condition()
-            .map_or(String::new(), |c| format!(" WHERE {c}"))
+        if conditions.is_empty() {
+            String::new()
+        } else {
+            format!(" WHERE {}", conditions.join(" AND "))
+        }
     )
 }
 
@@ -404,7 +422,11 @@ pub fn published_schema(
 ) -> Result<Vec<PublishedTable>, SyncError> {
     let row = handle.block_on(client.query_one(PUBLISHED_SCHEMA_SQL, &[&publications]))?;
     let text: String = row.try_get(0)?;
-    Ok(parse_published_schema(&text)?)
+    let mut tables = parse_published_schema(&text)?;
+    for table in &mut tables {
+        table.restrict_to(publications);
+    }
+    Ok(tables)
 }
 
 /// How an initial sync copies.
@@ -492,6 +514,8 @@ const LOAD_PRAGMAS_END: &str = "PRAGMA synchronous = FULL; PRAGMA cache_size = -
 /// One published table to copy.
 struct Job {
     table: ReplicaTable,
+    /// The publications' row filter: only the rows it passes are copied.
+    row_filter: Option<String>,
     /// Upstream's row estimate (`pg_class.reltuples`), when it has one.
     estimated_rows: Option<u64>,
     /// Upstream's page count estimate (`pg_class.relpages`).
@@ -504,6 +528,7 @@ struct Job {
 struct Part<'a> {
     job: usize,
     table: &'a ReplicaTable,
+    row_filter: Option<&'a str>,
     pages: PageRange,
 }
 
@@ -634,6 +659,7 @@ fn copy_snapshot(
             index,
             Job {
                 table,
+                row_filter: published_table.row_filter.clone(),
                 estimated_rows,
                 pages,
                 parts: 1,
@@ -668,6 +694,7 @@ fn copy_snapshot(
             ranges.into_iter().map(move |pages| Part {
                 job,
                 table: &j.table,
+                row_filter: j.row_filter.as_deref(),
                 pages,
             })
         })
@@ -905,7 +932,7 @@ async fn read_table(
     let (job, table) = (part.job, part.table);
     let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
     let converter = CopyRowConverter::new(table, &columns);
-    let sql = copy_pages_sql(table, &columns, part.pages);
+    let sql = copy_pages_sql(table, &columns, part.pages, part.row_filter);
     let stream = client.copy_out(&sql).await?;
     let mut stream = std::pin::pin!(stream);
     let mut rows = CopyRows::new(columns.len());
@@ -1404,7 +1431,8 @@ mod tests {
             let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
             let insert = Insert::new(&table).single;
             let mut converter = TextRowConverter::new(&table, &columns)?;
-            let stream = handle.block_on(client.copy_out(&copy_sql(&table, &columns)))?;
+            let sql = copy_sql(&table, &columns, published_table.row_filter.as_deref());
+            let stream = handle.block_on(client.copy_out(&sql))?;
             let mut stream = Box::pin(stream);
             let mut rows = CopyRows::new(columns.len());
             while let Some(chunk) = handle.block_on(stream.next()) {
