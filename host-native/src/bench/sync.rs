@@ -294,12 +294,30 @@ async fn measure(
         let warmup = args.rate * args.warmup_seconds;
         let readers: Vec<_> = sockets
             .into_iter()
-            .map(|mut socket| {
+            .map(|socket| {
                 tokio::spawn(async move {
                     let mut latencies = Vec::new();
-                    while let Ok(Some(Ok(message))) =
-                        tokio::time::timeout(Duration::from_secs(5), socket.next()).await
-                    {
+                    // Pings as `HighwaterClient` sends them (every 4 s): a client that sends
+                    // makes Linux delay its ACKs (40 ms), which is what a server that waits
+                    // for ACKs before sending more small frames (Nagle) then waits on.
+                    let (mut sink, mut stream) = socket.split();
+                    let mut ping = tokio::time::interval(Duration::from_secs(4));
+                    // Done once no row arrived for 5 s (pongs do not count).
+                    let mut quiet_until = tokio::time::Instant::now() + Duration::from_secs(5);
+                    loop {
+                        let message = tokio::select! {
+                            message = tokio::time::timeout_at(quiet_until, stream.next()) => message,
+                            _ = ping.tick() => {
+                                let _ = sink.send(Message::Text(r#"{"type":"ping"}"#.into())).await;
+                                continue;
+                            }
+                        };
+                        let Ok(Some(Ok(message))) = message else {
+                            break;
+                        };
+                        if matches!(&message, Message::Text(text) if text.as_str().contains("\"syncs\"")) {
+                            quiet_until = tokio::time::Instant::now() + Duration::from_secs(5);
+                        }
                         let Message::Text(text) = message else {
                             continue;
                         };
