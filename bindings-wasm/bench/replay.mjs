@@ -3,39 +3,80 @@
 //   node --experimental-websocket bench/replay.mjs [rows]          (Node 22+: no flag)
 // 1. "client apply": a scripted contract server in a child process sends the replay as fast as
 //    it can; the time from subscribe to `ready` measures the client (socket, JSON, apply).
-// 2. "end to end": the same scope from a real `highwater serve` on a private Postgres (needs the
-//    binary, see js/test-serve/support.mjs), from the server's replica to the client's rows.
-// Prints a table; numbers go to BENCHMARKS.md by hand.
+// 2. "end to end": the same scope from a real `highwater serve` on a private Postgres (the
+//    binary at HIGHWATER_BIN, or <target>/release/highwater, or <target>/debug/highwater),
+//    from the server's replica to the client's rows.
+// Each is run in fresh Node processes (the first replay of a process, while V8 still compiles
+// the module's hot code) and warm (later replays in the same process), without a listener and
+// with a `change` listener that reads `rows()` on every change, as a page re-rendering its list
+// does. Each run ends with every row in `rows()`. Prints a table; numbers go to BENCHMARKS.md
+// by hand. `HIGHWATER_BENCH_JSON=1` prints the results as JSON instead.
 import { fork } from "node:child_process";
+import { existsSync } from "node:fs";
 import { fileURLToPath } from "node:url";
-import { HighwaterClient } from "highwater";
 
-const rows = Number(process.argv[2] ?? 100_000);
+const here = fileURLToPath(import.meta.url);
+
+/** One replay from subscribe to `ready` with every row in `rows()`; milliseconds. */
+async function timeReplay(HighwaterClient, url, token, expected, listener) {
+  const client = new HighwaterClient({ url, token });
+  const start = performance.now();
+  const scope = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  let shown = 0;
+  if (listener === "page") scope.on("change", () => (shown = scope.rows().length));
+  await scope.ready;
+  const rows = scope.rows();
+  const ms = performance.now() - start;
+  if (rows.length !== expected) throw new Error(`expected ${expected} rows, got ${rows.length}`);
+  if (listener === "page" && shown !== expected) throw new Error(`the page showed ${shown} rows`);
+  await client.close();
+  return ms;
+}
 
 if (process.argv[2] === "--serve-contract") {
   const { ContractServer } = await import("../js/test/support/contract-server.mjs");
   const server = new ContractServer();
+  server.pageRows = 1000; // as `highwater serve` pages a replay
   const url = await server.start();
   for (let i = 0; i < Number(process.argv[3]); i++) server.write(`r${i}`, "ada", { title: `todo ${i}`, done: i % 2 === 0, n: i });
   process.send(url);
+} else if (process.argv[2] === "--replay") {
+  // One process: `runs` replays in a row; the first is the fresh one.
+  const [url, token, rows, listener, runs] = process.argv.slice(3);
+  const { HighwaterClient } = await import("highwater");
+  const times = [];
+  for (let run = 0; run < Number(runs); run++) {
+    times.push(await timeReplay(HighwaterClient, url, token === "-" ? null : token, Number(rows), listener));
+  }
+  process.send(times);
 } else {
+  const rows = Number(process.argv[2] ?? 100_000);
+  const flags = Number(process.versions.node.split(".")[0]) < 22 ? ["--experimental-websocket", "--no-warnings=ExperimentalWarning"] : [];
+  /** `runs` replays in a new Node process; their times. */
+  const replays = (url, token, listener, runs) =>
+    new Promise((resolve, reject) => {
+      const child = fork(here, ["--replay", url, token ?? "-", String(rows), listener, String(runs)], { execArgv: flags });
+      child.once("message", resolve);
+      child.once("exit", (code) => code !== 0 && reject(new Error(`a replay process exited with ${code}`)));
+    });
   const results = [];
-  async function timeReplay(url, token, expected) {
-    const client = new HighwaterClient({ url, token });
-    const start = performance.now();
-    const scope = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
-    await scope.ready;
-    const ms = performance.now() - start;
-    if (scope.rows().length !== expected) throw new Error(`expected ${expected} rows, got ${scope.rows().length}`);
-    await client.close();
-    return ms;
+  async function measure(what, url, token) {
+    for (const listener of ["none", "page"]) {
+      const fresh = [];
+      for (let process = 0; process < 3; process++) fresh.push((await replays(url, token, listener, 1))[0]);
+      const warm = (await replays(url, token, listener, 4)).slice(1);
+      results.push({ what, listener, fresh, warm });
+    }
   }
 
-  const child = fork(fileURLToPath(import.meta.url), ["--serve-contract", String(rows)], { execArgv: [] });
+  const child = fork(here, ["--serve-contract", String(rows)], { execArgv: [] });
   const url = await new Promise((resolve) => child.once("message", resolve));
-  for (let run = 0; run < 3; run++) results.push(["client apply (contract server)", rows, await timeReplay(url, null, rows)]);
+  await measure("client apply (contract server)", url, null);
   child.kill();
 
+  const repo = fileURLToPath(new URL("../../", import.meta.url));
+  const target = process.env.CARGO_TARGET_DIR ?? `${repo}target`;
+  process.env.HIGHWATER_BIN ??= [`${target}/release/highwater`, `${target}/debug/highwater`].find(existsSync);
   const { Postgres, Serve, TODOS_DDL, until } = await import("../js/test-serve/support.mjs");
   const pg = new Postgres();
   let serve;
@@ -49,18 +90,27 @@ if (process.argv[2] === "--serve-contract") {
     // Wait until the replica holds every row (a replay that comes up short is retried).
     await until(async () => {
       try {
-        await timeReplay(url, token, rows);
+        await replays(url, token, "none", 1);
         return true;
       } catch {
         return false;
       }
     }, "the replica to hold every row", 300_000);
-    for (let run = 0; run < 3; run++) results.push(["end to end (highwater serve)", rows, await timeReplay(url, token, rows)]);
+    await measure(`end to end (${process.env.HIGHWATER_BIN.includes("release") ? "release" : "debug"} highwater serve)`, url, token);
   } finally {
     await serve?.stop();
     pg.stop();
   }
 
-  console.log(`| replay | rows | ms | rows/s |\n|---|---:|---:|---:|`);
-  for (const [what, n, ms] of results) console.log(`| ${what} | ${n} | ${ms.toFixed(0)} | ${Math.round((n / ms) * 1000)} |`);
+  if (process.env.HIGHWATER_BENCH_JSON) {
+    console.log(JSON.stringify({ rows, results }));
+  } else {
+    const rate = (ms) => Math.round((rows / ms) * 1000).toLocaleString("en");
+    console.log(`${rows.toLocaleString("en")} rows, rows/s per run (subscribe to ready, every row in rows())\n`);
+    console.log(`| replay | change listener | fresh process (3 runs) | warm (3 runs) |\n|---|---|---|---|`);
+    for (const { what, listener, fresh, warm } of results) {
+      const page = listener === "page" ? "reads rows() on each change" : "none";
+      console.log(`| ${what} | ${page} | ${fresh.map(rate).join(", ")} | ${warm.map(rate).join(", ")} |`);
+    }
+  }
 }

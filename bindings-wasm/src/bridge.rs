@@ -406,7 +406,7 @@ mod tests {
     fn message(subscription_id: &str, body: Value) -> BridgeInput {
         BridgeInput::ChannelMessage {
             subscription_id: subscription_id.to_owned(),
-            body,
+            body: body.into(),
         }
     }
 

@@ -7,7 +7,7 @@
 //! callback as plain objects tagged by `type` (`ClientEvent`).
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::pin::pin;
 use std::rc::Rc;
 
@@ -74,18 +74,50 @@ struct PersistWrite {
     cursor: Option<SyncCursor>,
 }
 
-/// The net change of one applied server transaction.
+/// A row the client's `changed` event hands over: its `resourceId` and its columns.
 #[derive(Tsify, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[allow(dead_code)]
-struct RowChange {
-    #[tsify(type = "Record<string, JsonValue>[]")]
-    inserted: Vec<Map<String, Value>>,
-    #[tsify(type = "Record<string, JsonValue>[]")]
-    updated: Vec<Map<String, Value>>,
-    /// The rows as they were before removal.
-    #[tsify(type = "Record<string, JsonValue>[]")]
-    removed: Vec<Map<String, Value>>,
+struct ChangedRowData {
+    id: String,
+    #[tsify(type = "Record<string, JsonValue>")]
+    data: Map<String, Value>,
+}
+
+/// The net change of one applied server transaction, as the core hands it over: each row
+/// crosses into JS once, here; `HighwaterClient` keeps them (so `rows()` and the store writes
+/// take the same objects) and builds its public `change` event from them.
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+struct CoreRowChange {
+    inserted: Vec<ChangedRowData>,
+    updated: Vec<ChangedRowData>,
+    /// `resourceId`s of the rows removed.
+    removed: Vec<String>,
+}
+
+/// A row of a [`CoreWrite`]: its data is the row the client already holds under `id`.
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+struct CoreUpsert {
+    id: String,
+    #[tsify(type = "number | bigint | null")]
+    server_sequence: Option<i64>,
+}
+
+/// A [`PersistWrite`] as the core hands it over: `HighwaterClient` fills each upsert's data
+/// from the rows it holds (changed just before, by the same apply).
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+struct CoreWrite {
+    forget_cursor: bool,
+    upserts: Vec<CoreUpsert>,
+    deletes: Vec<String>,
+    #[tsify(type = "SyncCursor | null")]
+    cursor: Option<SyncCursor>,
 }
 
 #[derive(Tsify, Serialize, Deserialize)]
@@ -119,11 +151,11 @@ enum ClientEvent {
     Changed {
         scope: u32,
         reset: bool,
-        change: RowChange,
+        change: CoreRowChange,
     },
     /// Write this to the scope's store in one transaction, in order.
     #[serde(rename_all = "camelCase")]
-    Persist { scope: u32, write: PersistWrite },
+    Persist { scope: u32, write: CoreWrite },
     /// Catch-up replay progress.
     #[serde(rename_all = "camelCase")]
     Progress { scope: u32, done: u32, total: u32 },
@@ -170,9 +202,6 @@ struct Host {
     timer: RefCell<Option<Timeout>>,
     /// Inputs that arrived while effects were being carried out (a callback re-entered).
     queue: RefCell<VecDeque<ClientInput>>,
-    /// Scopes whose row changes somebody listens for: the others' `changed` events carry no
-    /// rows, so a catch-up nobody watches row by row is not converted for JS twice.
-    watched: RefCell<BTreeSet<u32>>,
     busy: Cell<bool>,
 }
 
@@ -205,7 +234,6 @@ impl SyncClientCore {
                 sockets: RefCell::new(BTreeMap::new()),
                 timer: RefCell::new(None),
                 queue: RefCell::new(VecDeque::new()),
-                watched: RefCell::new(BTreeSet::new()),
                 busy: Cell::new(false),
             }),
         }
@@ -260,26 +288,7 @@ impl SyncClientCore {
     }
 
     pub fn unsubscribe(&self, key: u32) {
-        self.host.watched.borrow_mut().remove(&key);
         dispatch(&self.host, ClientInput::Unsubscribe { scope: key });
-    }
-
-    /// Whether somebody listens for the scope's row changes. Until this says so, the scope's
-    /// `changed` events carry empty row lists (a reset is still reported).
-    #[wasm_bindgen(js_name = watchChanges)]
-    pub fn watch_changes(&self, key: u32, watched: bool) {
-        let mut set = self.host.watched.borrow_mut();
-        if watched {
-            set.insert(key);
-        } else {
-            set.remove(&key);
-        }
-    }
-
-    /// The scope's rows (the replicated columns of each).
-    #[wasm_bindgen(unchecked_return_type = "Record<string, JsonValue>[]")]
-    pub fn rows(&self, key: u32) -> Result<JsValue, JsValue> {
-        to_js_bulk(&self.host.machine.borrow().rows(key))
     }
 
     /// The scope's persisted cursor.
@@ -370,7 +379,7 @@ fn stored_scope(value: &JsValue) -> Result<StoredScope, Failure> {
             Ok(EngineRow {
                 id,
                 server_sequence,
-                data: data.into(),
+                data: std::sync::Arc::new(data.into()),
             })
         })
         .collect::<Result<_, _>>()?;
@@ -463,28 +472,90 @@ fn carry_out(host: &Rc<Host>, effect: ClientEffect) {
                 *host.timer.borrow_mut() = Some(timeout);
             }
         }
-        ClientEffect::Changed {
-            scope,
-            reset,
-            change,
-        } if !host.watched.borrow().contains(&scope) => {
-            drop(change);
-            let unwatched = ClientEffect::Changed {
-                scope,
-                reset,
-                change: Default::default(),
-            };
-            if let Ok(event) = to_js_bulk(&unwatched) {
-                let _ = host.emit.call1(&JsValue::NULL, &event);
-            }
-        }
         report => {
-            if let Ok(event) = to_js_bulk(&report) {
+            if let Ok(event) = to_js_bulk(&Emitted(&report)) {
                 // A throwing listener must not stop the client.
                 let _ = host.emit.call1(&JsValue::NULL, &event);
             }
         }
     }
+}
+
+/// An effect as `emit` receives it (the declared [`ClientEvent`]): the engine's own JSON, but
+/// for row changes and store writes, whose rows cross once, in the change, with their ids.
+struct Emitted<'a>(&'a ClientEffect);
+
+impl Serialize for Emitted<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        match self.0 {
+            ClientEffect::Changed {
+                scope,
+                reset,
+                change,
+            } => {
+                let mut event = serializer.serialize_struct("Changed", 4)?;
+                event.serialize_field("type", "changed")?;
+                event.serialize_field("scope", scope)?;
+                event.serialize_field("reset", reset)?;
+                event.serialize_field(
+                    "change",
+                    &ChangeOut {
+                        inserted: &change.inserted,
+                        updated: &change.updated,
+                        removed: change.removed.iter().map(|row| row.id.as_str()).collect(),
+                    },
+                )?;
+                event.end()
+            }
+            ClientEffect::Persist { scope, write } => {
+                let mut event = serializer.serialize_struct("Persist", 3)?;
+                event.serialize_field("type", "persist")?;
+                event.serialize_field("scope", scope)?;
+                event.serialize_field(
+                    "write",
+                    &WriteOut {
+                        forget_cursor: write.forget_cursor,
+                        upserts: write
+                            .upserts
+                            .iter()
+                            .map(|row| UpsertOut {
+                                id: &row.id,
+                                server_sequence: row.server_sequence,
+                            })
+                            .collect(),
+                        deletes: &write.deletes,
+                        cursor: write.cursor.as_ref(),
+                    },
+                )?;
+                event.end()
+            }
+            other => other.serialize(serializer),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct ChangeOut<'a> {
+    inserted: &'a [highwater_engine::sync_client::ChangedRow],
+    updated: &'a [highwater_engine::sync_client::ChangedRow],
+    removed: Vec<&'a str>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct UpsertOut<'a> {
+    id: &'a str,
+    server_sequence: Option<i64>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct WriteOut<'a> {
+    forget_cursor: bool,
+    upserts: Vec<UpsertOut<'a>>,
+    deletes: &'a [String],
+    cursor: Option<&'a EngineCursor>,
 }
 
 /// How a socket's connect ended.
@@ -703,8 +774,8 @@ fn error_text(error: &JsValue) -> String {
 mod tests {
     use super::*;
     use highwater_engine::sync_client::{
-        ConnectionState as EngineState, ConnectionStatus as EngineStatus, PersistWrite as Write,
-        RowChange as Change,
+        ChangedRow, ConnectionState as EngineState, ConnectionStatus as EngineStatus,
+        PersistWrite as Write, RowChange as Change,
     };
     use serde_json::json;
 
@@ -724,9 +795,15 @@ mod tests {
                 scope: 1,
                 reset: true,
                 change: Change {
-                    inserted: vec![data.clone().into()],
+                    inserted: vec![ChangedRow {
+                        id: "1".into(),
+                        data: std::sync::Arc::new(data.clone().into()),
+                    }],
                     updated: vec![],
-                    removed: vec![data.clone().into()],
+                    removed: vec![ChangedRow {
+                        id: "1".into(),
+                        data: std::sync::Arc::new(data.clone().into()),
+                    }],
                 },
             },
             ClientEffect::Persist {
@@ -736,7 +813,7 @@ mod tests {
                     upserts: vec![EngineRow {
                         id: "1".into(),
                         server_sequence: Some(2),
-                        data: data.into(),
+                        data: std::sync::Arc::new(data.into()),
                     }],
                     deletes: vec!["2".into()],
                     cursor: Some(cursor),
@@ -767,7 +844,7 @@ mod tests {
             }),
         ];
         for event in events {
-            let value = serde_json::to_value(&event).unwrap();
+            let value = serde_json::to_value(Emitted(&event)).unwrap();
             let declared: ClientEvent = serde_json::from_value(value.clone())
                 .unwrap_or_else(|e| panic!("{value} does not match ClientEvent: {e}"));
             assert_eq!(serde_json::to_value(declared).unwrap(), value);

@@ -34,13 +34,14 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Serialize, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::cursor::{is_cursor_after, SyncCursor};
 use crate::replay::is_reset;
 use crate::scope::ScopeDigest;
 use crate::scope_sync::{
-    ClientFrame, EnvelopeError, ServerFrame, SubscribeParams, SyncEntry, SyncEnvelope,
+    ClientFrame, EnvelopeError, RowText, ServerFrame, SubscribeParams, SyncEntry, SyncEnvelope,
     SYNC_CHANNEL_TYPE,
 };
 
@@ -108,7 +109,7 @@ pub enum BridgeInput {
     /// A `channel-message` frame with its raw body.
     ChannelMessage {
         subscription_id: String,
-        body: Value,
+        body: MessageBody,
     },
     /// A `channel-error` frame: the server refused or dropped that subscription.
     ChannelError {
@@ -145,7 +146,7 @@ impl BridgeInput {
                 ..
             } => Some(BridgeInput::ChannelMessage {
                 subscription_id,
-                body,
+                body: MessageBody::Value(body),
             }),
             ServerFrame::ChannelSubscribed { subscription_id } => {
                 Some(BridgeInput::ChannelSubscribed { subscription_id })
@@ -169,6 +170,46 @@ impl BridgeInput {
     }
 }
 
+/// A `channel-message` body: decoded, or its text (rows are then kept as text, see
+/// [`RowText`]).
+#[derive(Debug, Clone)]
+pub enum MessageBody {
+    Value(Value),
+    Text(Box<RawValue>),
+}
+
+impl PartialEq for MessageBody {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (MessageBody::Value(a), MessageBody::Value(b)) => a == b,
+            (MessageBody::Text(a), MessageBody::Text(b)) => a.get() == b.get(),
+            _ => false,
+        }
+    }
+}
+
+impl From<Value> for MessageBody {
+    fn from(value: Value) -> Self {
+        MessageBody::Value(value)
+    }
+}
+
+impl std::fmt::Display for MessageBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MessageBody::Value(value) => write!(f, "{value}"),
+            MessageBody::Text(text) => f.write_str(text.get()),
+        }
+    }
+}
+
+/// `progress: {done, total}` of a replay page envelope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ReplayProgress {
+    pub done: u64,
+    pub total: u64,
+}
+
 /// One entry of a batch, validated and with its type resolved.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RemoteChange {
@@ -178,9 +219,7 @@ pub struct RemoteChange {
     /// `"delete"` removes the resource; anything else upserts it.
     pub sync_type: String,
     /// The row (`data`, parsed when it came as a JSON string); `None` for null or absent data.
-    pub data: Option<Map<String, Value>>,
-    /// The entry's change-feed position, if it has one.
-    pub cursor: Option<SyncCursor>,
+    pub data: Option<RowText>,
     /// The entry as received, with scope attributes and unknown keys, but for a `data` object:
     /// that is moved to [`RemoteChange::data`] rather than held twice (a replay page is mostly
     /// rows). [`RemoteChange::received`] gives the whole entry back.
@@ -192,11 +231,16 @@ impl RemoteChange {
         self.sync_type == "delete"
     }
 
+    /// The entry's change-feed position, if it has one.
+    pub fn cursor(&self) -> Option<SyncCursor> {
+        self.entry.cursor()
+    }
+
     /// The entry as received, `data` included.
     pub fn received(&self) -> SyncEntry {
         let mut entry = self.entry.clone();
         if entry.data.is_none() {
-            entry.data = self.data.clone().map(Value::Object);
+            entry.data = self.data.as_ref().map(|row| Value::Object(row.to_map()));
         }
         entry
     }
@@ -211,7 +255,7 @@ impl Serialize for RemoteChange {
             resource_type: &'a str,
             resource_id: &'a Option<String>,
             sync_type: &'a str,
-            data: &'a Option<Map<String, Value>>,
+            data: &'a Option<RowText>,
             cursor: &'a Option<SyncCursor>,
             entry: SyncEntry,
         }
@@ -220,7 +264,7 @@ impl Serialize for RemoteChange {
             resource_id: &self.resource_id,
             sync_type: &self.sync_type,
             data: &self.data,
-            cursor: &self.cursor,
+            cursor: &self.cursor(),
             entry: self.received(),
         }
         .serialize(serializer)
@@ -266,6 +310,8 @@ pub enum BridgeEffect {
         subscription_id: String,
         reset: bool,
         changes: Vec<RemoteChange>,
+        /// A replay page's `progress`, to report once the batch is applied.
+        progress: Option<ReplayProgress>,
     },
     /// Persist `cursor` as the scope's cursor (its JSON text in `cursor_json`). Emitted only
     /// when the cursor moves forwards, and only for confirmed, caught-up subscriptions.
@@ -454,7 +500,7 @@ enum Queued {
     Message {
         generation: u64,
         subscription_id: String,
-        body: Value,
+        body: MessageBody,
     },
     Confirmed {
         generation: u64,
@@ -481,6 +527,7 @@ enum Prepared {
         reset: bool,
         changes: Vec<RemoteChange>,
         cursor: Option<SyncCursor>,
+        progress: Option<ReplayProgress>,
     },
 }
 
@@ -888,6 +935,7 @@ impl ScopeBridge {
                             reset,
                             changes,
                             cursor,
+                            progress,
                         }) => {
                             self.tickets_issued += 1;
                             let ticket = self.tickets_issued;
@@ -906,6 +954,7 @@ impl ScopeBridge {
                                 subscription_id,
                                 reset,
                                 changes,
+                                progress,
                             });
                         }
                     }
@@ -944,8 +993,19 @@ impl ScopeBridge {
     }
 
     /// Validates a message body (§3.5) and resolves its entries; the whole message or nothing.
-    fn prepare(&self, body: Value, default_type: Option<&str>) -> Result<Prepared, MessageError> {
-        let envelope = SyncEnvelope::from_owned(body)?;
+    fn prepare(
+        &self,
+        body: MessageBody,
+        default_type: Option<&str>,
+    ) -> Result<Prepared, MessageError> {
+        let (envelope, rows) = match body {
+            MessageBody::Value(body) => {
+                let envelope = SyncEnvelope::from_owned(body)?;
+                let rows = vec![None; envelope.syncs.len()];
+                (envelope, rows)
+            }
+            MessageBody::Text(text) => SyncEnvelope::from_text_keeping_rows(text.get())?,
+        };
         if let (Some(local), Some(origin)) = (&self.config.local_origin, &envelope.echo_origin) {
             if local == origin {
                 return Ok(Prepared::Echo);
@@ -953,23 +1013,29 @@ impl ScopeBridge {
         }
         let reset = is_reset(&envelope);
         let cursor = envelope.advanced_cursor(None);
+        let progress = replay_progress(&envelope);
         let changes = envelope
             .syncs
             .into_iter()
+            .zip(rows)
             .enumerate()
-            .map(|(index, entry)| self.resolve(index, entry, default_type))
+            .map(|(index, (entry, row))| self.resolve(index, entry, row, default_type))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Prepared::Batch {
             reset,
             changes,
             cursor,
+            progress,
         })
     }
 
+    /// Resolves one entry; `row` is its `data` text when the body was decoded keeping rows as
+    /// text (else `data` is in the entry).
     fn resolve(
         &self,
         index: usize,
         mut entry: SyncEntry,
+        row: Option<Box<RawValue>>,
         default_type: Option<&str>,
     ) -> Result<RemoteChange, MessageError> {
         let resource_type = entry.resolved_resource_type(default_type).ok_or(
@@ -988,18 +1054,36 @@ impl ScopeBridge {
                 resource_type,
             });
         }
-        let data = entry
-            .take_data_object()
-            .map_err(|source| MessageError::BadData { index, source })?;
+        let data = match row.map(RowText::from_raw) {
+            Some(Ok(row)) => Some(row),
+            other => {
+                // `null`, or a JSON string holding the row (the legacy form): decoded.
+                if let Some(Err(raw)) = other {
+                    entry.data = serde_json::from_str(raw.get()).ok();
+                }
+                entry
+                    .take_data_object()
+                    .map_err(|source| MessageError::BadData { index, source })?
+                    .map(RowText::from)
+            }
+        };
         Ok(RemoteChange {
             resource_type,
             resource_id: entry.resource_id.clone(),
             sync_type: entry.sync_type.clone(),
             data,
-            cursor: entry.cursor(),
             entry,
         })
     }
+}
+
+/// `progress: {done, total}` of a replay page envelope.
+fn replay_progress(envelope: &SyncEnvelope) -> Option<ReplayProgress> {
+    let progress = envelope.extra.get("progress")?;
+    Some(ReplayProgress {
+        done: progress.get("done")?.as_u64()?,
+        total: progress.get("total")?.as_u64()?,
+    })
 }
 
 /// Persists the watermark if it is after what is stored.
@@ -1090,10 +1174,19 @@ mod tests {
         json!({"echoOrigin": null, "syncs": sequences.iter().map(|&s| entry(s)).collect::<Vec<_>>()})
     }
 
+    /// A message as the client takes it off the socket: its body as text.
     fn message(subscription_id: &str, body: Value) -> BridgeInput {
         BridgeInput::ChannelMessage {
             subscription_id: subscription_id.to_owned(),
-            body,
+            body: MessageBody::Text(serde_json::value::to_raw_value(&body).expect("text")),
+        }
+    }
+
+    /// A message whose body was decoded already (the JS bridge's host hands those).
+    fn decoded_message(subscription_id: &str, body: Value) -> BridgeInput {
+        BridgeInput::ChannelMessage {
+            subscription_id: subscription_id.to_owned(),
+            body: MessageBody::Value(body),
         }
     }
 
@@ -1145,7 +1238,7 @@ mod tests {
                 BridgeEffect::ApplyBatch { changes, .. } => Some(
                     changes
                         .iter()
-                        .filter_map(|change| change.cursor.as_ref()?.server_sequence)
+                        .filter_map(|change| change.cursor()?.server_sequence)
                         .collect(),
                 ),
                 _ => None,
@@ -1501,7 +1594,7 @@ mod tests {
             panic!("expected a batch, got {effects:?}");
         };
         assert_eq!(
-            changes[0].data.as_ref().map(|d| d["title"].clone()),
+            changes[0].data.as_ref().and_then(|d| d.get("title")),
             Some(json!("x"))
         );
         feed(&mut bridge, ok(*ticket));
@@ -1532,16 +1625,30 @@ mod tests {
         absent.as_object_mut().expect("object").remove("data");
         absent["syncType"] = json!("delete");
         let sent = vec![entry(2), textual, empty, absent];
+        // Both ways a body comes: as text (rows kept as text), and decoded.
+        for input in [
+            message("sync-1", body_of(sent.clone())),
+            decoded_message("sync-1", body_of(sent.clone())),
+        ] {
+            let mut bridge = subscribed(Some(1));
+            let effects = feed(&mut bridge, input);
+            let [BridgeEffect::ApplyBatch { changes, .. }] = effects.as_slice() else {
+                panic!("expected a batch, got {effects:?}");
+            };
+            assert_eq!(changes[0].entry.data, None, "the object moved to `data`");
+            assert_eq!(
+                changes[0].data.as_ref().map(RowText::to_map),
+                sent[0]["data"].as_object().cloned()
+            );
+            assert_eq!(
+                changes[1].data.as_ref().and_then(|d| d.get("id")),
+                Some(json!("t3"))
+            );
+        }
         let effects = feed(&mut bridge, message("sync-1", body_of(sent.clone())));
         let [BridgeEffect::ApplyBatch { changes, .. }] = effects.as_slice() else {
             panic!("expected a batch, got {effects:?}");
         };
-        assert_eq!(changes[0].entry.data, None, "the object moved to `data`");
-        assert_eq!(changes[0].data, sent[0]["data"].as_object().cloned());
-        assert_eq!(
-            changes[1].data.as_ref().map(|d| d["id"].clone()),
-            Some(json!("t3"))
-        );
         for (change, sent) in changes.iter().zip(&sent) {
             let received = change.received();
             assert_eq!(
@@ -1979,7 +2086,10 @@ mod tests {
         .expect("a frame");
         assert_eq!(
             BridgeInput::from_server_frame(frame),
-            Some(message("sync-1", json!({"echoOrigin": null, "syncs": []})))
+            Some(decoded_message(
+                "sync-1",
+                json!({"echoOrigin": null, "syncs": []})
+            ))
         );
         let gone = ServerFrame::from_json(r#"{"type":"session-gone"}"#).expect("a frame");
         assert_eq!(
@@ -2102,7 +2212,7 @@ mod tests {
                 "apply #{ticket} gen {generation} {}{} {:?}",
                 project_of(scope),
                 if *reset { " (reset)" } else { "" },
-                changes.iter().map(|c| seq(&c.cursor)).collect::<Vec<_>>()
+                changes.iter().map(|c| seq(&c.cursor())).collect::<Vec<_>>()
             ),
             BridgeEffect::SaveCursor { scope, cursor } => {
                 format!(
@@ -2344,6 +2454,7 @@ mod tests {
                         subscription_id,
                         reset,
                         changes,
+                        ..
                     } => {
                         prop_assert!(self.pending.is_none(), "one batch at a time");
                         prop_assert_eq!(
@@ -2363,7 +2474,7 @@ mod tests {
                             );
                             prop_assert_eq!(change.resource_type.as_str(), "Task");
                         }
-                        let top = changes.iter().filter_map(|c| c.cursor.clone()).fold(
+                        let top = changes.iter().filter_map(RemoteChange::cursor).fold(
                             None::<SyncCursor>,
                             |best, c| {
                                 if c.is_after(best.as_ref()) {

@@ -2248,12 +2248,12 @@ impl World {
             store.rows.push(row.clone());
             if let Some(seq) = row.server_sequence {
                 match self.history.get(&(table.clone(), row.id.clone(), seq)) {
-                    Some(data) if without_nulls(data) == without_nulls(&row.data) => {}
+                    Some(data) if without_nulls(data) == without_nulls(&row.data.to_map()) => {}
                     other => {
                         bad = Some(format!(
                             "client{c} stored {table} {} at seq {seq} as {}, the replica gave that seq {}",
                             row.id,
-                            Value::Object((*row.data).clone()),
+                            Value::Object(row.data.to_map()),
                             other.map_or("nothing".to_owned(), |d| Value::Object(d.clone()).to_string())
                         ));
                     }
@@ -2405,7 +2405,7 @@ impl World {
                     .map(|r| {
                         (
                             r.get("id").map(|v| v.to_string()).unwrap_or_default(),
-                            compared(r, strict),
+                            compared(&r, strict),
                         )
                     })
                     .collect();
@@ -2415,7 +2415,7 @@ impl World {
                     .map(|s| {
                         s.rows
                             .iter()
-                            .map(|r: &StoredRow| (r.id.clone(), compared(&r.data, strict)))
+                            .map(|r: &StoredRow| (r.id.clone(), compared(&r.data.to_map(), strict)))
                             .collect()
                     })
                     .unwrap_or_default();

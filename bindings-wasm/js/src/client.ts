@@ -2,7 +2,7 @@
 // tokens, resume, cursors) run in the WebAssembly core; this file keeps handles, events and
 // store writes.
 import { SyncClientCore, scopeDigest } from "./wasm/api.js";
-import type { ClientEvent, ConnectionStatus, JsonValue, PersistWrite, ScopeCondition, SyncCursor } from "./wasm/api.js";
+import type { ClientEvent, ConnectionStatus, CoreRowChange, CoreWrite, JsonValue, PersistWrite, ScopeCondition, SyncCursor } from "./wasm/api.js";
 import { MemoryStore, type ScopeStore } from "./stores.js";
 
 /** A row: the replicated columns. */
@@ -51,6 +51,8 @@ export interface ScopeError extends Error {
 
 type Listener<T> = (value: T) => void;
 
+const EMPTY: readonly Row[] = Object.freeze([]);
+
 class Emitter<Events> {
   #listeners = new Map<keyof Events, Set<Listener<never>>>();
 
@@ -63,10 +65,6 @@ class Emitter<Events> {
 
   off<K extends keyof Events>(event: K, listener: Listener<Events[K]>): void {
     this.#listeners.get(event)?.delete(listener as Listener<never>);
-  }
-
-  protected listenerCount(event: keyof Events): number {
-    return this.#listeners.get(event)?.size ?? 0;
   }
 
   protected emit<K extends keyof Events>(event: K, value: Events[K]): void {
@@ -93,6 +91,15 @@ export interface SubscriptionEvents {
 
 /** A live scope. `ready` resolves once the scope is caught up. */
 export class Subscription extends Emitter<SubscriptionEvents> {
+  /** The rows, kept as an array with their `resourceId`s beside them and each id's place, so
+   * a change costs what it changes and `rows()` is one array copy. A row object is replaced
+   * when the row changes and kept as it is otherwise, so an unchanged row is the same object
+   * across changes (memoized views of it need not render again). */
+  #rows: Row[] = [];
+  #ids: string[] = [];
+  #place = new Map<string, number>();
+  /** `rows()` as last handed out; dropped by each change. */
+  #list: readonly Row[] | null = null;
   readonly params: ScopeParams;
   /** Caught up: the catch-up replay was applied (`channel-subscribed`). Rejects with a
    * `HighwaterScopeError` (its `code`, e.g. `forbidden`) if the server refuses the scope. */
@@ -120,9 +127,15 @@ export class Subscription extends Emitter<SubscriptionEvents> {
     this.ready.catch(() => undefined);
   }
 
-  /** The scope's current rows. */
-  rows(): Row[] {
-    return this.#closed || this.#client.closed ? [] : (this.#client.core().rows(this.#key) as Row[]);
+  /**
+   * The scope's current rows, in no particular order (sort them as you show them). The same
+   * array until the rows change, and an unchanged row is the same object across changes: cheap
+   * to call on every change, and fit for `useSyncExternalStore`. Do not modify it: it is
+   * shared with every caller until the next change.
+   */
+  rows(): readonly Row[] {
+    if (this.#closed || this.#client.closed) return EMPTY;
+    return (this.#list ??= this.#rows.slice());
   }
 
   /** The persisted cursor: `{id, serverSequence, updatedAt}`, or `null` before the first sync. */
@@ -139,20 +152,65 @@ export class Subscription extends Emitter<SubscriptionEvents> {
     return this.#closed || this.#client.closed ? 0 : this.#client.core().replayed(this.#key);
   }
 
-  override on<K extends keyof SubscriptionEvents>(event: K, listener: Listener<SubscriptionEvents[K]>): () => void {
-    const off = super.on(event, listener);
-    if (event === "change") this.#watch();
-    return off;
+  /** @internal The stored form of a write from the core: its upserts take the rows held. */
+  storedWrite(write: CoreWrite): PersistWrite {
+    const upserts = [];
+    for (const { id, serverSequence } of write.upserts) {
+      const place = this.#place.get(id);
+      const data = place === undefined ? undefined : this.#rows[place];
+      // Every upsert is a row the same apply reported just before (a change, or a restore).
+      if (data !== undefined) upserts.push({ id, serverSequence, data });
+    }
+    return { forgetCursor: write.forgetCursor, upserts, deletes: write.deletes, cursor: write.cursor };
   }
 
-  override off<K extends keyof SubscriptionEvents>(event: K, listener: Listener<SubscriptionEvents[K]>): void {
-    super.off(event, listener);
-    if (event === "change") this.#watch();
-  }
-
-  /** Tells the core whether anybody takes the rows of "change" events (it skips them if not). */
-  #watch(): void {
-    if (!this.#closed && !this.#client.closed) this.#client.core().watchChanges(this.#key, this.listenerCount("change") > 0);
+  /** Takes the core's change into the rows held; returns the public event. */
+  #apply(change: CoreRowChange): RowChangeEvent {
+    const rows = this.#rows;
+    const ids = this.#ids;
+    const place = this.#place;
+    const removed: Row[] = [];
+    for (const id of change.removed) {
+      const at = place.get(id);
+      if (at === undefined) continue;
+      removed.push(rows[at]);
+      // The last row takes the removed one's place.
+      const last = rows.length - 1;
+      rows[at] = rows[last];
+      ids[at] = ids[last];
+      place.set(ids[at], at);
+      rows.pop();
+      ids.pop();
+      place.delete(id);
+    }
+    const inserted: Row[] = [];
+    for (const { id, data } of change.inserted) {
+      const row = data as Row;
+      const at = place.get(id);
+      if (at === undefined) {
+        place.set(id, rows.length);
+        rows.push(row);
+        ids.push(id);
+      } else {
+        rows[at] = row;
+      }
+      inserted.push(row);
+    }
+    const updated: Row[] = [];
+    for (const { id, data } of change.updated) {
+      const row = data as Row;
+      const at = place.get(id);
+      if (at === undefined) {
+        place.set(id, rows.length);
+        rows.push(row);
+        ids.push(id);
+      } else {
+        rows[at] = row;
+      }
+      updated.push(row);
+    }
+    this.#list = null;
+    return { inserted, updated, removed };
   }
 
   /** Stops syncing the scope; the socket stays open for the others. */
@@ -165,10 +223,12 @@ export class Subscription extends Emitter<SubscriptionEvents> {
   /** @internal */
   deliver(event: ClientEvent): void {
     switch (event.type) {
-      case "changed":
+      case "changed": {
+        const change = this.#apply(event.change);
         if (event.reset) this.emit("reset", undefined);
-        this.emit("change", event.change);
+        this.emit("change", change);
         break;
+      }
       case "progress":
         this.emit("progress", { done: event.done, total: event.total });
         break;
@@ -350,9 +410,11 @@ export class HighwaterClient extends Emitter<ClientEvents> {
         this.emit("status", this.#status);
         return;
       }
-      case "persist":
-        this.#persist(event.scope, event.write);
+      case "persist": {
+        const subscription = this.#subscriptions.get(event.scope);
+        if (subscription !== undefined) this.#persist(event.scope, subscription.storedWrite(event.write));
         return;
+      }
       case "error":
         if (event.scope === null || event.scope === undefined) {
           this.emit("error", { code: event.code, message: event.message });

@@ -64,7 +64,10 @@ export type {
   ConnectionState,
   ConnectionStatus,
   PersistWrite,
-  RowChange,
+  ChangedRowData,
+  CoreRowChange,
+  CoreUpsert,
+  CoreWrite,
   StoredRow,
   StoredScopeData,
 } from "./wasm/api.js";

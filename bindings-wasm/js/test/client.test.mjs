@@ -50,6 +50,34 @@ test("a fresh subscribe equals the server and live changes arrive one event per 
     assert.equal(client.status.state, "closed");
   }));
 
+test("rows() is the same array until a change, and an unchanged row is the same object after one", () =>
+  withServer(async (server, url) => {
+    for (let i = 0; i < 20; i++) server.write(`r${i}`, "ada", { n: i });
+    const client = new HighwaterClient({ url, token: "t" });
+    try {
+      const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+      await todos.ready;
+      const before = todos.rows();
+      assert.equal(todos.rows(), before, "no change: the same array");
+      const changes = [];
+      todos.on("change", (c) => changes.push(c));
+      server.write("r3", "ada", { n: 300 });
+      await until(() => changes.length === 1, "the change");
+      const after = todos.rows();
+      assert.notEqual(after, before, "a new array after a change");
+      const byKey = (rows) => new Map(rows.map((row) => [row.id, row]));
+      const [old, now] = [byKey(before), byKey(after)];
+      for (const [id, row] of now) {
+        if (id === "r3") assert.notEqual(row, old.get(id), "the changed row is a new object");
+        else assert.equal(row, old.get(id), `row ${id} kept its identity`);
+      }
+      // The event hands out the very objects rows() holds.
+      assert.equal(changes[0].updated[0], now.get("r3"));
+    } finally {
+      await client.close();
+    }
+  }));
+
 test("change events carry rows for as long as any listener is left, also one added after others left", () =>
   withServer(async (server, url) => {
     const client = new HighwaterClient({ url, token: "t" });

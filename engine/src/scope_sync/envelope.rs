@@ -1,6 +1,8 @@
 //! Channel-message bodies (§5.5): `{echoOrigin, syncs:[entry…]}` envelopes and their entries.
 
+use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::coercion::{describe, json_number_text};
@@ -73,6 +75,9 @@ pub enum EnvelopeError {
     #[error("expected `data` of a sync entry to hold a JSON object, got {found}")]
     BadData { found: String },
 }
+
+/// The values of an entry's [`ENTRY_KEYS`], in that order.
+type EntrySlots = [Option<Value>; ENTRY_KEYS.len()];
 
 /// The entry keys with a meaning of their own; every other key goes to `extra`.
 const ENTRY_KEYS: [&str; 7] = [
@@ -231,6 +236,231 @@ impl SyncEnvelope {
     }
 }
 
+/// A body decoded by [`SyncEnvelope::from_text_keeping_rows`]: the envelope (its entries without
+/// `data`) and each entry's `data` as it came (`None` where the entry had none).
+pub type EnvelopeWithRows = (SyncEnvelope, Vec<Option<Box<RawValue>>>);
+
+impl SyncEnvelope {
+    /// Decodes a body from its text as [`SyncEnvelope::from_json`] does, but leaves each entry's
+    /// `data` as its JSON text instead of decoding it (a client hands rows on, see
+    /// [`super::RowText`]): the entries come without `data`, their data texts beside them. A
+    /// body of another form (a bare entry, `syncs` that is not an array of objects, `data` that
+    /// is neither an object, a string nor null) is decoded the ordinary way, with `data` in its
+    /// entries, and its errors are the ordinary ones.
+    pub fn from_text_keeping_rows(text: &str) -> Result<EnvelopeWithRows, EnvelopeError> {
+        if let Ok(Some(body)) = serde_json::from_str::<Option<RawBody>>(text) {
+            if let Some(decoded) = body.into_envelope()? {
+                return Ok(decoded);
+            }
+        }
+        let envelope = Self::from_json(text)?;
+        let rows = vec![None; envelope.syncs.len()];
+        Ok((envelope, rows))
+    }
+}
+
+/// A body object, each entry's `data` kept as text; `syncs: None` when the key held no array.
+#[derive(Default)]
+struct RawBody {
+    echo_origin: Option<Value>,
+    syncs: Option<Vec<RawEntry>>,
+    extra: Map<String, Value>,
+}
+
+struct RawEntry {
+    /// The known keys' values but `data` (see [`ENTRY_KEYS`]).
+    known: EntrySlots,
+    extra: Map<String, Value>,
+    data: Option<Box<RawValue>>,
+}
+
+impl RawBody {
+    /// The envelope and its data texts; `None` for a body the ordinary decoder must judge.
+    fn into_envelope(self) -> Result<Option<EnvelopeWithRows>, EnvelopeError> {
+        let Some(raw_entries) = self.syncs else {
+            return Ok(None);
+        };
+        let is_row_form =
+            |data: &RawValue| matches!(data.get().as_bytes().first(), Some(b'{' | b'"' | b'n'));
+        if raw_entries
+            .iter()
+            .any(|entry| entry.data.as_deref().is_some_and(|data| !is_row_form(data)))
+        {
+            return Ok(None);
+        }
+        let echo_origin = match self.echo_origin {
+            None | Some(Value::Null) => None,
+            Some(Value::String(origin)) => Some(origin),
+            Some(Value::Number(origin)) => Some(json_number_text(&origin)),
+            Some(other) => {
+                return Err(EnvelopeError::BadEchoOrigin {
+                    found: describe(&other),
+                })
+            }
+        };
+        let mut syncs = Vec::with_capacity(raw_entries.len());
+        let mut rows = Vec::with_capacity(raw_entries.len());
+        for (index, entry) in raw_entries.into_iter().enumerate() {
+            syncs.push(SyncEntry::from_slots(index, entry.known, entry.extra)?);
+            rows.push(entry.data);
+        }
+        Ok(Some((
+            SyncEnvelope {
+                echo_origin,
+                syncs,
+                bare: false,
+                extra: self.extra,
+            },
+            rows,
+        )))
+    }
+}
+
+impl<'de> Deserialize<'de> for RawBody {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Body;
+        impl<'de> Visitor<'de> for Body {
+            type Value = RawBody;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an envelope object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawBody, A::Error> {
+                let mut body = RawBody::default();
+                while let Some(key) = map.next_key::<String>()? {
+                    match key.as_str() {
+                        "echoOrigin" => body.echo_origin = Some(map.next_value()?),
+                        "syncs" => body.syncs = map.next_value_seed(Syncs)?,
+                        _ => {
+                            let value = map.next_value()?;
+                            body.extra.insert(key, value);
+                        }
+                    }
+                }
+                Ok(body)
+            }
+        }
+        deserializer.deserialize_map(Body)
+    }
+}
+
+/// `syncs`: its entries when it is an array, `None` for any other value.
+struct Syncs;
+
+impl<'de> DeserializeSeed<'de> for Syncs {
+    type Value = Option<Vec<RawEntry>>;
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Syncs {
+    type Value = Option<Vec<RawEntry>>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an array of entries")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut entries = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(entry) = seq.next_element::<RawEntry>()? {
+            entries.push(entry);
+        }
+        Ok(Some(entries))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+}
+
+impl<'de> Deserialize<'de> for RawEntry {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Entry;
+        impl<'de> Visitor<'de> for Entry {
+            type Value = RawEntry;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an entry object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawEntry, A::Error> {
+                let mut entry = RawEntry {
+                    known: Default::default(),
+                    extra: Map::new(),
+                    data: None,
+                };
+                while let Some(key) = map.next_key_seed(EntryKeySeed)? {
+                    match key {
+                        // `data` is the first of `ENTRY_KEYS`.
+                        EntryKey::Known(0) => entry.data = Some(map.next_value()?),
+                        EntryKey::Known(slot) => entry.known[slot] = Some(map.next_value()?),
+                        EntryKey::Other(key) => {
+                            let value = map.next_value()?;
+                            entry.extra.insert(key, value);
+                        }
+                    }
+                }
+                Ok(entry)
+            }
+        }
+        deserializer.deserialize_map(Entry)
+    }
+}
+
+/// An entry's key: the slot of a known one (read without allocating), or another.
+enum EntryKey {
+    Known(usize),
+    Other(String),
+}
+
+struct EntryKeySeed;
+
+impl<'de> DeserializeSeed<'de> for EntryKeySeed {
+    type Value = EntryKey;
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<EntryKey, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for EntryKeySeed {
+    type Value = EntryKey;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a key")
+    }
+    fn visit_str<E>(self, key: &str) -> Result<EntryKey, E> {
+        Ok(match ENTRY_KEYS.iter().position(|known| *known == key) {
+            Some(slot) => EntryKey::Known(slot),
+            None => EntryKey::Other(key.to_owned()),
+        })
+    }
+    fn visit_string<E>(self, key: String) -> Result<EntryKey, E> {
+        Ok(match ENTRY_KEYS.iter().position(|known| *known == key) {
+            Some(slot) => EntryKey::Known(slot),
+            None => EntryKey::Other(key),
+        })
+    }
+}
+
 impl TryFrom<Value> for SyncEnvelope {
     type Error = EnvelopeError;
 
@@ -257,17 +487,10 @@ impl SyncEntry {
         index: usize,
         entry: Map<String, Value>,
     ) -> Result<Self, EnvelopeError> {
-        let bad =
-            |field: &'static str, expected: &'static str, found: &Value| EnvelopeError::BadField {
-                index,
-                field,
-                expected,
-                found: describe(found),
-            };
         // One pass: the known keys into their slots (in `ENTRY_KEYS` order), every other key
         // to `extra` in the order it came. They are checked below in a fixed order, so the
         // error for an entry with several bad fields does not depend on the key order.
-        let mut known: [Option<Value>; ENTRY_KEYS.len()] = Default::default();
+        let mut known: EntrySlots = Default::default();
         let mut extra = Map::new();
         for (key, value) in entry {
             match ENTRY_KEYS.iter().position(|known| *known == key) {
@@ -277,6 +500,22 @@ impl SyncEntry {
                 }
             }
         }
+        Self::from_slots(index, known, extra)
+    }
+
+    /// An entry from its known keys' values (in `ENTRY_KEYS` order) and its other keys.
+    fn from_slots(
+        index: usize,
+        known: EntrySlots,
+        extra: Map<String, Value>,
+    ) -> Result<Self, EnvelopeError> {
+        let bad =
+            |field: &'static str, expected: &'static str, found: &Value| EnvelopeError::BadField {
+                index,
+                field,
+                expected,
+                found: describe(found),
+            };
         let [data, id, resource_id, resource_type, server_sequence, sync_type, updated_at] = known;
         let id_field = |field: &'static str, value: Option<Value>| match value {
             None | Some(Value::Null) => Ok(None),
@@ -657,6 +896,62 @@ mod tests {
                 _ => None,
             };
             prop_assert_eq!(advanced.and_then(|c| c.server_sequence), expected);
+        }
+
+        /// Decoding a body keeping rows as text gives what the ordinary decoder gives, the
+        /// rows beside the entries instead of in them, whatever keys, forms and order.
+        #[test]
+        fn bodies_decoded_keeping_rows_equal_the_ordinary_decoding(
+            sequence in prop::option::of(any::<i64>()),
+            data in prop::sample::select(vec![
+                r#"{"id":1,"big":123456789012345678901234567890,"s":"\u00e9\"x"}"#,
+                r#""{\"id\":2}""#,
+                "null",
+                "absent",
+                "7",
+                "[1]",
+            ]),
+            extra_first in any::<bool>(),
+            echo in prop::sample::select(vec!["null", "\"me\"", "12", "true"]),
+            syncs_form in prop::sample::select(vec!["array", "object", "null", "absent", "bad entry"]),
+        ) {
+            let seq = sequence.map_or("null".to_owned(), |s| s.to_string());
+            let data = if data == "absent" { String::new() } else { format!(r#","data":{data}"#) };
+            let entry = format!(
+                r#"{{"id":"x","resourceId":"r","serverSequence":{seq},"syncType":"update","updatedAt":"{T0}","projectId":"p"{data}}}"#
+            );
+            let syncs = match syncs_form {
+                "array" => format!(r#""syncs":[{entry},{entry}]"#),
+                "object" => r#""syncs":{"a":1}"#.to_owned(),
+                "null" => r#""syncs":null"#.to_owned(),
+                "bad entry" => format!(r#""syncs":[{entry},3]"#),
+                _ => r#""resourceId":"bare","updatedAt":"2026-07-01T10:00:00.000Z""#.to_owned(),
+            };
+            let extra = r#""progress":{"done":1,"total":2}"#;
+            let body = if extra_first {
+                format!(r#"{{{extra},"echoOrigin":{echo},{syncs}}}"#)
+            } else {
+                format!(r#"{{"echoOrigin":{echo},{syncs},{extra}}}"#)
+            };
+            let ordinary = SyncEnvelope::from_json(&body);
+            let kept = SyncEnvelope::from_text_keeping_rows(&body);
+            match (ordinary, kept) {
+                (Ok(mut ordinary), Ok((mut kept, rows))) => {
+                    prop_assert_eq!(rows.len(), kept.syncs.len());
+                    for (entry, row) in kept.syncs.iter_mut().zip(rows) {
+                        if let Some(row) = row {
+                            prop_assert!(entry.data.is_none());
+                            entry.data = Some(serde_json::from_str(row.get()).unwrap());
+                        }
+                    }
+                    // Key order of `extra` is not part of an envelope's meaning.
+                    ordinary.extra.sort_keys();
+                    kept.extra.sort_keys();
+                    prop_assert_eq!(kept, ordinary);
+                }
+                (Err(ordinary), Err(kept)) => prop_assert_eq!(kept, ordinary),
+                (ordinary, kept) => prop_assert!(false, "{body}: {ordinary:?} against {kept:?}"),
+            }
         }
 
         #[test]

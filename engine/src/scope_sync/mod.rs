@@ -8,11 +8,13 @@
 pub(crate) mod coercion;
 mod envelope;
 mod frame;
+mod row;
 mod subscribe;
 
 pub use coercion::js_string_form;
 pub use envelope::{EnvelopeError, SyncEntry, SyncEnvelope, CURSOR_KEY};
 pub use frame::{ClientFrame, FrameError, ServerFrame, SYNC_CHANNEL_TYPE};
+pub use row::RowText;
 pub use subscribe::{
     page_limit, request_sequence, SubscribeError, SubscribeParams, DEFAULT_PAGE_LIMIT,
     MAX_PAGE_LIMIT,

@@ -57,20 +57,20 @@
 //! The per-scope subscription rules (apply queue, P3 cursor guard, fresh ids on re-subscribe)
 //! are [`crate::realtime_bridge::ScopeBridge`]'s: each scope drives one bridge.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
-use indexmap::IndexMap;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::backoff::{Backoff, BackoffPolicy};
 use crate::cursor::{is_cursor_after, SyncCursor};
 use crate::realtime_bridge::{
-    BridgeConfig, BridgeEffect, BridgeError, BridgeInput, RemoteChange, ScopeBridge, ScopeChannel,
+    BridgeConfig, BridgeEffect, BridgeError, BridgeInput, MessageBody, RemoteChange,
+    ReplayProgress, ScopeBridge, ScopeChannel,
 };
 use crate::scope::{Scope, ScopeDigest};
-use crate::scope_sync::{ClientFrame, ServerFrame, SubscribeParams};
+use crate::scope_sync::{ClientFrame, RowText, ServerFrame, SubscribeParams};
 
 #[cfg(test)]
 mod tests;
@@ -147,7 +147,7 @@ pub struct ConnectionStatus {
 
 /// A row's replicated columns. Shared: the client's rows, the change reported and the write
 /// to persist hold the same row, not three copies of it.
-pub type RowData = Arc<Map<String, Value>>;
+pub type RowData = Arc<RowText>;
 
 /// One row of a scope as held and stored: the entry's `resourceId`, its `serverSequence` and
 /// the replicated columns.
@@ -190,14 +190,30 @@ impl PersistWrite {
     }
 }
 
-/// The net change of one applied envelope, as rows (`data` objects).
+/// One row of a [`RowChange`]: its `resourceId` and its replicated columns.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChangedRow {
+    pub id: String,
+    pub data: RowData,
+}
+
+impl ChangedRow {
+    fn new(id: &str, data: &RowData) -> Self {
+        ChangedRow {
+            id: id.to_owned(),
+            data: Arc::clone(data),
+        }
+    }
+}
+
+/// The net change of one applied envelope, as rows (`data` objects) with their ids.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RowChange {
-    pub inserted: Vec<RowData>,
-    pub updated: Vec<RowData>,
+    pub inserted: Vec<ChangedRow>,
+    pub updated: Vec<ChangedRow>,
     /// The rows as they were before removal.
-    pub removed: Vec<RowData>,
+    pub removed: Vec<ChangedRow>,
 }
 
 impl RowChange {
@@ -371,6 +387,8 @@ enum Phase {
 struct HeldRow {
     server_sequence: Option<i64>,
     data: RowData,
+    /// The last batch that touched it, and its place in that batch's list of touched rows.
+    touched: (u64, usize),
 }
 
 #[derive(Debug, Clone)]
@@ -378,12 +396,15 @@ struct ScopeSlot {
     params: SubscribeParams,
     digest: ScopeDigest,
     bridge: ScopeBridge,
-    rows: BTreeMap<String, HeldRow>,
+    /// Hashed, not ordered: a replay looks up every row it brings (a hundred thousand, say).
+    rows: HashMap<String, HeldRow>,
     /// The persisted cursor.
     cursor: Option<SyncCursor>,
     phase: Phase,
     /// Entries applied by the current catch-up replay.
     replaying: u64,
+    /// Batches applied so far (each numbers the rows it touches, see `HeldRow::touched`).
+    batches: u64,
     /// Entries applied by the last finished catch-up replay.
     replayed: u64,
     /// `auth-expired` answers since the scope was last live.
@@ -463,11 +484,14 @@ impl SyncClient {
     }
 
     /// The scope's rows, in `resourceId` order.
-    pub fn rows(&self, scope: ScopeKey) -> Vec<&Map<String, Value>> {
-        self.scopes
-            .get(&scope)
-            .map(|slot| slot.rows.values().map(|row| &*row.data).collect())
-            .unwrap_or_default()
+    /// The scope's rows by `resourceId`, decoded (the client keeps each as its text).
+    pub fn rows(&self, scope: ScopeKey) -> Vec<Map<String, Value>> {
+        let Some(slot) = self.scopes.get(&scope) else {
+            return Vec::new();
+        };
+        let mut rows: Vec<(&String, &HeldRow)> = slot.rows.iter().collect();
+        rows.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        rows.into_iter().map(|(_, row)| row.data.to_map()).collect()
     }
 
     /// The scope's persisted cursor.
@@ -940,15 +964,16 @@ impl SyncClient {
             subscription_id_prefix: format!("s{key}.{}.", self.subscribes_made),
             reopen_on_resume: true,
         });
-        let mut rows = BTreeMap::new();
+        let mut rows = HashMap::with_capacity(stored.rows.len());
         let mut inserted = Vec::new();
         for row in stored.rows {
-            inserted.push(Arc::clone(&row.data));
+            inserted.push(ChangedRow::new(&row.id, &row.data));
             rows.insert(
                 row.id,
                 HeldRow {
                     server_sequence: row.server_sequence,
                     data: row.data,
+                    touched: (0, 0),
                 },
             );
         }
@@ -962,6 +987,7 @@ impl SyncClient {
                 cursor: stored.cursor,
                 phase: Phase::Idle,
                 replaying: 0,
+                batches: 0,
                 replayed: 0,
                 expired_in_a_row: 0,
                 sweep: None,
@@ -1046,6 +1072,26 @@ impl SyncClient {
     }
 
     fn frame(&mut self, text: &str, out: &mut Vec<ClientEffect>) {
+        // The common frame, a channel message, keeps its body as text: its rows are handed on
+        // as they came (see `RowText`), not decoded here.
+        if let Ok(message) = serde_json::from_str::<MessageText>(text) {
+            if message.kind == "channel-message" {
+                if let (Some(subscription_id), Some(body)) = (message.subscription_id, message.body)
+                {
+                    if let Some(&key) = self.routes.get(&subscription_id) {
+                        self.feed(
+                            key,
+                            BridgeInput::ChannelMessage {
+                                subscription_id,
+                                body: MessageBody::Text(body),
+                            },
+                            out,
+                        );
+                    }
+                    return;
+                }
+            }
+        }
         let frame = match ServerFrame::from_json(text) {
             Ok(frame) => frame,
             Err(error) => {
@@ -1105,22 +1151,14 @@ impl SyncClient {
                 let Some(&key) = self.routes.get(&subscription_id) else {
                     return;
                 };
-                let progress = replay_progress(&body);
                 self.feed(
                     key,
                     BridgeInput::ChannelMessage {
                         subscription_id,
-                        body,
+                        body: MessageBody::Value(body),
                     },
                     out,
                 );
-                if let Some((done, total)) = progress {
-                    out.push(ClientEffect::Progress {
-                        scope: key,
-                        done,
-                        total,
-                    });
-                }
             }
             ServerFrame::ChannelSubscribed { subscription_id } => {
                 if let Some(&key) = self.routes.get(&subscription_id) {
@@ -1227,6 +1265,7 @@ impl SyncClient {
                     ticket,
                     reset,
                     changes,
+                    progress,
                     ..
                 } => {
                     flush(key, pending.take(), out);
@@ -1252,6 +1291,14 @@ impl SyncClient {
                             result: Ok(()),
                         })
                         .unwrap_or_else(|error| refused(error, &mut *out));
+                    if let Some(ReplayProgress { done, total }) = progress {
+                        flush(key, pending.take(), out);
+                        out.push(ClientEffect::Progress {
+                            scope: key,
+                            done,
+                            total,
+                        });
+                    }
                     queue.extend(more);
                 }
                 BridgeEffect::SaveCursor { cursor, .. } => {
@@ -1388,52 +1435,90 @@ impl ScopeSlot {
             self.cursor = None;
             self.sweep = Some(BTreeSet::new());
         }
-        // Each touched row's state before the batch, in first-touch order.
-        let mut before: IndexMap<String, Option<RowData>> = IndexMap::new();
+        // Each touched row in first-touch order: its id, its data before the batch and after.
+        // A row held points at its entry here through `touched`; a row removed by the batch
+        // through `removed` (rare: most batches remove nothing, so it is seldom allocated).
+        self.batches += 1;
+        let batch = self.batches;
+        let mut touched: Vec<Touched> = Vec::with_capacity(changes.len());
+        let mut removed: HashMap<String, usize> = HashMap::new();
         for remote in changes {
-            let Some(id) = remote.resource_id.clone() else {
+            let Some(id) = remote.resource_id else {
                 continue;
             };
             let sequence = remote.entry.server_sequence;
-            let held = self.rows.get(&id);
-            if let (Some(held), Some(new)) = (held, sequence) {
-                if held.server_sequence.is_some_and(|old| new < old) {
-                    continue;
+            let delete = remote.sync_type == "delete";
+            if let Some(held) = self.rows.get_mut(&id) {
+                if let (Some(old), Some(new)) = (held.server_sequence, sequence) {
+                    if new < old {
+                        continue;
+                    }
                 }
+                if let Some(swept) = &mut self.sweep {
+                    swept.insert(id.clone());
+                }
+                let at = if held.touched.0 == batch {
+                    held.touched.1
+                } else {
+                    touched.push((id.clone(), Some(Arc::clone(&held.data)), None));
+                    touched.len() - 1
+                };
+                if delete {
+                    self.rows.remove(&id);
+                    touched[at].2 = None;
+                    removed.insert(id, at);
+                } else {
+                    let data = Arc::new(remote.data.unwrap_or_default());
+                    held.server_sequence = sequence;
+                    held.data = Arc::clone(&data);
+                    held.touched = (batch, at);
+                    touched[at].2 = Some((sequence, data));
+                }
+                continue;
             }
-            if let Some(touched) = &mut self.sweep {
-                touched.insert(id.clone());
+            if let Some(swept) = &mut self.sweep {
+                swept.insert(id.clone());
             }
-            before
-                .entry(id.clone())
-                .or_insert_with(|| held.map(|row| Arc::clone(&row.data)));
-            if remote.is_delete() {
-                self.rows.remove(&id);
+            let at = match removed.remove(&id) {
+                Some(at) => at,
+                None => {
+                    touched.push((id.clone(), None, None));
+                    touched.len() - 1
+                }
+            };
+            if delete {
+                touched[at].2 = None;
+                removed.insert(id, at);
             } else {
+                let data = Arc::new(remote.data.unwrap_or_default());
+                touched[at].2 = Some((sequence, Arc::clone(&data)));
                 self.rows.insert(
                     id,
                     HeldRow {
                         server_sequence: sequence,
-                        data: Arc::new(remote.data.unwrap_or_default()),
+                        data,
+                        touched: (batch, at),
                     },
                 );
             }
         }
-        for (id, was) in before {
-            let now = self.rows.get(&id);
-            match (was, now) {
-                (None, Some(now)) => change.inserted.push(Arc::clone(&now.data)),
-                (Some(was), Some(now)) if was != now.data => {
-                    change.updated.push(Arc::clone(&now.data))
+        for (id, was, now) in touched {
+            match (was, &now) {
+                (None, Some((_, now))) => change.inserted.push(ChangedRow::new(&id, now)),
+                (Some(was), Some((_, now))) if was != *now => {
+                    change.updated.push(ChangedRow::new(&id, now))
                 }
-                (Some(was), None) => change.removed.push(was),
+                (Some(was), None) => change.removed.push(ChangedRow {
+                    id: id.clone(),
+                    data: was,
+                }),
                 _ => {}
             }
             match now {
-                Some(now) => write.upserts.push(StoredRow {
+                Some((server_sequence, data)) => write.upserts.push(StoredRow {
                     id,
-                    server_sequence: now.server_sequence,
-                    data: Arc::clone(&now.data),
+                    server_sequence,
+                    data,
                 }),
                 None => write.deletes.push(id),
             }
@@ -1442,23 +1527,30 @@ impl ScopeSlot {
     }
 }
 
+/// A row one batch touched: its id, its data before the batch, and after it (with its seq).
+type Touched = (String, Option<RowData>, Option<(Option<i64>, RowData)>);
+
 impl ScopeSlot {
     /// Ends a sweep: removes the held rows the replay did not deliver.
     fn sweep(&mut self) -> Option<(RowChange, PersistWrite)> {
         let touched = self.sweep.take()?;
-        let gone: Vec<String> = self
+        let mut gone: Vec<String> = self
             .rows
             .keys()
             .filter(|id| !touched.contains(*id))
             .cloned()
             .collect();
+        gone.sort_unstable();
         if gone.is_empty() {
             return None;
         }
         let mut change = RowChange::default();
         for id in &gone {
             if let Some(row) = self.rows.remove(id) {
-                change.removed.push(row.data);
+                change.removed.push(ChangedRow {
+                    id: id.clone(),
+                    data: row.data,
+                });
             }
         }
         Some((
@@ -1469,6 +1561,18 @@ impl ScopeSlot {
             },
         ))
     }
+}
+
+/// The fields of a server frame that tell a channel message and its body apart; the body is
+/// kept as text (other keys are ignored, as [`ServerFrame`] ignores them).
+#[derive(serde::Deserialize)]
+struct MessageText {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(rename = "subscriptionId", default)]
+    subscription_id: Option<String>,
+    #[serde(default)]
+    body: Option<Box<serde_json::value::RawValue>>,
 }
 
 /// A bridge refused an input: a broken rule inside this client, reported rather than hidden.
@@ -1485,15 +1589,6 @@ fn flush(key: ScopeKey, write: Option<PersistWrite>, out: &mut Vec<ClientEffect>
     if let Some(write) = write.filter(|write| !write.is_empty()) {
         out.push(ClientEffect::Persist { scope: key, write });
     }
-}
-
-/// `progress: {done, total}` of a replay page envelope.
-fn replay_progress(body: &Value) -> Option<(u64, u64)> {
-    let progress = body.get("progress")?;
-    Some((
-        progress.get("done")?.as_u64()?,
-        progress.get("total")?.as_u64()?,
-    ))
 }
 
 /// The lifetime a JWT gives itself (`exp` − `iat`, in ms), read without verifying it: the

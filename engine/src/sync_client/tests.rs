@@ -146,7 +146,7 @@ fn a_connect_asks_for_a_token_then_opens_and_subscribes_with_it() {
         rows: vec![StoredRow {
             id: "1".to_owned(),
             server_sequence: Some(5),
-            data: row("1", 1).as_object().unwrap().clone().into(),
+            data: Arc::new(row("1", 1).as_object().unwrap().clone().into()),
         }],
         cursor: Some(SyncCursor::new(
             Some("1:5".to_owned()),
@@ -258,11 +258,17 @@ fn an_envelope_is_one_change_with_the_net_effect_per_row() {
     assert_eq!(changes.len(), 1);
     assert_eq!(
         changes[0].inserted,
-        vec![Arc::new(row("2", 2).as_object().unwrap().clone())]
+        vec![ChangedRow {
+            id: "2".into(),
+            data: Arc::new(row("2", 2).as_object().unwrap().clone().into())
+        }]
     );
     assert_eq!(
         changes[0].removed,
-        vec![Arc::new(row("1", 1).as_object().unwrap().clone())]
+        vec![ChangedRow {
+            id: "1".into(),
+            data: Arc::new(row("1", 1).as_object().unwrap().clone().into())
+        }]
     );
     assert!(changes[0].updated.is_empty());
     let write = persists(&effects)[0];
@@ -294,7 +300,10 @@ fn repeated_and_older_entries_change_nothing() {
     assert!(!older
         .iter()
         .any(|e| matches!(e, ClientEffect::Changed { .. })));
-    assert_eq!(client.rows(1), vec![row("1", 7).as_object().unwrap()]);
+    assert_eq!(
+        client.rows(1),
+        vec![row("1", 7).as_object().unwrap().clone()]
+    );
 }
 
 #[test]
@@ -371,7 +380,7 @@ fn a_reset_marker_keeps_the_rows_until_the_full_replay_is_confirmed_then_drops_t
     // new epoch's cursor.
     assert!(effects.iter().any(
         |e| matches!(e, ClientEffect::Changed { reset: false, change, .. }
-        if change.removed.len() == 1 && change.removed[0].get("id") == Some(&json!("3")))
+        if change.removed.len() == 1 && change.removed[0].id == "3")
     ));
     let writes = persists(&effects);
     assert!(writes.iter().any(|w| w.deletes == ["3"]));
@@ -389,8 +398,8 @@ fn a_reset_marker_keeps_the_rows_until_the_full_replay_is_confirmed_then_drops_t
     assert_eq!(
         client.rows(1),
         vec![
-            row("1", 1).as_object().unwrap(),
-            row("5", 2).as_object().unwrap()
+            row("1", 1).as_object().unwrap().clone(),
+            row("5", 2).as_object().unwrap().clone()
         ]
     );
 }
@@ -1320,26 +1329,26 @@ impl Harness {
                         "a reset emptied the view"
                     );
                     for row in change.removed {
-                        assert!(
-                            view.remove(row["id"].as_str().unwrap()).is_some(),
-                            "removed a row not shown"
+                        assert_eq!(
+                            row.data.get("id").as_ref().and_then(Value::as_str),
+                            Some(row.id.as_str())
                         );
+                        assert!(view.remove(&row.id).is_some(), "removed a row not shown");
                     }
                     for row in change.inserted {
+                        assert_eq!(
+                            row.data.get("id").as_ref().and_then(Value::as_str),
+                            Some(row.id.as_str())
+                        );
                         assert!(
-                            view.insert(
-                                row["id"].as_str().unwrap().to_owned(),
-                                Value::Object((*row).clone())
-                            )
-                            .is_none(),
+                            view.insert(row.id, Value::Object(row.data.to_map()))
+                                .is_none(),
                             "inserted twice"
                         );
                     }
                     for row in change.updated {
-                        let old = view.insert(
-                            row["id"].as_str().unwrap().to_owned(),
-                            Value::Object((*row).clone()),
-                        );
+                        let old = view.insert(row.id, Value::Object(row.data.to_map()));
+                        let row = row.data.to_map();
                         let old = old.expect("updated a row not shown");
                         assert!(
                             old["v"].as_i64() < row["v"].as_i64(),
@@ -1487,14 +1496,9 @@ impl Harness {
     }
 }
 
-fn as_map(rows: Vec<&Map<String, Value>>) -> BTreeMap<String, Value> {
+fn as_map(rows: Vec<Map<String, Value>>) -> BTreeMap<String, Value> {
     rows.into_iter()
-        .map(|row| {
-            (
-                row["id"].as_str().unwrap().to_owned(),
-                Value::Object(row.clone()),
-            )
-        })
+        .map(|row| (row["id"].as_str().unwrap().to_owned(), Value::Object(row)))
         .collect()
 }
 
@@ -1528,7 +1532,7 @@ proptest! {
             let stored: BTreeMap<String, Value> = harness.stores[scope]
                 .rows
                 .values()
-                .map(|row| (row.id.clone(), Value::Object((*row.data).clone())))
+                .map(|row| (row.id.clone(), Value::Object(row.data.to_map())))
                 .collect();
             prop_assert_eq!(&stored, &expected);
         }

@@ -258,7 +258,9 @@ async fn drive(
                             state.cursor = None;
                         }
                         for row in &write.upserts {
-                            state.stored.insert(row.id.clone(), row_values(&row.data));
+                            state
+                                .stored
+                                .insert(row.id.clone(), row_values(&row.data.to_map()));
                             state.raw.insert(row.id.clone(), row.clone());
                         }
                         for id in &write.deletes {
@@ -300,7 +302,7 @@ async fn drive(
                         .get("id")
                         .map(crate::workload::text_of)
                         .unwrap_or_default();
-                    (id, row_values(row))
+                    (id, row_values(&row))
                 })
                 .collect();
             if !client.is_live(SCOPE) {

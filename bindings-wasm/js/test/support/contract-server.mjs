@@ -17,6 +17,8 @@ export class ContractServer {
   sockets = new Set();
   /** App-level pings answered. */
   pings = 0;
+  /** Rows per replay page (`highwater serve` sends 1,000). */
+  pageRows = 100;
 
   async start() {
     this.wss = new WebSocketServer({ port: 0, host: "127.0.0.1" });
@@ -118,8 +120,8 @@ export class ContractServer {
         return row.seq > after && (row.owner === owner || after > 0);
       });
       const total = ids.length;
-      for (let i = 0; i < ids.length; i += 100) {
-        const page = ids.slice(i, i + 100);
+      for (let i = 0; i < ids.length; i += this.pageRows) {
+        const page = ids.slice(i, i + this.pageRows);
         this.#send(ws, sub, page.map((id) => this.#entry(id, owner)), { progress: { done: i + page.length, total } });
       }
       ws.send(JSON.stringify({ type: "channel-subscribed", subscriptionId: sub }));
