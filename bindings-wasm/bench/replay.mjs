@@ -10,7 +10,8 @@
 // the module's hot code) and warm (later replays in the same process), without a listener and
 // with a `change` listener that reads `rows()` on every change, as a page re-rendering its list
 // does. Each run ends with every row in `rows()`. Prints a table; numbers go to BENCHMARKS.md
-// by hand. `HIGHWATER_BENCH_JSON=1` prints the results as JSON instead.
+// by hand. `HIGHWATER_BENCH_JSON=1` prints the results as JSON instead; `HIGHWATER_PACKAGE` names
+// another build of the package to measure (its `dist/node.js`).
 import { fork } from "node:child_process";
 import { existsSync } from "node:fs";
 import { fileURLToPath } from "node:url";
@@ -18,10 +19,10 @@ import { fileURLToPath } from "node:url";
 const here = fileURLToPath(import.meta.url);
 
 /** One replay from subscribe to `ready` with every row in `rows()`; milliseconds. */
-async function timeReplay(HighwaterClient, url, token, expected, listener) {
+async function timeReplay(HighwaterClient, url, token, expected, listener, resourceType = "todos", owner = "ada") {
   const client = new HighwaterClient({ url, token });
   const start = performance.now();
-  const scope = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  const scope = client.subscribe({ resourceType, conditions: { owner } });
   let shown = 0;
   if (listener === "page") scope.on("change", () => (shown = scope.rows().length));
   await scope.ready;
@@ -41,14 +42,17 @@ if (process.argv[2] === "--serve-contract") {
   for (let i = 0; i < Number(process.argv[3]); i++) server.write(`r${i}`, "ada", { title: `todo ${i}`, done: i % 2 === 0, n: i });
   process.send(url);
 } else if (process.argv[2] === "--replay") {
-  // One process: `runs` replays in a row; the first is the fresh one.
-  const [url, token, rows, listener, runs] = process.argv.slice(3);
-  const { HighwaterClient } = await import("highwater");
+  // One process: `runs` replays in a row; the first is the fresh one. The times go to the
+  // parent through IPC, or as JSON on stdout (`highwater bench sync` runs this mode).
+  const [url, token, rows, listener, runs, resourceType, owner] = process.argv.slice(3);
+  // HIGHWATER_PACKAGE: another build's entry point (dist/node.js), to compare builds.
+  const { HighwaterClient } = await import(process.env.HIGHWATER_PACKAGE ?? "highwater");
   const times = [];
   for (let run = 0; run < Number(runs); run++) {
-    times.push(await timeReplay(HighwaterClient, url, token === "-" ? null : token, Number(rows), listener));
+    times.push(await timeReplay(HighwaterClient, url, token === "-" ? null : token, Number(rows), listener, resourceType, owner));
   }
-  process.send(times);
+  if (process.send) process.send(times);
+  else console.log(JSON.stringify(times));
 } else {
   const rows = Number(process.argv[2] ?? 100_000);
   const flags = Number(process.versions.node.split(".")[0]) < 22 ? ["--experimental-websocket", "--no-warnings=ExperimentalWarning"] : [];

@@ -2,6 +2,14 @@
 
 use clap::{Parser, Subcommand};
 
+/// jemalloc rather than the C library's allocator, for every allocation of the process
+/// (SQLite's too): measured on `bench sync`, the server's memory falls back after clients
+/// leave and after large replays (glibc kept 135 MiB after a run, jemalloc 27–36 MiB), and a
+/// replay is served faster. Its settings, a background thread returning memory unused for a
+/// second, are in `.cargo/config.toml`.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 mod check_stream;
 
 #[derive(Parser)]

@@ -138,14 +138,19 @@ pub(super) fn peak_rss_kib() -> Option<u64> {
     status_kib("VmHWM:")
 }
 
-/// This process's resident set size now (`VmRSS`).
-pub(super) fn rss_kib() -> Option<u64> {
-    status_kib("VmRSS:")
+/// Another process's resident set size (`VmRSS` of `/proc/<pid>/status`).
+pub(super) fn rss_kib_of(pid: u32) -> Option<u64> {
+    status_kib_of(&format!("/proc/{pid}/status"), "VmRSS:")
 }
 
 /// A `kB` field of `/proc/self/status`.
 fn status_kib(field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status_kib_of("/proc/self/status", field)
+}
+
+/// A `kB` field of a `status` file of `/proc`.
+fn status_kib_of(path: &str, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(path).ok()?;
     status
         .lines()
         .find_map(|line| line.strip_prefix(field))?

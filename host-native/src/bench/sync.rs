@@ -1,51 +1,55 @@
 //! `highwater bench sync`: scope sync as a browser sees it.
 //!
-//! Setup: a private Postgres and `highwater serve --sync-rules` in this process on its own
-//! runtime; the clients are real WebSocket clients on `/sync` on another runtime, each
-//! subscribed with a signed token.
+//! Setup: a private Postgres and `highwater serve --sync-rules` as a process of its own (this
+//! binary), so its resident memory is its own; the clients are real WebSocket clients on
+//! `/sync` in this process, each subscribed with a signed token, and (for the client replay)
+//! `HighwaterClient`s in Node processes.
 //!
-//! - Replay: `--replay-rows` rows of one scope are committed and stored; one client subscribes
-//!   with no cursor (pages of 1,000) and is timed from the subscribe until `channel-subscribed`.
+//! - Replay: `--replay-rows` rows of one scope are committed and stored; one WebSocket client
+//!   subscribes with no cursor (pages of 1,000) and is timed from the subscribe until
+//!   `channel-subscribed` (the server's side). Then `HighwaterClient` in Node
+//!   (`bindings-wasm/bench/replay.mjs`, the package built by `scripts/build-wasm`) takes the same
+//!   scope: three fresh processes and three warm replays, without a listener and with a
+//!   `change` listener that reads `rows()` on every change, as a page re-rendering does.
 //! - Latency, for each level N of `--connections`: N sockets, each subscribed to a scope of its
-//!   own; then single-row INSERTs are committed at `--rate` tx/s for `--warmup-seconds` (not
-//!   measured) and then `--seconds`, round-robin over the N scopes. Latency per received row: the wall clock when the client read it minus
-//!   its `updatedAt` (the Postgres commit time, ms resolution). p50 / p99 / max.
+//!   own and sending a `ping` every 4 s as `HighwaterClient` does; then single-row INSERTs are
+//!   committed at `--rate` tx/s for `--warmup-seconds` (not measured) and then `--seconds`,
+//!   round-robin over the N scopes. Latency per received row: the wall clock when the client
+//!   read it minus its `updatedAt` (the Postgres commit time, ms resolution). p50 / p99 / max.
+//! - Memory: the server's resident set before `--idle-connections` sockets open, with each
+//!   subscribed to one scope of its own (the browser case: one socket per page), with a second
+//!   subscription on each, and a few seconds after they all closed.
 //! - The change log is not purged during the run (as in `bench fanout`), and the private
 //!   Postgres runs without autovacuum or checkpoints.
-//! - Memory: the process's resident set before and after `--idle-subscriptions` idle
-//!   subscriptions (100 per socket) are open, divided by their count. Clients and server share
-//!   the process, so this is an upper bound for the server's cost.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
 use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::net::TcpStream;
-use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use super::common::rss_kib;
+use super::common::rss_kib_of;
 use crate::private_pg::{PgOptions, PrivatePg};
-use crate::serve::{serve, ServeArgs};
 use crate::sync_auth::{mint_token, SyncSecret};
 
 const TABLE: &str = "highwater_bench_sync";
 const WAIT: Duration = Duration::from_secs(10 * 60);
 const SECRET: &str = "a benchmark secret that is long enough for HS256";
-const SUBSCRIPTIONS_PER_SOCKET: usize = 100;
 
 /// Command-line arguments of `highwater bench sync`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SyncArgs {
     /// Connection levels of the latency run, comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 100, 1000])]
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 10, 100, 1000])]
     pub connections: Vec<usize>,
     /// Transactions per second during the latency run.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = 200)]
     pub rate: u64,
     /// Seconds of load per latency level.
     #[arg(long, default_value_t = 10)]
@@ -53,12 +57,15 @@ pub struct SyncArgs {
     /// Seconds of the same load before each level's measured seconds (not measured).
     #[arg(long, default_value_t = 2)]
     pub warmup_seconds: u64,
-    /// Rows of the scope replayed to one client (0 skips the replay run).
-    #[arg(long, default_value_t = 200_000)]
+    /// Rows of the scope replayed (0 skips the replay runs).
+    #[arg(long, default_value_t = 100_000)]
     pub replay_rows: u64,
-    /// Idle subscriptions of the memory run (0 skips it).
-    #[arg(long, default_value_t = 10_000)]
-    pub idle_subscriptions: usize,
+    /// Skip the replay into `HighwaterClient` in Node.
+    #[arg(long)]
+    pub no_client_replay: bool,
+    /// Idle connections of the memory run, one subscription each (0 skips it).
+    #[arg(long, default_value_t = 1000)]
+    pub idle_connections: usize,
     /// Where the server keeps its replica during the run; by default the temporary directory.
     #[arg(long)]
     pub work_dir: Option<PathBuf>,
@@ -176,61 +183,105 @@ async fn bench(args: &SyncArgs) -> anyhow::Result<String> {
     result
 }
 
+/// `highwater serve` as a child process; killed when dropped.
+struct Server {
+    child: tokio::process::Child,
+    pid: u32,
+    addr: SocketAddr,
+}
+
+impl Server {
+    async fn start(pg: &PrivatePg, work: &Path) -> anyhow::Result<Server> {
+        let rules = work.join("rules.json");
+        let secret = work.join("secret");
+        std::fs::write(
+            &rules,
+            format!(
+                r#"{{"tables":{{"{TABLE}":{{"filterColumns":["owner"],"require":{{"owner":"sub"}}}}}}}}"#
+            ),
+        )?;
+        std::fs::write(&secret, SECRET)?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let log = std::fs::File::create(work.join("serve.log"))?;
+        // As in `bench fanout`: the change log is not purged during the run (a purge of the
+        // replay load would stall ingest mid-level; that cost is the change log's).
+        let child = tokio::process::Command::new(std::env::current_exe()?)
+            .arg("serve")
+            .args(["--upstream", &pg.url()])
+            .arg("--data")
+            .arg(work.join("data"))
+            .args(["--port", &port.to_string(), "--host", "127.0.0.1"])
+            .args(["--purge-delay-ms", &(24 * 60 * 60 * 1000u64).to_string()])
+            .arg("--sync-rules")
+            .arg(&rules)
+            .arg("--sync-secret-file")
+            .arg(&secret)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .context("cannot start highwater serve")?;
+        let pid = child.id().context("highwater serve exited at once")?;
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let mut server = Server { child, pid, addr };
+        let deadline = Instant::now() + WAIT;
+        while TcpStream::connect(addr).await.is_err() {
+            if server.child.try_wait()?.is_some() || Instant::now() > deadline {
+                bail!(
+                    "highwater serve did not start; its log: {}",
+                    work.join("serve.log").display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(server)
+    }
+
+    fn rss_kib(&self) -> u64 {
+        rss_kib_of(self.pid).unwrap_or(0)
+    }
+
+    async fn stop(mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+    }
+}
+
 async fn with_server(
     args: &SyncArgs,
     pg: &PrivatePg,
     db: &tokio_postgres::Client,
     work: &Path,
 ) -> anyhow::Result<String> {
-    let rules = work.join("rules.json");
-    let secret = work.join("secret");
-    std::fs::write(
-        &rules,
-        format!(
-            r#"{{"tables":{{"{TABLE}":{{"filterColumns":["owner"],"require":{{"owner":"sub"}}}}}}}}"#
-        ),
-    )?;
-    std::fs::write(&secret, SECRET)?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let mut serve_args = ServeArgs::new(pg.url(), work.join("data"));
-    serve_args.port = port;
-    serve_args.host = "127.0.0.1".to_owned();
-    // As in `bench fanout`: the change log is not purged during the run (a purge of the replay
-    // load would stall ingest mid-level; that cost is the change log's, not scope sync's).
-    serve_args.purge_delay_ms = 24 * 60 * 60 * 1000;
-    serve_args.sync_rules = Some(rules);
-    serve_args.sync_secret.sync_secret_file = Some(secret);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("serve")
-        .enable_all()
-        .build()?;
-    let (stop, stop_rx) = watch::channel(false);
-    let task = runtime.spawn(serve(serve_args, stop_rx));
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let deadline = Instant::now() + WAIT;
-    while TcpStream::connect(addr).await.is_err() {
-        if task.is_finished() || Instant::now() > deadline {
-            bail!("highwater serve did not start");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let result = measure(args, pg, db, addr).await;
-    let _ = stop.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
-    runtime.shutdown_background();
+    let server = Server::start(pg, work).await?;
+    let result = measure(args, pg, db, &server).await;
+    server.stop().await;
     result
+}
+
+/// A sitting's header: what the server started at.
+fn memory_line(label: &str, kib: u64) -> String {
+    format!("{label:>44} {:>9.1} MiB\n", kib as f64 / 1024.0)
 }
 
 async fn measure(
     args: &SyncArgs,
     pg: &PrivatePg,
     db: &tokio_postgres::Client,
-    addr: SocketAddr,
+    server: &Server,
 ) -> anyhow::Result<String> {
+    let addr = server.addr;
+    let started_kib = server.rss_kib();
     let mut out = String::new();
+    // Memory first, on a server that has done nothing else yet: what a connection costs,
+    // not what it reuses of memory an earlier run left behind.
+    if args.idle_connections > 0 {
+        out.push_str(&memory(args.idle_connections, server, started_kib).await?);
+    }
     let mut next_id: i64 = 1;
     if args.replay_rows > 0 {
         let rows = i64::try_from(args.replay_rows)?;
@@ -268,12 +319,15 @@ async fn measure(
             );
         }
         out.push_str(&format!(
-            "Replay: one client, fresh subscribe, pages of 1000\n{:>10} {:>10} {:>12}\n{:>10} {:>10} {:>12.0}\n\n",
+            "Replay: one WebSocket client, fresh subscribe, pages of 1000\n{:>10} {:>10} {:>12}\n{:>10} {:>10} {:>12.0}\n\n",
             "rows", "seconds", "rows/s",
             received,
             format!("{:.2}", elapsed.as_secs_f64()),
             received as f64 / elapsed.as_secs_f64().max(1e-9)
         ));
+        if !args.no_client_replay {
+            out.push_str(&client_replay(addr, args.replay_rows).await?);
+        }
     }
 
     out.push_str(&format!(
@@ -281,144 +335,292 @@ async fn measure(
         args.rate, args.seconds, "connections", "sent", "received", "p50", "p99", "max"
     ));
     for &n in &args.connections {
-        let mut sockets = Vec::with_capacity(n);
-        for i in 0..n {
-            let mut socket = connect(addr).await?;
-            subscribe(&mut socket, "s", &format!("c{n}-{i}")).await?;
-            sockets.push(socket);
-        }
-        for socket in &mut sockets {
-            until_subscribed(socket, 1).await?;
-        }
-        let total = args.rate * args.seconds;
-        let warmup = args.rate * args.warmup_seconds;
-        let readers: Vec<_> = sockets
-            .into_iter()
-            .map(|socket| {
-                tokio::spawn(async move {
-                    let mut latencies = Vec::new();
-                    // Pings as `HighwaterClient` sends them (every 4 s): a client that sends
-                    // makes Linux delay its ACKs (40 ms), which is what a server that waits
-                    // for ACKs before sending more small frames (Nagle) then waits on.
-                    let (mut sink, mut stream) = socket.split();
-                    let mut ping = tokio::time::interval(Duration::from_secs(4));
-                    // Done once no row arrived for 5 s (pongs do not count).
-                    let mut quiet_until = tokio::time::Instant::now() + Duration::from_secs(5);
-                    loop {
-                        let message = tokio::select! {
-                            message = tokio::time::timeout_at(quiet_until, stream.next()) => message,
-                            _ = ping.tick() => {
-                                let _ = sink.send(Message::Text(r#"{"type":"ping"}"#.into())).await;
-                                continue;
-                            }
-                        };
-                        let Ok(Some(Ok(message))) = message else {
-                            break;
-                        };
-                        if matches!(&message, Message::Text(text) if text.as_str().contains("\"syncs\"")) {
-                            quiet_until = tokio::time::Instant::now() + Duration::from_secs(5);
+        out.push_str(&latency_level(args, pg, addr, n, &mut next_id).await?);
+    }
+    // What the server kept of the replay and the latency levels once every client left.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    out.push_str(&format!(
+        "\nMemory after every run, 10 s after the last client left: {:.1} MiB (it started at {:.1} MiB)\n",
+        server.rss_kib() as f64 / 1024.0,
+        started_kib as f64 / 1024.0
+    ));
+    Ok(out)
+}
+
+/// One latency level: `n` sockets, a paced writer, the latency of every row received.
+async fn latency_level(
+    args: &SyncArgs,
+    pg: &PrivatePg,
+    addr: SocketAddr,
+    n: usize,
+    next_id: &mut i64,
+) -> anyhow::Result<String> {
+    let mut sockets = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut socket = connect(addr).await?;
+        subscribe(&mut socket, "s", &format!("c{n}-{i}")).await?;
+        sockets.push(socket);
+    }
+    for socket in &mut sockets {
+        until_subscribed(socket, 1).await?;
+    }
+    let total = args.rate * args.seconds;
+    let warmup = args.rate * args.warmup_seconds;
+    // The readers read until 5 s after the last write (a scope of 1,000 gets a row every 5 s).
+    let (done_tx, done_rx) = tokio::sync::watch::channel(None::<tokio::time::Instant>);
+    let readers: Vec<_> = sockets
+        .into_iter()
+        .map(|socket| {
+            let mut done = done_rx.clone();
+            tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                // Pings as `HighwaterClient` sends them (every 4 s): a client that sends
+                // makes Linux delay its ACKs (40 ms), which is what a server that waits
+                // for ACKs before sending more small frames (Nagle) then waits on.
+                let (mut sink, mut stream) = socket.split();
+                let mut ping = tokio::time::interval(Duration::from_secs(4));
+                let mut until = None;
+                loop {
+                    let end = until.unwrap_or_else(|| tokio::time::Instant::now() + WAIT);
+                    let message = tokio::select! {
+                        message = tokio::time::timeout_at(end, stream.next()) => message,
+                        _ = ping.tick() => {
+                            let _ = sink.send(Message::Text(r#"{"type":"ping"}"#.into())).await;
+                            continue;
                         }
-                        let Message::Text(text) = message else {
-                            continue;
-                        };
-                        let read_at = now_ms();
-                        let Ok(frame) = serde_json::from_str::<Value>(text.as_str()) else {
-                            continue;
-                        };
-                        for entry in frame["body"]["syncs"].as_array().into_iter().flatten() {
-                            if entry["data"]["payload"] == "warm-up" {
-                                continue;
+                        changed = done.changed(), if until.is_none() => {
+                            if changed.is_err() {
+                                break;
                             }
-                            let at = entry["updatedAt"].as_str().and_then(parse_iso_ms);
-                            if let Some(at) = at {
-                                latencies.push(read_at - at);
-                            }
+                            until = *done.borrow();
+                            continue;
+                        }
+                    };
+                    let Ok(Some(Ok(message))) = message else {
+                        break;
+                    };
+                    let Message::Text(text) = message else {
+                        continue;
+                    };
+                    let read_at = now_ms();
+                    let Ok(frame) = serde_json::from_str::<Value>(text.as_str()) else {
+                        continue;
+                    };
+                    for entry in frame["body"]["syncs"].as_array().into_iter().flatten() {
+                        if entry["data"]["payload"] == "warm-up" {
+                            continue;
+                        }
+                        let at = entry["updatedAt"].as_str().and_then(parse_iso_ms);
+                        if let Some(at) = at {
+                            latencies.push(read_at - at);
                         }
                     }
-                    latencies
-                })
-            })
-            .collect();
-        // Four connections, each pacing its share of the rate.
-        let writers = 4_u64;
-        let mut tasks = Vec::new();
-        for w in 0..writers {
-            let conn = pg.connect().await?;
-            let first = next_id;
-            let n = n as i64;
-            let per = (warmup + total) / writers;
-            let warm = warmup / writers;
-            let period = Duration::from_secs_f64(writers as f64 / args.rate.max(1) as f64);
-            tasks.push(tokio::spawn(async move {
-                let mut tick = tokio::time::interval(period);
-                for k in 0..per as i64 {
-                    tick.tick().await;
-                    let id = first + k * writers as i64 + w as i64;
-                    let owner = format!("c{n}-{}", id % n);
-                    let payload = if (k as u64) < warm { "warm-up" } else { "live" };
-                    conn.execute(
-                        &format!("INSERT INTO public.{TABLE} VALUES ($1, $2, $3)"),
-                        &[&id, &owner, &payload],
-                    )
-                    .await?;
                 }
-                Ok::<_, tokio_postgres::Error>(())
-            }));
+                latencies
+            })
+        })
+        .collect();
+    // Four connections, each pacing its share of the rate.
+    let writers = 4_u64;
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let conn = pg.connect().await?;
+        let first = *next_id;
+        let n = n as i64;
+        let per = (warmup + total) / writers;
+        let warm = warmup / writers;
+        let period = Duration::from_secs_f64(writers as f64 / args.rate.max(1) as f64);
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            for k in 0..per as i64 {
+                tick.tick().await;
+                let id = first + k * writers as i64 + w as i64;
+                let owner = format!("c{n}-{}", id % n);
+                let payload = if (k as u64) < warm { "warm-up" } else { "live" };
+                conn.execute(
+                    &format!("INSERT INTO public.{TABLE} VALUES ($1, $2, $3)"),
+                    &[&id, &owner, &payload],
+                )
+                .await?;
+            }
+            Ok::<_, tokio_postgres::Error>(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    done_tx.send_replace(Some(tokio::time::Instant::now() + Duration::from_secs(5)));
+    *next_id += i64::try_from(warmup + total)? + 4;
+    let mut latencies = Vec::new();
+    for reader in readers {
+        latencies.extend(reader.await?);
+    }
+    latencies.sort_unstable();
+    let ms = |v: Option<i64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v} ms"));
+    Ok(format!(
+        "{:>11} {:>9} {:>9} {:>8} {:>8} {:>8}\n",
+        n,
+        total - total % 4,
+        latencies.len(),
+        ms(percentile(&latencies, 0.50)),
+        ms(percentile(&latencies, 0.99)),
+        ms(latencies.last().copied()),
+    ))
+}
+
+/// The server's memory with `n` idle sockets of one subscription each, with a second
+/// subscription on each, and after they closed.
+async fn memory(n: usize, server: &Server, started_kib: u64) -> anyhow::Result<String> {
+    let settle = || tokio::time::sleep(Duration::from_secs(3));
+    // A few clients come and go first: the replica readers' page caches and the runtime's
+    // structures are sized once, whatever the number of clients; what is left after that is
+    // the baseline clients are measured against.
+    let mut warm = Vec::new();
+    for i in 0..8 {
+        let mut socket = connect(server.addr).await?;
+        subscribe(&mut socket, "w", &format!("warm-{i}")).await?;
+        warm.push(socket);
+    }
+    for socket in &mut warm {
+        until_subscribed(socket, 1).await?;
+    }
+    for mut socket in warm {
+        let _ = socket.close(None).await;
+    }
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let before = server.rss_kib();
+    let mut sockets = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut socket = connect(server.addr).await?;
+        subscribe(&mut socket, "a", &format!("idle-{i}")).await?;
+        sockets.push(socket);
+    }
+    for socket in &mut sockets {
+        until_subscribed(socket, 1).await?;
+    }
+    settle().await;
+    let one = server.rss_kib();
+    for (i, socket) in sockets.iter_mut().enumerate() {
+        subscribe(socket, "b", &format!("idle-{i}-b")).await?;
+    }
+    for socket in &mut sockets {
+        until_subscribed(socket, 1).await?;
+    }
+    settle().await;
+    let two = server.rss_kib();
+    for mut socket in sockets {
+        let _ = socket.close(None).await;
+    }
+    // Long enough for the server to see every close and its allocator to give memory back.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let after = server.rss_kib();
+    let per = |from: u64, to: u64| to.saturating_sub(from) as f64 / n.max(1) as f64;
+    let mut out = format!("Memory: the server's resident set, {n} idle sockets\n");
+    out.push_str(&memory_line("at start", started_kib));
+    out.push_str(&memory_line(
+        "after 8 clients came and went (baseline)",
+        before,
+    ));
+    out.push_str(&memory_line(
+        &format!("{n} sockets, one subscription each"),
+        one,
+    ));
+    out.push_str(&memory_line("a second subscription on each", two));
+    out.push_str(&memory_line("10 s after they closed", after));
+    out.push_str(&format!(
+        "{:>44} {:>9.1} KiB\n{:>44} {:>9.1} KiB\n{:>44} {:>9.0} %\n",
+        "per connection (one subscription)",
+        per(before, one),
+        "per extra subscription",
+        per(one, two),
+        "after they closed, of the baseline",
+        after as f64 * 100.0 / before.max(1) as f64
+    ));
+    Ok(out)
+}
+
+/// The replay into `HighwaterClient` in Node, fresh and warm, with and without a listener, by
+/// `bindings-wasm/bench/replay.mjs` against this server's replay scope.
+async fn client_replay(addr: SocketAddr, rows: u64) -> anyhow::Result<String> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bindings-wasm/bench/replay.mjs");
+    let package = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bindings-wasm/dist/node.js");
+    if !script.exists() || !package.exists() {
+        return Ok(format!(
+            "Replay into HighwaterClient: skipped (no {} or {}: build the package with scripts/build-wasm)\n\n",
+            script.display(),
+            package.display()
+        ));
+    }
+    let token = token("replay")?;
+    let url = format!("ws://{addr}/sync");
+    let mut out = format!(
+        "Replay into HighwaterClient in Node: subscribe to ready with every row in rows(), rows/s\n{:>32} {:>30} {:>30}\n",
+        "change listener", "fresh process (3 runs)", "warm (3 runs)"
+    );
+    for listener in ["none", "page"] {
+        let mut fresh = Vec::new();
+        for _ in 0..3 {
+            fresh.extend(node_replays(&script, &url, &token, rows, listener, 1).await?);
         }
-        for task in tasks {
-            task.await??;
-        }
-        next_id += i64::try_from(warmup + total)? + 4;
-        let mut latencies = Vec::new();
-        for reader in readers {
-            latencies.extend(reader.await?);
-        }
-        latencies.sort_unstable();
-        let ms = |v: Option<i64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v} ms"));
+        let warm = node_replays(&script, &url, &token, rows, listener, 4).await?;
+        let rates = |runs: &[f64]| {
+            runs.iter()
+                .map(|ms| format!("{:.0}", rows as f64 * 1000.0 / ms))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let label = if listener == "page" {
+            "reads rows() on each change"
+        } else {
+            "none"
+        };
         out.push_str(&format!(
-            "{:>11} {:>9} {:>9} {:>8} {:>8} {:>8}\n",
-            n,
-            total - total % 4,
-            latencies.len(),
-            ms(percentile(&latencies, 0.50)),
-            ms(percentile(&latencies, 0.99)),
-            ms(latencies.last().copied()),
+            "{label:>32} {:>30} {:>30}\n",
+            rates(&fresh),
+            rates(warm.get(1..).unwrap_or_default())
         ));
     }
     out.push('\n');
-
-    if args.idle_subscriptions > 0 {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let before = rss_kib().unwrap_or(0);
-        let sockets_needed = args.idle_subscriptions.div_ceil(SUBSCRIPTIONS_PER_SOCKET);
-        let mut sockets = Vec::with_capacity(sockets_needed);
-        let mut opened = 0;
-        for s in 0..sockets_needed {
-            let mut socket = connect(addr).await?;
-            let here = SUBSCRIPTIONS_PER_SOCKET.min(args.idle_subscriptions - opened);
-            for k in 0..here {
-                subscribe(&mut socket, &format!("i{k}"), &format!("idle-{s}-{k}")).await?;
-            }
-            until_subscribed(&mut socket, here).await?;
-            opened += here;
-            sockets.push(socket);
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let after = rss_kib().unwrap_or(0);
-        out.push_str(&format!(
-            "Memory: {} idle subscriptions on {} sockets (clients in the same process)\n{:>14} {:>14} {:>18}\n{:>14} {:>14} {:>18}\n",
-            opened,
-            sockets.len(),
-            "RSS before",
-            "RSS after",
-            "per subscription",
-            format!("{} MiB", before / 1024),
-            format!("{} MiB", after / 1024),
-            format!("{:.1} KiB", after.saturating_sub(before) as f64 / opened.max(1) as f64),
-        ));
-        drop(sockets);
-    }
     Ok(out)
+}
+
+/// `runs` replays in one new Node process; their milliseconds.
+async fn node_replays(
+    script: &Path,
+    url: &str,
+    token: &str,
+    rows: u64,
+    listener: &str,
+    runs: usize,
+) -> anyhow::Result<Vec<f64>> {
+    let major: u32 = std::process::Command::new("node")
+        .arg("-p")
+        .arg("process.versions.node.split('.')[0]")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(22);
+    let mut command = tokio::process::Command::new("node");
+    if major < 22 {
+        command.args([
+            "--experimental-websocket",
+            "--no-warnings=ExperimentalWarning",
+        ]);
+    }
+    let output = command
+        .arg(script)
+        .args(["--replay", url, token, &rows.to_string(), listener])
+        .arg(runs.to_string())
+        .args([TABLE, "replay"])
+        .stderr(Stdio::inherit())
+        .output()
+        .await
+        .context("cannot run node")?;
+    if !output.status.success() {
+        bail!("the client replay failed ({})", output.status);
+    }
+    serde_json::from_slice(&output.stdout).context("the client replay's times")
 }
 
 /// `2026-12-01T12:00:00.123Z` as Unix milliseconds.

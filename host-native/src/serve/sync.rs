@@ -39,6 +39,8 @@ pub(crate) use super::connection::{MAX_CLIENT_FRAME_BYTES, TOO_BIG_CLOSE_CODE};
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Read-only replica connections kept for replay reads.
 const READER_POOL: usize = 4;
+/// The page cache of each replay reader, in KiB (SQLite's default is 2,000).
+const READER_CACHE_KIB: i64 = 256;
 
 /// Frames queued for one socket's writer. The engine keeps a socket's unflushed bytes under
 /// its outbound budget (replay waits for `Written`) and closes it as a slow consumer past the
@@ -86,6 +88,8 @@ pub(crate) struct SyncHub {
     auth: Arc<SyncAuth>,
     replica_path: PathBuf,
     readers: Mutex<Vec<Replica>>,
+    /// Permits to read a replay page, one per pooled reader.
+    reading: Arc<tokio::sync::Semaphore>,
     handle: tokio::runtime::Handle,
     ping_interval: Duration,
     fault: Fault,
@@ -113,6 +117,7 @@ impl SyncHub {
             auth,
             replica_path,
             readers: Mutex::new(Vec::new()),
+            reading: Arc::new(tokio::sync::Semaphore::new(READER_POOL)),
             handle,
             ping_interval,
             fault,
@@ -187,21 +192,33 @@ impl SyncHub {
                         count_total,
                     } => {
                         let hub = self.clone();
-                        self.handle.spawn_blocking(move || {
-                            let result = hub.read_page(&ScopeQuery {
-                                table: &table,
-                                conditions: &conditions,
-                                after,
-                                up_to,
-                                limit,
-                                count_total,
-                            });
-                            hub.call(ServerInput::PageFetched {
-                                conn,
-                                ticket,
-                                pass,
-                                result,
-                            });
+                        let handle = self.handle.clone();
+                        // At most `READER_POOL` pages are read at once, each by a pooled reader:
+                        // a burst of subscribes queues here rather than opening a reader and a
+                        // thread apiece (a thousand of them held 80 MB at their peak).
+                        let reading = self.reading.clone();
+                        self.handle.spawn(async move {
+                            let Ok(_permit) = reading.acquire_owned().await else {
+                                return;
+                            };
+                            let _ = handle
+                                .spawn_blocking(move || {
+                                    let result = hub.read_page(&ScopeQuery {
+                                        table: &table,
+                                        conditions: &conditions,
+                                        after,
+                                        up_to,
+                                        limit,
+                                        count_total,
+                                    });
+                                    hub.call(ServerInput::PageFetched {
+                                        conn,
+                                        ticket,
+                                        pass,
+                                        result,
+                                    });
+                                })
+                                .await;
                         });
                     }
                     ServerEffect::Send { .. } | ServerEffect::Close { .. } => {}
@@ -215,7 +232,14 @@ impl SyncHub {
         let pooled = self.fault.lock(&self.readers, "scope-sync readers").pop();
         let reader = match pooled {
             Some(mut reader) => reader.refresh().map(|()| reader),
-            None => Replica::open_read_only(&self.replica_path),
+            None => Replica::open_read_only(&self.replica_path).and_then(|reader| {
+                // Pages are range scans of a file the OS caches anyway: a small cache per
+                // reader keeps the server's memory from growing with the scopes it has read.
+                reader
+                    .connection()
+                    .pragma_update(None, "cache_size", -READER_CACHE_KIB)?;
+                Ok(reader)
+            }),
         };
         let mut reader = match reader {
             Ok(reader) => reader,
