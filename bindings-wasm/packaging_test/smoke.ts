@@ -34,7 +34,7 @@ try {
 console.log(order, text, ignored);
 
 // The client API as the README shows it (never connected here: the type check is the test).
-export async function liveRows(url: string): Promise<Row[]> {
+export async function liveRows(url: string): Promise<readonly Row[]> {
   const client = new HighwaterClient({ url, token: async () => "jwt", store: new MemoryStore() });
   const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
   todos.on("change", ({ inserted, updated, removed }) => console.log(inserted.length, updated.length, removed.length));

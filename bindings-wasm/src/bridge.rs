@@ -56,6 +56,16 @@ struct ScopeChannel {
     after: Option<EngineCursor>,
 }
 
+/// How far a replay has come: `done` of `total` entries.
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplayProgress {
+    #[tsify(type = "number")]
+    done: u64,
+    #[tsify(type = "number")]
+    total: u64,
+}
+
 /// An effect for the host to carry out, in order.
 #[derive(Tsify, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "camelCase", deny_unknown_fields)]
@@ -88,6 +98,9 @@ enum BridgeEffect {
         subscription_id: String,
         reset: bool,
         changes: Vec<RemoteChange>,
+        /// A replay page's `{done, total}` entries; `null` outside a replay.
+        #[tsify(type = "ReplayProgress | null")]
+        progress: Option<ReplayProgress>,
     },
     /// Persist `cursor` as the scope's cursor.
     #[serde(rename_all = "camelCase")]

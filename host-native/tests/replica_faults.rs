@@ -65,14 +65,16 @@ async fn a_100k_row_transaction_replicates_in_bounded_memory() {
          50,000 rows (~14 MB), {peak_kib} KiB after a 100,000-row transaction of ~27 MB"
     );
     assert_eq!(replica_count(data.path(), "big"), 100_000);
-    // Holding either table in memory would take well over its 27 MB of text.
+    // The process's own floor (a debug build, jemalloc's arenas, SQLite's page caches) is
+    // 38-45 MB here; holding the seeded table in memory would add well over its 14 MB of text,
+    // and holding the transaction would add well over its 27 MB.
     assert!(
-        synced_kib < 40 * 1024,
+        synced_kib < 52 * 1024,
         "peak RSS {synced_kib} KiB after the initial sync"
     );
     assert!(
-        peak_kib < 40 * 1024,
-        "peak RSS {peak_kib} KiB after the transaction"
+        peak_kib < synced_kib + 8 * 1024,
+        "peak RSS {peak_kib} KiB after the transaction, {synced_kib} KiB before it"
     );
     assert!(binary.terminate().success(), "clean exit on SIGTERM");
     assert_replica_matches(&pg, data.path(), &PUBLICATION).await;
