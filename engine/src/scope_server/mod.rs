@@ -1085,6 +1085,10 @@ impl ScopeServer {
             self.remove_subscription(conn, &id);
         }
         self.connections.remove(&conn);
+        // Tables sized for a burst of connections give their memory back once it is over.
+        shrink_when_sparse(&mut self.connections);
+        shrink_when_sparse(&mut self.index);
+        shrink_when_sparse(&mut self.whole_table);
     }
 
     fn subscription_mut(&mut self, conn: ConnId, id: &str) -> Option<&mut Subscription> {
@@ -1143,6 +1147,7 @@ impl ScopeServer {
             None => {
                 if let Some(set) = self.whole_table.get_mut(&sub.table) {
                     set.remove(&target);
+                    shrink_set_when_sparse(set);
                     if set.is_empty() {
                         self.whole_table.remove(&sub.table);
                     }
@@ -1152,6 +1157,7 @@ impl ScopeServer {
                 let index_key = (sub.table.clone(), column.clone(), value);
                 if let Some(set) = self.index.get_mut(&index_key) {
                     set.remove(&target);
+                    shrink_set_when_sparse(set);
                     if set.is_empty() {
                         self.index.remove(&index_key);
                     }
@@ -1283,4 +1289,21 @@ fn entry_for(epoch: &str, sub: &Subscription, entry: &FeedEntry) -> Option<SyncE
         }
     }
     SyncEntry::from_object(0, &object).ok()
+}
+
+/// Shrinks `map` to twice its length once it holds under a quarter of its capacity: a map
+/// keeps its largest capacity otherwise, and the ones keyed by connection grow with every
+/// burst of clients. Shrinking at a quarter keeps the cost amortized (each shrink follows at
+/// least as many removals as the entries it moves).
+fn shrink_when_sparse<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > 64 && map.len() * 4 < map.capacity() {
+        map.shrink_to(map.len() * 2);
+    }
+}
+
+/// [`shrink_when_sparse`] for a set.
+fn shrink_set_when_sparse<T: Eq + std::hash::Hash>(set: &mut HashSet<T>) {
+    if set.capacity() > 64 && set.len() * 4 < set.capacity() {
+        set.shrink_to(set.len() * 2);
+    }
 }

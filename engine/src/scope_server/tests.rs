@@ -929,3 +929,46 @@ proptest! {
         prop_assert_eq!(&client.rows, &want);
     }
 }
+
+#[test]
+fn tables_sized_for_a_burst_of_connections_shrink_once_they_leave() {
+    let mut server = ScopeServer::new(ServerConfig::new(EPOCH));
+    let conns: Vec<ConnId> = (100..1100).collect();
+    for &conn in &conns {
+        server.handle(
+            ServerInput::Opened {
+                conn,
+                session_id: format!("s{conn}"),
+            },
+            0,
+        );
+        let effects = server.handle(
+            ServerInput::Frame {
+                conn,
+                text: subscribe_text("a", &format!("u{conn}"), json!({})),
+            },
+            0,
+        );
+        let ticket = ticket_of(&effects);
+        server.handle(
+            ServerInput::Authorized {
+                conn,
+                ticket,
+                decision: grant(),
+            },
+            0,
+        );
+    }
+    assert_eq!(server.connections.len(), 1000);
+    assert_eq!(server.index.len(), 1000, "every scope is routed");
+    for &conn in &conns[..990] {
+        server.handle(ServerInput::Closed { conn }, 0);
+    }
+    assert_eq!(server.connections.len(), 10);
+    assert!(
+        server.connections.capacity() <= 128 && server.index.capacity() <= 128,
+        "capacities {} and {} after 990 of 1,000 connections left",
+        server.connections.capacity(),
+        server.index.capacity()
+    );
+}

@@ -448,9 +448,15 @@ impl SyncHub {
                 }
             }
         }
-        self.fault
-            .lock(&self.peers, "scope-sync peers")
-            .remove(&conn);
+        {
+            let mut peers = self.fault.lock(&self.peers, "scope-sync peers");
+            peers.remove(&conn);
+            // Sized for the largest burst of clients otherwise.
+            if peers.capacity() > 64 && peers.len() * 4 < peers.capacity() {
+                let len = peers.len();
+                peers.shrink_to(len * 2);
+            }
+        }
         self.call(ServerInput::Closed { conn });
     }
 
