@@ -69,6 +69,10 @@ pub struct SyncArgs {
     /// Where the server keeps its replica during the run; by default the temporary directory.
     #[arg(long)]
     pub work_dir: Option<PathBuf>,
+    /// The `highwater` binary to serve with (default: this one), to compare two builds'
+    /// servers under the same clients in one sitting.
+    #[arg(long)]
+    pub server_binary: Option<PathBuf>,
 }
 
 /// Runs the benchmark and prints its table.
@@ -191,7 +195,7 @@ struct Server {
 }
 
 impl Server {
-    async fn start(pg: &PrivatePg, work: &Path) -> anyhow::Result<Server> {
+    async fn start(pg: &PrivatePg, work: &Path, binary: &Path) -> anyhow::Result<Server> {
         let rules = work.join("rules.json");
         let secret = work.join("secret");
         std::fs::write(
@@ -207,7 +211,7 @@ impl Server {
         let log = std::fs::File::create(work.join("serve.log"))?;
         // As in `bench fanout`: the change log is not purged during the run (a purge of the
         // replay load would stall ingest mid-level; that cost is the change log's).
-        let child = tokio::process::Command::new(std::env::current_exe()?)
+        let child = tokio::process::Command::new(binary)
             .arg("serve")
             .args(["--upstream", &pg.url()])
             .arg("--data")
@@ -257,13 +261,17 @@ async fn with_server(
     db: &tokio_postgres::Client,
     work: &Path,
 ) -> anyhow::Result<String> {
-    let server = Server::start(pg, work).await?;
+    let binary = match &args.server_binary {
+        Some(path) => path.clone(),
+        None => std::env::current_exe()?,
+    };
+    let server = Server::start(pg, work, &binary).await?;
     let result = measure(args, pg, db, &server).await;
     server.stop().await;
     result
 }
 
-/// A sitting's header: what the server started at.
+/// One line of the memory table.
 fn memory_line(label: &str, kib: u64) -> String {
     format!("{label:>44} {:>9.1} MiB\n", kib as f64 / 1024.0)
 }
@@ -277,6 +285,9 @@ async fn measure(
     let addr = server.addr;
     let started_kib = server.rss_kib();
     let mut out = String::new();
+    if let Some(binary) = &args.server_binary {
+        out.push_str(&format!("Server: {}\n", binary.display()));
+    }
     // Memory first, on a server that has done nothing else yet: what a connection costs,
     // not what it reuses of memory an earlier run left behind.
     if args.idle_connections > 0 {
