@@ -251,7 +251,7 @@ impl SyncClientCore {
         &self,
         key: u32,
         #[wasm_bindgen(
-            unchecked_param_type = "{ resourceType: string; conditions?: Record<string, JsonValue> }"
+            unchecked_param_type = "{ resourceType: string; conditions?: Record<string, ScopeCondition> }"
         )]
         params: JsValue,
         #[wasm_bindgen(unchecked_param_type = "StoredScopeData | null")] stored: JsValue,

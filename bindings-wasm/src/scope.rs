@@ -20,7 +20,8 @@ struct SyncScope {
     /// The resource type; `null` for the all-types user scope.
     #[tsify(optional, type = "string | null")]
     resource_type: Option<String>,
-    /// Equality conditions by column: a scalar, or an array of scalars (membership).
+    /// Conditions by column: a scalar (equality), an array of scalars (membership) or an
+    /// object of operators.
     #[tsify(optional, type = "Record<string, ScopeCondition>")]
     #[serde(default)]
     conditions: Map<String, Value>,
@@ -38,7 +39,7 @@ struct SubscribedScope {
     /// The resource type; `null` for the all-types scope.
     #[tsify(optional, type = "string | null")]
     resource_type: Option<String>,
-    /// Equality conditions by attribute; empty for a user scope.
+    /// Conditions by attribute; empty for a user scope.
     #[tsify(type = "Record<string, ScopeCondition>")]
     conditions: Map<String, Value>,
     /// For the all-types scope: the types the client can apply.
@@ -47,16 +48,46 @@ struct SubscribedScope {
     resource_types: Option<Vec<String>>,
 }
 
-/// One condition value: a scalar, or an array of scalars meaning "any of".
+/// One condition: a scalar (equality; `null` tests for NULL), an array of scalars meaning
+/// "any of", or an object of operators that must all hold.
 #[derive(Tsify)]
 #[serde(untagged)]
 #[allow(dead_code)]
 enum ScopeCondition {
     Scalar(ScopeScalar),
     AnyOf(Vec<ScopeScalar>),
+    Operators(Box<ScopeOperators>),
 }
 
-/// A scalar condition value; numbers match by their JS string form (`5` matches `"5"`).
+/// Operators a column's value must all pass, e.g. `{ gte: 3, lt: 10 }`. NULL passes only
+/// `isNull: true`. Numbers compare numerically, timestamps (Unix ms, or an ISO-8601 operand)
+/// by instant, booleans with false < true, text by code point.
+#[derive(Tsify)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct ScopeOperators {
+    #[tsify(optional)]
+    eq: Option<ScopeScalar>,
+    #[tsify(optional)]
+    ne: Option<ScopeScalar>,
+    #[tsify(optional)]
+    #[serde(rename = "in")]
+    any_of: Option<Vec<ScopeScalar>>,
+    #[tsify(optional)]
+    not_in: Option<Vec<ScopeScalar>>,
+    #[tsify(optional)]
+    lt: Option<ScopeScalar>,
+    #[tsify(optional)]
+    lte: Option<ScopeScalar>,
+    #[tsify(optional)]
+    gt: Option<ScopeScalar>,
+    #[tsify(optional)]
+    gte: Option<ScopeScalar>,
+    #[tsify(optional)]
+    is_null: Option<bool>,
+}
+
+/// A scalar condition value; a number matches the same number as text (`5` matches `"5"`).
 #[derive(Tsify)]
 #[serde(untagged)]
 #[allow(dead_code)]
@@ -81,7 +112,7 @@ pub fn scope_digest(
 }
 
 /// Whether a broadcast with these params (`resourceType` plus attribute values) reaches the
-/// scope: same type, and every condition met by JS string form or array membership. Throws
+/// scope: same type, and every condition met (by value, by membership, by each operator). Throws
 /// `HW_INVALID_SCOPE`, or `HW_INVALID_ARGUMENT` when `params` is not an object.
 #[wasm_bindgen(js_name = scopeMatches)]
 pub fn scope_matches(
@@ -105,7 +136,8 @@ mod tests {
 
     #[test]
     fn declared_scope_matches_the_engine_json() {
-        let conditions = json!({"projectId": 5, "state": ["open", "draft"]});
+        let conditions =
+            json!({"projectId": 5, "state": ["open", "draft"], "priority": {"gte": 3}});
         let Value::Object(conditions) = conditions else {
             panic!("an object");
         };
@@ -124,6 +156,7 @@ mod tests {
     fn declared_subscribed_scope_matches_the_engine_json() {
         for params in [
             json!({"resourceType": "Task", "conditions": {"projectId": [1, 2]}}),
+            json!({"resourceType": "Task", "conditions": {"due": {"isNull": false, "lt": 5}}}),
             json!({"resourceType": null, "conditions": {}, "resourceTypes": ["Task", "Project"]}),
         ] {
             let scope = ChangesScope::try_from(params).expect("valid");

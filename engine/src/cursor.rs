@@ -386,7 +386,7 @@ impl PartialOrd for TimestampKey<'_> {
 /// general ISO-8601 parsers accept more (week dates, basic format) or less (date-only).
 /// Without an offset the time is read as UTC: a sans-IO core has no local zone, and servers
 /// only emit `Z`.
-fn instant_ms(text: &str) -> Option<i64> {
+pub(crate) fn instant_ms(text: &str) -> Option<i64> {
     let mut rest = text.as_bytes();
     let year = match rest.first()? {
         sign @ (b'+' | b'-') => {

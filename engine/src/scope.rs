@@ -12,6 +12,7 @@ use serde_json::{Map, Value};
 use uuid::Uuid;
 
 use crate::scope_sync::coercion::{describe, js_string_cmp, js_string_form, json_number_text};
+use crate::scope_sync::{ConditionError, Conditions};
 
 /// Prefix of every digested scope name.
 const DIGEST_NAME_PREFIX: &str = "velocious-sync-scope:";
@@ -38,10 +39,8 @@ pub enum ScopeError {
     BadResourceType { found: String },
     #[error("expected conditions to be an object, got {found}")]
     BadConditions { found: String },
-    #[error(
-        "expected condition {key:?} to be a string, number, boolean, null or an array of those, got {found}"
-    )]
-    BadConditionValue { key: String, found: String },
+    #[error(transparent)]
+    Condition(#[from] ConditionError),
     #[error("expected resourceTypes to be null or an array of non-blank strings, got {found}")]
     BadResourceTypes { found: String },
     #[error("expected a scope digest (a UUID), got {found:?}")]
@@ -162,8 +161,8 @@ impl<'de> Deserialize<'de> for ScopeDigest {
 pub struct ChangesScope {
     /// The trimmed resource type, or `None` for the all-types scope.
     pub resource_type: Option<String>,
-    /// Attribute-named equality conditions. Empty conditions make a user scope, whose every
-    /// delivery is re-checked for access.
+    /// Attribute-named conditions (see [`Conditions`](crate::scope_sync::Conditions)). Empty
+    /// conditions make a user scope, whose every delivery is re-checked for access.
     pub conditions: Map<String, Value>,
     /// For the all-types scope: the types the client can apply. Narrows delivery; it is not
     /// authorization.
@@ -230,8 +229,10 @@ impl ChangesScope {
     ///
     /// The params must carry a non-null `resourceType`: equal to the scope's type, or listed in
     /// `resourceTypes` for the all-types scope (which without `resourceTypes` matches nothing).
-    /// Then every condition key must be present in the params, and match by JS string form
-    /// (`5` matches `"5"`), or, for an array condition, by membership.
+    /// Then every condition must hold for the params' values, as
+    /// [`Conditions`](crate::scope_sync::Conditions) has it: a scalar by value (`5` matches
+    /// `"5"`), an array by membership, an operator object by each operator; a missing key is
+    /// NULL.
     pub fn matches(&self, params: &Map<String, Value>) -> bool {
         // Fail closed on a missing or null type; JS would compare the text "null".
         let broadcast_type = match params.get("resourceType") {
@@ -243,19 +244,10 @@ impl ChangesScope {
             (None, Some(resource_types)) => resource_types.contains(&broadcast_type),
             (None, None) => false,
         };
+        // The conditions were validated when the scope was made.
         type_matches
-            && self.conditions.iter().all(|(key, condition)| {
-                let Some(param) = params.get(key) else {
-                    return false;
-                };
-                let param = js_string_form(param);
-                match condition {
-                    Value::Array(options) => {
-                        options.iter().any(|option| js_string_form(option) == param)
-                    }
-                    scalar => js_string_form(scalar) == param,
-                }
-            })
+            && Conditions::parse(&self.conditions)
+                .is_ok_and(|conditions| conditions.matches(params))
     }
 }
 
@@ -273,19 +265,7 @@ impl TryFrom<Value> for ChangesScope {
 }
 
 fn validate_conditions(conditions: &Map<String, Value>) -> Result<(), ScopeError> {
-    let is_scalar = |value: &Value| !matches!(value, Value::Array(_) | Value::Object(_));
-    for (key, value) in conditions {
-        let valid = match value {
-            Value::Array(items) => items.iter().all(is_scalar),
-            other => is_scalar(other),
-        };
-        if !valid {
-            return Err(ScopeError::BadConditionValue {
-                key: key.clone(),
-                found: describe(value),
-            });
-        }
-    }
+    Conditions::parse(conditions)?;
     Ok(())
 }
 
@@ -497,7 +477,7 @@ mod tests {
     }
 
     #[test]
-    fn conditions_must_be_scalars_or_arrays_of_scalars() {
+    fn conditions_must_be_scalars_arrays_of_scalars_or_operator_objects() {
         assert!(
             Scope::of_type("Task", object(json!({"a": [1, "x", null, true]})))
                 .validate()
@@ -505,11 +485,12 @@ mod tests {
         );
         for bad in [
             json!({"a": {"b": 1}}),
+            json!({"a": {}}),
             json!({"a": [[1]]}),
             json!({"a": [{}]}),
         ] {
             let error = Scope::of_type("Task", object(bad)).validate().unwrap_err();
-            assert!(matches!(error, ScopeError::BadConditionValue { ref key, .. } if key == "a"));
+            assert!(error.to_string().contains("\"a\""), "{error}");
         }
     }
 

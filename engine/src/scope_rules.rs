@@ -25,6 +25,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde_json::{Map, Value};
 
 use crate::scope_sync::coercion::{describe, js_string_form};
+use crate::scope_sync::Conditions;
 
 /// The parsed rules: one entry per readable table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -161,10 +162,10 @@ impl SyncRules {
     /// `claims` (already verified; empty without a token). `expires_at_ms` is copied into the
     /// grant.
     ///
-    /// Order of checks: a missing table name or a non-scalar condition is `invalid-params`; an
+    /// Order of checks: a missing table name or a malformed condition is `invalid-params`; an
     /// unlisted table, a condition on a column outside `filterColumns`, or a `require` column
-    /// that is absent from the conditions or differs from its claim is `forbidden`. Values
-    /// compare in JS string form (`5` equals `"5"`), as scope routing does.
+    /// without an equality test, or whose equality differs from its claim, is `forbidden`. The
+    /// claim compares in JS string form (`5` equals `"5"`).
     pub fn decide(
         &self,
         claims: &Map<String, Value>,
@@ -177,21 +178,15 @@ impl SyncRules {
                 "expected resourceType to name a table, got nothing",
             ));
         }
-        for (column, value) in conditions {
-            if !matches!(value, Value::String(_) | Value::Number(_) | Value::Bool(_)) {
-                return Err(invalid(format!(
-                    "expected condition {column:?} to be a string, number or boolean, got {}",
-                    describe(value)
-                )));
-            }
-        }
+        let conditions =
+            Conditions::parse(conditions).map_err(|error| invalid(error.to_string()))?;
         let Some(rules) = self.tables.get(resource_type) else {
             return Err(forbidden(format!(
                 "the sync rules do not allow reading table {resource_type:?}"
             )));
         };
-        for column in conditions.keys() {
-            if !rules.filter_columns.contains(column) {
+        for column in conditions.columns() {
+            if !rules.filter_columns.iter().any(|allowed| allowed == column) {
                 return Err(forbidden(format!(
                     "table {resource_type:?} may not be filtered on column {column:?}; allowed: {}",
                     list(&rules.filter_columns)
@@ -199,7 +194,9 @@ impl SyncRules {
             }
         }
         for (column, claim) in &rules.require {
-            let Some(condition) = conditions.get(column) else {
+            // The column must be tested for equality with the claim; other tests on it may
+            // only narrow the scope further.
+            let Some(condition) = conditions.equality(column) else {
                 return Err(forbidden(format!(
                     "a scope of table {resource_type:?} must have the condition {column:?} equal to the token's {claim:?} claim"
                 )));

@@ -36,10 +36,14 @@ struct SyncFiles {
 
 impl SyncFiles {
     fn new() -> SyncFiles {
+        SyncFiles::with_rules(RULES)
+    }
+
+    fn with_rules(rules_json: &str) -> SyncFiles {
         let dir = DataDir::new("sync-files");
         let rules = dir.path().join("rules.json");
         let secret = dir.path().join("secret");
-        std::fs::write(&rules, RULES).unwrap();
+        std::fs::write(&rules, rules_json).unwrap();
         std::fs::write(&secret, SECRET).unwrap();
         SyncFiles {
             _dir: dir,
@@ -181,6 +185,19 @@ impl Client {
             params[k] = v.clone();
         }
         self.send(json!({"type": "channel-subscribe", "subscriptionId": id, "channelType": "velocious-sync", "params": params})).await;
+    }
+
+    /// Subscribes `id` to `table` where `conditions`, with no token, from the scope's cursor.
+    async fn subscribe_where(&mut self, id: &str, table: &str, conditions: &Value) {
+        let scope = self.scopes.entry(id.to_owned()).or_default();
+        scope.subscribed = false;
+        let mut params = json!({"resourceType": table, "conditions": conditions});
+        for (k, v) in scope.cursor_params().as_object().unwrap() {
+            params[k] = v.clone();
+        }
+        self.send(json!({"type": "channel-subscribe", "subscriptionId": id, "channelType": "velocious-sync",
+            "params": params}))
+        .await;
     }
 
     /// The next frame, applied to its scope if it is a message; `None` on close or timeout.
@@ -1078,4 +1095,319 @@ async fn resumes_on_a_database_that_already_had_rows_replay_only_what_changed() 
     assert_eq!(client.scopes["s1"].rows, pg_scope(&db, "ada").await);
     drop(client);
     server.stop().await;
+}
+
+/// A small deterministic generator (xorshift64*), so a failing case can be replayed by seed.
+struct Gen(u64);
+
+impl Gen {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn pick<T: Clone>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len())].clone()
+    }
+}
+
+const TASKS_DDL: &str = "CREATE TABLE tasks (id int8 PRIMARY KEY, n int4, f float8, t text, b bool, at timestamptz, owner text)";
+const TASKS_RULES: &str =
+    r#"{"tables":{"tasks":{"filterColumns":["n","f","t","b","at","owner"]}}}"#;
+
+/// Values of each column, NULL included: negatives, the int4 extremes, non-ASCII text and
+/// digits as text, instants with whole milliseconds.
+fn column_values(column: &str) -> Vec<Value> {
+    match column {
+        "n" => json!([null, -3, -1, 0, 1, 2, 3, 2147483647, -2147483648]),
+        "f" => json!([null, -1.5, 0.0, 0.25, 2.5, 1e10]),
+        "t" => json!([null, "", "a", "B", "é", "😀", "Zoë", "10", "9"]),
+        "b" => json!([null, true, false]),
+        "at" => json!([
+            null,
+            "2026-01-01T00:00:00.000Z",
+            "2026-06-30T23:59:59.999Z",
+            "1999-12-31T23:00:00.000Z"
+        ]),
+        _ => json!([null, "ada", "grace"]),
+    }
+    .as_array()
+    .unwrap()
+    .clone()
+}
+
+/// A value as a Postgres literal of its column's type.
+fn pg_literal(column: &str, value: &Value) -> String {
+    match value {
+        Value::Null => "NULL".to_owned(),
+        Value::String(text) if column == "at" => format!("'{text}'::timestamptz"),
+        Value::String(text) => format!("'{}'", text.replace('\'', "''")),
+        // A numeric operand of the timestamp column is its Unix milliseconds.
+        Value::Number(ms) if column == "at" => format!("to_timestamp({ms} / 1000.0)"),
+        other => other.to_string(),
+    }
+}
+
+/// A random condition on `column` as subscribe conditions and as the Postgres predicate the
+/// rules say it means (text compared by code point: `COLLATE "C"`).
+fn random_condition(g: &mut Gen, column: &str) -> (Value, String) {
+    let values: Vec<Value> = column_values(column)
+        .into_iter()
+        .filter(|v| !v.is_null())
+        .collect();
+    let mut operand = g.pick(&values);
+    // Other spellings of the same operand: a number as a numeric string, an instant as ms.
+    if g.below(4) == 0 {
+        if let (Some(n), "n") = (operand.as_i64(), column) {
+            operand = json!(n.to_string());
+        }
+        if let (Some(text), "at") = (operand.as_str(), column) {
+            let ms = highwater_engine::cursor::SyncCursor::legacy(text.to_owned())
+                .updated_at_ms()
+                .unwrap();
+            operand = json!(ms);
+        }
+    }
+    let lhs = if column == "t" || column == "owner" {
+        format!("{column} COLLATE \"C\"")
+    } else {
+        column.to_owned()
+    };
+    let pg_operand = |v: &Value| match (column, v) {
+        ("n", Value::String(text)) => text.clone(),
+        _ => pg_literal(column, v),
+    };
+    let list = |g: &mut Gen| -> Vec<Value> {
+        let n = g.below(4);
+        (0..n).map(|_| g.pick(&values)).collect()
+    };
+    match g.below(10) {
+        0 => (operand.clone(), format!("{lhs} = {}", pg_operand(&operand))),
+        1 => (
+            json!({"ne": operand}),
+            format!("{lhs} <> {}", pg_operand(&operand)),
+        ),
+        2 => (
+            json!({"lt": operand}),
+            format!("{lhs} < {}", pg_operand(&operand)),
+        ),
+        3 => (
+            json!({"lte": operand}),
+            format!("{lhs} <= {}", pg_operand(&operand)),
+        ),
+        4 => (
+            json!({"gt": operand}),
+            format!("{lhs} > {}", pg_operand(&operand)),
+        ),
+        5 => (
+            json!({"gte": operand}),
+            format!("{lhs} >= {}", pg_operand(&operand)),
+        ),
+        6 => {
+            let items = list(g);
+            let sql = if items.is_empty() {
+                "false".to_owned()
+            } else {
+                let items: Vec<String> = items.iter().map(pg_operand).collect();
+                format!("{lhs} IN ({})", items.join(", "))
+            };
+            (json!(items), sql)
+        }
+        7 => {
+            let items = list(g);
+            // With no values, every non-NULL value passes (NULL passes no comparison).
+            let sql = if items.is_empty() {
+                format!("{column} IS NOT NULL")
+            } else {
+                let items: Vec<String> = items.iter().map(pg_operand).collect();
+                format!("{lhs} NOT IN ({})", items.join(", "))
+            };
+            (json!({"notIn": items}), sql)
+        }
+        8 => {
+            let is_null = g.below(2) == 0;
+            let sql = format!("{column} IS {}NULL", if is_null { "" } else { "NOT " });
+            (json!({ "isNull": is_null }), sql)
+        }
+        _ => {
+            let high = g.pick(&values);
+            (
+                json!({"gte": operand, "lt": high}),
+                format!(
+                    "{lhs} >= {} AND {lhs} < {}",
+                    pg_operand(&operand),
+                    pg_operand(&high)
+                ),
+            )
+        }
+    }
+}
+
+/// The ids Postgres finds `WHERE predicate`.
+async fn pg_ids(
+    db: &tokio_postgres::Client,
+    predicate: &str,
+) -> std::collections::BTreeSet<String> {
+    db.query(&format!("SELECT id FROM tasks WHERE {predicate}"), &[])
+        .await
+        .unwrap_or_else(|e| panic!("{predicate}: {e}"))
+        .iter()
+        .map(|r| r.get::<_, i64>(0).to_string())
+        .collect()
+}
+
+async fn random_task_row(db: &tokio_postgres::Client, g: &mut Gen, id: i64) {
+    let columns = ["n", "f", "t", "b", "at", "owner"];
+    let values: Vec<String> = columns
+        .iter()
+        .map(|c| pg_literal(c, &g.pick(&column_values(c))))
+        .collect();
+    db.batch_execute(&format!(
+        "INSERT INTO tasks (id, n, f, t, b, at, owner) VALUES ({id}, {}) \
+         ON CONFLICT (id) DO UPDATE SET (n, f, t, b, at, owner) = \
+         (EXCLUDED.n, EXCLUDED.f, EXCLUDED.t, EXCLUDED.b, EXCLUDED.at, EXCLUDED.owner)",
+        values.join(", ")
+    ))
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scopes_with_operators_equal_the_same_where_in_postgres_by_replay_and_live() {
+    let seed = std::env::var("HIGHWATER_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5EED_C0DE_u64);
+    let mut g = Gen(seed);
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TASKS_DDL).await.unwrap();
+    // A database that already had rows when the server first started.
+    for id in 1..=60 {
+        random_task_row(&db, &mut g, id).await;
+    }
+    let files = SyncFiles::with_rules(TASKS_RULES);
+    let data = DataDir::new("scope-operators");
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    let mut client = Client::connect(server.addr).await;
+    let columns = ["n", "f", "t", "b", "at", "owner"];
+    let mut scopes = Vec::new();
+    for i in 0..48 {
+        let mut conditions = serde_json::Map::new();
+        let mut predicates = Vec::new();
+        for _ in 0..1 + g.below(2) {
+            let column = g.pick(&columns);
+            if conditions.contains_key(column) {
+                continue;
+            }
+            let (condition, predicate) = random_condition(&mut g, column);
+            conditions.insert(column.to_owned(), condition);
+            predicates.push(format!("({predicate})"));
+        }
+        let conditions = Value::Object(conditions);
+        let predicate = predicates.join(" AND ");
+        let id = format!("q{i}");
+        client.subscribe_where(&id, "tasks", &conditions).await;
+        client.until_subscribed(&id).await;
+        let got: std::collections::BTreeSet<String> =
+            client.scopes[&id].rows.keys().cloned().collect();
+        assert_eq!(
+            got,
+            pg_ids(&db, &predicate).await,
+            "replay of {conditions} (WHERE {predicate}), seed {seed}"
+        );
+        scopes.push((id, conditions, predicate));
+    }
+
+    // Live: rows change columns (to and from NULL), move in and out of scopes, are deleted
+    // and inserted; every scope ends equal to its query again.
+    churn_tasks(&db, &mut g).await;
+    for (id, conditions, predicate) in &scopes {
+        let want = pg_ids(&db, predicate).await;
+        let deadline = tokio::time::Instant::now() + PROMPT;
+        loop {
+            let got: std::collections::BTreeSet<String> =
+                client.scopes[id].rows.keys().cloned().collect();
+            if got == want {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "live {conditions} (WHERE {predicate}), seed {seed}: got {got:?}, want {want:?}"
+            );
+            let _ = tokio::time::timeout(Duration::from_millis(200), client.next()).await;
+        }
+    }
+    assert!(
+        client.others.iter().all(|f| f["type"] != "channel-error"),
+        "{:?}",
+        client.others
+    );
+
+    // Offline while the same happens again; each scope resumes from its cursor and replays
+    // only the rows that entered or changed and the exits of those that left.
+    let saved = std::mem::take(&mut client.scopes);
+    drop(client);
+    churn_tasks(&db, &mut g).await;
+    // The last write, seen in the replica: everything before it is there too, so each
+    // resume below is answered by replay alone.
+    db.batch_execute("INSERT INTO tasks (id, t) VALUES (1000, 'last write')")
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    while !replica_has_task(data.path(), 1000) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replica did not catch up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut client = Client::connect(server.addr).await;
+    client.scopes = saved;
+    for (id, conditions, predicate) in &scopes {
+        client.subscribe_where(id, "tasks", conditions).await;
+        client.until_subscribed(id).await;
+        let got: std::collections::BTreeSet<String> =
+            client.scopes[id].rows.keys().cloned().collect();
+        assert_eq!(
+            got,
+            pg_ids(&db, predicate).await,
+            "resume of {conditions} (WHERE {predicate}), seed {seed}"
+        );
+        assert_eq!(client.scopes[id].resets, 0, "{id} resumed without a reset");
+    }
+}
+
+fn replica_has_task(data: &Path, id: i64) -> bool {
+    let Ok(db) = rusqlite::Connection::open_with_flags(
+        data.join("replica.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    ) else {
+        return false;
+    };
+    db.busy_timeout(Duration::from_secs(5)).unwrap();
+    db.query_row("SELECT count(*) FROM tasks WHERE id = ?1", [id], |r| {
+        r.get::<_, i64>(0)
+    })
+    .is_ok_and(|n| n == 1)
+}
+
+/// 80 random writes to the tasks: updates of every column, deletes and inserts.
+async fn churn_tasks(db: &tokio_postgres::Client, g: &mut Gen) {
+    for _ in 0..80 {
+        let id = 1 + g.below(70) as i64;
+        if g.below(6) == 0 {
+            db.execute("DELETE FROM tasks WHERE id = $1", &[&id])
+                .await
+                .unwrap();
+        } else {
+            random_task_row(db, g, id).await;
+        }
+    }
 }

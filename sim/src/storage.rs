@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use highwater_engine::change_stream::{Change, DownstreamMessage, Row};
 use highwater_engine::scope_server::{FeedChange, FeedEntry, PageResult};
-use highwater_engine::scope_sync::js_string_form;
+use highwater_engine::scope_sync::{js_string_form, Conditions};
 use highwater_engine::streamer::{CatchupRow, LogOp, StoredChange};
 use highwater_engine::watermark::Watermark;
 use serde_json::{Map, Value};
@@ -298,7 +298,7 @@ impl Storage {
     pub fn page(
         &self,
         table: &str,
-        conditions: &Map<String, Value>,
+        conditions: &Conditions,
         after: Option<i64>,
         up_to: Option<i64>,
         limit: u32,
@@ -320,7 +320,7 @@ impl Storage {
         let mut rows: Vec<FeedEntry> = t
             .rows
             .iter()
-            .filter(|(_, r)| in_range(r.seq) && matches(conditions, &r.data))
+            .filter(|(_, r)| in_range(r.seq) && conditions.matches(&r.data))
             .map(|(id, r)| FeedEntry {
                 table: table.to_owned(),
                 resource_id: id.clone(),
@@ -336,14 +336,11 @@ impl Storage {
         rows.truncate(limit as usize);
         if after.is_some() {
             for exit in &t.exits {
-                let still_in = exit
-                    .new
-                    .as_ref()
-                    .is_some_and(|new| matches(conditions, new));
+                let still_in = exit.new.as_ref().is_some_and(|new| conditions.matches(new));
                 let left = if conditions.is_empty() {
                     exit.new.is_none()
                 } else {
-                    matches(conditions, &exit.old) && !still_in
+                    conditions.matches(&exit.old) && !still_in
                 };
                 if in_range(exit.seq) && left {
                     rows.push(FeedEntry {
@@ -377,14 +374,6 @@ fn log_row(row: &StoredChange) -> LogRow {
         tag: row.tag().to_owned(),
         change: row.change_json().to_owned(),
     }
-}
-
-/// Equality conditions in string form, as the feed compares them.
-pub fn matches(conditions: &Map<String, Value>, data: &Map<String, Value>) -> bool {
-    conditions.iter().all(|(column, wanted)| {
-        data.get(column)
-            .is_some_and(|v| js_string_form(v) == js_string_form(wanted))
-    })
 }
 
 fn id_text(value: Option<&Value>) -> Option<String> {
@@ -814,11 +803,12 @@ mod store_tests {
         (Storage::new(w("01"), tables, 2, None), streamer)
     }
 
-    fn ada() -> Map<String, Value> {
-        json!({"owner": "ada"})
+    fn ada() -> Conditions {
+        let conditions = json!({"owner": "ada"})
             .as_object()
             .cloned()
-            .unwrap_or_default()
+            .unwrap_or_default();
+        Conditions::parse(&conditions).expect("valid")
     }
 
     #[test]

@@ -24,7 +24,7 @@ use highwater_engine::scope::ChangesScope;
 use highwater_engine::scope_server::{
     Decision, Grant, ScopeServer, ServerConfig, ServerEffect, ServerInput,
 };
-use highwater_engine::scope_sync::{ServerFrame, SubscribeParams};
+use highwater_engine::scope_sync::{Conditions, ServerFrame, SubscribeParams};
 use highwater_engine::streamer::{
     CatchupRow, ChangeLogState, ConnId, Effect, LogOp, Streamer, StreamerConfig,
 };
@@ -32,7 +32,7 @@ use highwater_engine::sync_client::{
     ClientConfig, ClientEffect, ClientInput, ScopeKey, SocketId, StoredRow, StoredScope, SyncClient,
 };
 use highwater_engine::watermark::{Lsn, Watermark};
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
 use crate::ingest::{Ingest, IngestBug, Ingested};
 use crate::rng::Rng;
@@ -193,10 +193,13 @@ struct CsSub {
     batched: bool,
 }
 
+/// A client's scope: its table and its conditions.
+type ClientScope = (String, Map<String, Value>);
+
 struct Client {
     client: SyncClient,
-    /// Scope key → (table, owner); no owner: the whole table.
-    scopes: BTreeMap<ScopeKey, (String, Option<String>)>,
+    /// Scope key → (table, conditions on its owner column); no conditions: the whole table.
+    scopes: BTreeMap<ScopeKey, ClientScope>,
     store: BTreeMap<ScopeKey, StoredScope>,
     sockets: BTreeMap<SocketId, u64>,
     timer_gen: u64,
@@ -212,7 +215,7 @@ struct PageReq {
     ticket: u64,
     pass: u64,
     table: String,
-    conditions: Map<String, Value>,
+    conditions: Conditions,
     after: Option<i64>,
     up_to: Option<i64>,
     limit: u32,
@@ -407,9 +410,7 @@ impl World {
             let mut scopes = BTreeMap::new();
             for key in 0..rng.range(1, 3) as u32 {
                 let table = rng.pick(&SCOPED_TABLES).expect("tables");
-                let owner = rng.pick(&OWNERS).expect("owners");
-                let owner = (!rng.chance(200)).then(|| (*owner).to_owned());
-                scopes.insert(key, ((*table).to_owned(), owner));
+                scopes.insert(key, ((*table).to_owned(), Self::owner_conditions(&mut rng)));
             }
             let client = SyncClient::new(Self::client_config(&mut rng), rng.next_u64());
             clients.push(Client {
@@ -458,6 +459,23 @@ impl World {
             opts,
             trace: VecDeque::new(),
         }
+    }
+
+    /// A scope's conditions on the owner column: mostly one owner, sometimes a list, a
+    /// negation, a range or NULL (which reach rows through the table-wide route, and lose
+    /// rows whose owner changes to or from NULL), rarely the whole table.
+    fn owner_conditions(rng: &mut Rng) -> Map<String, Value> {
+        let owner = (*rng.pick(&OWNERS).expect("owners")).to_owned();
+        let other = (*rng.pick(&OWNERS).expect("owners")).to_owned();
+        let condition = match rng.below(1000) {
+            0..=4 => return Map::new(),
+            5..=99 => json!({ "ne": owner }),
+            100..=199 => json!([owner, other]),
+            200..=249 => json!({ "gte": owner, "notIn": [other] }),
+            250..=279 => json!({ "isNull": true }),
+            _ => Value::String(owner),
+        };
+        Map::from_iter([(OWNER.to_owned(), condition)])
     }
 
     fn client_config(rng: &mut Rng) -> ClientConfig {
@@ -2091,16 +2109,14 @@ impl World {
         client.client = SyncClient::new(config, seed);
         client.sockets.clear();
         client.timer_gen += 1;
-        let scopes: Vec<(ScopeKey, (String, Option<String>))> =
+        let scopes: Vec<(ScopeKey, ClientScope)> =
             client.scopes.iter().map(|(k, v)| (*k, v.clone())).collect();
-        for (key, (table, owner)) in scopes {
+        for (key, (table, conditions)) in scopes {
             let stored = self.clients[c].store.get(&key).cloned().unwrap_or_default();
             let params = SubscribeParams {
                 scope: ChangesScope {
                     resource_type: Some(table),
-                    conditions: owner
-                        .map(|o| Map::from_iter([(OWNER.to_owned(), Value::String(o))]))
-                        .unwrap_or_default(),
+                    conditions,
                     resource_types: None,
                 },
                 after: None,
@@ -2387,15 +2403,15 @@ impl World {
             }
         }
         for (c, client) in self.clients.iter().enumerate() {
-            for (key, (table, owner)) in &client.scopes {
+            for (key, (table, conditions)) in &client.scopes {
                 let strict = self.backfilled.get(table);
+                // The scope's query, evaluated on what Postgres holds.
+                let query = Conditions::parse(conditions).expect("the simulation's conditions");
                 let want: BTreeMap<String, Map<String, Value>> = self
                     .pg
                     .rows_json(table)
                     .into_iter()
-                    .filter(|(_, r)| {
-                        owner.is_none() || r.get(OWNER).and_then(Value::as_str) == owner.as_deref()
-                    })
+                    .filter(|(_, r)| query.matches(r))
                     .map(|(id, r)| (id.to_string(), compared(&r, strict)))
                     .collect();
                 let held: BTreeMap<String, Map<String, Value>> = client
@@ -2421,8 +2437,10 @@ impl World {
                     .unwrap_or_default();
                 for (what, rows) in [("holds", &held), ("stored", &stored)] {
                     if let Some(diff) = row_diff(rows, &want) {
-                        let owner = owner.as_deref().unwrap_or("*");
-                        problems.push(format!("client{c} scope {table}/{owner} {what}: {diff}"));
+                        problems.push(format!(
+                            "client{c} scope {table} where {} {what}: {diff}",
+                            Value::Object(conditions.clone())
+                        ));
                     }
                 }
             }

@@ -39,7 +39,11 @@ export interface HighwaterClientOptions {
 
 export interface ScopeParams {
   resourceType: string;
-  /** Equality conditions on the rules' filter columns, e.g. `{ owner: "ada" }`. */
+  /**
+   * Conditions on the rules' filter columns, all of which must hold: a value is equality
+   * (`{ owner: "ada" }`), an array is "any of" (`{ status: ["open", "doing"] }`), an object
+   * holds operators (`{ priority: { gte: 3, lt: 10 }, due: { isNull: true } }`).
+   */
   conditions?: Record<string, ScopeCondition>;
 }
 
@@ -308,8 +312,8 @@ export class HighwaterClient extends Emitter<ClientEvents> {
 
   /**
    * Subscribes a scope; its stored rows show as soon as the store has read them. Throws
-   * `HW_INVALID_SCOPE` for conditions that are not equality on scalars; `ready` rejects for
-   * params the server or the client refuses.
+   * `HW_INVALID_SCOPE` for malformed conditions (an unknown operator, a nested object, an
+   * operand of the wrong kind); `ready` rejects for params the server refuses.
    */
   subscribe(params: ScopeParams): Subscription {
     if (this.#closed) throw new Error("the client is closed");

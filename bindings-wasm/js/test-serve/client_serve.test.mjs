@@ -76,6 +76,25 @@ test("three scopes on one socket: a fresh subscribe equals Postgres; omitted col
   await client.close();
 });
 
+test("conditions with operators: the scope equals the same WHERE in Postgres, live too; a malformed one throws", async () => {
+  const client = new HighwaterClient({ url, token: () => serve.token("ada") });
+  const open = client.subscribe({ resourceType: "todos", conditions: { owner: { eq: "ada" }, done: { ne: true } } });
+  const either = client.subscribe({ resourceType: "todos", conditions: { owner: "ada", done: [true, false] } });
+  await Promise.all([open.ready, either.ready]);
+  assert.deepEqual(normalise(open.rows()), normalise(pg.rows("owner = 'ada' AND done <> true")));
+  assert.deepEqual(normalise(either.rows()), normalise(pg.rows("owner = 'ada'")));
+  pg.query("UPDATE todos SET done = NOT done WHERE id IN (1, 2)");
+  await converges(open, "owner = 'ada' AND done <> true", "rows moving in and out of done <> true");
+  assert.throws(
+    () => client.subscribe({ resourceType: "todos", conditions: { done: { like: "t%" } } }),
+    (error) => error.code === "HW_INVALID_SCOPE" && /unknown operator "like"/.test(error.message),
+  );
+  // Another user's rows stay out of reach whatever the operator: the owner must equal the token's.
+  const theirs = client.subscribe({ resourceType: "todos", conditions: { owner: { ne: "ada" } } });
+  await assert.rejects(theirs.ready, (error) => error.code === "forbidden");
+  await client.close();
+});
+
 test("an unauthorized scope is refused with its code while the other scopes go on", async () => {
   const client = new HighwaterClient({ url, token: () => serve.token("ada") });
   const mine = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });

@@ -196,23 +196,39 @@ fn decisions_follow_the_rules() {
             json!({}),
             Err((DenialCode::InvalidParams, "expected resourceType to name a table, got nothing")),
         ),
+        // The require column needs an equality test: a list or a NULL test is no grant.
         (
             ada.clone(),
             "todos",
             json!({"owner": ["ada", "grace"]}),
-            Err((DenialCode::InvalidParams, "expected condition \"owner\" to be a string, number or boolean, got an array of 2 items")),
+            Err((DenialCode::Forbidden, "a scope of table \"todos\" must have the condition \"owner\" equal to the token's \"sub\" claim")),
         ),
         (
             ada.clone(),
             "todos",
             json!({"owner": null}),
-            Err((DenialCode::InvalidParams, "expected condition \"owner\" to be a string, number or boolean, got null")),
+            Err((DenialCode::Forbidden, "a scope of table \"todos\" must have the condition \"owner\" equal to the token's \"sub\" claim")),
         ),
         (
             ada.clone(),
             "todos",
+            json!({"owner": {"ne": "x"}}),
+            Err((DenialCode::Forbidden, "a scope of table \"todos\" must have the condition \"owner\" equal to the token's \"sub\" claim")),
+        ),
+        // Other tests may narrow a granted scope further.
+        (ada.clone(), "todos", json!({"owner": {"eq": "ada", "ne": "bob"}, "done": {"ne": true}}), Ok("todos")),
+        (ada.clone(), "announcements", json!({"lang": ["en", "fr"]}), Ok("announcements")),
+        (
+            ada.clone(),
+            "todos",
             json!({"owner": {"$ne": "x"}}),
-            Err((DenialCode::InvalidParams, "expected condition \"owner\" to be a string, number or boolean, got an object")),
+            Err((DenialCode::InvalidParams, "condition \"owner\" has the unknown operator \"$ne\"")),
+        ),
+        (
+            ada.clone(),
+            "todos",
+            json!({"owner": [{"a": 1}]}),
+            Err((DenialCode::InvalidParams, "expected \"owner\".in to be an array of strings")),
         ),
     ];
     for (claims, table, conditions, expected) in cases {

@@ -52,8 +52,8 @@ use crate::replay::{
     RESET_KEY,
 };
 use crate::scope_sync::{
-    js_string_form, ClientFrame, ServerFrame, SubscribeParams, SyncEntry, SyncEnvelope,
-    SYNC_CHANNEL_TYPE,
+    js_string_form, operand_number, ClientFrame, Conditions, ServerFrame, SubscribeParams,
+    SyncEntry, SyncEnvelope, SYNC_CHANNEL_TYPE,
 };
 
 #[cfg(test)]
@@ -219,7 +219,7 @@ pub enum ServerEffect {
         ticket: u64,
         pass: u64,
         table: String,
-        conditions: Map<String, Value>,
+        conditions: Conditions,
         after: Option<i64>,
         up_to: Option<i64>,
         limit: u32,
@@ -251,7 +251,7 @@ struct Subscription {
     /// Unique across the server: late answers for a retired subscription are ignored.
     ticket: u64,
     resource_type: String,
-    conditions: Map<String, Value>,
+    conditions: Conditions,
     table: String,
     omit_columns: Vec<String>,
     expires_at_ms: Option<u64>,
@@ -479,31 +479,25 @@ impl ScopeServer {
             let message = "expected a resourceType (a table name), got none".to_owned();
             return refuse(self, out, codes::INVALID_PARAMS, message);
         };
-        if let Some((key, _)) = params
-            .scope
-            .conditions
-            .iter()
-            .find(|(_, value)| value.is_array())
-        {
-            let message =
-                format!("expected condition {key:?} to be a scalar, got a list of values");
-            return refuse(self, out, codes::INVALID_PARAMS, message);
-        }
+        // Validated by `SubscribeParams` already.
+        let parsed = match Conditions::parse(&params.scope.conditions) {
+            Ok(parsed) => parsed,
+            Err(error) => return refuse(self, out, codes::INVALID_PARAMS, error.to_string()),
+        };
         self.tickets += 1;
         let ticket = self.tickets;
         let limit = params.page_limit();
-        let conditions = params.scope.conditions.clone();
         out.push(ServerEffect::Authorize {
             conn,
             ticket,
             token: params.authentication_token.clone(),
             resource_type: resource_type.clone(),
-            conditions: conditions.clone(),
+            conditions: params.scope.conditions.clone(),
         });
         let subscription = Subscription {
             ticket,
             resource_type,
-            conditions,
+            conditions: parsed,
             table: String::new(),
             omit_columns: Vec::new(),
             expires_at_ms: None,
@@ -873,7 +867,7 @@ impl ScopeServer {
                 let Some(value) = values.get(column) else {
                     continue;
                 };
-                let key = (entry.table.clone(), column.clone(), js_string_form(value));
+                let key = (entry.table.clone(), column.clone(), routing_form(value));
                 if let Some(subs) = self.index.get(&key) {
                     found.extend(subs.iter().cloned());
                 }
@@ -1103,9 +1097,8 @@ impl ScopeServer {
         let table = sub.table.clone();
         let key = sub
             .conditions
-            .iter()
-            .min_by(|a, b| a.0.cmp(b.0))
-            .map(|(k, v)| (k.clone(), js_string_form(v)));
+            .routing_key()
+            .map(|(column, value)| (column.to_owned(), routing_form(value)));
         let target = (conn, id.to_owned());
         match key {
             None => {
@@ -1140,9 +1133,8 @@ impl ScopeServer {
         let target = (conn, id.to_owned());
         let key = sub
             .conditions
-            .iter()
-            .min_by(|a, b| a.0.cmp(b.0))
-            .map(|(k, v)| (k.clone(), js_string_form(v)));
+            .routing_key()
+            .map(|(column, value)| (column.to_owned(), routing_form(value)));
         match key {
             None => {
                 if let Some(set) = self.whole_table.get_mut(&sub.table) {
@@ -1229,12 +1221,17 @@ fn cursor_seq(epoch: &str, cursor: &SyncCursor) -> Result<i64, &'static str> {
 }
 
 /// Whether every condition matches `values` by JS string form (§4.6).
-fn matches(conditions: &Map<String, Value>, values: &Map<String, Value>) -> bool {
-    conditions.iter().all(|(key, condition)| {
-        values
-            .get(key)
-            .is_some_and(|value| js_string_form(value) == js_string_form(condition))
-    })
+/// The text a routing value is indexed and looked up by. Values that [`Conditions`] finds
+/// equal have equal forms (`5`, `5.0` and `"5"`; an ISO timestamp and its milliseconds), so
+/// the index never misses a subscription; the few it finds in excess are matched away.
+fn routing_form(value: &Value) -> String {
+    match value {
+        Value::String(text) => operand_number(value).map_or_else(
+            || text.clone(),
+            |number| js_string_form(&Value::Number(number)),
+        ),
+        other => js_string_form(other),
+    }
 }
 
 /// The wire entry of a feed entry for one subscription, if it belongs to its scope: an upsert
@@ -1245,7 +1242,7 @@ fn entry_for(epoch: &str, sub: &Subscription, entry: &FeedEntry) -> Option<SyncE
     }
     let (sync_type, data, scope_values) = match &entry.change {
         FeedChange::Upsert { data } => {
-            if !matches(&sub.conditions, data) {
+            if !sub.conditions.matches(data) {
                 return None;
             }
             let mut sent = data.clone();
@@ -1253,10 +1250,8 @@ fn entry_for(epoch: &str, sub: &Subscription, entry: &FeedEntry) -> Option<SyncE
             ("update", Value::Object(sent), data)
         }
         FeedChange::Exit { old, new } => {
-            let still_in = new
-                .as_ref()
-                .is_some_and(|new| matches(&sub.conditions, new));
-            if !matches(&sub.conditions, old) || still_in {
+            let still_in = new.as_ref().is_some_and(|new| sub.conditions.matches(new));
+            if !sub.conditions.matches(old) || still_in {
                 return None;
             }
             ("delete", Value::Null, old)
@@ -1282,10 +1277,12 @@ fn entry_for(epoch: &str, sub: &Subscription, entry: &FeedEntry) -> Option<SyncE
         Value::String(entry.updated_at.clone()),
     );
     object.insert("data".to_owned(), data);
-    for key in sub.conditions.keys() {
+    for key in sub.conditions.columns() {
         if let Some(value) = scope_values.get(key) {
             // A scope column named like an entry key stays in `data` only.
-            object.entry(key.clone()).or_insert_with(|| value.clone());
+            object
+                .entry(key.to_owned())
+                .or_insert_with(|| value.clone());
         }
     }
     SyncEntry::from_object(0, &object).ok()

@@ -972,3 +972,93 @@ fn tables_sized_for_a_burst_of_connections_shrink_once_they_leave() {
         server.index.capacity()
     );
 }
+
+/// Subscribes `id` with `conditions` and grants it, then finishes an empty replay.
+fn live_with(server: &mut ScopeServer, id: &str, conditions: Value) {
+    let text =
+        json!({"type": "channel-subscribe", "subscriptionId": id, "channelType": "velocious-sync",
+        "params": {"resourceType": "todos", "conditions": conditions}})
+        .to_string();
+    let effects = frame(server, &text);
+    let ticket = ticket_of(&effects);
+    let effects = server.handle(
+        ServerInput::Authorized {
+            conn: C,
+            ticket,
+            decision: grant(),
+        },
+        0,
+    );
+    let pass = fetch(&effects).expect("a page is read").1;
+    page(server, ticket, pass, 1, vec![]);
+}
+
+#[test]
+fn scopes_with_operators_are_routed_live_and_left_by_the_rows_that_stop_matching() {
+    let mut server = server();
+    live_with(&mut server, "pair", json!({"owner": ["ada", "grace"]}));
+    live_with(&mut server, "not-ada", json!({"owner": {"ne": "ada"}}));
+    live_with(&mut server, "late", json!({"owner": {"gte": "h"}}));
+    let effects = server.handle(
+        ServerInput::Committed {
+            entries: vec![
+                upsert(2, 1, "ada"),
+                upsert(3, 2, "zed"),
+                // Row 3 moves from grace to zed: it leaves "pair" and enters "late".
+                upsert(4, 3, "zed"),
+                exit(4, 3, "grace", Some("zed")),
+                // Row 4 moves from ada to grace: it stays in "pair".
+                upsert(5, 4, "grace"),
+                exit(5, 4, "ada", Some("grace")),
+            ],
+        },
+        0,
+    );
+    let frames = sent(&effects);
+    let of = |id: &str| -> Vec<(Value, Value)> {
+        frames
+            .iter()
+            .filter(|f| f["subscriptionId"] == id)
+            .flat_map(|f| f["body"]["syncs"].as_array().cloned().unwrap_or_default())
+            .map(|e| (e["resourceId"].clone(), e["syncType"].clone()))
+            .collect()
+    };
+    assert_eq!(
+        of("pair"),
+        [
+            (json!("1"), json!("update")),
+            (json!("3"), json!("delete")),
+            (json!("4"), json!("update")),
+        ]
+    );
+    assert_eq!(
+        of("not-ada"),
+        [
+            (json!("2"), json!("update")),
+            (json!("3"), json!("update")),
+            (json!("4"), json!("update")),
+        ]
+    );
+    assert_eq!(
+        of("late"),
+        [(json!("2"), json!("update")), (json!("3"), json!("update"))]
+    );
+}
+
+#[test]
+fn malformed_operators_are_refused_with_invalid_params() {
+    let mut server = server();
+    let text = json!({"type": "channel-subscribe", "subscriptionId": "bad", "channelType": "velocious-sync",
+        "params": {"resourceType": "todos", "conditions": {"owner": {"like": "a%"}}}})
+    .to_string();
+    let frames = sent(&frame(&mut server, &text));
+    assert_eq!(frames.len(), 1);
+    assert_eq!(frames[0]["type"], json!("channel-error"));
+    assert_eq!(frames[0]["code"], json!("invalid-params"), "{frames:?}");
+    assert!(
+        frames[0]
+            .to_string()
+            .contains("unknown operator \\\"like\\\""),
+        "{frames:?}"
+    );
+}

@@ -6,12 +6,17 @@
 //! bodies and params, so relays lose nothing.
 
 pub(crate) mod coercion;
+mod conditions;
 mod envelope;
 mod frame;
 mod row;
 mod subscribe;
 
 pub use coercion::js_string_form;
+pub use conditions::{
+    compare, operand_bool, operand_number, operand_text, ConditionError, Conditions, Test,
+    MAX_LIST_VALUES, OPERATORS,
+};
 pub use envelope::{EnvelopeError, SyncEntry, SyncEnvelope, CURSOR_KEY};
 pub use frame::{ClientFrame, FrameError, ServerFrame, SYNC_CHANNEL_TYPE};
 pub use row::RowText;

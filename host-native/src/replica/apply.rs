@@ -3068,7 +3068,9 @@ mod tests {
         limit: u32,
     ) -> std::collections::BTreeMap<i64, String> {
         use super::feed::{read_scope_page, FeedKind, ScopePage, ScopeQuery};
-        let conditions = row(json!({ "title": title }));
+        let conditions =
+            highwater_engine::scope_sync::Conditions::parse(&row(json!({ "title": title })))
+                .unwrap();
         let mut client = start;
         let mut after = after;
         let mut up_to = None;
@@ -3220,7 +3222,7 @@ mod tests {
         );
         // A page carries the floor its own read saw, with its rows.
         use super::feed::{read_scope_page, ScopePage, ScopeQuery};
-        let conditions = serde_json::Map::new();
+        let conditions = highwater_engine::scope_sync::Conditions::default();
         let page = read_scope_page(
             conn,
             &w.replica().tables,

@@ -22,7 +22,9 @@
 use std::collections::{BTreeMap, HashMap};
 
 use highwater_engine::change_stream::{Change, JsonFormat};
-use highwater_engine::scope_sync::js_string_form;
+use highwater_engine::scope_sync::{
+    js_string_form, operand_bool, operand_number, operand_text, Conditions, Test,
+};
 use rusqlite::types::Value as SqlValue;
 use rusqlite::{params, params_from_iter, Connection, OptionalExtension};
 use serde_json::{Map, Value};
@@ -672,8 +674,8 @@ fn before_of(
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScopeQuery<'a> {
     pub table: &'a str,
-    /// Equality conditions on filter columns.
-    pub conditions: &'a Map<String, Value>,
+    /// The scope's conditions on filter columns.
+    pub conditions: &'a Conditions,
     /// Rows strictly after this seq; `None` replays the whole scope (no exits needed).
     pub after: Option<i64>,
     /// The pinned high-water; `None` on the first page (then read in the same transaction).
@@ -700,6 +702,9 @@ pub enum ScopePage {
     UnknownTable,
     /// A condition names a column the table does not have.
     UnknownColumn(String),
+    /// A condition compares a JSON or array column, which has no order or equality a
+    /// condition can state (only `isNull` may test it).
+    Incomparable(String),
 }
 
 /// Reads one replay page in one read transaction (ended before returning, so no read
@@ -712,13 +717,11 @@ pub fn read_scope_page(
     let Some(table) = tables.get(query.table) else {
         return Ok(ScopePage::UnknownTable);
     };
-    let mut bound = Vec::new();
-    for (name, value) in query.conditions {
-        let Some(col) = table.column(name) else {
-            return Ok(ScopePage::UnknownColumn(name.clone()));
-        };
-        bound.push((col, condition_value(col, value)));
-    }
+    // Placeholders ?1-?3 are the seq range and the limit.
+    let bound = match BoundConditions::new(table, query.conditions, 4) {
+        Ok(bound) => bound,
+        Err(refused) => return Ok(refused),
+    };
     conn.execute_batch("BEGIN DEFERRED")?;
     let result = read_in_transaction(conn, table, &bound, query);
     let end = conn.execute_batch("COMMIT");
@@ -730,7 +733,7 @@ pub fn read_scope_page(
 fn read_in_transaction(
     conn: &Connection,
     table: &ReplicaTable,
-    bound: &[(&ReplicaColumn, SqlValue)],
+    bound: &BoundConditions<'_>,
     query: &ScopeQuery<'_>,
 ) -> Result<ScopePage, ReplicaError> {
     let up_to = match query.up_to {
@@ -752,11 +755,7 @@ fn read_in_transaction(
             }
         }
     }
-    let conds: Vec<String> = bound
-        .iter()
-        .enumerate()
-        .map(|(i, (col, _))| format!("{} = ?{}", quote_ident(&col.name), i + 4))
-        .collect();
+    let conds = bound.render(|col| quote_ident(&col.name));
     let where_conds = if conds.is_empty() {
         String::new()
     } else {
@@ -773,7 +772,7 @@ fn read_in_transaction(
             SqlValue::Integer(up_to),
             SqlValue::Integer(limit),
         ];
-        p.extend(bound.iter().map(|(_, v)| v.clone()));
+        p.extend(bound.values.iter().cloned());
         p
     };
     let mut rows = Vec::new();
@@ -795,33 +794,23 @@ fn read_in_transaction(
         }
     }
     if query.after.is_some() {
-        let old: Vec<String> = bound
-            .iter()
-            .enumerate()
-            .map(|(i, (col, _))| {
-                format!("{} = ?{}", json_path_expr("old_values", &col.name), i + 4)
-            })
-            .collect();
-        let new: Vec<String> = bound
-            .iter()
-            .enumerate()
-            .map(|(i, (col, _))| {
-                format!("{} = ?{}", json_path_expr("new_values", &col.name), i + 4)
-            })
-            .collect();
+        let old = bound.render(|col| json_path_expr("old_values", &col.name));
+        let new = bound.render(|col| json_path_expr("new_values", &col.name));
         let (old, still_in) = if old.is_empty() {
             // A scope of the whole table: only rows gone under their key left it.
             (String::new(), r#" AND "new_values" IS NULL"#.to_owned())
         } else {
+            // A test on a NULL new value is unknown, not false: the row did not stay in, and
+            // the exit is the scope's (coalesce, or NOT would leave the unknown unknown).
             (
                 format!(" AND {}", old.join(" AND ")),
                 format!(
-                    r#" AND NOT ("new_values" IS NOT NULL AND {})"#,
+                    r#" AND NOT coalesce("new_values" IS NOT NULL AND {}, 0)"#,
                     new.join(" AND ")
                 ),
             )
         };
-        let table_param = bound.len() + 4;
+        let table_param = bound.values.len() + 4;
         let sql = format!(
             r#"SELECT "resource_id", "seq", "old_values", "new_values", "updated_at" FROM "_hw_exits"
                WHERE "table_name" = ?{table_param} AND "seq" > ?1 AND "seq" <= ?2{old}{still_in}
@@ -880,25 +869,125 @@ fn object(text: &str) -> Result<Map<String, Value>, ReplicaError> {
     }
 }
 
-/// A condition value bound as the column stores it, so `5` and `"5"` match alike (§4.6).
-fn condition_value(column: &ReplicaColumn, value: &Value) -> SqlValue {
-    let text = js_string_form(value);
-    match column.kind {
-        ValueKind::Bool => match text.as_str() {
-            "true" | "1" => SqlValue::Integer(1),
-            "false" | "0" => SqlValue::Integer(0),
-            _ => SqlValue::Text(text),
-        },
-        ValueKind::Number => {
-            if let Ok(i) = text.parse::<i64>() {
-                SqlValue::Integer(i)
-            } else if let Ok(f) = text.parse::<f64>() {
-                SqlValue::Real(f)
-            } else {
-                SqlValue::Text(text)
+/// A scope's conditions as SQL over a replica table's columns (or over the JSON of an exit's
+/// values), with operands bound as the column stores its values. Each test reads exactly as
+/// [`Conditions`] matches a row: an operand the column's type cannot hold matches nothing,
+/// NULL passes only `isNull`, text compares by code point (SQLite's `BINARY`).
+struct BoundConditions<'a> {
+    tests: Vec<(&'a ReplicaColumn, SqlTest)>,
+    /// The operands, bound from the first placeholder on.
+    values: Vec<SqlValue>,
+}
+
+/// One test, its operands as placeholder numbers.
+enum SqlTest {
+    /// No value can pass it.
+    Never,
+    Compare(&'static str, usize),
+    In(Vec<usize>),
+    NotIn(Vec<usize>),
+    IsNull(bool),
+}
+
+impl<'a> BoundConditions<'a> {
+    /// Binds `conditions` from placeholder `?first` on; `Err` is the page's answer when a
+    /// column is missing or cannot be compared.
+    fn new(
+        table: &'a ReplicaTable,
+        conditions: &Conditions,
+        first: usize,
+    ) -> Result<Self, ScopePage> {
+        let mut bound = Self {
+            tests: Vec::new(),
+            values: Vec::new(),
+        };
+        for (name, test) in conditions.tests() {
+            let Some(column) = table.column(name) else {
+                return Err(ScopePage::UnknownColumn(name.to_owned()));
+            };
+            if matches!(column.kind, ValueKind::Json | ValueKind::Array)
+                && !matches!(test, Test::IsNull(_))
+            {
+                return Err(ScopePage::Incomparable(name.to_owned()));
             }
+            let mut bind = |operand: &Value| -> Option<usize> {
+                let value = stored_operand(column, operand)?;
+                bound.values.push(value);
+                Some(first + bound.values.len() - 1)
+            };
+            let compare = |op, placeholder: Option<usize>| {
+                placeholder.map_or(SqlTest::Never, |at| SqlTest::Compare(op, at))
+            };
+            let sql = match test {
+                Test::Eq(operand) => compare("=", bind(operand)),
+                Test::Ne(operand) => compare("<>", bind(operand)),
+                Test::Lt(operand) => compare("<", bind(operand)),
+                Test::Lte(operand) => compare("<=", bind(operand)),
+                Test::Gt(operand) => compare(">", bind(operand)),
+                Test::Gte(operand) => compare(">=", bind(operand)),
+                // Operands the column cannot hold equal nothing: left out.
+                Test::In(operands) => {
+                    let at: Vec<usize> = operands.iter().filter_map(&mut bind).collect();
+                    if at.is_empty() {
+                        SqlTest::Never
+                    } else {
+                        SqlTest::In(at)
+                    }
+                }
+                // One operand the column cannot hold makes the test unknown, as a NULL in SQL's
+                // NOT IN does.
+                Test::NotIn(operands) => {
+                    let at: Option<Vec<usize>> = operands.iter().map(&mut bind).collect();
+                    at.map_or(SqlTest::Never, SqlTest::NotIn)
+                }
+                Test::IsNull(null) => SqlTest::IsNull(*null),
+            };
+            bound.tests.push((column, sql));
         }
-        _ => SqlValue::Text(text),
+        Ok(bound)
+    }
+
+    /// Each test as a SQL boolean over `expr(column)`.
+    fn render(&self, expr: impl Fn(&ReplicaColumn) -> String) -> Vec<String> {
+        let list = |at: &[usize]| {
+            at.iter()
+                .map(|at| format!("?{at}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        self.tests
+            .iter()
+            .map(|(column, test)| {
+                let expr = expr(column);
+                match test {
+                    SqlTest::Never => "0".to_owned(),
+                    SqlTest::Compare(op, at) => format!("{expr} {op} ?{at}"),
+                    SqlTest::In(at) => format!("{expr} IN ({})", list(at)),
+                    SqlTest::NotIn(at) if at.is_empty() => format!("{expr} IS NOT NULL"),
+                    SqlTest::NotIn(at) => format!("{expr} NOT IN ({})", list(at)),
+                    SqlTest::IsNull(true) => format!("{expr} IS NULL"),
+                    SqlTest::IsNull(false) => format!("{expr} IS NOT NULL"),
+                }
+            })
+            .collect()
+    }
+}
+
+/// An operand as `column` stores its values, read by the same rules as
+/// [`highwater_engine::scope_sync::compare`]; `None` when the column's type cannot hold it.
+fn stored_operand(column: &ReplicaColumn, operand: &Value) -> Option<SqlValue> {
+    match column.kind {
+        ValueKind::Number => {
+            let number = operand_number(operand)?;
+            Some(match number.as_i64() {
+                Some(integer) => SqlValue::Integer(integer),
+                None => SqlValue::Real(number.as_f64()?),
+            })
+        }
+        ValueKind::Bool => operand_bool(operand).map(|flag| SqlValue::Integer(i64::from(flag))),
+        ValueKind::Text => operand_text(operand).map(SqlValue::Text),
+        // Refused before binding (`ScopePage::Incomparable`).
+        ValueKind::Json | ValueKind::Array => None,
     }
 }
 

@@ -275,6 +275,13 @@ impl SyncHub {
                     query.table
                 ),
             },
+            Ok(ScopePage::Incomparable(column)) => PageResult::Failed {
+                message: format!(
+                    "column {column:?} of table {:?} holds JSON or arrays, which a condition \
+                     cannot compare (only isNull can test it)",
+                    query.table
+                ),
+            },
             Err(error) => PageResult::Failed {
                 message: format!("could not read the replica: {error}"),
             },
