@@ -16,8 +16,11 @@
 //! { "tables": { "todos": {
 //!     "filterColumns": ["owner", "done"],
 //!     "omitColumns": ["secret_note"],
-//!     "require": { "owner": "sub" } } } }
+//!     "require": { "owner": "sub" },
+//!     "where": "owner = auth.sub OR shared" } } }
 //! ```
+//! `where` is the table's row filter ([`row_filter`]): every subscription to the table sees only
+//! the rows it is true for, with the subscriber's token claims in place.
 //! Unknown keys are errors, not ignored: a misspelt `require` must not silently open a table.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -26,6 +29,10 @@ use serde_json::{Map, Value};
 
 use crate::scope_sync::coercion::{describe, js_string_form};
 use crate::scope_sync::Conditions;
+
+pub mod row_filter;
+
+use row_filter::{RowFilter, RuleFilter};
 
 /// The parsed rules: one entry per readable table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,6 +47,8 @@ pub struct TableRules {
     omit_columns: Vec<String>,
     /// Column → name of the claim its condition must equal.
     require: BTreeMap<String, String>,
+    /// The `where` row filter.
+    row_filter: Option<RuleFilter>,
 }
 
 /// A subscription the rules allow.
@@ -51,6 +60,9 @@ pub struct Grant {
     pub omit_columns: Vec<String>,
     /// When the token that allowed it expires (its `exp`, in ms); `None` without a token.
     pub expires_at_ms: Option<u64>,
+    /// The table's row filter with the token's claims in place: only rows it is true for
+    /// belong to the subscription.
+    pub row_filter: Option<RowFilter>,
 }
 
 /// A subscription the rules refuse.
@@ -111,6 +123,8 @@ pub enum RulesError {
         "{path}: column {column:?} must equal a claim, so it must be listed in filterColumns too"
     )]
     RequireNotFilter { path: String, column: String },
+    #[error("{path}: the row filter is refused: {reason}")]
+    BadFilter { path: String, reason: String },
 }
 
 impl SyncRules {
@@ -150,11 +164,21 @@ impl SyncRules {
             .map(|(name, rules)| (name.as_str(), rules))
     }
 
-    /// The columns a scope may filter on, per table: the server indexes these.
+    /// The columns a scope's membership depends on, per table: its filter columns, then the
+    /// columns its row filter reads. The server indexes these and keeps their old values in
+    /// exits, so a row leaving a scope by a change of any of them is seen.
     pub fn filter_columns(&self) -> BTreeMap<String, Vec<String>> {
         self.tables
             .iter()
-            .map(|(name, rules)| (name.clone(), rules.filter_columns.clone()))
+            .map(|(name, rules)| {
+                let mut columns = rules.filter_columns.clone();
+                for column in rules.row_filter.iter().flat_map(RuleFilter::columns) {
+                    if !columns.contains(&column) {
+                        columns.push(column);
+                    }
+                }
+                (name.clone(), columns)
+            })
             .collect()
     }
 
@@ -217,10 +241,19 @@ impl SyncRules {
                 )));
             }
         }
+        let row_filter = match &rules.row_filter {
+            None => None,
+            Some(filter) => Some(filter.bind(claims).map_err(|claim| {
+                forbidden(format!(
+                    "a scope of table {resource_type:?} needs a token with a scalar {claim:?} claim"
+                ))
+            })?),
+        };
         Ok(Grant {
             table: resource_type.to_owned(),
             omit_columns: rules.omit_columns.clone(),
             expires_at_ms,
+            row_filter,
         })
     }
 }
@@ -231,8 +264,8 @@ impl TableRules {
         check_keys(
             fields,
             path,
-            &["filterColumns", "omitColumns", "require"],
-            "\"filterColumns\", \"omitColumns\", \"require\"",
+            &["filterColumns", "omitColumns", "require", "where"],
+            "\"filterColumns\", \"omitColumns\", \"require\", \"where\"",
         )?;
         let filter_columns = columns(
             fields.get("filterColumns"),
@@ -269,10 +302,29 @@ impl TableRules {
                 require.insert(column.clone(), claim.clone());
             }
         }
+        let row_filter = match fields.get("where") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(text)) => {
+                Some(
+                    RuleFilter::parse(text).map_err(|reason| RulesError::BadFilter {
+                        path: format!("{path}.where"),
+                        reason,
+                    })?,
+                )
+            }
+            Some(other) => {
+                return Err(RulesError::WrongType {
+                    path: format!("{path}.where"),
+                    expected: "a SQL boolean expression (a string)",
+                    found: describe(other),
+                })
+            }
+        };
         Ok(Self {
             filter_columns,
             omit_columns,
             require,
+            row_filter,
         })
     }
 
@@ -291,9 +343,19 @@ impl TableRules {
         &self.require
     }
 
-    /// Whether a subscription to this table needs a token (some condition must equal a claim).
+    /// The `where` row filter, if any.
+    pub fn row_filter(&self) -> Option<&RuleFilter> {
+        self.row_filter.as_ref()
+    }
+
+    /// Whether a subscription to this table needs a token (some condition must equal a claim,
+    /// or the row filter reads one).
     pub fn needs_claims(&self) -> bool {
         !self.require.is_empty()
+            || self
+                .row_filter
+                .as_ref()
+                .is_some_and(|filter| !filter.claims().is_empty())
     }
 }
 

@@ -126,6 +126,7 @@ pub fn scope_sync_client(data: &[u8]) {
                             table: resource_type,
                             omit_columns: Vec::new(),
                             expires_at_ms: None,
+                            row_filter: None,
                         }),
                     }),
                     ServerEffect::FetchPage {

@@ -1411,3 +1411,215 @@ async fn churn_tasks(db: &tokio_postgres::Client, g: &mut Gen) {
         }
     }
 }
+
+const DOCS_DDL: &str = "CREATE TABLE docs (id int8 PRIMARY KEY, owner text, org int4, shared bool, deleted_at timestamptz, priority int4, body text)";
+const DOCS_FILTER: &str =
+    "(owner = auth.sub OR (shared AND org = auth.org)) AND deleted_at IS NULL";
+
+/// The docs filter with a user's claims in place, as Postgres runs it.
+fn docs_predicate(sub: &str, org: i64) -> String {
+    format!("(owner = '{sub}' OR (shared AND org = {org})) AND deleted_at IS NULL")
+}
+
+async fn random_doc(db: &tokio_postgres::Client, g: &mut Gen, id: i64) {
+    let owner = g.pick(&["'ada'", "'bob'", "'cy'", "NULL"]);
+    let org = g.pick(&["1", "2", "NULL"]);
+    let shared = g.pick(&["true", "false", "NULL"]);
+    let deleted = g.pick(&["NULL", "NULL", "'2026-01-01T00:00:00Z'"]);
+    let priority = g.pick(&["0", "1", "2", "3", "NULL"]);
+    db.batch_execute(&format!(
+        "INSERT INTO docs (id, owner, org, shared, deleted_at, priority, body) \
+         VALUES ({id}, {owner}, {org}, {shared}, {deleted}, {priority}, 'b{id}') \
+         ON CONFLICT (id) DO UPDATE SET (owner, org, shared, deleted_at, priority, body) = \
+         (EXCLUDED.owner, EXCLUDED.org, EXCLUDED.shared, EXCLUDED.deleted_at, EXCLUDED.priority, EXCLUDED.body)"
+    ))
+    .await
+    .unwrap();
+}
+
+async fn churn_docs(db: &tokio_postgres::Client, g: &mut Gen) {
+    for _ in 0..80 {
+        let id = 1 + g.below(50) as i64;
+        if g.below(8) == 0 {
+            db.execute("DELETE FROM docs WHERE id = $1", &[&id])
+                .await
+                .unwrap();
+        } else {
+            random_doc(db, g, id).await;
+        }
+    }
+}
+
+async fn pg_doc_ids(
+    db: &tokio_postgres::Client,
+    predicate: &str,
+) -> std::collections::BTreeSet<String> {
+    db.query(&format!("SELECT id FROM docs WHERE {predicate}"), &[])
+        .await
+        .unwrap_or_else(|e| panic!("{predicate}: {e}"))
+        .iter()
+        .map(|r| r.get::<_, i64>(0).to_string())
+        .collect()
+}
+
+fn replica_has_doc(data: &Path, id: i64) -> bool {
+    let Ok(db) = rusqlite::Connection::open_with_flags(
+        data.join("replica.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    ) else {
+        return false;
+    };
+    db.busy_timeout(Duration::from_secs(5)).unwrap();
+    db.query_row("SELECT count(*) FROM docs WHERE id = ?1", [id], |r| {
+        r.get::<_, i64>(0)
+    })
+    .is_ok_and(|n| n == 1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_filter_with_claims_decides_what_each_token_sees_live_and_on_resume() {
+    let seed = std::env::var("HIGHWATER_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0xD0C5_u64);
+    let mut g = Gen(seed);
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(DOCS_DDL).await.unwrap();
+    for id in 1..=40 {
+        random_doc(&db, &mut g, id).await;
+    }
+    let rules = format!(
+        r#"{{"tables":{{"docs":{{"filterColumns":["priority"],"omitColumns":["body"],"where":"{DOCS_FILTER}"}}}}}}"#
+    );
+    let files = SyncFiles::with_rules(&rules);
+    let data = DataDir::new("scope-row-filter");
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    let users = [("ada", 1_i64), ("bob", 1), ("cy", 2)];
+    let token_of = |sub: &str, org: i64| {
+        let secret = SyncSecret::from_bytes(SECRET).unwrap();
+        mint_token(
+            &secret,
+            sub,
+            Duration::from_secs(3600),
+            &[("org".to_owned(), org.to_string())],
+            unix_now_ms(),
+        )
+        .unwrap()
+    };
+    // Each user: the whole table as the filter lets them see it, and their priority >= 2.
+    let scopes: Vec<(String, &str, i64, Value, String)> = users
+        .iter()
+        .flat_map(|(sub, org)| {
+            let all = docs_predicate(sub, *org);
+            [
+                (format!("{sub}-all"), *sub, *org, json!({}), all.clone()),
+                (
+                    format!("{sub}-high"),
+                    *sub,
+                    *org,
+                    json!({"priority": {"gte": 2}}),
+                    format!("({all}) AND priority >= 2"),
+                ),
+            ]
+        })
+        .collect();
+    let mut clients = Vec::new();
+    for (id, sub, org, conditions, predicate) in &scopes {
+        let mut client = Client::connect(server.addr).await;
+        client.scopes.entry(id.clone()).or_default();
+        client
+            .send(json!({"type": "channel-subscribe", "subscriptionId": id, "channelType": "velocious-sync",
+                "params": {"resourceType": "docs", "conditions": conditions,
+                           "authenticationToken": token_of(sub, *org)}}))
+            .await;
+        client.until_subscribed(id).await;
+        let got: std::collections::BTreeSet<String> =
+            client.scopes[id].rows.keys().cloned().collect();
+        assert_eq!(
+            got,
+            pg_doc_ids(&db, predicate).await,
+            "replay of {id}, seed {seed}"
+        );
+        assert!(
+            client.scopes[id]
+                .rows
+                .values()
+                .all(|row| row.get("body").is_none()),
+            "omitted columns stay omitted"
+        );
+        clients.push(client);
+    }
+
+    // Live: ownership, sharing, org and deletion change; each client follows its filter.
+    churn_docs(&db, &mut g).await;
+    for ((id, _, _, _, predicate), client) in scopes.iter().zip(clients.iter_mut()) {
+        let want = pg_doc_ids(&db, predicate).await;
+        let deadline = tokio::time::Instant::now() + PROMPT;
+        loop {
+            let got: std::collections::BTreeSet<String> =
+                client.scopes[id].rows.keys().cloned().collect();
+            if got == want {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "live {id}, seed {seed}: got {got:?}, want {want:?}"
+            );
+            let _ = tokio::time::timeout(Duration::from_millis(200), client.next()).await;
+        }
+    }
+
+    // Offline through more of the same, then a resume from each cursor: replay alone.
+    let saved: Vec<_> = clients.into_iter().map(|c| c.scopes).collect();
+    churn_docs(&db, &mut g).await;
+    db.batch_execute("INSERT INTO docs (id, body) VALUES (1000, 'last write')")
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    while !replica_has_doc(data.path(), 1000) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replica did not catch up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for ((id, sub, org, conditions, predicate), scopes_of) in scopes.iter().zip(saved) {
+        let mut client = Client::connect(server.addr).await;
+        client.scopes = scopes_of;
+        let mut params = json!({"resourceType": "docs", "conditions": conditions,
+                                "authenticationToken": token_of(sub, *org)});
+        for (k, v) in client.scopes[id].cursor_params().as_object().unwrap() {
+            params[k] = v.clone();
+        }
+        client.scopes.get_mut(id).unwrap().subscribed = false;
+        client
+            .send(json!({"type": "channel-subscribe", "subscriptionId": id, "channelType": "velocious-sync", "params": params}))
+            .await;
+        client.until_subscribed(id).await;
+        let got: std::collections::BTreeSet<String> =
+            client.scopes[id].rows.keys().cloned().collect();
+        assert_eq!(
+            got,
+            pg_doc_ids(&db, predicate).await,
+            "resume of {id}, seed {seed}"
+        );
+        assert_eq!(client.scopes[id].resets, 0, "{id} resumed without a reset");
+    }
+
+    // A token without the claim the filter reads, and no token at all, see nothing.
+    let mut client = Client::connect(server.addr).await;
+    client.subscribe_where("no-org", "docs", &json!({})).await;
+    let refused = client.next_other().await;
+    assert_eq!(refused["code"], "auth-required", "{refused}");
+    client
+        .send(json!({"type": "channel-subscribe", "subscriptionId": "ada-no-org", "channelType": "velocious-sync",
+            "params": {"resourceType": "docs", "conditions": {}, "authenticationToken": token("ada")}}))
+        .await;
+    let refused = client.next_other().await;
+    assert_eq!(refused["code"], "forbidden", "{refused}");
+    assert!(
+        refused["message"].as_str().unwrap().contains("\"org\""),
+        "{refused}"
+    );
+}

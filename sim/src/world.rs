@@ -1486,6 +1486,7 @@ impl World {
                             table: resource_type,
                             omit_columns: Vec::new(),
                             expires_at_ms: expires,
+                            row_filter: None,
                         }),
                     };
                     self.scope_input(ServerInput::Authorized {
@@ -1500,12 +1501,13 @@ impl World {
                     pass,
                     table,
                     conditions,
+                    row_filter: _,
                     after,
                     up_to,
                     limit,
                     count_total,
                 } => {
-                    // Read when the page is due, from what is durable then.
+                    // The simulation's rules have no row filter. Read when the page is due, from what is durable then.
                     let gen = server.gen;
                     let d = self.rng.range(1, 30);
                     let req = Box::new(PageReq {

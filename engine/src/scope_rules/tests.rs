@@ -269,6 +269,7 @@ fn a_grant_lists_the_omitted_columns_of_its_table() {
             table: "todos".to_owned(),
             omit_columns: vec!["secret_note".to_owned()],
             expires_at_ms: None,
+            row_filter: None,
         }
     );
     let grant = rules
@@ -281,4 +282,57 @@ fn a_grant_lists_the_omitted_columns_of_its_table() {
 fn denial_codes_are_the_stable_wire_codes() {
     assert_eq!(DenialCode::Forbidden.as_str(), "forbidden");
     assert_eq!(DenialCode::InvalidParams.as_str(), "invalid-params");
+}
+
+#[test]
+fn a_where_filter_is_parsed_at_load_bound_to_the_claims_and_indexed() {
+    let rules = SyncRules::from_value(&json!({"tables": {"docs": {
+        "filterColumns": ["priority"],
+        "where": "(owner = auth.sub OR shared) AND deleted_at IS NULL"
+    }}}))
+    .expect("parses");
+    let docs = rules.table("docs").expect("listed");
+    assert!(docs.needs_claims(), "the filter reads auth.sub");
+    assert_eq!(
+        rules.filter_columns()["docs"],
+        ["priority", "owner", "shared", "deleted_at"],
+        "the filter's columns are indexed and kept in exits"
+    );
+    let grant = rules
+        .decide(&map(json!({"sub": "ada"})), "docs", &Map::new(), None)
+        .expect("granted");
+    let filter = grant.row_filter.expect("bound");
+    assert!(filter.matches(&map(json!({"owner": "ada"}))));
+    assert!(filter.matches(&map(json!({"owner": "bob", "shared": true}))));
+    assert!(!filter.matches(&map(json!({"owner": "bob", "shared": false}))));
+    assert!(!filter.matches(&map(
+        json!({"owner": "ada", "deleted_at": 1_764_590_400_000_i64})
+    )));
+    let denial = rules
+        .decide(&map(json!({"org": 1})), "docs", &Map::new(), None)
+        .expect_err("no sub claim");
+    assert_eq!(denial.code, DenialCode::Forbidden);
+    assert!(denial.message.contains("\"sub\""), "{denial}");
+
+    for (filter, reason) in [
+        ("lower(owner) = auth.sub", "functions (lower)"),
+        (
+            "project_id IN (SELECT project_id FROM members)",
+            "not supported yet",
+        ),
+        ("owner = ", "Expected"),
+    ] {
+        let error = SyncRules::from_value(&json!({"tables": {"docs": {"where": filter}}}))
+            .expect_err(filter)
+            .to_string();
+        assert!(
+            error.starts_with("tables.docs.where: the row filter is refused")
+                && error.contains(reason),
+            "{filter}: {error}"
+        );
+    }
+    let error = SyncRules::from_value(&json!({"tables": {"docs": {"where": 1}}}))
+        .expect_err("not text")
+        .to_string();
+    assert!(error.contains("a SQL boolean expression"), "{error}");
 }

@@ -51,6 +51,7 @@ use crate::replay::{
     reset_envelope, FetchedPage, PageRequest, ReplayEffect, ReplayInput, ReplayKind, ReplayPlanner,
     RESET_KEY,
 };
+use crate::scope_rules::row_filter::RowFilter;
 use crate::scope_sync::{
     js_string_form, operand_number, ClientFrame, Conditions, ServerFrame, SubscribeParams,
     SyncEntry, SyncEnvelope, SYNC_CHANNEL_TYPE,
@@ -220,6 +221,8 @@ pub enum ServerEffect {
         pass: u64,
         table: String,
         conditions: Conditions,
+        /// The table's row filter for the subscriber; rows must pass it too.
+        row_filter: Option<RowFilter>,
         after: Option<i64>,
         up_to: Option<i64>,
         limit: u32,
@@ -252,6 +255,8 @@ struct Subscription {
     ticket: u64,
     resource_type: String,
     conditions: Conditions,
+    /// The table's row filter for this subscriber's claims (set by the grant).
+    row_filter: Option<RowFilter>,
     table: String,
     omit_columns: Vec<String>,
     expires_at_ms: Option<u64>,
@@ -498,6 +503,7 @@ impl ScopeServer {
             ticket,
             resource_type,
             conditions: parsed,
+            row_filter: None,
             table: String::new(),
             omit_columns: Vec::new(),
             expires_at_ms: None,
@@ -573,6 +579,7 @@ impl ScopeServer {
         };
         sub.table = grant.table;
         sub.omit_columns = grant.omit_columns;
+        sub.row_filter = grant.row_filter;
         sub.expires_at_ms = grant.expires_at_ms;
         let mut reset = None;
         let start = match after {
@@ -728,6 +735,7 @@ impl ScopeServer {
                 pass: request.pass,
                 table: sub.table.clone(),
                 conditions: sub.conditions.clone(),
+                row_filter: sub.row_filter.clone(),
                 after: request.after.as_ref().and_then(|c| c.server_sequence),
                 up_to: request.up_to.as_ref().and_then(|c| c.server_sequence),
                 limit: request.limit,
@@ -1242,7 +1250,7 @@ fn entry_for(epoch: &str, sub: &Subscription, entry: &FeedEntry) -> Option<SyncE
     }
     let (sync_type, data, scope_values) = match &entry.change {
         FeedChange::Upsert { data } => {
-            if !sub.conditions.matches(data) {
+            if !sub.belongs(data) {
                 return None;
             }
             let mut sent = data.clone();
@@ -1250,8 +1258,8 @@ fn entry_for(epoch: &str, sub: &Subscription, entry: &FeedEntry) -> Option<SyncE
             ("update", Value::Object(sent), data)
         }
         FeedChange::Exit { old, new } => {
-            let still_in = new.as_ref().is_some_and(|new| sub.conditions.matches(new));
-            if !sub.conditions.matches(old) || still_in {
+            let still_in = new.as_ref().is_some_and(|new| sub.belongs(new));
+            if !sub.belongs(old) || still_in {
                 return None;
             }
             ("delete", Value::Null, old)
@@ -1286,6 +1294,18 @@ fn entry_for(epoch: &str, sub: &Subscription, entry: &FeedEntry) -> Option<SyncE
         }
     }
     SyncEntry::from_object(0, &object).ok()
+}
+
+impl Subscription {
+    /// Whether a row (or an exit's scope values) belongs to the subscription: its conditions
+    /// and the table's row filter both hold.
+    fn belongs(&self, values: &Map<String, Value>) -> bool {
+        self.conditions.matches(values)
+            && self
+                .row_filter
+                .as_ref()
+                .is_none_or(|filter| filter.matches(values))
+    }
 }
 
 /// Shrinks `map` to twice its length once it holds under a quarter of its capacity: a map

@@ -75,6 +75,7 @@ fn grant() -> Decision {
         table: "todos".into(),
         omit_columns: vec!["secret".into()],
         expires_at_ms: None,
+        row_filter: None,
     })
 }
 
@@ -726,6 +727,7 @@ fn an_expired_token_ends_its_subscription_with_auth_expired() {
                 table: "todos".into(),
                 omit_columns: vec![],
                 expires_at_ms: Some(5_000),
+                row_filter: None,
             }),
         },
         0,

@@ -3081,6 +3081,7 @@ mod tests {
                 &ScopeQuery {
                     table: "issue",
                     conditions: &conditions,
+                    row_filter: None,
                     after,
                     up_to,
                     limit,
@@ -3229,6 +3230,7 @@ mod tests {
             &ScopeQuery {
                 table: "issue",
                 conditions: &conditions,
+                row_filter: None,
                 after: Some(1),
                 up_to: None,
                 limit: 10,

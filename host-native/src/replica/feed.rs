@@ -22,6 +22,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use highwater_engine::change_stream::{Change, JsonFormat};
+use highwater_engine::scope_rules::row_filter::RowFilter;
 use highwater_engine::scope_sync::{
     js_string_form, operand_bool, operand_number, operand_text, Conditions, Test,
 };
@@ -676,6 +677,8 @@ pub struct ScopeQuery<'a> {
     pub table: &'a str,
     /// The scope's conditions on filter columns.
     pub conditions: &'a Conditions,
+    /// The table's row filter for the subscriber, if the rules give one.
+    pub row_filter: Option<&'a RowFilter>,
     /// Rows strictly after this seq; `None` replays the whole scope (no exits needed).
     pub after: Option<i64>,
     /// The pinned high-water; `None` on the first page (then read in the same transaction).
@@ -718,7 +721,7 @@ pub fn read_scope_page(
         return Ok(ScopePage::UnknownTable);
     };
     // Placeholders ?1-?3 are the seq range and the limit.
-    let bound = match BoundConditions::new(table, query.conditions, 4) {
+    let bound = match BoundConditions::new(table, query.conditions, query.row_filter, 4) {
         Ok(bound) => bound,
         Err(refused) => return Ok(refused),
     };
@@ -875,8 +878,18 @@ fn object(text: &str) -> Result<Map<String, Value>, ReplicaError> {
 /// NULL passes only `isNull`, text compares by code point (SQLite's `BINARY`).
 struct BoundConditions<'a> {
     tests: Vec<(&'a ReplicaColumn, SqlTest)>,
+    /// The row filter, ANDed with the tests.
+    filter: Option<SqlFilter<'a>>,
     /// The operands, bound from the first placeholder on.
     values: Vec<SqlValue>,
+}
+
+/// A row filter's tree with its tests bound.
+enum SqlFilter<'a> {
+    And(Vec<SqlFilter<'a>>),
+    Or(Vec<SqlFilter<'a>>),
+    Not(Box<SqlFilter<'a>>),
+    Test(&'a ReplicaColumn, SqlTest),
 }
 
 /// One test, its operands as placeholder numbers.
@@ -890,86 +903,153 @@ enum SqlTest {
 }
 
 impl<'a> BoundConditions<'a> {
-    /// Binds `conditions` from placeholder `?first` on; `Err` is the page's answer when a
-    /// column is missing or cannot be compared.
+    /// Binds `conditions` and the row filter from placeholder `?first` on; `Err` is the
+    /// page's answer when a column is missing or cannot be compared.
     fn new(
         table: &'a ReplicaTable,
         conditions: &Conditions,
+        row_filter: Option<&RowFilter>,
         first: usize,
     ) -> Result<Self, ScopePage> {
         let mut bound = Self {
             tests: Vec::new(),
+            filter: None,
             values: Vec::new(),
         };
         for (name, test) in conditions.tests() {
-            let Some(column) = table.column(name) else {
-                return Err(ScopePage::UnknownColumn(name.to_owned()));
-            };
-            if matches!(column.kind, ValueKind::Json | ValueKind::Array)
-                && !matches!(test, Test::IsNull(_))
-            {
-                return Err(ScopePage::Incomparable(name.to_owned()));
-            }
-            let mut bind = |operand: &Value| -> Option<usize> {
-                let value = stored_operand(column, operand)?;
-                bound.values.push(value);
-                Some(first + bound.values.len() - 1)
-            };
-            let compare = |op, placeholder: Option<usize>| {
-                placeholder.map_or(SqlTest::Never, |at| SqlTest::Compare(op, at))
-            };
-            let sql = match test {
-                Test::Eq(operand) => compare("=", bind(operand)),
-                Test::Ne(operand) => compare("<>", bind(operand)),
-                Test::Lt(operand) => compare("<", bind(operand)),
-                Test::Lte(operand) => compare("<=", bind(operand)),
-                Test::Gt(operand) => compare(">", bind(operand)),
-                Test::Gte(operand) => compare(">=", bind(operand)),
-                // Operands the column cannot hold equal nothing: left out.
-                Test::In(operands) => {
-                    let at: Vec<usize> = operands.iter().filter_map(&mut bind).collect();
-                    if at.is_empty() {
-                        SqlTest::Never
-                    } else {
-                        SqlTest::In(at)
-                    }
-                }
-                // One operand the column cannot hold makes the test unknown, as a NULL in SQL's
-                // NOT IN does.
-                Test::NotIn(operands) => {
-                    let at: Option<Vec<usize>> = operands.iter().map(&mut bind).collect();
-                    at.map_or(SqlTest::Never, SqlTest::NotIn)
-                }
-                Test::IsNull(null) => SqlTest::IsNull(*null),
-            };
-            bound.tests.push((column, sql));
+            let leaf = bound.bind_test(table, name, test, first)?;
+            bound.tests.push(leaf);
+        }
+        if let Some(filter) = row_filter {
+            bound.filter = Some(bound.bind_filter(table, filter, first)?);
         }
         Ok(bound)
     }
 
-    /// Each test as a SQL boolean over `expr(column)`.
-    fn render(&self, expr: impl Fn(&ReplicaColumn) -> String) -> Vec<String> {
-        let list = |at: &[usize]| {
-            at.iter()
-                .map(|at| format!("?{at}"))
-                .collect::<Vec<_>>()
-                .join(", ")
+    fn bind_filter(
+        &mut self,
+        table: &'a ReplicaTable,
+        filter: &RowFilter,
+        first: usize,
+    ) -> Result<SqlFilter<'a>, ScopePage> {
+        let all = |items: &[RowFilter], this: &mut Self| {
+            items
+                .iter()
+                .map(|item| this.bind_filter(table, item, first))
+                .collect::<Result<Vec<_>, _>>()
         };
-        self.tests
-            .iter()
-            .map(|(column, test)| {
-                let expr = expr(column);
-                match test {
-                    SqlTest::Never => "0".to_owned(),
-                    SqlTest::Compare(op, at) => format!("{expr} {op} ?{at}"),
-                    SqlTest::In(at) => format!("{expr} IN ({})", list(at)),
-                    SqlTest::NotIn(at) if at.is_empty() => format!("{expr} IS NOT NULL"),
-                    SqlTest::NotIn(at) => format!("{expr} NOT IN ({})", list(at)),
-                    SqlTest::IsNull(true) => format!("{expr} IS NULL"),
-                    SqlTest::IsNull(false) => format!("{expr} IS NOT NULL"),
+        Ok(match filter {
+            RowFilter::And(items) => SqlFilter::And(all(items, self)?),
+            RowFilter::Or(items) => SqlFilter::Or(all(items, self)?),
+            RowFilter::Not(item) => SqlFilter::Not(Box::new(self.bind_filter(table, item, first)?)),
+            RowFilter::Test(name, test) => {
+                let (column, test) = self.bind_test(table, name, test, first)?;
+                SqlFilter::Test(column, test)
+            }
+        })
+    }
+
+    /// One test of column `name`, its operands bound.
+    fn bind_test(
+        &mut self,
+        table: &'a ReplicaTable,
+        name: &str,
+        test: &Test,
+        first: usize,
+    ) -> Result<(&'a ReplicaColumn, SqlTest), ScopePage> {
+        let Some(column) = table.column(name) else {
+            return Err(ScopePage::UnknownColumn(name.to_owned()));
+        };
+        if matches!(column.kind, ValueKind::Json | ValueKind::Array)
+            && !matches!(test, Test::IsNull(_))
+        {
+            return Err(ScopePage::Incomparable(name.to_owned()));
+        }
+        let values = &mut self.values;
+        let mut bind = |operand: &Value| -> Option<usize> {
+            let value = stored_operand(column, operand)?;
+            values.push(value);
+            Some(first + values.len() - 1)
+        };
+        let compare = |op, placeholder: Option<usize>| {
+            placeholder.map_or(SqlTest::Never, |at| SqlTest::Compare(op, at))
+        };
+        let sql = match test {
+            Test::Eq(operand) => compare("=", bind(operand)),
+            Test::Ne(operand) => compare("<>", bind(operand)),
+            Test::Lt(operand) => compare("<", bind(operand)),
+            Test::Lte(operand) => compare("<=", bind(operand)),
+            Test::Gt(operand) => compare(">", bind(operand)),
+            Test::Gte(operand) => compare(">=", bind(operand)),
+            // Operands the column cannot hold equal nothing: left out.
+            Test::In(operands) => {
+                let at: Vec<usize> = operands.iter().filter_map(&mut bind).collect();
+                if at.is_empty() {
+                    SqlTest::Never
+                } else {
+                    SqlTest::In(at)
                 }
-            })
-            .collect()
+            }
+            // One operand the column cannot hold makes the test unknown, as a NULL in SQL's
+            // NOT IN does.
+            Test::NotIn(operands) => {
+                let at: Option<Vec<usize>> = operands.iter().map(&mut bind).collect();
+                at.map_or(SqlTest::Never, SqlTest::NotIn)
+            }
+            Test::IsNull(null) => SqlTest::IsNull(*null),
+        };
+        Ok((column, sql))
+    }
+
+    /// Each test, then the row filter, as a SQL boolean over `expr(column)`.
+    fn render(&self, expr: impl Fn(&ReplicaColumn) -> String) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .tests
+            .iter()
+            .map(|(column, test)| render_test(&expr(column), test))
+            .collect();
+        if let Some(filter) = &self.filter {
+            out.push(render_filter(filter, &expr));
+        }
+        out
+    }
+}
+
+fn render_filter(filter: &SqlFilter<'_>, expr: &impl Fn(&ReplicaColumn) -> String) -> String {
+    let join = |items: &[SqlFilter<'_>], op: &str, empty: &str| {
+        if items.is_empty() {
+            return empty.to_owned();
+        }
+        let parts: Vec<String> = items.iter().map(|item| render_filter(item, expr)).collect();
+        format!("({})", parts.join(op))
+    };
+    match filter {
+        SqlFilter::And(items) => join(items, " AND ", "1"),
+        SqlFilter::Or(items) => join(items, " OR ", "0"),
+        SqlFilter::Not(item) => format!("(NOT {})", render_filter(item, expr)),
+        SqlFilter::Test(column, test) => format!("({})", render_test(&expr(column), test)),
+    }
+}
+
+fn render_test(expr: &str, test: &SqlTest) -> String {
+    let list = |at: &[usize]| {
+        at.iter()
+            .map(|at| format!("?{at}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    // As a comparison would, a test of a NULL value is unknown (NULL), not false: under NOT
+    // the two differ.
+    match test {
+        SqlTest::Never => format!("CASE WHEN {expr} IS NULL THEN NULL ELSE 0 END"),
+        SqlTest::Compare(op, at) => format!("{expr} {op} ?{at}"),
+        SqlTest::In(at) => format!("{expr} IN ({})", list(at)),
+        SqlTest::NotIn(at) if at.is_empty() => {
+            format!("CASE WHEN {expr} IS NULL THEN NULL ELSE 1 END")
+        }
+        SqlTest::NotIn(at) => format!("{expr} NOT IN ({})", list(at)),
+        SqlTest::IsNull(true) => format!("{expr} IS NULL"),
+        SqlTest::IsNull(false) => format!("{expr} IS NOT NULL"),
     }
 }
 

@@ -186,6 +186,7 @@ impl SyncHub {
                         pass,
                         table,
                         conditions,
+                        row_filter,
                         after,
                         up_to,
                         limit,
@@ -206,6 +207,7 @@ impl SyncHub {
                                     let result = hub.read_page(&ScopeQuery {
                                         table: &table,
                                         conditions: &conditions,
+                                        row_filter: row_filter.as_ref(),
                                         after,
                                         up_to,
                                         limit,

@@ -56,6 +56,7 @@ fn a_valid_token_for_its_own_scope_is_granted_with_its_expiry() {
             table: "todos".to_owned(),
             omit_columns: vec!["secret_note".to_owned()],
             expires_at_ms: Some(NOW_MS + 3_600_000 + EXP_LEEWAY_MS),
+            row_filter: None,
         }
     );
 }
