@@ -17,6 +17,16 @@ mod check_stream;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How log lines are written to stderr: `text`, or `json` (one object per line). Levels
+    /// come from `RUST_LOG`.
+    #[arg(
+        long,
+        global = true,
+        env = "HIGHWATER_LOG_FORMAT",
+        value_enum,
+        default_value_t = highwater_host::runtime::LogFormat::Text
+    )]
+    log_format: highwater_host::runtime::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -41,9 +51,11 @@ enum Command {
     Token(highwater_host::sync_auth::TokenArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    match cli.command {
+    let log_format = cli.log_format;
+    highwater_host::runtime::set_log_format(log_format);
+    let result = match cli.command {
         Command::CheckStream(args) => check_stream::run(args),
         Command::Replicate(args) => highwater_host::replicate::run(args),
         Command::Serve(args) => highwater_host::serve::run(*args),
@@ -51,6 +63,23 @@ fn main() -> anyhow::Result<()> {
         Command::Watch(args) => highwater_host::watch::run(args),
         Command::Bench(args) => highwater_host::bench::run(args),
         Command::ZeroReplica(args) => highwater_host::zero_replica::run(args),
-        Command::Token(args) => Ok(highwater_host::sync_auth::run_token(args)?),
+        Command::Token(args) => highwater_host::sync_auth::run_token(args).map_err(Into::into),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            // With JSON logs every line of stderr is an object, the last one included.
+            if log_format == highwater_host::runtime::LogFormat::Json
+                && tracing::dispatcher::has_been_set()
+            {
+                tracing::error!(
+                    error = format!("{error:#}"),
+                    "highwater stopped on an error"
+                );
+            } else {
+                eprintln!("Error: {error:?}");
+            }
+            std::process::ExitCode::FAILURE
+        }
     }
 }

@@ -4,17 +4,44 @@
 /// Colours only on a terminal: a log file, a pipe or journald gets plain text.
 pub fn init_tracing(default_level: &str) {
     use std::io::IsTerminal as _;
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
-        )
-        .with_ansi(
-            std::io::stderr().is_terminal()
-                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match LOG_FORMAT.get().copied().unwrap_or_default() {
+        // One JSON object per line: the event's fields flattened next to `timestamp`, `level`,
+        // `target`, and the fields of the spans it happened in.
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(true)
+            .try_init(),
+        LogFormat::Text => builder
+            .with_ansi(
+                std::io::stderr().is_terminal()
+                    && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+            )
+            .try_init(),
+    };
+}
+
+/// How log lines are written to stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines, coloured only on a terminal (and never with `NO_COLOR`).
+    #[default]
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+static LOG_FORMAT: std::sync::OnceLock<LogFormat> = std::sync::OnceLock::new();
+
+/// Sets the format [`init_tracing`] uses; the first call wins. Call before any command runs.
+pub fn set_log_format(format: LogFormat) {
+    let _ = LOG_FORMAT.set(format);
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
