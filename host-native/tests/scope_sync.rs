@@ -1623,3 +1623,36 @@ async fn a_row_filter_with_claims_decides_what_each_token_sees_live_and_on_resum
         "{refused}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_tells_sync_clients_to_reconnect_with_1012_and_exits_cleanly() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    insert_ada(&db, 1..5).await;
+    let files = SyncFiles::new();
+    let data = DataDir::new("scope-sigterm");
+    let server = spawn_primary(&pg.url(), data.path(), free_port(), &files, "highwater");
+    wait_ready(server.addr).await;
+    let mut client = Client::connect(server.addr).await;
+    client
+        .subscribe("s1", "ada", Some(&token("ada")), json!({}))
+        .await;
+    client.until_subscribed("s1").await;
+    let asked = std::time::Instant::now();
+    let status = server.terminate().await;
+    assert!(status.success(), "a clean exit on SIGTERM: {status}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "stopped in {:?}",
+        asked.elapsed()
+    );
+    // The close frame was sent before the process ended; it is still there to read.
+    while client.next().await.is_some() {}
+    assert_eq!(
+        client.others.last(),
+        Some(&json!({"close": 1012})),
+        "{:?}",
+        client.others
+    );
+}

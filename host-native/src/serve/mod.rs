@@ -161,6 +161,10 @@ pub struct ServeArgs {
     /// has moved (its client's cursor follows, so it stays above the retention floor).
     #[arg(long, default_value_t = DEFAULT_SYNC_CHECKPOINT_MS, hide = true)]
     pub sync_checkpoint_ms: u64,
+    /// On SIGTERM or Ctrl-C, how long to finish the current group and close the sockets before
+    /// exiting anyway (a second signal exits at once).
+    #[arg(long, default_value_t = DEFAULT_SHUTDOWN_TIMEOUT_SECS)]
+    pub shutdown_timeout_secs: u64,
     /// Store queued upstream transactions in one SQLite commit (group commit), on by default;
     /// `--no-group-commit` stores each in its own commit (for comparing the two).
     #[arg(long = "no-group-commit", hide = true, action = clap::ArgAction::SetFalse)]
@@ -182,6 +186,10 @@ pub const DEFAULT_SLOW_CONSUMER_MS: u64 = 10_000;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 /// A quiet live scope-sync subscription hears of the feed's position this often by default.
+/// The close code sockets get when the server stops on a signal: 1012, service restart.
+pub const SHUTDOWN_CLOSE_CODE: u16 = 1012;
+/// The default of `--shutdown-timeout-secs`.
+pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: u64 = 30;
 pub const DEFAULT_SYNC_CHECKPOINT_MS: u64 = 30_000;
 
 /// Exits are kept a week by default.
@@ -211,6 +219,7 @@ impl ServeArgs {
             sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,
             sync_slow_consumer_ms: DEFAULT_SLOW_CONSUMER_MS,
             sync_checkpoint_ms: DEFAULT_SYNC_CHECKPOINT_MS,
+            shutdown_timeout_secs: DEFAULT_SHUTDOWN_TIMEOUT_SECS,
             group_commit: true,
             security: Box::default(),
             extra_routes: None,
@@ -307,12 +316,27 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    let bound = Duration::from_secs(args.shutdown_timeout_secs);
     runtime.block_on(async move {
         let (stop_tx, stop) = watch::channel(false);
         tokio::spawn(async move {
             crate::runtime::wait_for_signal().await;
-            tracing::info!("stopping");
+            tracing::info!(
+                timeout_secs = bound.as_secs(),
+                "stopping: finishing the current group, closing sockets (a second signal exits at once)"
+            );
             let _ = stop_tx.send(true);
+            // Ended with the runtime once the server has stopped.
+            tokio::select! {
+                () = crate::runtime::wait_for_signal() => {
+                    tracing::warn!("a second signal: exiting now");
+                    std::process::exit(130);
+                }
+                () = tokio::time::sleep(bound) => {
+                    tracing::error!(timeout_secs = bound.as_secs(), "did not stop in time: exiting now");
+                    std::process::exit(1);
+                }
+            }
         });
         serve(args, stop).await
     })?;
@@ -642,9 +666,11 @@ async fn run_server(
         let mut shutdown = shutdown.clone();
         async move {
             let _ = shutdown.wait_for(|s| *s).await;
-            hub.close_all(1001, "server shutting down");
+            // 1012 (service restart): a client reconnects, to this server once it is back
+            // or to another serving node.
+            hub.close_all(SHUTDOWN_CLOSE_CODE, "server restarting");
             if let Some(sync_hub) = &sync_hub {
-                sync_hub.close_all(1001, "server shutting down");
+                sync_hub.close_all(SHUTDOWN_CLOSE_CODE, "server restarting");
             }
         }
     };
