@@ -7,6 +7,7 @@ pub mod bench;
 pub mod change_log;
 pub mod data_lock;
 pub mod demo;
+pub mod doctor;
 pub mod pause_point;
 pub mod private_pg;
 pub mod replica;

@@ -40,6 +40,8 @@ enum Command {
     Serve(Box<highwater_host::serve::ServeArgs>),
     /// Run the server on an embedded default: a private Postgres with demo data and live writes.
     Demo(highwater_host::demo::DemoArgs),
+    /// Check what `serve` needs from the upstream Postgres, and say how to fix each miss.
+    Doctor(highwater_host::doctor::DoctorArgs),
     /// Subscribe to a change streamer and print each message as a JSON line.
     Watch(highwater_host::watch::WatchArgs),
     /// Run a benchmark and print its results table (`highwater bench ingest`).
@@ -60,6 +62,7 @@ fn main() -> std::process::ExitCode {
         Command::Replicate(args) => highwater_host::replicate::run(args),
         Command::Serve(args) => highwater_host::serve::run(*args),
         Command::Demo(args) => highwater_host::demo::run(args),
+        Command::Doctor(args) => highwater_host::doctor::run(args),
         Command::Watch(args) => highwater_host::watch::run(args),
         Command::Bench(args) => highwater_host::bench::run(args),
         Command::ZeroReplica(args) => highwater_host::zero_replica::run(args),

@@ -1,7 +1,7 @@
 //! Startup survives losing Postgres half-way: the first upstream connection of `serve` (and of
 //! `replicate`) is cut at its first query (as a Postgres restart or a dropped link would), and
 //! the command starts again by itself instead of exiting; a URL that reaches nothing still fails
-//! at once.
+//! at once. And `highwater doctor`, which checks that Postgres is ready before the first start.
 
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
@@ -183,4 +183,111 @@ async fn replicate_starts_again_when_postgres_goes_away_during_startup() {
     let rows: i64 = replica_support::replica_scalar(data.path(), "SELECT count(*) FROM items");
     assert_eq!(rows, 2);
     replicator.stop().await.expect("clean stop");
+}
+
+/// `highwater doctor` against `url`: its exit success and its report.
+fn doctor(url: &str, extra: &[&str]) -> (bool, String) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_highwater"))
+        .args(["doctor", "--upstream", url])
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run highwater doctor");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+    )
+}
+
+/// The report's line for `check`, with its fix (the indented lines under it).
+fn line_of(report: &str, outcome: &str, check: &str) -> Option<String> {
+    let mut lines = report.lines();
+    while let Some(line) = lines.next() {
+        if line.starts_with(outcome) && line[6..].starts_with(check) {
+            let fix: Vec<&str> = lines
+                .clone()
+                .take_while(|l| l.starts_with("      "))
+                .collect();
+            return Some(format!("{line}\n{}", fix.join("\n")));
+        }
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_passes_a_ready_postgres_and_names_each_missing_prerequisite_with_its_fix() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute("CREATE TABLE todos (id int8 PRIMARY KEY, title text)")
+        .await
+        .unwrap();
+    let (ok, report) = doctor(&pg.url(), &[]);
+    assert!(ok, "a ready Postgres passes:\n{report}");
+    for check in ["wal_level", "role", "publication", "replication connection"] {
+        assert!(
+            line_of(&report, "ok", check).is_some(),
+            "{check}:\n{report}"
+        );
+    }
+
+    // A table without a key in the publication to be made FOR ALL TABLES.
+    db.batch_execute("CREATE TABLE notes (body text)")
+        .await
+        .unwrap();
+    let (ok, report) = doctor(&pg.url(), &[]);
+    assert!(!ok, "{report}");
+    let miss = line_of(&report, "FAIL", "replica identity").expect(&report);
+    assert!(
+        miss.contains("public.notes") && miss.contains("REPLICA IDENTITY FULL"),
+        "{miss}"
+    );
+    db.batch_execute("ALTER TABLE notes REPLICA IDENTITY FULL")
+        .await
+        .unwrap();
+    assert!(doctor(&pg.url(), &[]).0, "fixed as it said");
+
+    // A publication that does not exist.
+    let (ok, report) = doctor(&pg.url(), &["--publication", "app_pub"]);
+    assert!(!ok);
+    let miss = line_of(&report, "FAIL", "publication").expect(&report);
+    assert!(
+        miss.contains("app_pub") && miss.contains("CREATE PUBLICATION"),
+        "{miss}"
+    );
+    db.batch_execute("CREATE PUBLICATION app_pub FOR TABLE todos")
+        .await
+        .unwrap();
+    assert!(doctor(&pg.url(), &["--publication", "app_pub"]).0);
+
+    // A role without REPLICATION that cannot read the published table.
+    db.batch_execute("CREATE ROLE app LOGIN PASSWORD 'app-password'")
+        .await
+        .unwrap();
+    let url = pg.url_for("app", "app-password");
+    let (ok, report) = doctor(&url, &["--publication", "app_pub"]);
+    assert!(!ok);
+    let role = line_of(&report, "FAIL", "role").expect(&report);
+    assert!(role.contains("ALTER ROLE app REPLICATION"), "{role}");
+    let grant = line_of(&report, "FAIL", "table privilege").expect(&report);
+    assert!(
+        grant.contains("GRANT SELECT ON public.todos TO app"),
+        "{grant}"
+    );
+    assert!(
+        line_of(&report, "FAIL", "replication connection").is_some(),
+        "{report}"
+    );
+    assert!(
+        !report.contains("app-password"),
+        "the password is never shown"
+    );
+    db.batch_execute("ALTER ROLE app REPLICATION; GRANT SELECT ON todos TO app")
+        .await
+        .unwrap();
+    let (ok, report) = doctor(&url, &["--publication", "app_pub"]);
+    assert!(ok, "fixed as it said:\n{report}");
+    assert!(
+        line_of(&report, "WARN", "schema changes").is_some(),
+        "{report}"
+    );
 }
