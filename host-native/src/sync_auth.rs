@@ -182,7 +182,7 @@ impl From<SyncSecretArgs> for SecretSource {
 pub struct SyncSecretArgs {
     /// File holding the HS256 secret that signs sync tokens (at least 32 bytes). Without it
     /// the secret is read from the environment variable HIGHWATER_SYNC_SECRET.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "HIGHWATER_SYNC_SECRET_FILE")]
     pub sync_secret_file: Option<PathBuf>,
 }
 

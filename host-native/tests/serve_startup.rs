@@ -291,3 +291,49 @@ async fn doctor_passes_a_ready_postgres_and_names_each_missing_prerequisite_with
         "{report}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_serve_option_can_come_from_the_environment_and_help_hides_the_upstream_url() {
+    let pg = start_pg().await;
+    let data = DataDir::new("serve-env");
+    let port = free_port();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_highwater"))
+        .arg("serve")
+        .env("HIGHWATER_UPSTREAM", pg.url())
+        .env("HIGHWATER_DATA", data.path())
+        .env("HIGHWATER_PORT", port.to_string())
+        .env("HIGHWATER_HOST", "127.0.0.1")
+        .env("HIGHWATER_APP_ID", "fromenv")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn highwater serve");
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let server = Binary { child, addr };
+    wait_ready(addr).await;
+    let db = pg.connect().await.unwrap();
+    let slot = db
+        .query_opt(
+            "SELECT 1 FROM pg_replication_slots WHERE slot_name = 'fromenv_slot'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(slot.is_some(), "the app id came from HIGHWATER_APP_ID");
+    assert!(server.terminate().await.success());
+
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_highwater"))
+        .args(["serve", "--help"])
+        .env("HIGHWATER_UPSTREAM", "postgres://app:hunter2@db/app")
+        .output()
+        .expect("run highwater serve --help");
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("HIGHWATER_UPSTREAM") && help.contains("HIGHWATER_SYNC_RULES"),
+        "{help}"
+    );
+    assert!(
+        !help.contains("hunter2"),
+        "the URL's password stays out of --help"
+    );
+}

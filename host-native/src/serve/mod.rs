@@ -88,33 +88,39 @@ pub struct ServeArgs {
         default_value = "",
         hide_default_value = true,
         required_unless_present = "from",
-        conflicts_with = "from"
+        conflicts_with = "from",
+        env = "HIGHWATER_UPSTREAM",
+        hide_env_values = true
     )]
     pub upstream: String,
     /// Relay mode: follow another Highwater (`ws://host:port`) instead of Postgres. The replica
     /// is restored from its snapshot, then kept current through its change stream; no
     /// replication slot is used.
-    #[arg(long)]
+    #[arg(long, env = "HIGHWATER_FROM")]
     pub from: Option<String>,
     /// Directory of the replica and change log (`<data>/replica.db`).
-    #[arg(long)]
+    #[arg(long, env = "HIGHWATER_DATA")]
     pub data: PathBuf,
     /// Port for WebSockets, snapshots and health checks.
-    #[arg(long, default_value_t = DEFAULT_PORT)]
+    #[arg(long, default_value_t = DEFAULT_PORT, env = "HIGHWATER_PORT")]
     pub port: u16,
     /// Address to listen on; other than loopback only with a replication token (or
     /// `--insecure-no-auth`).
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, default_value = "127.0.0.1", env = "HIGHWATER_HOST")]
     pub host: String,
     /// Names the slot (`<app>_slot`), the default publication (`<app>_pub`) and the DDL trigger.
-    #[arg(long, default_value = DEFAULT_APP_ID)]
+    #[arg(long, default_value = DEFAULT_APP_ID, env = "HIGHWATER_APP_ID")]
     pub app_id: String,
     /// Publications to replicate; by default `<app>_pub`, created FOR ALL TABLES if missing.
-    #[arg(long = "publication")]
+    #[arg(
+        long = "publication",
+        env = "HIGHWATER_PUBLICATIONS",
+        value_delimiter = ','
+    )]
     pub publications: Vec<String>,
     /// Base URL other servers reach this one at (for `backupURL`); by default
     /// `http://127.0.0.1:<port>` when listening on every address, else `http://<host>:<port>`.
-    #[arg(long)]
+    #[arg(long, env = "HIGHWATER_PUBLIC_URL")]
     pub public_url: Option<String>,
     /// Wait after a backup watermark before purging the change log up to it.
     #[arg(long, default_value_t = DEFAULT_PURGE_DELAY_MS, hide = true)]
@@ -131,27 +137,27 @@ pub struct ServeArgs {
     pub backlog_full_timeout_ms: u64,
     /// Open WebSocket connections (change-stream and scope sync together) served at once;
     /// one more is refused with 503 before the upgrade.
-    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, value_name = "N")]
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, value_name = "N", env = "HIGHWATER_MAX_CONNECTIONS")]
     pub max_connections: usize,
     /// When the replication slot is missing or invalidated, discard the replica and change log
     /// and sync again instead of stopping with an error.
-    #[arg(long)]
+    #[arg(long, env = "HIGHWATER_AUTO_RESET")]
     pub auto_reset: bool,
     /// COPY readers of an initial sync, each on its own upstream connection in the slot's
     /// snapshot: tables are copied in parallel, and a table of 128 MiB or more is split into
     /// a page range per reader (Postgres 14+).
-    #[arg(long, default_value_t = crate::replica::initial_sync::DEFAULT_SYNC_WORKERS)]
+    #[arg(long, default_value_t = crate::replica::initial_sync::DEFAULT_SYNC_WORKERS, env = "HIGHWATER_SYNC_WORKERS")]
     pub sync_workers: usize,
     /// Turns on scope sync (`GET /sync`): the JSON rules saying which tables apps may read,
     /// which columns a scope may filter on, which are never sent, and which conditions must
     /// equal a token claim. Without it `/sync` answers 404.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "HIGHWATER_SYNC_RULES")]
     pub sync_rules: Option<PathBuf>,
     #[command(flatten)]
     pub sync_secret: SyncSecretArgs,
     /// How long exits (deletes, rows leaving a scope) are kept for catch-up; an older cursor
     /// gets a reset and a full replay.
-    #[arg(long, default_value_t = DEFAULT_SYNC_RETENTION_SECS, value_name = "SECONDS")]
+    #[arg(long, default_value_t = DEFAULT_SYNC_RETENTION_SECS, value_name = "SECONDS", env = "HIGHWATER_SYNC_RETENTION_SECS")]
     pub sync_retention_secs: u64,
     /// How long a scope-sync socket may stay over its outbound budget before it is closed
     /// (1013, "slow consumer").
@@ -163,7 +169,7 @@ pub struct ServeArgs {
     pub sync_checkpoint_ms: u64,
     /// On SIGTERM or Ctrl-C, how long to finish the current group and close the sockets before
     /// exiting anyway (a second signal exits at once).
-    #[arg(long, default_value_t = DEFAULT_SHUTDOWN_TIMEOUT_SECS)]
+    #[arg(long, default_value_t = DEFAULT_SHUTDOWN_TIMEOUT_SECS, env = "HIGHWATER_SHUTDOWN_TIMEOUT_SECS")]
     pub shutdown_timeout_secs: u64,
     /// Store queued upstream transactions in one SQLite commit (group commit), on by default;
     /// `--no-group-commit` stores each in its own commit (for comparing the two).

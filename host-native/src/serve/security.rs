@@ -38,33 +38,43 @@ pub struct SecurityArgs {
     /// require (Bearer, or Basic with the token as password). Without it the token is read
     /// from the environment variable HIGHWATER_REPLICATION_TOKEN; with neither, those
     /// endpoints are open and the server only listens on loopback addresses.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "HIGHWATER_REPLICATION_TOKEN_FILE")]
     pub replication_token_file: Option<PathBuf>,
     /// Relay: file holding the token sent to the upstream (`--from`). Without it:
     /// HIGHWATER_UPSTREAM_TOKEN, else this node's own replication token.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "HIGHWATER_UPSTREAM_TOKEN_FILE")]
     pub upstream_token_file: Option<PathBuf>,
     /// Listen on a non-loopback address without a replication token: anyone who can reach
     /// the port can download the replica and stream every change.
-    #[arg(long)]
+    #[arg(long, env = "HIGHWATER_INSECURE_NO_AUTH")]
     pub insecure_no_auth: bool,
     /// PEM certificate chain to serve https and wss with (needs --tls-key).
-    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_key",
+        env = "HIGHWATER_TLS_CERT"
+    )]
     pub tls_cert: Option<PathBuf>,
     /// PEM private key of --tls-cert.
-    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_cert",
+        env = "HIGHWATER_TLS_KEY"
+    )]
     pub tls_key: Option<PathBuf>,
     /// Relay: PEM file of the CA certificates an `https`/`wss` primary's certificate must
     /// chain to (a private CA). Without it: the system's certificate bundle.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "HIGHWATER_FROM_CA_FILE")]
     pub from_ca_file: Option<PathBuf>,
     /// Relay: the largest snapshot it downloads from its primary, in bytes; a larger one is
     /// refused before it is stored.
-    #[arg(long, value_name = "BYTES", default_value_t = super::snapshot_download::DEFAULT_MAX_SNAPSHOT_BYTES)]
+    #[arg(long, value_name = "BYTES", default_value_t = super::snapshot_download::DEFAULT_MAX_SNAPSHOT_BYTES, env = "HIGHWATER_MAX_SNAPSHOT_BYTES")]
     pub max_snapshot_bytes: u64,
     /// Relay: how long the whole snapshot download may take, in seconds (no byte for 60 s
     /// ends it sooner).
-    #[arg(long, value_name = "SECONDS", default_value_t = super::snapshot_download::DEFAULT_SNAPSHOT_TIMEOUT.as_secs())]
+    #[arg(long, value_name = "SECONDS", default_value_t = super::snapshot_download::DEFAULT_SNAPSHOT_TIMEOUT.as_secs(), env = "HIGHWATER_SNAPSHOT_TIMEOUT")]
     pub snapshot_timeout: u64,
     /// A replication token given in code (tests, embedding); wins over file and environment.
     #[arg(skip)]
