@@ -1,6 +1,6 @@
 //! The `highwater` command: one binary for the server, the replicator and the stream tools.
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// jemalloc rather than the C library's allocator, for every allocation of the process
 /// (SQLite's too): measured on `bench sync`, the server's memory falls back after clients
@@ -57,6 +57,12 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let log_format = cli.log_format;
     highwater_host::runtime::set_log_format(log_format);
+    if let Command::Serve(args) = &cli.command {
+        if args.print_config {
+            print!("{}", serve_config());
+            return std::process::ExitCode::SUCCESS;
+        }
+    }
     let result = match cli.command {
         Command::CheckStream(args) => check_stream::run(args),
         Command::Replicate(args) => highwater_host::replicate::run(args),
@@ -84,5 +90,99 @@ fn main() -> std::process::ExitCode {
             }
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// `serve --print-config`: every option of `serve` with its effective value and its source,
+/// one `name = value  # source` line each. The command line is read again for it, so the
+/// values are exactly what clap resolved.
+fn serve_config() -> String {
+    use clap::parser::ValueSource;
+    let command = Cli::command();
+    let matches = command.clone().get_matches();
+    let Some(("serve", serve)) = matches.subcommand() else {
+        return String::new();
+    };
+    let Some(serve_command) = command.find_subcommand("serve") else {
+        return String::new();
+    };
+    let mut out = String::new();
+    for arg in serve_command.get_arguments() {
+        let id = arg.get_id().as_str();
+        if arg.is_hide_set() || id == "print_config" || id == "help" || id == "version" {
+            continue;
+        }
+        let Some(long) = arg.get_long() else {
+            continue;
+        };
+        let values: Vec<String> = serve
+            .get_raw(id)
+            .into_iter()
+            .flatten()
+            .map(|value| masked(&value.to_string_lossy()))
+            .collect();
+        let source = match serve.value_source(id) {
+            Some(ValueSource::CommandLine) => "command line".to_owned(),
+            Some(ValueSource::EnvVariable) => format!(
+                "environment {}",
+                arg.get_env()
+                    .map(|e| e.to_string_lossy())
+                    .unwrap_or_default()
+            ),
+            Some(ValueSource::DefaultValue) => "default".to_owned(),
+            _ => "not set".to_owned(),
+        };
+        let value = match values.as_slice() {
+            [] => "-".to_owned(),
+            [one] => one.clone(),
+            many => many.join(","),
+        };
+        out.push_str(&format!("{long} = {value}  # {source}\n"));
+    }
+    out
+}
+
+/// A value with any password in it replaced by `***`: a URL's `user:password@`, and a
+/// `password=` or `sslpassword=` parameter (of a URL's query or a key=value string).
+fn masked(value: &str) -> String {
+    let mut out = value.to_owned();
+    if let Some((scheme, rest)) = value.split_once("://") {
+        if let Some((userinfo, host)) = rest.split_once('@') {
+            if let Some((user, _password)) = userinfo.split_once(':') {
+                out = format!("{scheme}://{user}:***@{host}");
+            }
+        }
+    }
+    let mut masked = String::with_capacity(out.len());
+    let mut rest = out.as_str();
+    while let Some(at) = rest.find("password=") {
+        let value_start = at + "password=".len();
+        masked.push_str(&rest[..value_start]);
+        masked.push_str("***");
+        let value_len = rest[value_start..]
+            .find(|c: char| c == '&' || c.is_whitespace())
+            .unwrap_or(rest.len() - value_start);
+        rest = &rest[value_start + value_len..];
+    }
+    masked.push_str(rest);
+    masked
+}
+
+#[cfg(test)]
+mod tests {
+    use super::masked;
+
+    #[test]
+    fn passwords_are_masked_wherever_a_connection_string_holds_them() {
+        assert_eq!(
+            masked("postgres://app:hunter2@db:5432/app?sslmode=require&password=x&sslpassword=y"),
+            "postgres://app:***@db:5432/app?sslmode=require&password=***&sslpassword=***"
+        );
+        assert_eq!(
+            masked("host=db user=app password=hunter2 dbname=app"),
+            "host=db user=app password=*** dbname=app"
+        );
+        assert_eq!(masked("postgres://app@db/app"), "postgres://app@db/app");
+        assert_eq!(masked("/var/lib/highwater"), "/var/lib/highwater");
     }
 }

@@ -293,7 +293,8 @@ async fn doctor_passes_a_ready_postgres_and_names_each_missing_prerequisite_with
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_serve_option_can_come_from_the_environment_and_help_hides_the_upstream_url() {
+async fn every_serve_option_can_come_from_the_environment_and_print_config_shows_where_each_came_from(
+) {
     let pg = start_pg().await;
     let data = DataDir::new("serve-env");
     let port = free_port();
@@ -336,4 +337,24 @@ async fn every_serve_option_can_come_from_the_environment_and_help_hides_the_ups
         !help.contains("hunter2"),
         "the URL's password stays out of --help"
     );
+
+    // The effective configuration, each value with its source, the password masked.
+    let config = std::process::Command::new(env!("CARGO_BIN_EXE_highwater"))
+        .args(["serve", "--data", "/srv/highwater", "--print-config"])
+        .env("HIGHWATER_UPSTREAM", "postgres://app:hunter2@db/app")
+        .env("HIGHWATER_PORT", "5000")
+        .output()
+        .expect("run highwater serve --print-config");
+    assert!(config.status.success());
+    let config = String::from_utf8_lossy(&config.stdout);
+    for line in [
+        "upstream = postgres://app:***@db/app  # environment HIGHWATER_UPSTREAM",
+        "data = /srv/highwater  # command line",
+        "port = 5000  # environment HIGHWATER_PORT",
+        "host = 127.0.0.1  # default",
+        "sync-rules = -  # not set",
+    ] {
+        assert!(config.lines().any(|l| l == line), "{line:?} in:\n{config}");
+    }
+    assert!(!config.contains("hunter2"), "{config}");
 }

@@ -171,6 +171,10 @@ pub struct ServeArgs {
     /// exiting anyway (a second signal exits at once).
     #[arg(long, default_value_t = DEFAULT_SHUTDOWN_TIMEOUT_SECS, env = "HIGHWATER_SHUTDOWN_TIMEOUT_SECS")]
     pub shutdown_timeout_secs: u64,
+    /// Print the effective configuration (each option's value and where it came from: the
+    /// command line, the environment or the default; passwords masked) and exit.
+    #[arg(long)]
+    pub print_config: bool,
     /// Store queued upstream transactions in one SQLite commit (group commit), on by default;
     /// `--no-group-commit` stores each in its own commit (for comparing the two).
     #[arg(long = "no-group-commit", hide = true, action = clap::ArgAction::SetFalse)]
@@ -226,6 +230,7 @@ impl ServeArgs {
             sync_slow_consumer_ms: DEFAULT_SLOW_CONSUMER_MS,
             sync_checkpoint_ms: DEFAULT_SYNC_CHECKPOINT_MS,
             shutdown_timeout_secs: DEFAULT_SHUTDOWN_TIMEOUT_SECS,
+            print_config: false,
             group_commit: true,
             security: Box::default(),
             extra_routes: None,
