@@ -54,12 +54,21 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    use highwater_host::serve::config_file;
+    let (args, from_file) =
+        match config_file::with_config_file(std::env::args_os().collect(), &Cli::command()) {
+            Ok(found) => found,
+            Err(error) => {
+                eprintln!("Error: {error}");
+                return std::process::ExitCode::from(2);
+            }
+        };
+    let cli = Cli::parse_from(&args);
     let log_format = cli.log_format;
     highwater_host::runtime::set_log_format(log_format);
-    if let Command::Serve(args) = &cli.command {
-        if args.print_config {
-            print!("{}", serve_config());
+    if let Command::Serve(serve) = &cli.command {
+        if serve.print_config {
+            print!("{}", serve_config(&args, &from_file));
             return std::process::ExitCode::SUCCESS;
         }
     }
@@ -94,12 +103,15 @@ fn main() -> std::process::ExitCode {
 }
 
 /// `serve --print-config`: every option of `serve` with its effective value and its source,
-/// one `name = value  # source` line each. The command line is read again for it, so the
+/// one `name = value  # source` line each. The arguments are parsed again for it, so the
 /// values are exactly what clap resolved.
-fn serve_config() -> String {
+fn serve_config(
+    args: &[std::ffi::OsString],
+    from_file: &highwater_host::serve::config_file::FromFile,
+) -> String {
     use clap::parser::ValueSource;
     let command = Cli::command();
-    let matches = command.clone().get_matches();
+    let matches = command.clone().get_matches_from(args);
     let Some(("serve", serve)) = matches.subcommand() else {
         return String::new();
     };
@@ -122,6 +134,16 @@ fn serve_config() -> String {
             .map(|value| masked(&value.to_string_lossy()))
             .collect();
         let source = match serve.value_source(id) {
+            Some(ValueSource::CommandLine) if from_file.options.iter().any(|o| o == long) => {
+                format!(
+                    "config {}",
+                    from_file
+                        .path
+                        .as_deref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default()
+                )
+            }
             Some(ValueSource::CommandLine) => "command line".to_owned(),
             Some(ValueSource::EnvVariable) => format!(
                 "environment {}",

@@ -357,4 +357,53 @@ async fn every_serve_option_can_come_from_the_environment_and_print_config_shows
         assert!(config.lines().any(|l| l == line), "{line:?} in:\n{config}");
     }
     assert!(!config.contains("hunter2"), "{config}");
+
+    // A config file: below the environment and the command line; an unknown option refused.
+    let dir = DataDir::new("serve-config-file");
+    let file = dir.path().join("highwater.toml");
+    std::fs::write(
+        &file,
+        "upstream = \"postgres://app:hunter2@db/app\"\nport = 4900\nhost = \"0.0.0.0\"\n\
+         publication = [\"a\", \"b\"]\nauto-reset = true\nsync_workers = 3\n",
+    )
+    .unwrap();
+    let config = std::process::Command::new(env!("CARGO_BIN_EXE_highwater"))
+        .args([
+            "serve",
+            "--data",
+            "/srv/highwater",
+            "--host",
+            "127.0.0.1",
+            "--print-config",
+        ])
+        .env("HIGHWATER_CONFIG", &file)
+        .env("HIGHWATER_PORT", "5000")
+        .output()
+        .expect("run highwater serve --print-config");
+    assert!(config.status.success(), "{config:?}");
+    let config = String::from_utf8_lossy(&config.stdout);
+    let from_file = format!("# config {}", file.display());
+    for line in [
+        format!("upstream = postgres://app:***@db/app  {from_file}"),
+        "port = 5000  # environment HIGHWATER_PORT".to_owned(),
+        "host = 127.0.0.1  # command line".to_owned(),
+        format!("publication = a,b  {from_file}"),
+        format!("auto-reset = true  {from_file}"),
+        format!("sync-workers = 3  {from_file}"),
+    ] {
+        assert!(config.lines().any(|l| l == line), "{line:?} in:\n{config}");
+    }
+    assert!(!config.contains("hunter2"), "{config}");
+    std::fs::write(&file, "max_conections = 5\n").unwrap();
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_highwater"))
+        .args(["serve", "--data", "/srv/highwater", "--config"])
+        .arg(&file)
+        .output()
+        .expect("run highwater serve --config");
+    assert_eq!(refused.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("unknown option \"max_conections\""),
+        "{stderr}"
+    );
 }

@@ -22,6 +22,7 @@
 //! change log in one SQLite transaction, and only once that commit is durable does the source
 //! hear the confirmation.
 
+pub mod config_file;
 mod connection;
 mod endpoints;
 mod fault;
@@ -172,9 +173,14 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = DEFAULT_SHUTDOWN_TIMEOUT_SECS, env = "HIGHWATER_SHUTDOWN_TIMEOUT_SECS")]
     pub shutdown_timeout_secs: u64,
     /// Print the effective configuration (each option's value and where it came from: the
-    /// command line, the environment or the default; passwords masked) and exit.
+    /// command line, the environment, the config file or the default; passwords masked) and
+    /// exit.
     #[arg(long)]
     pub print_config: bool,
+    /// A TOML file of options named as on the command line (`port = 4848`); the command line
+    /// and the environment win over it.
+    #[arg(long, value_name = "FILE", env = "HIGHWATER_CONFIG")]
+    pub config: Option<PathBuf>,
     /// Store queued upstream transactions in one SQLite commit (group commit), on by default;
     /// `--no-group-commit` stores each in its own commit (for comparing the two).
     #[arg(long = "no-group-commit", hide = true, action = clap::ArgAction::SetFalse)]
@@ -231,6 +237,7 @@ impl ServeArgs {
             sync_checkpoint_ms: DEFAULT_SYNC_CHECKPOINT_MS,
             shutdown_timeout_secs: DEFAULT_SHUTDOWN_TIMEOUT_SECS,
             print_config: false,
+            config: None,
             group_commit: true,
             security: Box::default(),
             extra_routes: None,
