@@ -46,6 +46,12 @@ try {
     "package.json",
   ]);
 
+  // The package's metadata as bundlers and Node resolve it: publint (warnings fail too) and
+  // arethetypeswrong on the tarball (ESM only: a `require` of it is not supported).
+  const bin = (name) => join(packageDir, "..", "node_modules", ".bin", name);
+  run(bin("publint"), ["--strict"], packageDir);
+  run(bin("attw"), [join(work, packed.filename), "--profile", "esm-only"], work);
+
   const project = join(work, "project");
   cpSync(here, project, { recursive: true, filter: (path) => !path.endsWith("run.mjs") });
   writeFileSync(join(project, "package.json"), JSON.stringify({ name: "highwater-smoke", private: true, type: "module" }));
