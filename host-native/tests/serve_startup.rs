@@ -407,3 +407,70 @@ async fn every_serve_option_can_come_from_the_environment_and_print_config_shows
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slot_keeps_up_while_only_unpublished_tables_are_written() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(
+        "CREATE TABLE synced (id int PRIMARY KEY); CREATE TABLE other (id serial PRIMARY KEY, v text);
+         CREATE PUBLICATION only_synced FOR TABLE synced;",
+    )
+    .await
+    .unwrap();
+    let data = DataDir::new("serve-unpublished");
+    let port = free_port();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_highwater"))
+        .args([
+            "serve",
+            "--upstream",
+            &pg.url(),
+            "--publication",
+            "only_synced",
+        ])
+        .arg("--data")
+        .arg(data.path())
+        .args(["--port", &port.to_string(), "--host", "127.0.0.1"])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn highwater serve");
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let server = Binary { child, addr };
+    wait_ready(addr).await;
+    // About 8 MB of WAL that no published table is in: Postgres may only recycle it once the
+    // slot has confirmed past it, which takes the server acknowledging the stream's keepalives.
+    for _ in 0..4 {
+        db.batch_execute(
+            "INSERT INTO other (v) SELECT repeat('x', 1000) FROM generate_series(1, 2000)",
+        )
+        .await
+        .unwrap();
+    }
+    let written: String = db
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let behind: i64 = db
+            .query_one(
+                "SELECT ($1::text::pg_lsn - confirmed_flush_lsn)::int8 FROM pg_replication_slots \
+                 WHERE slot_name = 'highwater_slot'",
+                &[&written],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if behind <= 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the slot is still {behind} bytes behind the unpublished writes"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(server.terminate().await.success());
+}
