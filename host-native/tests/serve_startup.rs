@@ -474,3 +474,50 @@ async fn the_slot_keeps_up_while_only_unpublished_tables_are_written() {
     }
     assert!(server.terminate().await.success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_degraded_with_the_reason_once_the_slot_keeps_more_wal_than_the_warning() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute("CREATE TABLE t (id int PRIMARY KEY)")
+        .await
+        .unwrap();
+    let data = DataDir::new("serve-wal-warn");
+    let port = free_port();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_highwater"))
+        .args(["serve", "--upstream", &pg.url()])
+        .arg("--data")
+        .arg(data.path())
+        .args(["--port", &port.to_string(), "--host", "127.0.0.1"])
+        // Any WAL at all is over the warning; checked five times a second.
+        .args(["--wal-warn-bytes", "1", "--wal-check-ms", "200"])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn highwater serve");
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let server = Binary { child, addr };
+    wait_ready(addr).await;
+    db.batch_execute("INSERT INTO t SELECT g FROM generate_series(1, 1000) g")
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let health = loop {
+        let (_, _, body) = http_get(addr, "/health").await.unwrap();
+        let health: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        if health["status"] == "degraded" {
+            break health;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never degraded: {health}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let reason = health["degraded"][0].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("highwater_slot") && reason.contains("MiB of WAL"),
+        "{health}"
+    );
+    assert!(server.terminate().await.success());
+}

@@ -39,6 +39,8 @@ pub(crate) struct AppState {
     pub sync: Option<Arc<sync::SyncHub>>,
     pub peer_auth: super::security::PeerAuth,
     pub insecure_no_auth: bool,
+    /// The upstream slot's retained WAL, when watched (not on a relay).
+    pub wal: Option<Arc<super::wal_watch::WalHealth>>,
 }
 
 pub(crate) fn router(state: AppState) -> Router {
@@ -66,8 +68,12 @@ async fn ok() -> &'static str {
 async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {
     let positions = state.hub.positions();
     let (store_commits, stored_transactions) = state.hub.store_counts();
+    // Degraded, not down: the server still serves; an operator must act before the slot does
+    // harm upstream.
+    let degraded: Vec<String> = state.wal.iter().filter_map(|wal| wal.degraded()).collect();
     Json(json!({
-        "status": "ok",
+        "status": if degraded.is_empty() { "ok" } else { "degraded" },
+        "degraded": degraded,
         "replicaVersion": positions.replica_version,
         "lastWatermark": positions.last_watermark,
         "minWatermark": positions.min_watermark,

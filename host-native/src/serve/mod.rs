@@ -36,6 +36,7 @@ mod source;
 mod startup;
 mod sync;
 pub(crate) mod tls;
+mod wal_watch;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -181,6 +182,13 @@ pub struct ServeArgs {
     /// and the environment win over it.
     #[arg(long, value_name = "FILE", env = "HIGHWATER_CONFIG")]
     pub config: Option<PathBuf>,
+    /// Warn (log, and `/health` says `degraded`) when the replication slot keeps more WAL than
+    /// this upstream, in bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_WAL_WARN_BYTES, env = "HIGHWATER_WAL_WARN_BYTES")]
+    pub wal_warn_bytes: u64,
+    /// How often the slot's retained WAL is checked, in ms.
+    #[arg(long, default_value_t = DEFAULT_WAL_CHECK_MS, hide = true)]
+    pub wal_check_ms: u64,
     /// Store queued upstream transactions in one SQLite commit (group commit), on by default;
     /// `--no-group-commit` stores each in its own commit (for comparing the two).
     #[arg(long = "no-group-commit", hide = true, action = clap::ArgAction::SetFalse)]
@@ -204,6 +212,10 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 /// A quiet live scope-sync subscription hears of the feed's position this often by default.
 /// The close code sockets get when the server stops on a signal: 1012, service restart.
 pub const SHUTDOWN_CLOSE_CODE: u16 = 1012;
+/// The default of `--wal-warn-bytes`: 1 GiB.
+pub const DEFAULT_WAL_WARN_BYTES: u64 = 1 << 30;
+/// The default of `--wal-check-ms`.
+pub const DEFAULT_WAL_CHECK_MS: u64 = 30_000;
 /// The default of `--shutdown-timeout-secs`.
 pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: u64 = 30;
 pub const DEFAULT_SYNC_CHECKPOINT_MS: u64 = 30_000;
@@ -238,6 +250,8 @@ impl ServeArgs {
             shutdown_timeout_secs: DEFAULT_SHUTDOWN_TIMEOUT_SECS,
             print_config: false,
             config: None,
+            wal_warn_bytes: DEFAULT_WAL_WARN_BYTES,
+            wal_check_ms: DEFAULT_WAL_CHECK_MS,
             group_commit: true,
             security: Box::default(),
             extra_routes: None,
@@ -388,6 +402,15 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     let listener = listen(&args, token.as_ref()).await?;
     let public_url = args.public_url();
     let mut settings = settings(&args, token, sync, args.security.tls_config()?);
+    settings.wal_watch = match crate::replication::setup::ReplicationNames::for_app(&args.app_id) {
+        Ok(names) => Some(wal_watch::WalWatch {
+            upstream: prepared.backfill_from.clone(),
+            slot: names.slot,
+            warn_bytes: args.wal_warn_bytes,
+            every: Duration::from_millis(args.wal_check_ms.max(10)),
+        }),
+        Err(_) => None,
+    };
     settings.backfill_from = Some(prepared.backfill_from);
     let source = source::spawn_postgres(prepared.stream, stop.clone());
     tracing::info!(
@@ -497,6 +520,7 @@ fn settings(
         insecure_no_auth: args.security.insecure_no_auth,
         tls,
         extra_routes: args.extra_routes.clone(),
+        wal_watch: None,
     }
 }
 
@@ -533,6 +557,8 @@ struct Settings {
     tls: Option<Arc<rustls::ServerConfig>>,
     /// Routes matched before the server's own ([`ServeArgs::extra_routes`]).
     extra_routes: Option<axum::Router>,
+    /// The upstream slot's retained WAL, watched; `None` for a relay (it has no slot).
+    wal_watch: Option<wal_watch::WalWatch>,
 }
 
 /// Runs the storage loop, the endpoints and the timers over a ready replica and a change
@@ -653,6 +679,12 @@ async fn run_server(
         })
     };
 
+    let wal_health = settings.wal_watch.clone().map(|watch| {
+        let health = Arc::new(wal_watch::WalHealth::default());
+        tokio::spawn(wal_watch::run(watch, health.clone(), shutdown.clone()));
+        health
+    });
+
     let ticker = tokio::spawn(tick(
         hub.clone(),
         sync_hub.clone(),
@@ -672,6 +704,7 @@ async fn run_server(
         sync: sync_hub.clone(),
         peer_auth: settings.peer_auth.clone(),
         insecure_no_auth: settings.insecure_no_auth && settings.peer_auth.token.is_none(),
+        wal: wal_health,
     };
     snapshot::clear_dir(&settings.data.join("snapshots"))?;
     let app = match settings.extra_routes {

@@ -178,6 +178,7 @@ impl Harness {
             insecure_no_auth: false,
             tls: tuning.tls,
             extra_routes: None,
+            wal_watch: None,
         };
         let (stop, stop_rx) = watch::channel(false);
         let server = tokio::spawn(run_server(
