@@ -1,5 +1,5 @@
 //! The client side of scope sync: subscriptions per scope, one serial apply queue, and
-//! monotonic per-scope cursors (`reference/velocious-sync.md` §3, §7 "Client").
+//! monotonic per-scope cursors, as velocious' realtime bridge keeps them.
 //!
 //! [`ScopeBridge`] is a sans-IO state machine. The host (the WASM `ScopeBridge` class driven by
 //! a browser client, or a native client) turns WebSocket frames and its own results into

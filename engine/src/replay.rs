@@ -1,6 +1,6 @@
 //! Catch-up replay on the server: which change-feed pages to read and send when a scope-sync
 //! client subscribes or resumes, and how far each subscription has been delivered
-//! (`reference/velocious-sync.md` §4.4, §4.5).
+//! (catch-up pages after a cursor, then live).
 //!
 //! [`ReplayPlanner`] is one subscription's replay, sans-IO: the host feeds it inputs and carries
 //! out the [`ReplayEffect`]s it returns, in order. A pass reads the feed page by page from a

@@ -1,8 +1,8 @@
-//! Backfills through `highwater serve` (`reference/zero-protocol.md` §9.1, §9.6, §9.8): a table
-//! added to the publication and a column added with a volatile default reach change-stream
-//! subscribers as a schema change, then a `skipAck` transaction at a minor watermark carrying
-//! the existing rows, then `backfill-completed`; the replica ends equal to Postgres, also after a
-//! `kill -9` in the middle of a backfill.
+//! Backfills through `highwater serve` (Zero's backfill messages and how a replica applies
+//! them): a table added to the publication and a column added with a volatile default reach
+//! change-stream subscribers as a schema change, then a `skipAck` transaction at a minor
+//! watermark carrying the existing rows, then `backfill-completed`; the replica ends equal to
+//! Postgres, also after a `kill -9` in the middle of a backfill.
 
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]

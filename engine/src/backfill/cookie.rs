@@ -1,5 +1,5 @@
 //! The cookie jar: what each change means for the pending backfills of a table
-//! (`reference/zero-protocol.md` §9.5).
+//! (Zero's table metadata and backfill cookies).
 //!
 //! The change log keeps two cookies beside its rows — the latest metadata of each table and the
 //! backfill ID of each column whose backfill has not completed — and hands them to the change

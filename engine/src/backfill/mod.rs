@@ -1,4 +1,4 @@
-//! Backfill tracking (`reference/zero-protocol.md` §9).
+//! Backfill tracking, as Zero's change-streamer protocol defines backfills.
 //!
 //! When a table or column appears whose existing rows the replication stream cannot carry, the
 //! change source streams them as `backfill` messages and ends with `backfill-completed`. Backfill

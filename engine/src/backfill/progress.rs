@@ -1,5 +1,5 @@
 //! The continuity policy for v8 backfill progress marks, and the request arithmetic built on it
-//! (`reference/zero-protocol.md` §9.3).
+//! (Zero's backfill progress marks).
 //!
 //! A column's tracked progress is `None` while it has received no backfill data (it needs a run
 //! from scratch). Marks compare only on the same timeline; `progressMark` strings compare the way

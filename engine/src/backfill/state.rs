@@ -1,5 +1,4 @@
-//! One party's pending backfills, folded over the change stream (`reference/zero-protocol.md`
-//! §9.4).
+//! One party's pending backfills, folded over the change stream.
 
 use indexmap::IndexMap;
 

@@ -1,5 +1,5 @@
 //! The change streamer's backfill bookkeeping across stream restarts
-//! (`reference/zero-protocol.md` §9.7).
+//! (which backfills a restarted stream must request again).
 
 use indexmap::IndexMap;
 

@@ -1,5 +1,5 @@
 //! Zero's change-streamer protocol: typed messages, their exact JSON tuple shapes, framing and
-//! per-version gating (`reference/zero-protocol.md` §1–§6, §13).
+//! per-version gating.
 //!
 //! Decoding follows Zero's schemas in passthrough mode: unknown keys are kept at every level,
 //! tuples have exact arity, tag literals must match, `number` fields reject integers beyond

@@ -1,4 +1,4 @@
-//! Decoded pgoutput messages to change-stream messages (`reference/zero-protocol.md` §11.3–§11.5).
+//! Decoded pgoutput messages to change-stream messages, as Zero's Postgres change source maps them.
 //!
 //! [`PgoutputMapper`] is sans-IO: the host feeds it every CopyData frame of the replication
 //! stream in order and gets back what to forward, store or answer. It keeps the relation cache,

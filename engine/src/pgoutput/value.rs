@@ -1,5 +1,5 @@
 //! Column values from Postgres TEXT output to the JSON values Zero's replicator expects
-//! (`reference/zero-protocol.md` §5.3).
+//! (Zero's change-stream value encoding).
 //!
 //! Choices where Zero leaves room: float `NaN`/`±Infinity` and numeric `NaN`/`±Infinity` become
 //! `null` (what `JSON.stringify` makes of them); numerics are JSON numbers written from the exact

@@ -1,4 +1,4 @@
-//! The server side of the scope-sync channel (`reference/velocious-sync.md` §4, §5), sans-IO.
+//! The server side of the scope-sync channel (subscribe, replay, live delivery), sans-IO.
 //!
 //! [`ScopeServer`] holds every scope-sync socket of a serving node: its subscriptions, their
 //! catch-up replays (each driven by a [`ReplayPlanner`]), and a live routing index keyed by

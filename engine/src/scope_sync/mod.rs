@@ -1,5 +1,5 @@
 //! The scope-sync channel: frames, envelopes and subscribe params of the velocious-compatible
-//! WebSocket protocol (`reference/velocious-sync.md` §5).
+//! WebSocket protocol.
 //!
 //! Decoding is strict: a frame, body or param of the wrong shape is a typed error naming the
 //! field, what was expected and what arrived. Unknown keys are ignored in frames and kept in

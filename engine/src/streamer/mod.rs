@@ -1,5 +1,6 @@
-//! The change-streamer's rules (`reference/zero-protocol.md` §4, §7.3–§7.4, §8, §9.7,
-//! §10.2), sans-IO: the host feeds events in and carries out the [`Effect`]s that come back.
+//! The change-streamer's rules (subscriptions, catch-up from the change log, acks and the purge
+//! floor, backlog and back-pressure, backfill bookkeeping, reservations), sans-IO: the host
+//! feeds events in and carries out the [`Effect`]s that come back.
 //!
 //! One [`Streamer`] sits between one upstream change source and many downstream connections.
 //! It forwards every upstream message to the subscribers at once, asks the host to store it,

@@ -1,5 +1,5 @@
 //! The scope-sync client: one socket for every scope, reconnects, heartbeats, tokens, and each
-//! scope's rows and cursor (`reference/velocious-sync.md` §3, §5, §7 "Client").
+//! scope's rows and cursor (the client side of the velocious-compatible scope channel).
 //!
 //! [`SyncClient`] is sans-IO. The host (the WASM `HighwaterClient`) feeds it [`ClientInput`]s
 //! with the current time and carries out the returned [`ClientEffect`]s, in order:

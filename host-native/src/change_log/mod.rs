@@ -1,4 +1,4 @@
-//! The durable change log (`reference/zero-protocol.md` §7): every upstream transaction as it was
+//! The durable change log of Zero's change-streamer protocol: every upstream transaction as it was
 //! forwarded, so subscribers that are behind can be caught up.
 //!
 //! # Where it lives

@@ -1,6 +1,6 @@
 //! Applies change-stream transactions to the replica, one SQLite transaction per upstream
 //! transaction, or one per group of them with group commit (each upstream transaction then a
-//! savepoint) (`reference/zero-protocol.md` §12, "Apply algorithm").
+//! savepoint), as Zero's replicator applies the change stream.
 //!
 //! Every row written gets `_hw_version` = the transaction's commit watermark and a fresh
 //! `_hw_seq`; deletes and key changes leave a tombstone, truncates a table-wide marker
@@ -14,7 +14,7 @@
 //! would be: both forms go through the same insert, update and delete code, read through
 //! [`RowValues`].
 //!
-//! Backfills follow `reference/zero-protocol.md` §9.8: rows are upserted by key, except rows
+//! Backfills follow Zero's rules for backfill data: rows are upserted by key, except rows
 //! deleted (or truncated) after the backfill's snapshot; a backfilling column keeps a value the
 //! stream wrote after that snapshot (tracked per row in `_hw_backfill_versions` while the column
 //! is backfilling); rows new to the replica get the snapshot's watermark as their version.

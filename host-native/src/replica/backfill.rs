@@ -1,4 +1,4 @@
-//! Backfills as a source of change-stream messages (`reference/zero-protocol.md` §9.1, §9.6).
+//! Backfills as a source of change-stream messages (Zero's `backfill` and `backfill-completed`).
 //!
 //! A table or column whose existing values only upstream knows (a table added to a publication,
 //! a column added with a default, a retyped column) is read in a fresh snapshot of upstream and

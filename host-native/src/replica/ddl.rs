@@ -1,4 +1,4 @@
-//! Schema changes from Postgres (`reference/zero-protocol.md` §11.6).
+//! Schema changes from Postgres, as Zero's change source detects and streams them.
 //!
 //! Detection uses a DDL event trigger, as Zero does: at `ddl_command_end` of every table, index,
 //! publication or schema command it emits the published schema with

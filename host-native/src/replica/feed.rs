@@ -1,5 +1,5 @@
 //! The scope feed: what the replica keeps so scope-sync subscribers can catch up and be routed
-//! live (`reference/velocious-sync.md` §4.4, §4.5).
+//! live (catch-up after a cursor, then live delivery, as velocious' sync server does).
 //!
 //! For the tables a rules file opens to scope sync, the writer records, per upstream
 //! transaction:

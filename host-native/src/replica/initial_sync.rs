@@ -1,6 +1,6 @@
-//! Initial sync: copying upstream rows into the replica in a snapshot
-//! (`reference/zero-protocol.md` §11.2). Backfills read their snapshots with the same COPY
-//! conversion (`replica::backfill`).
+//! Initial sync: copying upstream rows into the replica in the snapshot exported when the
+//! replication slot is created, as Zero's initial sync does. Backfills read their snapshots
+//! with the same COPY conversion (`replica::backfill`).
 //!
 //! Rows are streamed with `COPY (SELECT …) TO STDOUT` in text format and converted by the same
 //! per-type-OID conversion as the replication stream (`engine::pgoutput::TextColumn`, the

@@ -1,5 +1,5 @@
 //! The SQLite replica: every replicated table with a per-row version and server sequence,
-//! tombstones for deleted rows, and the replication position (`reference/zero-protocol.md` §12).
+//! tombstones for deleted rows, and the replication position, in Zero's replica layout.
 //!
 //! Durability: WAL journal with `synchronous=FULL`. `replicate` acknowledges a transaction
 //! upstream as soon as [`ReplicaWriter`] has committed it, and Postgres then may discard its

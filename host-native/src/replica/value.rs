@@ -1,4 +1,4 @@
-//! Change-stream JSON values to SQLite values and back (`reference/zero-protocol.md` §5.3).
+//! Change-stream JSON values to SQLite values and back, as Zero's replica stores them.
 //!
 //! Integers are INTEGER (int8 beyond 2^53 exactly), other numbers REAL, booleans 0/1, JSON and
 //! arrays JSON text, everything else TEXT. Reading back uses the column's upstream type, so a

@@ -1,5 +1,5 @@
-//! `GET /sync`: the scope-sync WebSocket (`reference/velocious-sync.md` §5), on the primary and
-//! on relays, on when `serve --sync-rules FILE` is given.
+//! `GET /sync`: the scope-sync WebSocket (the velocious-compatible frames of `scope_sync`), on
+//! the primary and on relays, on when `serve --sync-rules FILE` is given.
 //!
 //! The engine's [`ScopeServer`] holds every rule; this module carries out its effects:
 //! - `Send` goes to the socket's writer queue (in effect order: effects are queued while the
