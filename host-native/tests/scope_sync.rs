@@ -1249,12 +1249,13 @@ fn random_condition(g: &mut Gen, column: &str) -> (Value, String) {
     }
 }
 
-/// The ids Postgres finds `WHERE predicate`.
+/// The ids Postgres finds in `table` `WHERE predicate`.
 async fn pg_ids(
     db: &tokio_postgres::Client,
+    table: &str,
     predicate: &str,
 ) -> std::collections::BTreeSet<String> {
-    db.query(&format!("SELECT id FROM tasks WHERE {predicate}"), &[])
+    db.query(&format!("SELECT id FROM {table} WHERE {predicate}"), &[])
         .await
         .unwrap_or_else(|e| panic!("{predicate}: {e}"))
         .iter()
@@ -1319,7 +1320,7 @@ async fn scopes_with_operators_equal_the_same_where_in_postgres_by_replay_and_li
             client.scopes[&id].rows.keys().cloned().collect();
         assert_eq!(
             got,
-            pg_ids(&db, &predicate).await,
+            pg_ids(&db, "tasks", &predicate).await,
             "replay of {conditions} (WHERE {predicate}), seed {seed}"
         );
         scopes.push((id, conditions, predicate));
@@ -1329,7 +1330,7 @@ async fn scopes_with_operators_equal_the_same_where_in_postgres_by_replay_and_li
     // and inserted; every scope ends equal to its query again.
     churn_tasks(&db, &mut g).await;
     for (id, conditions, predicate) in &scopes {
-        let want = pg_ids(&db, predicate).await;
+        let want = pg_ids(&db, "tasks", predicate).await;
         let deadline = tokio::time::Instant::now() + PROMPT;
         loop {
             let got: std::collections::BTreeSet<String> =
@@ -1360,14 +1361,7 @@ async fn scopes_with_operators_equal_the_same_where_in_postgres_by_replay_and_li
     db.batch_execute("INSERT INTO tasks (id, t) VALUES (1000, 'last write')")
         .await
         .unwrap();
-    let deadline = tokio::time::Instant::now() + PROMPT;
-    while !replica_has_task(data.path(), 1000) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the replica did not catch up"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_replicated(data.path(), "tasks", 1000).await;
     let mut client = Client::connect(server.addr).await;
     client.scopes = saved;
     for (id, conditions, predicate) in &scopes {
@@ -1377,25 +1371,40 @@ async fn scopes_with_operators_equal_the_same_where_in_postgres_by_replay_and_li
             client.scopes[id].rows.keys().cloned().collect();
         assert_eq!(
             got,
-            pg_ids(&db, predicate).await,
+            pg_ids(&db, "tasks", predicate).await,
             "resume of {conditions} (WHERE {predicate}), seed {seed}"
         );
         assert_eq!(client.scopes[id].resets, 0, "{id} resumed without a reset");
     }
 }
 
-fn replica_has_task(data: &Path, id: i64) -> bool {
-    let Ok(db) = rusqlite::Connection::open_with_flags(
-        data.join("replica.db"),
-        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-    ) else {
-        return false;
-    };
-    db.busy_timeout(Duration::from_secs(5)).unwrap();
-    db.query_row("SELECT count(*) FROM tasks WHERE id = ?1", [id], |r| {
-        r.get::<_, i64>(0)
-    })
-    .is_ok_and(|n| n == 1)
+/// Waits until the replica in `data` holds row `id` of `table`: a write committed after
+/// every other one has reached it, so all of them have.
+async fn until_replicated(data: &Path, table: &str, id: i64) {
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    loop {
+        let db = rusqlite::Connection::open_with_flags(
+            data.join("replica.db"),
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+        )
+        .unwrap();
+        db.busy_timeout(Duration::from_secs(5)).unwrap();
+        let found = db
+            .query_row(
+                &format!("SELECT count(*) FROM {table} WHERE id = ?1"),
+                [id],
+                |r| r.get::<_, i64>(0),
+            )
+            .is_ok_and(|n| n == 1);
+        if found {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replica did not catch up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// 80 random writes to the tasks: updates of every column, deletes and inserts.
@@ -1448,32 +1457,6 @@ async fn churn_docs(db: &tokio_postgres::Client, g: &mut Gen) {
             random_doc(db, g, id).await;
         }
     }
-}
-
-async fn pg_doc_ids(
-    db: &tokio_postgres::Client,
-    predicate: &str,
-) -> std::collections::BTreeSet<String> {
-    db.query(&format!("SELECT id FROM docs WHERE {predicate}"), &[])
-        .await
-        .unwrap_or_else(|e| panic!("{predicate}: {e}"))
-        .iter()
-        .map(|r| r.get::<_, i64>(0).to_string())
-        .collect()
-}
-
-fn replica_has_doc(data: &Path, id: i64) -> bool {
-    let Ok(db) = rusqlite::Connection::open_with_flags(
-        data.join("replica.db"),
-        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-    ) else {
-        return false;
-    };
-    db.busy_timeout(Duration::from_secs(5)).unwrap();
-    db.query_row("SELECT count(*) FROM docs WHERE id = ?1", [id], |r| {
-        r.get::<_, i64>(0)
-    })
-    .is_ok_and(|n| n == 1)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1538,7 +1521,7 @@ async fn a_row_filter_with_claims_decides_what_each_token_sees_live_and_on_resum
             client.scopes[id].rows.keys().cloned().collect();
         assert_eq!(
             got,
-            pg_doc_ids(&db, predicate).await,
+            pg_ids(&db, "docs", predicate).await,
             "replay of {id}, seed {seed}"
         );
         assert!(
@@ -1554,7 +1537,7 @@ async fn a_row_filter_with_claims_decides_what_each_token_sees_live_and_on_resum
     // Live: ownership, sharing, org and deletion change; each client follows its filter.
     churn_docs(&db, &mut g).await;
     for ((id, _, _, _, predicate), client) in scopes.iter().zip(clients.iter_mut()) {
-        let want = pg_doc_ids(&db, predicate).await;
+        let want = pg_ids(&db, "docs", predicate).await;
         let deadline = tokio::time::Instant::now() + PROMPT;
         loop {
             let got: std::collections::BTreeSet<String> =
@@ -1576,14 +1559,7 @@ async fn a_row_filter_with_claims_decides_what_each_token_sees_live_and_on_resum
     db.batch_execute("INSERT INTO docs (id, body) VALUES (1000, 'last write')")
         .await
         .unwrap();
-    let deadline = tokio::time::Instant::now() + PROMPT;
-    while !replica_has_doc(data.path(), 1000) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the replica did not catch up"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_replicated(data.path(), "docs", 1000).await;
     for ((id, sub, org, conditions, predicate), scopes_of) in scopes.iter().zip(saved) {
         let mut client = Client::connect(server.addr).await;
         client.scopes = scopes_of;
@@ -1601,7 +1577,7 @@ async fn a_row_filter_with_claims_decides_what_each_token_sees_live_and_on_resum
             client.scopes[id].rows.keys().cloned().collect();
         assert_eq!(
             got,
-            pg_doc_ids(&db, predicate).await,
+            pg_ids(&db, "docs", predicate).await,
             "resume of {id}, seed {seed}"
         );
         assert_eq!(client.scopes[id].resets, 0, "{id} resumed without a reset");

@@ -419,25 +419,14 @@ async fn the_slot_keeps_up_while_only_unpublished_tables_are_written() {
     .await
     .unwrap();
     let data = DataDir::new("serve-unpublished");
-    let port = free_port();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_highwater"))
-        .args([
-            "serve",
-            "--upstream",
-            &pg.url(),
-            "--publication",
-            "only_synced",
-        ])
-        .arg("--data")
-        .arg(data.path())
-        .args(["--port", &port.to_string(), "--host", "127.0.0.1"])
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn highwater serve");
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let server = Binary { child, addr };
-    wait_ready(addr).await;
+    let server = Binary::start_with(
+        &pg.url(),
+        data.path(),
+        free_port(),
+        &["--publication", "only_synced"],
+        &[],
+    )
+    .await;
     // About 8 MB of WAL that no published table is in: Postgres may only recycle it once the
     // slot has confirmed past it, which takes the server acknowledging the stream's keepalives.
     for _ in 0..4 {
@@ -483,21 +472,16 @@ async fn health_is_degraded_with_the_reason_once_the_slot_keeps_more_wal_than_th
         .await
         .unwrap();
     let data = DataDir::new("serve-wal-warn");
-    let port = free_port();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_highwater"))
-        .args(["serve", "--upstream", &pg.url()])
-        .arg("--data")
-        .arg(data.path())
-        .args(["--port", &port.to_string(), "--host", "127.0.0.1"])
-        // Any WAL at all is over the warning; checked five times a second.
-        .args(["--wal-warn-bytes", "1", "--wal-check-ms", "200"])
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn highwater serve");
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let server = Binary { child, addr };
-    wait_ready(addr).await;
+    // Any WAL at all is over the warning; checked five times a second.
+    let server = Binary::start_with(
+        &pg.url(),
+        data.path(),
+        free_port(),
+        &["--wal-warn-bytes", "1", "--wal-check-ms", "200"],
+        &[],
+    )
+    .await;
+    let addr = server.addr;
     db.batch_execute("INSERT INTO t SELECT g FROM generate_series(1, 1000) g")
         .await
         .unwrap();

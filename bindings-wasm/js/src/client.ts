@@ -187,8 +187,8 @@ export class Subscription extends Emitter<SubscriptionEvents> {
       ids.pop();
       place.delete(id);
     }
-    const inserted: Row[] = [];
-    for (const { id, data } of change.inserted) {
+    // An inserted or updated row takes its id's place, or a new one at the end.
+    const put = ({ id, data }: CoreRowChange["inserted"][number]): Row => {
       const row = data as Row;
       const at = place.get(id);
       if (at === undefined) {
@@ -198,21 +198,10 @@ export class Subscription extends Emitter<SubscriptionEvents> {
       } else {
         rows[at] = row;
       }
-      inserted.push(row);
-    }
-    const updated: Row[] = [];
-    for (const { id, data } of change.updated) {
-      const row = data as Row;
-      const at = place.get(id);
-      if (at === undefined) {
-        place.set(id, rows.length);
-        rows.push(row);
-        ids.push(id);
-      } else {
-        rows[at] = row;
-      }
-      updated.push(row);
-    }
+      return row;
+    };
+    const inserted = change.inserted.map(put);
+    const updated = change.updated.map(put);
     this.#list = null;
     return { inserted, updated, removed };
   }

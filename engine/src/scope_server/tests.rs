@@ -159,11 +159,23 @@ fn granted(
     owner: &str,
     extra: Value,
 ) -> (u64, Vec<ServerEffect>) {
-    let effects = frame(server, &subscribe_text(id, owner, extra));
+    granted_text(server, C, &subscribe_text(id, owner, extra))
+}
+
+/// Sends the subscribe frame `text` on `conn` and grants it; returns the ticket and the
+/// effects of the grant.
+fn granted_text(server: &mut ScopeServer, conn: ConnId, text: &str) -> (u64, Vec<ServerEffect>) {
+    let effects = server.handle(
+        ServerInput::Frame {
+            conn,
+            text: text.to_owned(),
+        },
+        0,
+    );
     let ticket = ticket_of(&effects);
     let effects = server.handle(
         ServerInput::Authorized {
-            conn: C,
+            conn,
             ticket,
             decision: grant(),
         },
@@ -944,21 +956,10 @@ fn tables_sized_for_a_burst_of_connections_shrink_once_they_leave() {
             },
             0,
         );
-        let effects = server.handle(
-            ServerInput::Frame {
-                conn,
-                text: subscribe_text("a", &format!("u{conn}"), json!({})),
-            },
-            0,
-        );
-        let ticket = ticket_of(&effects);
-        server.handle(
-            ServerInput::Authorized {
-                conn,
-                ticket,
-                decision: grant(),
-            },
-            0,
+        granted_text(
+            &mut server,
+            conn,
+            &subscribe_text("a", &format!("u{conn}"), json!({})),
         );
     }
     assert_eq!(server.connections.len(), 1000);
@@ -981,16 +982,7 @@ fn live_with(server: &mut ScopeServer, id: &str, conditions: Value) {
         json!({"type": "channel-subscribe", "subscriptionId": id, "channelType": "velocious-sync",
         "params": {"resourceType": "todos", "conditions": conditions}})
         .to_string();
-    let effects = frame(server, &text);
-    let ticket = ticket_of(&effects);
-    let effects = server.handle(
-        ServerInput::Authorized {
-            conn: C,
-            ticket,
-            decision: grant(),
-        },
-        0,
-    );
+    let (ticket, effects) = granted_text(server, C, &text);
     let pass = fetch(&effects).expect("a page is read").1;
     page(server, ticket, pass, 1, vec![]);
 }

@@ -99,12 +99,24 @@ impl Binary {
 
     /// [`Binary::start`] with more environment variables.
     pub async fn start_with_env(url: &str, data: &Path, port: u16, env: &[(&str, &str)]) -> Binary {
+        Binary::start_with(url, data, port, &[], env).await
+    }
+
+    /// [`Binary::start`] with more `serve` arguments and environment variables.
+    pub async fn start_with(
+        url: &str,
+        data: &Path,
+        port: u16,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Binary {
         let child = Command::new(env!("CARGO_BIN_EXE_highwater"))
             .arg("serve")
             .args(["--upstream", url])
             .arg("--data")
             .arg(data)
             .args(["--port", &port.to_string(), "--host", "127.0.0.1"])
+            .args(args)
             .env("RUST_LOG", "warn")
             .envs(env.iter().copied())
             .stdout(Stdio::null())
