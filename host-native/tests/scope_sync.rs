@@ -1632,3 +1632,147 @@ async fn sigterm_tells_sync_clients_to_reconnect_with_1012_and_exits_cleanly() {
         client.others
     );
 }
+
+/// `GET /metrics` parsed by a Prometheus text parser.
+async fn scrape(addr: SocketAddr) -> prometheus_parse::Scrape {
+    let (status, headers, body) = http_get(addr, "/metrics").await.unwrap();
+    assert!(status.contains("200"), "{status}");
+    let content_type = headers
+        .iter()
+        .find(|(name, _)| name == "content-type")
+        .map(|(_, value)| value.as_str());
+    assert_eq!(
+        content_type,
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+    );
+    let text = String::from_utf8(body).unwrap();
+    prometheus_parse::Scrape::parse(text.lines().map(|line| Ok(line.to_owned()))).unwrap()
+}
+
+/// The value of the one sample named `name` whose labels include `labels`.
+fn sample(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let found: Vec<f64> = scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name)
+        .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .map(|s| match &s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => *v,
+            other => panic!("{name} is not a single value: {other:?}"),
+        })
+        .collect();
+    assert!(found.len() <= 1, "{name}{labels:?} matches {found:?}");
+    found.first().copied()
+}
+
+fn value(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    sample(scrape, name, labels).unwrap_or_else(|| panic!("no sample {name}{labels:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_as_prometheus_text_and_move_under_a_workload() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    insert_ada(&db, 1..6).await;
+    let files = SyncFiles::new();
+    let data = DataDir::new("metrics");
+    let metrics_addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let mut args = serve_args(&pg.url(), data.path(), free_port());
+    files.apply(&mut args);
+    args.metrics_addr = Some(metrics_addr);
+    args.wal_check_ms = 100;
+    let server = InProcess::start(args).await;
+
+    // A server just started: every family is there, nothing ingested yet.
+    let before = scrape(metrics_addr).await;
+    assert_eq!(value(&before, "highwater_transactions_total", &[]), 0.0);
+    assert_eq!(value(&before, "highwater_sync_connections", &[]), 0.0);
+    assert!(value(&before, "highwater_store_bytes", &[]) > 0.0);
+    assert!(value(&before, "highwater_start_time_seconds", &[]) > 1.7e9);
+    // The main port serves the same (no replication token on loopback).
+    let main = scrape(server.addr).await;
+    assert!(sample(&main, "highwater_transactions_total", &[]).is_some());
+
+    let mut client = Client::connect(server.addr).await;
+    client
+        .subscribe("s1", "ada", Some(&token("ada")), json!({}))
+        .await;
+    client.until_subscribed("s1").await;
+    client
+        .subscribe("s2", "ada", Some("not a token"), json!({}))
+        .await;
+    let refused = client.next_other().await;
+    assert_eq!(refused["type"], "channel-error", "{refused}");
+    let code = refused["code"].as_str().unwrap().to_owned();
+
+    for id in 100..150_i64 {
+        insert_ada(&db, id..id + 1).await;
+    }
+    db.batch_execute("DELETE FROM todos WHERE id = 100")
+        .await
+        .unwrap();
+    client.until_equal("s1", &pg_scope(&db, "ada").await).await;
+
+    // The WAL check runs every 100 ms; the live rows are counted as they are sent.
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    let after = loop {
+        let now = scrape(metrics_addr).await;
+        if sample(&now, "highwater_slot_retained_wal_bytes", &[]).is_some() {
+            break now;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no slot reading in /metrics"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let grew = |name: &str| value(&after, name, &[]) - value(&before, name, &[]);
+    assert!(grew("highwater_transactions_total") >= 51.0);
+    assert!(grew("highwater_changes_total") >= 51.0);
+    assert!(grew("highwater_stored_transactions_total") >= 51.0);
+    assert!(value(&after, "highwater_store_commits_total", &[]) >= 1.0);
+    assert_eq!(value(&after, "highwater_sync_live_rows_total", &[]), 51.0);
+    assert_eq!(
+        value(&after, "highwater_sync_live_removals_total", &[]),
+        1.0
+    );
+    assert_eq!(value(&after, "highwater_sync_replay_rows_total", &[]), 5.0);
+    assert_eq!(value(&after, "highwater_sync_connections", &[]), 1.0);
+    assert_eq!(
+        value(&after, "highwater_sync_subscriptions", &[("stage", "live")]),
+        1.0
+    );
+    assert_eq!(
+        value(
+            &after,
+            "highwater_auth_failures_total",
+            &[("endpoint", "sync"), ("code", &code)]
+        ),
+        1.0
+    );
+    assert_eq!(
+        value(
+            &after,
+            "highwater_auth_failures_total",
+            &[("endpoint", "replication"), ("code", "bad-token")]
+        ),
+        0.0
+    );
+    // Every transaction went through a group commit and was routed to scope sync.
+    assert!(value(&after, "highwater_group_transactions_sum", &[]) >= 51.0);
+    assert!(value(&after, "highwater_group_commit_seconds_count", &[]) >= 1.0);
+    assert!(value(&after, "highwater_commit_to_route_seconds_count", &[]) >= 51.0);
+    let lag = value(&after, "highwater_replication_lag_seconds", &[]);
+    assert!((0.0..60.0).contains(&lag), "lag {lag}");
+    assert!(value(&after, "highwater_slot_lag_bytes", &[]) >= 0.0);
+    assert!(
+        value(&after, "highwater_change_log_last_lsn", &[])
+            > value(&before, "highwater_change_log_last_lsn", &[])
+    );
+    assert_eq!(value(&after, "highwater_degraded", &[]), 0.0);
+
+    server.stop().await;
+}

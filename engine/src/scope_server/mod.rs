@@ -310,6 +310,40 @@ pub struct ScopeServer {
     /// change of its scope up to it.
     routed: Option<(i64, String)>,
     tickets: u64,
+    counted: ServerCounts,
+}
+
+/// What the scope server has counted since it started: the values behind the host's metrics
+/// (the host names and renders them; what counts as what is decided here).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServerCounts {
+    /// Subscriptions granted by the rules.
+    pub granted: u64,
+    /// Subscriptions refused, by error code (`unauthorized`, `forbidden`, …).
+    pub denied: BTreeMap<String, u64>,
+    /// Replay pages read and rows sent from them.
+    pub replay_pages: u64,
+    pub replay_rows: u64,
+    /// Live envelopes sent, and the row changes (upserts and removals) they carried.
+    pub live_envelopes: u64,
+    pub live_rows: u64,
+    /// Of `live_rows`, rows that left a scope (deleted, or changed out of its conditions).
+    pub live_removals: u64,
+    /// Reset markers sent (a cursor that could not be resumed, a truncate).
+    pub resets: u64,
+    /// Checkpoints sent to quiet live subscriptions.
+    pub checkpoints: u64,
+}
+
+/// The scope server's counts and what it holds now, for metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServerMetrics {
+    pub counts: ServerCounts,
+    pub connections: usize,
+    /// Subscriptions by stage: `authorizing`, `replaying`, `live`.
+    pub subscriptions: BTreeMap<&'static str, usize>,
+    /// The newest feed seq routed to live subscriptions.
+    pub routed_seq: Option<i64>,
 }
 
 impl ScopeServer {
@@ -323,6 +357,28 @@ impl ScopeServer {
             retention_floor: None,
             routed: None,
             tickets: 0,
+            counted: ServerCounts::default(),
+        }
+    }
+
+    /// Counts since the start and the state held now.
+    pub fn metrics(&self) -> ServerMetrics {
+        let mut subscriptions = BTreeMap::new();
+        for connection in self.connections.values() {
+            for sub in connection.subscriptions.values() {
+                let stage = match sub.stage {
+                    Stage::Authorizing { .. } => "authorizing",
+                    Stage::Replaying => "replaying",
+                    Stage::Live => "live",
+                };
+                *subscriptions.entry(stage).or_default() += 1;
+            }
+        }
+        ServerMetrics {
+            counts: self.counted.clone(),
+            connections: self.connections.len(),
+            subscriptions,
+            routed_seq: self.routed.as_ref().map(|(seq, _)| *seq),
         }
     }
 
@@ -550,8 +606,12 @@ impl ScopeServer {
             return;
         };
         let grant = match decision {
-            Decision::Granted(grant) => grant,
+            Decision::Granted(grant) => {
+                self.counted.granted += 1;
+                grant
+            }
             Decision::Denied { code, message } => {
+                *self.counted.denied.entry(code.clone()).or_default() += 1;
                 self.remove_subscription(conn, &id);
                 self.send(
                     conn,
@@ -633,6 +693,7 @@ impl ScopeServer {
         for effect in effects {
             match effect {
                 ReplayEffect::Reset { envelope, .. } => {
+                    self.counted.resets += 1;
                     if let Some(sub) = self.subscription_mut(conn, id) {
                         sub.start_seq = None;
                         sub.sent_live.clear();
@@ -647,6 +708,7 @@ impl ScopeServer {
                     self.resume_waiting(conn, out);
                 }
                 ReplayEffect::SendEnvelope { mut envelope, .. } => {
+                    self.counted.replay_rows += envelope.syncs.len() as u64;
                     let Some(sub) = self.subscription_mut(conn, id) else {
                         return;
                     };
@@ -762,11 +824,11 @@ impl ScopeServer {
         // The floor the page's own read saw counts too: the host hands a new floor over after
         // the prune commits, and a page read in between would otherwise pass a cursor whose
         // exits are gone.
-        if let PageResult::Rows {
-            floor: Some(seen), ..
-        } = &result
-        {
-            self.retention_floor = self.retention_floor.max(Some(*seen));
+        if let PageResult::Rows { floor, .. } = &result {
+            self.counted.replay_pages += 1;
+            if let Some(seen) = floor {
+                self.retention_floor = self.retention_floor.max(Some(*seen));
+            }
         }
         let floor = self.retention_floor;
         let past_floor = self.subscription_mut(conn, &id).is_some_and(|sub| {
@@ -928,10 +990,14 @@ impl ScopeServer {
         if let Some(seq) = syncs.iter().filter_map(|e| e.server_sequence).max() {
             sub.told = sub.told.max(seq);
         }
+        let removals = syncs.iter().filter(|entry| entry.is_delete()).count() as u64;
         let envelope = SyncEnvelope::new(None, syncs);
         let _ = sub.planner.handle(ReplayInput::Delivered {
             envelope: envelope.clone(),
         });
+        self.counted.live_envelopes += 1;
+        self.counted.live_rows += envelope.syncs.len() as u64;
+        self.counted.live_removals += removals;
         let text = message_text(id, &envelope);
         self.send_text(conn, text, out);
     }
@@ -944,6 +1010,7 @@ impl ScopeServer {
         envelope: SyncEnvelope,
         out: &mut Vec<ServerEffect>,
     ) {
+        self.counted.checkpoints += 1;
         let Some(sub) = self.subscription_mut(conn, id) else {
             return;
         };
@@ -994,6 +1061,7 @@ impl ScopeServer {
         floor: Option<i64>,
         out: &mut Vec<ServerEffect>,
     ) {
+        self.counted.resets += 1;
         let epoch = self.config.epoch.clone();
         let mut envelope = reset_envelope(&feed_cursor(&epoch, floor.unwrap_or(0), None));
         envelope.extra.insert(

@@ -1056,3 +1056,58 @@ fn malformed_operators_are_refused_with_invalid_params() {
         "{frames:?}"
     );
 }
+
+#[test]
+fn metrics_count_grants_refusals_replay_and_live_rows_and_subscriptions_by_stage() {
+    let mut server = server();
+    let (ta, ea) = granted(&mut server, "ada", "ada", json!({}));
+    let pass = fetch(&ea).unwrap().1;
+    let (_, _) = granted(&mut server, "grace", "grace", json!({}));
+    let refused = frame(&mut server, &subscribe_text("zed", "zed", json!({})));
+    server.handle(
+        ServerInput::Authorized {
+            conn: C,
+            ticket: ticket_of(&refused),
+            decision: Decision::Denied {
+                code: "forbidden".into(),
+                message: "no".into(),
+            },
+        },
+        0,
+    );
+    let metrics = server.metrics();
+    assert_eq!(metrics.counts.granted, 2);
+    assert_eq!(
+        metrics.counts.denied,
+        [("forbidden".to_owned(), 1)].into_iter().collect()
+    );
+    assert_eq!(metrics.subscriptions.get("replaying"), Some(&2));
+    assert_eq!(metrics.connections, 1);
+
+    page(
+        &mut server,
+        ta,
+        pass,
+        3,
+        vec![upsert(2, 1, "ada"), upsert(3, 2, "ada")],
+    );
+    server.handle(
+        ServerInput::Committed {
+            entries: vec![upsert(4, 3, "ada"), exit(4, 1, "ada", Some("grace"))],
+        },
+        0,
+    );
+    let metrics = server.metrics();
+    assert_eq!(metrics.counts.replay_pages, 1);
+    assert_eq!(metrics.counts.replay_rows, 2);
+    // ada is live and gets one envelope (an upsert and a removal); grace still replays and
+    // holds the entries it will be sent once its first page pins the high-water.
+    assert_eq!(
+        (metrics.counts.live_envelopes, metrics.counts.live_rows),
+        (1, 2)
+    );
+    assert_eq!(metrics.counts.live_removals, 1);
+    assert_eq!(metrics.subscriptions.get("live"), Some(&1));
+    assert_eq!(metrics.subscriptions.get("replaying"), Some(&1));
+    assert_eq!(metrics.routed_seq, Some(4));
+}

@@ -191,6 +191,49 @@ pub struct SubscriberStatus {
     pub outstanding_frames: usize,
 }
 
+/// What the streamer has counted since it started, and what it holds now: the values behind
+/// the host's metrics (the host names and renders them; the rules of what counts are here).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StreamerMetrics {
+    /// Upstream transactions committed and forwarded.
+    pub transactions: u64,
+    /// Upstream row changes (inserts, updates, deletes, truncates, schema changes).
+    pub changes: u64,
+    /// Upstream transactions rolled back.
+    pub rollbacks: u64,
+    /// Subscribers by protocol version and phase.
+    pub subscribers: std::collections::BTreeMap<(u32, &'static str), usize>,
+    /// Connections without a subscription yet (or only reserving).
+    pub idle_connections: usize,
+    /// Bytes held for subscribers: backlogs plus live bytes not yet acknowledged.
+    pub backlog_bytes: usize,
+    /// The largest single subscriber's share of `backlog_bytes`.
+    pub max_backlog_bytes: usize,
+    /// Whether a full backlog holds up the upstream stream.
+    pub upstream_paused: bool,
+    /// Reserved watermarks (backups in progress).
+    pub reservations: usize,
+}
+
+impl Phase {
+    /// The phase's name in metrics and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Queued => "queued",
+            Phase::CatchingUp { .. } => "catching_up",
+            Phase::Draining => "draining",
+            Phase::Live => "live",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Counted {
+    transactions: u64,
+    changes: u64,
+    rollbacks: u64,
+}
+
 #[derive(Debug, Clone)]
 struct OpenTx {
     watermark: Watermark,
@@ -231,6 +274,8 @@ pub struct Streamer {
     now_ms: u64,
     /// `["status",{"tag":"status"}]`, the first message of every v2+ subscription.
     initial_status: Arc<str>,
+    /// What has been seen since the start.
+    counted: Counted,
 }
 
 impl Streamer {
@@ -255,7 +300,34 @@ impl Streamer {
             replica_size: None,
             now_ms: 0,
             initial_status: encode_downstream(&DownstreamMessage::Status(Status::default())).into(),
+            counted: Counted::default(),
         }
+    }
+
+    /// Counts since the start and the state held now, for metrics.
+    pub fn metrics(&self) -> StreamerMetrics {
+        let mut metrics = StreamerMetrics {
+            transactions: self.counted.transactions,
+            changes: self.counted.changes,
+            rollbacks: self.counted.rollbacks,
+            upstream_paused: self.upstream_paused,
+            reservations: self.reservations.len(),
+            ..StreamerMetrics::default()
+        };
+        for connection in self.conns.values() {
+            let Some(subscriber) = &connection.subscriber else {
+                metrics.idle_connections += 1;
+                continue;
+            };
+            *metrics
+                .subscribers
+                .entry((connection.version, subscriber.phase.name()))
+                .or_default() += 1;
+            let held = subscriber.backlog_bytes() + subscriber.live_in_flight();
+            metrics.backlog_bytes += held;
+            metrics.max_backlog_bytes = metrics.max_backlog_bytes.max(held);
+        }
+        metrics
     }
 
     pub fn config(&self) -> &StreamerConfig {
@@ -358,6 +430,7 @@ impl Streamer {
                 };
                 let (pos, watermark) = (tx.next_pos, tx.watermark.clone());
                 tx.next_pos += 1;
+                self.counted.changes += 1;
                 let entry = self.entry(DownstreamMessage::Data(change), Some(watermark.clone()));
                 out.push(Effect::Store(LogOp::Append(StoredChange::new(
                     &entry, &watermark, pos,
@@ -378,6 +451,7 @@ impl Streamer {
                 }
                 let (pos, skip_ack) = (tx.next_pos, tx.skip_ack);
                 self.tx = None;
+                self.counted.transactions += 1;
                 let watermark = commit.watermark.clone();
                 let entry = self.entry(DownstreamMessage::Commit(commit), Some(watermark.clone()));
                 out.push(Effect::Store(LogOp::Commit(StoredChange::new(
@@ -396,6 +470,7 @@ impl Streamer {
                         tag: "rollback".to_owned(),
                     });
                 }
+                self.counted.rollbacks += 1;
                 self.end_transaction(rollback, &mut out);
             }
             DownstreamMessage::Status(status) => {

@@ -72,7 +72,6 @@ impl Reservations {
         self.by_task.values().filter_map(|r| r.confirmed.as_ref())
     }
 
-    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.by_task.len()
     }

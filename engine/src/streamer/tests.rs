@@ -1763,3 +1763,43 @@ mod simulation {
         }
     }
 }
+
+#[test]
+fn metrics_count_transactions_changes_rollbacks_and_subscribers_by_version_and_phase() {
+    let mut s = streamer_at("0c", RV);
+    assert_eq!(s.metrics(), StreamerMetrics::default());
+    let (a, b, idle) = (ConnId(1), ConnId(2), ConnId(3));
+    s.open(a, 6, false);
+    let _ = s.subscribe(a, serving("0c"), 0);
+    s.open(b, 5, false);
+    s.open(idle, 6, false);
+    let _ = unwrap_ok(s.on_upstream(begin("0d")));
+    let _ = s.subscribe(b, serving("0c"), 0);
+    let _ = unwrap_ok(s.on_upstream(insert(1)));
+    let _ = unwrap_ok(s.on_upstream(insert(2)));
+    let _ = unwrap_ok(s.on_upstream(commit("0d")));
+    let _ = unwrap_ok(s.on_upstream(begin("0e")));
+    let _ = unwrap_ok(s.on_upstream(insert(3)));
+    let _ = unwrap_ok(s.on_upstream(msg(r#"["rollback",{"tag":"rollback"}]"#)));
+
+    let metrics = s.metrics();
+    assert_eq!(
+        (metrics.transactions, metrics.changes, metrics.rollbacks),
+        (1, 3, 1)
+    );
+    assert_eq!(metrics.idle_connections, 1);
+    // The v6 subscriber was at the newest commit: live at once. The v5 one subscribed inside
+    // a transaction, waited for its end, and now reads the change log.
+    let expected = [((5, "catching_up"), 1), ((6, "live"), 1)];
+    assert_eq!(
+        metrics.subscribers,
+        expected.into_iter().collect(),
+        "{metrics:?}"
+    );
+    // Unacknowledged live bytes and the backlog of the one catching up are both held.
+    assert!(
+        metrics.backlog_bytes > metrics.max_backlog_bytes,
+        "{metrics:?}"
+    );
+    assert!(!metrics.upstream_paused);
+}

@@ -112,6 +112,8 @@ pub struct ReplicaWriter {
     feed: Option<Capture>,
     /// The feed entries of the last committed transaction, until taken.
     committed: Option<CommittedChanges>,
+    /// The upstream commit time of the last transaction committed, in Unix ms.
+    last_commit_ms: Option<i64>,
     /// Whether a commit leaves the SQLite transaction open for the next upstream transaction.
     grouping: bool,
     /// A SQLite transaction holding grouped, not yet durable upstream transactions.
@@ -132,6 +134,7 @@ impl ReplicaWriter {
             next_seq,
             feed: None,
             committed: None,
+            last_commit_ms: None,
             grouping: false,
             group_open: false,
             state_unwritten: false,
@@ -219,6 +222,12 @@ impl ReplicaWriter {
     /// commit: their seqs are durable.
     pub fn take_committed(&mut self) -> Option<CommittedChanges> {
         self.committed.take()
+    }
+
+    /// The upstream commit time of the last transaction committed (Unix ms), when the change
+    /// source gave one.
+    pub fn last_commit_ms(&self) -> Option<i64> {
+        self.last_commit_ms
     }
 
     pub fn replica(&self) -> &Replica {
@@ -396,17 +405,20 @@ impl ReplicaWriter {
         let watermark = txn.watermark.clone();
         let lsn = watermark.to_lsn()?;
         let savepoint = txn.savepoint;
+        // Deterministic: the upstream commit time, the same on the primary and relays.
+        let ms = commit
+            .commit_time_ms
+            .as_ref()
+            .and_then(|n| n.to_string().parse::<f64>().ok())
+            .map(|ms| ms as i64)
+            .or(txn.begin_time_us.map(|us| us.div_euclid(1000)));
+        self.last_commit_ms = ms;
         if let Some(capture) = self.feed.as_mut() {
-            // Deterministic: the upstream commit time, the same on the primary and relays.
-            let ms = commit
-                .commit_time_ms
-                .as_ref()
-                .and_then(|n| n.to_string().parse::<f64>().ok())
-                .map(|ms| ms as i64)
-                .or(txn.begin_time_us.map(|us| us.div_euclid(1000)));
             let updated_at =
                 ms.map_or_else(|| feed::UNKNOWN_COMMIT_TIME.to_owned(), feed::iso_from_ms);
-            let changes = capture.commit(&self.replica.conn, &self.replica.tables, &updated_at)?;
+            let mut changes =
+                capture.commit(&self.replica.conn, &self.replica.tables, &updated_at)?;
+            changes.commit_ms = ms;
             self.committed = Some(changes);
         }
         if self.grouping {

@@ -102,6 +102,8 @@ impl FeedRow {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct CommittedChanges {
     pub rows: Vec<FeedRow>,
+    /// The upstream commit time (Unix ms), when known.
+    pub commit_ms: Option<i64>,
 }
 
 /// What the writer captures for the feed.
@@ -408,7 +410,10 @@ impl Capture {
         }
         // Stable: an exit sorts after the row write of the same seq.
         rows.sort_by_key(|row| row.seq);
-        Ok(CommittedChanges { rows })
+        Ok(CommittedChanges {
+            rows,
+            commit_ms: None,
+        })
     }
 }
 

@@ -1,5 +1,6 @@
 //! HTTP routes: the change-stream WebSockets `/replication/v<N>/{changes,snapshot,subscribe}`
-//! (§3), `GET /replica/snapshot`, and health checks (`/`, `/keepalive`, `/health`).
+//! (§3), `GET /replica/snapshot`, `GET /metrics`, and health checks (`/`, `/keepalive`,
+//! `/health`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -41,6 +42,14 @@ pub(crate) struct AppState {
     pub insecure_no_auth: bool,
     /// The upstream slot's retained WAL, when watched (not on a relay).
     pub wal: Option<Arc<super::wal_watch::WalHealth>>,
+    /// Every metric, for `GET /metrics`.
+    pub metrics: Arc<prometheus_client::registry::Registry>,
+}
+
+impl axum::extract::FromRef<AppState> for Arc<prometheus_client::registry::Registry> {
+    fn from_ref(state: &AppState) -> Self {
+        state.metrics.clone()
+    }
 }
 
 pub(crate) fn router(state: AppState) -> Router {
@@ -48,6 +57,7 @@ pub(crate) fn router(state: AppState) -> Router {
     let peers = Router::new()
         .route("/replication/{version}/{endpoint}", get(replication))
         .route(SNAPSHOT_PATH, get(replica_snapshot))
+        .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(
             state.peer_auth.clone(),
             super::security::require_token,
@@ -63,6 +73,27 @@ pub(crate) fn router(state: AppState) -> Router {
 
 async fn ok() -> &'static str {
     "OK"
+}
+
+/// `GET /metrics`, on the main port (behind the replication token) and on `--metrics-addr`.
+pub(crate) async fn metrics(
+    State(registry): State<Arc<prometheus_client::registry::Registry>>,
+) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(super::metrics::CONTENT_TYPE),
+        )],
+        super::metrics::render(&registry),
+    )
+        .into_response()
+}
+
+/// The router of `--metrics-addr`: `/metrics` alone, without a token.
+pub(crate) fn metrics_router(registry: Arc<prometheus_client::registry::Registry>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .with_state(registry)
 }
 
 async fn health(State(state): State<AppState>) -> Json<serde_json::Value> {

@@ -101,6 +101,8 @@ pub(crate) struct Hub {
     /// Durable SQLite commits of upstream transactions, and the transactions they held.
     store_commits: AtomicU64,
     stored_transactions: AtomicU64,
+    /// What the ingest thread records for `/metrics`.
+    recorded: Arc<super::metrics::Recorded>,
 }
 
 impl Hub {
@@ -128,6 +130,7 @@ impl Hub {
             fault: Fault::default(),
             store_commits: AtomicU64::new(0),
             stored_transactions: AtomicU64::new(0),
+            recorded: Arc::default(),
         };
         (Arc::new(hub), ops)
     }
@@ -274,6 +277,11 @@ impl Hub {
             u64::try_from(transactions).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
+    }
+
+    /// What the ingest thread records for `/metrics`.
+    pub fn recorded(&self) -> &Arc<super::metrics::Recorded> {
+        &self.recorded
     }
 
     /// Syncs that made commits durable so far, and the upstream transactions they stored.

@@ -94,7 +94,7 @@ pub(crate) struct Ingest {
     grouped: Vec<CommittedChanges>,
     /// Committed groups' scope-feed entries (by the group's last commit), routed once a sync
     /// made the group durable.
-    unsynced_feed: VecDeque<(Watermark, Vec<CommittedChanges>)>,
+    unsynced_feed: VecDeque<(Watermark, Option<i64>, Vec<CommittedChanges>)>,
     /// Syncs the replica's WAL apart from its commits; `None` when the replica's commits sync
     /// themselves (a database not in WAL mode), each then durable at its commit.
     wal_sync: Option<WalSync>,
@@ -240,15 +240,22 @@ impl Ingest {
             let transactions = self.group.transactions();
             // The change log's position, once per group (the replica's likewise, by the
             // writer).
+            let started = std::time::Instant::now();
             change_log::commit(self.conn(), &last)?;
             pause_point::reach(Point::BeforeGroupCommit, transactions);
             self.writer.commit_group()?;
             pause_point::reach(Point::AfterGroupCommit, transactions);
+            self.hub
+                .recorded()
+                .group_committed(transactions, started.elapsed().as_secs_f64());
             // Pruning is a transaction of its own: here, with none open (a sync returns with
             // the next group's open).
             self.prune_exits()?;
-            self.unsynced_feed
-                .push_back((last, std::mem::take(&mut self.grouped)));
+            self.unsynced_feed.push_back((
+                last,
+                self.writer.last_commit_ms(),
+                std::mem::take(&mut self.grouped),
+            ));
             if self.group.committed() == SyncDecision::Start {
                 self.start_sync()?;
             }
@@ -300,17 +307,25 @@ impl Ingest {
     fn durable(&mut self, durable: DurableGroup<Watermark>) -> Result<Watermark, ServeError> {
         self.hub.note_durable(durable.transactions);
         // Only now, durable, may the seqs reach scope subscribers.
+        let recorded = self.hub.recorded().clone();
         while self
             .unsynced_feed
             .front()
-            .is_some_and(|(last, _)| *last <= durable.last)
+            .is_some_and(|(last, _, _)| *last <= durable.last)
         {
-            let Some((_, entries)) = self.unsynced_feed.pop_front() else {
+            let Some((_, commit_ms, entries)) = self.unsynced_feed.pop_front() else {
                 break;
             };
+            if let Some(commit_ms) = commit_ms {
+                recorded.durable(commit_ms);
+            }
             if let Some(sync) = self.sync.as_ref() {
                 for changes in entries {
+                    let commit_ms = changes.commit_ms;
                     sync.hub.committed(changes);
+                    if let Some(commit_ms) = commit_ms {
+                        recorded.routed(commit_ms);
+                    }
                 }
             }
         }

@@ -28,6 +28,7 @@ mod endpoints;
 mod fault;
 mod hub;
 mod ingest;
+mod metrics;
 mod relay;
 mod security;
 mod snapshot;
@@ -186,6 +187,11 @@ pub struct ServeArgs {
     /// this upstream, in bytes.
     #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_WAL_WARN_BYTES, env = "HIGHWATER_WAL_WARN_BYTES")]
     pub wal_warn_bytes: u64,
+    /// Also serve `GET /metrics` (Prometheus text format) on this address, without the
+    /// replication token the main port asks for: bind it to an interface only your scraper
+    /// reaches (e.g. `127.0.0.1:9464`).
+    #[arg(long, value_name = "ADDR", env = "HIGHWATER_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
     /// How often the slot's retained WAL is checked, in ms.
     #[arg(long, default_value_t = DEFAULT_WAL_CHECK_MS, hide = true)]
     pub wal_check_ms: u64,
@@ -252,6 +258,7 @@ impl ServeArgs {
             config: None,
             wal_warn_bytes: DEFAULT_WAL_WARN_BYTES,
             wal_check_ms: DEFAULT_WAL_CHECK_MS,
+            metrics_addr: None,
             group_commit: true,
             security: Box::default(),
             extra_routes: None,
@@ -516,11 +523,15 @@ fn settings(
         backlog_full_timeout_ms: args.backlog_full_timeout_ms,
         max_connections: args.max_connections,
         backfill_from: None,
-        peer_auth: security::PeerAuth { token },
+        peer_auth: security::PeerAuth {
+            token,
+            ..Default::default()
+        },
         insecure_no_auth: args.security.insecure_no_auth,
         tls,
         extra_routes: args.extra_routes.clone(),
         wal_watch: None,
+        metrics_addr: args.metrics_addr,
     }
 }
 
@@ -559,6 +570,8 @@ struct Settings {
     extra_routes: Option<axum::Router>,
     /// The upstream slot's retained WAL, watched; `None` for a relay (it has no slot).
     wal_watch: Option<wal_watch::WalWatch>,
+    /// `--metrics-addr`: `/metrics` alone, without a token, on an address of its own.
+    metrics_addr: Option<SocketAddr>,
 }
 
 /// Runs the storage loop, the endpoints and the timers over a ready replica and a change
@@ -693,18 +706,52 @@ async fn run_server(
         shutdown.clone(),
     ));
 
+    let snapshots = Arc::new(snapshot::Snapshots::new(
+        db_path.clone(),
+        settings.data.join("snapshots"),
+    ));
+    let registry = Arc::new(metrics::registry(metrics::Sources {
+        hub: hub.clone(),
+        sync: sync_hub.clone(),
+        snapshots: snapshots.clone(),
+        wal: wal_health.clone(),
+        peer_refusals: settings.peer_auth.refusals.clone(),
+        db_path,
+        started_unix_s: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64()),
+    }));
+    let metrics_server = match settings.metrics_addr {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Listen {
+                    addr: addr.to_string(),
+                    source,
+                })?;
+            tracing::info!(%addr, "serving /metrics");
+            let mut shutdown = shutdown.clone();
+            let router = endpoints::metrics_router(registry.clone());
+            Some(tokio::spawn(async move {
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(async move {
+                        let _ = shutdown.wait_for(|s| *s).await;
+                    })
+                    .await
+            }))
+        }
+        None => None,
+    };
     let state = endpoints::AppState {
         hub: hub.clone(),
-        snapshots: Arc::new(snapshot::Snapshots::new(
-            db_path,
-            settings.data.join("snapshots"),
-        )),
+        snapshots,
         ping_interval: settings.ping_interval,
         connection_slots: endpoints::ConnectionSlots::new(settings.max_connections),
         sync: sync_hub.clone(),
         peer_auth: settings.peer_auth.clone(),
         insecure_no_auth: settings.insecure_no_auth && settings.peer_auth.token.is_none(),
         wal: wal_health,
+        metrics: registry,
     };
     snapshot::clear_dir(&settings.data.join("snapshots"))?;
     let app = match settings.extra_routes {
@@ -743,6 +790,9 @@ async fn run_server(
     };
     shutdown_tx.send_replace(true);
     let _ = ticker.await;
+    if let Some(metrics_server) = metrics_server {
+        let _ = metrics_server.await;
+    }
     let ingested = ingest_task
         .await
         .map_err(|e| ServeError::Task(e.to_string()))?;

@@ -14,6 +14,7 @@
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
@@ -267,6 +268,25 @@ fn presented(headers: &HeaderMap) -> Option<Vec<u8>> {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct PeerAuth {
     pub token: Option<ReplicationToken>,
+    /// Requests refused, for `/metrics`.
+    pub refusals: Arc<PeerRefusals>,
+}
+
+/// Peer requests refused for their token.
+#[derive(Debug, Default)]
+pub(crate) struct PeerRefusals {
+    bad_token: AtomicU64,
+    missing_token: AtomicU64,
+}
+
+impl PeerRefusals {
+    pub fn bad_token(&self) -> u64 {
+        self.bad_token.load(Ordering::Relaxed)
+    }
+
+    pub fn missing_token(&self) -> u64 {
+        self.missing_token.load(Ordering::Relaxed)
+    }
 }
 
 /// Middleware of the peer endpoints: 401 unless the request carries the token.
@@ -280,8 +300,14 @@ pub(crate) async fn require_token(
     };
     let verdict = match presented(request.headers()) {
         Some(credential) if token.matches(&credential) => return next.run(request).await,
-        Some(_) => "the replication token does not match",
-        None => "expected Authorization: Bearer <replication token>, or Basic with the token as password",
+        Some(_) => {
+            auth.refusals.bad_token.fetch_add(1, Ordering::Relaxed);
+            "the replication token does not match"
+        }
+        None => {
+            auth.refusals.missing_token.fetch_add(1, Ordering::Relaxed);
+            "expected Authorization: Bearer <replication token>, or Basic with the token as password"
+        }
     };
     tracing::info!(path = %request.uri().path(), reason = verdict, "peer request refused");
     let mut response = (StatusCode::UNAUTHORIZED, verdict).into_response();

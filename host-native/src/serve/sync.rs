@@ -314,6 +314,11 @@ impl SyncHub {
         self.call(ServerInput::Tick);
     }
 
+    /// The scope server's counts and state, for `/metrics`.
+    pub fn metrics(&self) -> highwater_engine::scope_server::ServerMetrics {
+        self.fault.lock(&self.server, "scope-sync server").metrics()
+    }
+
     /// Open scope-sync sockets.
     pub fn connections(&self) -> usize {
         self.fault

@@ -174,11 +174,15 @@ impl Harness {
             backlog_full_timeout_ms: highwater_engine::streamer::DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
             max_connections: tuning.max_connections,
             backfill_from: None,
-            peer_auth: super::security::PeerAuth { token },
+            peer_auth: super::security::PeerAuth {
+                token,
+                ..Default::default()
+            },
             insecure_no_auth: false,
             tls: tuning.tls,
             extra_routes: None,
             wal_watch: None,
+            metrics_addr: None,
         };
         let (stop, stop_rx) = watch::channel(false);
         let server = tokio::spawn(run_server(
@@ -1180,7 +1184,32 @@ async fn peer_endpoints_refuse_missing_and_wrong_tokens_with_401_before_any_data
             Some("Basic realm=\"highwater\"")
         );
         assert!(!body.starts_with(b"SQLite format"), "no replica bytes");
+        let (status, _, body) = http_get_with(h.addr, "/metrics", &header_line).await;
+        assert!(status.contains("401"), "{status}");
+        assert!(!String::from_utf8_lossy(&body).contains("highwater_"));
     }
+    // With the token, /metrics counts every refusal above: five requests per credential.
+    let (status, _, body) = http_get_with(
+        h.addr,
+        "/metrics",
+        &format!("Authorization: Bearer {TOKEN}\r\n"),
+    )
+    .await;
+    assert!(status.contains("200"), "{status}");
+    let text = String::from_utf8(body).expect("utf-8");
+    let scrape =
+        prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).expect("parses");
+    let refused: f64 = scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == "highwater_auth_failures_total")
+        .filter(|s| s.labels.get("endpoint") == Some("replication"))
+        .map(|s| match s.value {
+            prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) => v,
+            _ => panic!("a counter"),
+        })
+        .sum();
+    assert_eq!(refused, (refusals.len() * 5) as f64);
     // No snapshot was built for a refused request, and health stays open.
     assert!(h
         .dir

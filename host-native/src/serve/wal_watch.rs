@@ -25,11 +25,24 @@ pub(crate) struct WalWatch {
 #[derive(Debug, Default)]
 pub(crate) struct WalHealth {
     degraded: Mutex<Option<String>>,
+    /// The last reading of the slot.
+    last: Mutex<Option<SlotWal>>,
 }
 
 impl WalHealth {
     pub fn degraded(&self) -> Option<String> {
         self.degraded.lock().map_or(None, |reason| reason.clone())
+    }
+
+    /// The slot as of the last check, if one succeeded.
+    pub fn last(&self) -> Option<SlotWal> {
+        self.last.lock().map_or(None, |last| last.clone())
+    }
+
+    fn read(&self, wal: SlotWal) {
+        if let Ok(mut last) = self.last.lock() {
+            *last = Some(wal);
+        }
     }
 
     fn set(&self, reason: Option<String>) {
@@ -47,6 +60,8 @@ pub(crate) struct SlotWal {
     pub wal_status: Option<String>,
     /// Bytes left before `max_slot_wal_keep_size` invalidates it (`None`: unlimited).
     pub safe_wal_size: Option<i64>,
+    /// Bytes of WAL written upstream past the slot's confirmed flush position.
+    pub behind: Option<i64>,
 }
 
 /// The degraded reason for a slot, if it is one.
@@ -105,7 +120,8 @@ pub(crate) async fn run(
         let Some(connected) = &client else { continue };
         let row = connected
             .query_opt(
-                "SELECT (pg_current_wal_lsn() - restart_lsn)::int8, wal_status, safe_wal_size \
+                "SELECT (pg_current_wal_lsn() - restart_lsn)::int8, wal_status, safe_wal_size, \
+                 (pg_current_wal_lsn() - confirmed_flush_lsn)::int8 \
                  FROM pg_replication_slots WHERE slot_name = $1",
                 &[&watch.slot],
             )
@@ -115,6 +131,7 @@ pub(crate) async fn run(
                 retained: row.get(0),
                 wal_status: row.get(1),
                 safe_wal_size: row.get(2),
+                behind: row.get(3),
             },
             Ok(None) => continue,
             Err(error) => {
@@ -136,6 +153,7 @@ pub(crate) async fn run(
             _ => {}
         }
         health.set(reason);
+        health.read(wal);
     }
 }
 
@@ -149,6 +167,7 @@ mod tests {
             retained,
             wal_status: Some(status.to_owned()),
             safe_wal_size: left,
+            behind: None,
         };
         let mib = 1024 * 1024;
         assert_eq!(
