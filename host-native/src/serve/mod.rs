@@ -222,6 +222,8 @@ pub const SHUTDOWN_CLOSE_CODE: u16 = 1012;
 pub const DEFAULT_WAL_WARN_BYTES: u64 = 1 << 30;
 /// The default of `--wal-check-ms`.
 pub const DEFAULT_WAL_CHECK_MS: u64 = 30_000;
+/// A signal counts as the second (exit at once) only this long after the first.
+const SECOND_SIGNAL_AFTER: Duration = Duration::from_secs(1);
 /// The default of `--shutdown-timeout-secs`.
 pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: u64 = 30;
 pub const DEFAULT_SYNC_CHECKPOINT_MS: u64 = 30_000;
@@ -365,9 +367,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 "stopping: finishing the current group, closing sockets (a second signal exits at once)"
             );
             let _ = stop_tx.send(true);
-            // Ended with the runtime once the server has stopped.
+            // Ended with the runtime once the server has stopped. A signal within a second
+            // of the first is the same stop delivered twice (a terminal's Ctrl-C reaches the
+            // whole process group, and `npx` or a launcher forwards it as well), not a second.
+            let second = async {
+                tokio::time::sleep(SECOND_SIGNAL_AFTER).await;
+                crate::runtime::wait_for_signal().await;
+            };
             tokio::select! {
-                () = crate::runtime::wait_for_signal() => {
+                () = second => {
                     tracing::warn!("a second signal: exiting now");
                     std::process::exit(130);
                 }

@@ -136,11 +136,19 @@ impl Binary {
     }
 
     /// SIGTERM, then the exit status.
-    pub async fn terminate(mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill")
-            .arg("-TERM")
-            .arg(self.child.id().to_string())
-            .status();
+    pub async fn terminate(self) -> std::process::ExitStatus {
+        self.terminate_times(1).await
+    }
+
+    /// Sends SIGTERM `times` times back to back (one stop delivered twice, as a process group
+    /// and a launcher that forwards signals both do), then waits for the exit.
+    pub async fn terminate_times(mut self, times: usize) -> std::process::ExitStatus {
+        for _ in 0..times {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(self.child.id().to_string())
+                .status();
+        }
         let deadline = tokio::time::Instant::now() + PROMPT;
         loop {
             if let Some(status) = self.child.try_wait().expect("wait") {
