@@ -66,6 +66,8 @@ test("the packages hold the launcher and the binary, and nothing else", () => {
   assert.equal(manifest.bin.highwater, "bin/highwater.js");
   assert.equal(manifest.optionalDependencies[packed.platformName], version);
   assert.equal(manifest.scripts, undefined, "no install scripts");
+  // The manifest as bundlers and Node read it (warnings and suggestions fail too).
+  execFileSync(join(repo, "node_modules", ".bin", "publint"), ["--strict", join(work, "packs", "server")], { stdio: "ignore" });
 });
 
 /**
