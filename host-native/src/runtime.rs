@@ -85,3 +85,74 @@ pub(crate) fn backoff(
 pub(crate) fn next_delay(backoff: &mut highwater_engine::backoff::Backoff) -> std::time::Duration {
     std::time::Duration::from_millis(backoff.next_delay_ms(0))
 }
+
+/// How often a long step logs its progress.
+pub(crate) const PROGRESS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The clock of a long step's progress log (a subscriber's catch-up, a snapshot build, a
+/// backfill, a snapshot download): [`Progress::due`] says when a line is due, at most once per
+/// interval; the step writes the line with its own fields.
+#[derive(Debug)]
+pub(crate) struct Progress {
+    started: std::time::Instant,
+    next: std::time::Instant,
+    every: std::time::Duration,
+    logged: bool,
+}
+
+impl Progress {
+    pub fn new() -> Progress {
+        Progress::every(PROGRESS_INTERVAL)
+    }
+
+    pub fn every(every: std::time::Duration) -> Progress {
+        let started = std::time::Instant::now();
+        Progress {
+            started,
+            next: started + every,
+            every,
+            logged: false,
+        }
+    }
+
+    /// Whether a progress line is due now; if so, the next one is due an interval later.
+    pub fn due(&mut self) -> bool {
+        let now = std::time::Instant::now();
+        if now < self.next {
+            return false;
+        }
+        self.next = now + self.every;
+        self.logged = true;
+        true
+    }
+
+    /// Whether any progress line was logged: a step that logged progress also logs its end.
+    pub fn logged(&self) -> bool {
+        self.logged
+    }
+
+    /// Seconds since the step started, for log fields.
+    pub fn elapsed_s(&self) -> f64 {
+        (self.started.elapsed().as_secs_f64() * 10.0).round() / 10.0
+    }
+}
+
+#[cfg(test)]
+mod progress_tests {
+    use super::Progress;
+    use std::time::Duration;
+
+    #[test]
+    fn progress_is_due_once_per_interval_and_remembers_it_logged() {
+        let mut progress = Progress::every(Duration::from_millis(30));
+        assert!(!progress.due());
+        assert!(!progress.logged());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(progress.due());
+        assert!(!progress.due(), "not twice in one interval");
+        assert!(progress.logged());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(progress.due());
+        assert!(progress.elapsed_s() >= 0.1 - 0.05);
+    }
+}

@@ -494,6 +494,7 @@ async fn read_rows(
     let mut batch: Vec<Vec<Value>> = Vec::new();
     let mut rows = 0u64;
     let batch_rows = job.batch_rows.max(1);
+    let mut progress = crate::runtime::Progress::new();
     loop {
         let chunk = stream.next().await.transpose()?;
         let last = chunk.is_none();
@@ -531,6 +532,15 @@ async fn read_rows(
             };
             if !send(tx, DownstreamMessage::Data(Change::Backfill(message))).await {
                 return Ok(None);
+            }
+            if progress.due() {
+                tracing::info!(
+                    table = %job.table.name,
+                    rows,
+                    estimated_total = total.max(rows),
+                    elapsed_s = progress.elapsed_s(),
+                    "backfill in progress"
+                );
             }
         }
         if last {

@@ -913,6 +913,8 @@ async fn catch_up(hub: Arc<Hub>, mut job: Catchup, path: PathBuf, limits: Catchu
         }
     };
     let mut after = None;
+    let mut progress = crate::runtime::Progress::new();
+    let mut rows = 0usize;
     loop {
         // Wait out a pause, holding nothing.
         loop {
@@ -951,6 +953,17 @@ async fn catch_up(hub: Arc<Hub>, mut job: Catchup, path: PathBuf, limits: Catchu
         if !wanted(&hub) {
             return;
         }
+        rows += batch.rows.len();
+        if progress.due() {
+            tracing::info!(
+                conn = conn.0,
+                rows,
+                reached = %batch.rows.last().map_or(&job.from, |row| &row.watermark),
+                through = %job.through,
+                elapsed_s = progress.elapsed_s(),
+                "subscriber catch-up in progress"
+            );
+        }
         if !batch.rows.is_empty() {
             hub.call(|s, _| s.catchup_rows(conn, batch.rows));
         }
@@ -958,6 +971,14 @@ async fn catch_up(hub: Arc<Hub>, mut job: Catchup, path: PathBuf, limits: Catchu
             Some(next) => after = Some(next),
             None => break,
         }
+    }
+    if progress.logged() {
+        tracing::info!(
+            conn = conn.0,
+            rows,
+            elapsed_s = progress.elapsed_s(),
+            "subscriber catch-up read"
+        );
     }
     if wanted(&hub) {
         hub.call(|s, _| s.catchup_done(conn));

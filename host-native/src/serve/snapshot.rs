@@ -235,6 +235,9 @@ fn copy_without_change_log(replica: &Path, copy: &Path) -> rusqlite::Result<()> 
         let rows = query.query_map([], |r| r.get(0))?;
         rows.collect::<rusqlite::Result<_>>()?
     };
+    let mut progress = crate::runtime::Progress::new();
+    let tables = objects.iter().filter(|(kind, ..)| kind == "table").count();
+    let mut copied = 0;
     for (kind, name, table, sql) in &objects {
         let Some(sql) = sql.as_deref().filter(|_| !skipped(table)) else {
             // Automatic indexes (no SQL) come with their tables.
@@ -243,6 +246,16 @@ fn copy_without_change_log(replica: &Path, copy: &Path) -> rusqlite::Result<()> 
         tx.execute_batch(sql)?;
         if kind == "table" {
             copy_rows(&tx, name, without_rowid.contains(name))?;
+            copied += 1;
+        }
+        if progress.due() {
+            tracing::info!(
+                tables_copied = copied,
+                tables,
+                last = %name,
+                elapsed_s = progress.elapsed_s(),
+                "snapshot build in progress"
+            );
         }
     }
     let has_sequence: bool = tx.query_row(
@@ -260,6 +273,9 @@ fn copy_without_change_log(replica: &Path, copy: &Path) -> rusqlite::Result<()> 
     tx.pragma_update(Some("main"), "user_version", user_version)?;
     tx.commit()?;
     conn.execute_batch("DETACH DATABASE source; PRAGMA main.journal_mode = DELETE;")?;
+    if progress.logged() {
+        tracing::info!(tables, elapsed_s = progress.elapsed_s(), "snapshot built");
+    }
     Ok(())
 }
 

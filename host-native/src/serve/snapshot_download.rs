@@ -318,6 +318,7 @@ async fn fetch(
     check_room(url, path, length.unwrap_or(0))?;
     let mut file = tokio::fs::File::create(path).await?;
     let mut received = 0u64;
+    let mut progress = crate::runtime::Progress::new();
     let body = response.body_mut();
     loop {
         let frame = tokio::time::timeout(idle_limit, body.frame())
@@ -331,6 +332,14 @@ async fn fetch(
                 return Err(too_large("received more than that".to_owned()));
             }
             file.write_all(&data).await?;
+            if progress.due() {
+                tracing::info!(
+                    received_bytes = received,
+                    total_bytes = length,
+                    elapsed_s = progress.elapsed_s(),
+                    "snapshot download in progress"
+                );
+            }
         }
     }
     file.sync_all().await?;
