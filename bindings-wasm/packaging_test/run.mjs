@@ -1,10 +1,11 @@
 #!/usr/bin/env node
 // Packaging smoke test: packs the built package, installs the tarball into a fresh project and
-// uses it the way a user would (Node ESM import, and TypeScript against the shipped .d.ts).
+// uses it the way a user would (Node ESM import, TypeScript against the shipped .d.ts, and the
+// README's examples type-checked).
 // Run `npm run build:wasm` first.
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
-import { cpSync, existsSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { cpSync, existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -79,6 +80,35 @@ try {
     writeFileSync(join(project, `tsconfig.${user}.json`), JSON.stringify({ compilerOptions, files: ["smoke.ts"] }));
     run(tsc, ["-p", `tsconfig.${user}.json`], project);
   }
+  // The README's examples, as a user copies them: every `js` block, and the module script of
+  // every `html` block, type-checked against the installed package (Node and DOM types; not
+  // strict, as plain JavaScript is written, but wrong names, arguments and fields fail).
+  const readme = readFileSync(join(packageDir, "README.md"), "utf8");
+  const examples = [];
+  for (const [, lang, body] of readme.matchAll(/^```(js|html)\n([\s\S]*?)^```$/gm)) {
+    const code = lang === "js" ? body : /<script type="module">\n([\s\S]*?)<\/script>/.exec(body)?.[1];
+    if (code) examples.push(code);
+  }
+  assert.ok(examples.length >= 3, `README examples found: ${examples.length}`);
+  const exampleFiles = examples.map((code, i) => {
+    const name = `readme-${i + 1}.mts`;
+    // Each example is a module of its own (its names do not meet the others').
+    writeFileSync(join(project, name), `${code}\nexport {};\n`);
+    return name;
+  });
+  const readmeOptions = {
+    target: "ES2022",
+    module: "NodeNext",
+    moduleResolution: "NodeNext",
+    lib: ["ES2022", "DOM"],
+    types: ["node"],
+    typeRoots: [join(packageDir, "..", "node_modules", "@types")],
+    strict: false,
+    noEmit: true,
+  };
+  writeFileSync(join(project, "tsconfig.readme.json"), JSON.stringify({ compilerOptions: readmeOptions, files: exampleFiles }));
+  run(tsc, ["-p", "tsconfig.readme.json"], project);
+
   console.log(`packaging test: ok (${packed.filename}, ${packed.size} bytes packed, ${packed.unpackedSize} unpacked)`);
 } finally {
   rmSync(work, { recursive: true, force: true });
