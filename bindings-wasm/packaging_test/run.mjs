@@ -5,7 +5,7 @@
 // Run `npm run build:wasm` first.
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
-import { cpSync, existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { cpSync, existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -34,6 +34,8 @@ try {
     "dist/node-init.js",
     "dist/node.d.ts",
     "dist/node.js",
+    "dist/react.d.ts",
+    "dist/react.js",
     "dist/stores.d.ts",
     "dist/stores.js",
     "dist/wasm/api.d.ts",
@@ -75,23 +77,26 @@ try {
     node: { lib: ["ES2022"], types: ["node"], typeRoots: [join(packageDir, "..", "node_modules", "@types")] },
     browser: { lib: ["ES2022", "DOM"], types: [] },
   };
+  // `highwater/react` needs React's types, as any React app has them.
+  mkdirSync(join(project, "node_modules", "@types"), { recursive: true });
+  symlinkSync(join(packageDir, "..", "node_modules", "@types", "react"), join(project, "node_modules", "@types", "react"));
   for (const [user, options] of Object.entries(typeConfigs)) {
     const compilerOptions = { target: "ES2022", module: "NodeNext", moduleResolution: "NodeNext", strict: true, noEmit: true, ...options };
-    writeFileSync(join(project, `tsconfig.${user}.json`), JSON.stringify({ compilerOptions, files: ["smoke.ts"] }));
+    writeFileSync(join(project, `tsconfig.${user}.json`), JSON.stringify({ compilerOptions, files: ["smoke.ts", "smoke-react.ts"] }));
     run(tsc, ["-p", `tsconfig.${user}.json`], project);
   }
-  // The README's examples, as a user copies them: every `js` block, and the module script of
-  // every `html` block, type-checked against the installed package (Node and DOM types; not
+  // The README's examples, as a user copies them: every `js` and `tsx` block, and the module
+  // script of every `html` block, type-checked against the installed package (Node and DOM types; not
   // strict, as plain JavaScript is written, but wrong names, arguments and fields fail).
   const readme = readFileSync(join(packageDir, "README.md"), "utf8");
   const examples = [];
-  for (const [, lang, body] of readme.matchAll(/^```(js|html)\n([\s\S]*?)^```$/gm)) {
-    const code = lang === "js" ? body : /<script type="module">\n([\s\S]*?)<\/script>/.exec(body)?.[1];
-    if (code) examples.push(code);
+  for (const [, lang, body] of readme.matchAll(/^```(js|tsx|html)\n([\s\S]*?)^```$/gm)) {
+    const code = lang === "html" ? /<script type="module">\n([\s\S]*?)<\/script>/.exec(body)?.[1] : body;
+    if (code) examples.push({ code, ext: lang === "tsx" ? "tsx" : "mts" });
   }
-  assert.ok(examples.length >= 3, `README examples found: ${examples.length}`);
-  const exampleFiles = examples.map((code, i) => {
-    const name = `readme-${i + 1}.mts`;
+  assert.ok(examples.length >= 4, `README examples found: ${examples.length}`);
+  const exampleFiles = examples.map(({ code, ext }, i) => {
+    const name = `readme-${i + 1}.${ext}`;
     // Each example is a module of its own (its names do not meet the others').
     writeFileSync(join(project, name), `${code}\nexport {};\n`);
     return name;
@@ -103,6 +108,7 @@ try {
     lib: ["ES2022", "DOM"],
     types: ["node"],
     typeRoots: [join(packageDir, "..", "node_modules", "@types")],
+    jsx: "react-jsx",
     strict: false,
     noEmit: true,
   };
