@@ -48,3 +48,20 @@ export async function liveRows(url: string): Promise<readonly Row[]> {
   await client.close();
   return rows;
 }
+
+// Typed rows: the app's row type (from `highwater typegen`, say) flows to rows and events.
+interface Todo {
+  id: number | bigint;
+  owner: string | null;
+  done: boolean;
+}
+export async function typedRows(client: HighwaterClient): Promise<string[]> {
+  const todos = client.subscribe<Todo>({ resourceType: "todos", conditions: { owner: "ada" } });
+  todos.on("change", ({ inserted }) => {
+    const added: Todo[] = inserted;
+    console.log(added.length);
+  });
+  await todos.ready;
+  const rows: readonly Todo[] = todos.rows();
+  return rows.filter((todo) => !todo.done).map((todo) => String(todo.id));
+}

@@ -17,6 +17,7 @@ pub mod runtime;
 pub mod serve;
 pub(crate) mod startup_retry;
 pub mod sync_auth;
+pub mod typegen;
 pub mod upstream;
 pub mod watch;
 pub mod zero_replica;

@@ -51,6 +51,8 @@ enum Command {
     ZeroReplica(highwater_host::zero_replica::ZeroReplicaArgs),
     /// Print a development scope-sync token (HS256) signed with the configured secret.
     Token(highwater_host::sync_auth::TokenArgs),
+    /// Write TypeScript types of the rows the client delivers, for every replicated table.
+    Typegen(highwater_host::typegen::TypegenArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -78,6 +80,7 @@ fn main() -> std::process::ExitCode {
         Command::Serve(args) => highwater_host::serve::run(*args),
         Command::Demo(args) => highwater_host::demo::run(args),
         Command::Doctor(args) => highwater_host::doctor::run(args),
+        Command::Typegen(args) => highwater_host::typegen::run(args),
         Command::Watch(args) => highwater_host::watch::run(args),
         Command::Bench(args) => highwater_host::bench::run(args),
         Command::ZeroReplica(args) => highwater_host::zero_replica::run(args),

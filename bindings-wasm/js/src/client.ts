@@ -9,10 +9,10 @@ import { MemoryStore, type ScopeStore } from "./stores.js";
 export type Row = Record<string, JsonValue>;
 
 /** One applied server transaction (or a restore from the store, or a reset). */
-export interface RowChangeEvent {
-  inserted: Row[];
-  updated: Row[];
-  removed: Row[];
+export interface RowChangeEvent<R = Row> {
+  inserted: R[];
+  updated: R[];
+  removed: R[];
 }
 
 export interface ProgressEvent {
@@ -85,16 +85,20 @@ class Emitter<Events> {
   }
 }
 
-export interface SubscriptionEvents {
-  change: RowChangeEvent;
+export interface SubscriptionEvents<R = Row> {
+  change: RowChangeEvent<R>;
   progress: ProgressEvent;
   reset: void;
   ready: { replayed: number };
   error: SyncProblem;
 }
 
-/** A live scope. `ready` resolves once the scope is caught up. */
-export class Subscription extends Emitter<SubscriptionEvents> {
+/**
+ * A live scope. `ready` resolves once the scope is caught up. `R` is the row type the app
+ * declares (`client.subscribe<Todo>(…)`, e.g. from `highwater typegen`); the client does not
+ * check rows against it.
+ */
+export class Subscription<R = Row> extends Emitter<SubscriptionEvents<R>> {
   /** The rows, kept as an array with their `resourceId`s beside them and each id's place, so
    * a change costs what it changes and `rows()` is one array copy. A row object is replaced
    * when the row changes and kept as it is otherwise, so an unchanged row is the same object
@@ -137,9 +141,9 @@ export class Subscription extends Emitter<SubscriptionEvents> {
    * to call on every change, and fit for `useSyncExternalStore`. Do not modify it: it is
    * shared with every caller until the next change.
    */
-  rows(): readonly Row[] {
-    if (this.#closed || this.#client.closed) return EMPTY;
-    return (this.#list ??= this.#rows.slice());
+  rows(): readonly R[] {
+    if (this.#closed || this.#client.closed) return EMPTY as readonly unknown[] as readonly R[];
+    return (this.#list ??= this.#rows.slice()) as readonly unknown[] as readonly R[];
   }
 
   /** The persisted cursor: `{id, serverSequence, updatedAt}`, or `null` before the first sync. */
@@ -219,7 +223,7 @@ export class Subscription extends Emitter<SubscriptionEvents> {
       case "changed": {
         const change = this.#apply(event.change);
         if (event.reset) this.emit("reset", undefined);
-        this.emit("change", change);
+        this.emit("change", change as RowChangeEvent as unknown as RowChangeEvent<R>);
         break;
       }
       case "progress":
@@ -304,13 +308,13 @@ export class HighwaterClient extends Emitter<ClientEvents> {
    * `HW_INVALID_SCOPE` for malformed conditions (an unknown operator, a nested object, an
    * operand of the wrong kind); `ready` rejects for params the server refuses.
    */
-  subscribe(params: ScopeParams): Subscription {
+  subscribe<R = Row>(params: ScopeParams): Subscription<R> {
     if (this.#closed) throw new Error("the client is closed");
     const scope = { resourceType: params.resourceType, conditions: params.conditions ?? {} };
     const key = this.#nextKey++;
     const storeKey = scopeDigest({ resourceType: scope.resourceType, conditions: scope.conditions });
-    const subscription = new Subscription(this, key, scope);
-    this.#subscriptions.set(key, subscription);
+    const subscription = new Subscription<R>(this, key, scope);
+    this.#subscriptions.set(key, subscription as unknown as Subscription);
     this.#storeKeys.set(key, storeKey);
     const loading: Promise<void> = this.#afterWrites(storeKey)
       .then(() => this.#store.load(storeKey))

@@ -30,12 +30,12 @@ class ScopeStore<R> {
 
   constructor(
     client: HighwaterClient,
-    readonly subscription: Subscription,
+    readonly subscription: Subscription<R>,
     /** The scope, as `useScope` compares scopes. */
     readonly key: string,
   ) {
     this.#snapshot = {
-      rows: subscription.rows() as readonly unknown[] as readonly R[],
+      rows: subscription.rows(),
       status: client.status,
       ready: false,
       progress: null,
@@ -45,12 +45,12 @@ class ScopeStore<R> {
       this.#snapshot = { ...this.#snapshot, ...change };
       for (const listener of [...this.#listeners]) listener();
     };
-    const rows = () => update({ rows: subscription.rows() as readonly unknown[] as readonly R[] });
+    const rows = () => update({ rows: subscription.rows() });
     this.#detach = [
       subscription.on("change", rows),
       subscription.on("reset", rows),
       subscription.on("progress", (progress) => update({ progress })),
-      subscription.on("ready", () => update({ ready: true, error: null, rows: subscription.rows() as readonly unknown[] as readonly R[] })),
+      subscription.on("ready", () => update({ ready: true, error: null, rows: subscription.rows() })),
       subscription.on("error", (error) => update({ error })),
       client.on("status", (status) => update({ status })),
     ];
@@ -95,7 +95,7 @@ export function useScope<R = Row>(client: HighwaterClient, scope: ScopeParams | 
   useEffect(() => {
     if (key === null) return undefined;
     const [resourceType, conditions] = JSON.parse(key) as [string, ScopeParams["conditions"]];
-    const created = new ScopeStore<R>(client, client.subscribe({ resourceType, conditions }), key);
+    const created = new ScopeStore<R>(client, client.subscribe<R>({ resourceType, conditions }), key);
     setStore(created);
     return () => {
       created.close();
