@@ -56,7 +56,8 @@ pub enum CursorError {
 }
 
 impl SyncCursor {
-    /// A cursor of a feed row, as the server derives it (§1.2).
+    /// A cursor of a feed row, as the server derives it (`docs/protocol/scope-sync.md`,
+    /// "Cursors").
     pub fn new(id: Option<String>, server_sequence: Option<i64>, updated_at: String) -> Self {
         Self {
             id,
@@ -80,7 +81,8 @@ impl SyncCursor {
         instant_ms(&self.updated_at)
     }
 
-    /// Whether this cursor is strictly after `current` (§1.6). Equal cursors are not after.
+    /// Whether this cursor is strictly after `current` (`scope-sync.md`, "Comparing cursors").
+    /// Equal cursors are not after.
     pub fn is_after(&self, current: Option<&SyncCursor>) -> bool {
         is_cursor_after(Some(self), current)
     }
@@ -156,7 +158,7 @@ pub(crate) fn sequence_from_value(value: &Value) -> Result<i64, CursorError> {
     }
 }
 
-/// Parses a persisted or response cursor payload (§1.3).
+/// Parses a persisted or response cursor payload (`scope-sync.md`, "Cursors").
 ///
 /// - Falsy input (`null`, `""`, `0`, `false`) is the null cursor.
 /// - A string is JSON-parsed and the result parsed again; if either step fails, the string
@@ -175,8 +177,9 @@ pub fn parse_cursor_payload(payload: &Value) -> Result<Option<SyncCursor>, Curso
     }
 }
 
-/// Parses the text of a persisted `cursor_json` column (§1.3). Never fails: text that is not a
-/// valid cursor payload is a legacy timestamp cursor holding the whole text.
+/// Parses the text of a persisted `cursor_json` column (`scope-sync.md`, "Cursors"). Never
+/// fails: text that is not a valid cursor payload is a legacy timestamp cursor holding the whole
+/// text.
 pub fn parse_cursor_text(text: &str) -> Option<SyncCursor> {
     if text.is_empty() {
         return None;
@@ -190,8 +193,9 @@ pub fn parse_cursor_text(text: &str) -> Option<SyncCursor> {
     }
 }
 
-/// The cursor of a pushed or replayed sync entry (§1.5), or `None` when the entry has no
-/// `updatedAt` (legacy bare envelopes), so that such entries never move a cursor.
+/// The cursor of a pushed or replayed sync entry (`scope-sync.md`, "Cursors"), or `None` when
+/// the entry has no `updatedAt` (legacy bare envelopes), so that such entries never move a
+/// cursor.
 ///
 /// `id` is the entry's sync-row id, not its `resourceId`. A sequence that is neither an integer
 /// nor an integer string is dropped rather than rejected: the entry still orders as legacy.
@@ -259,7 +263,8 @@ impl FromStr for CursorPrefix {
     }
 }
 
-/// The two cursor serializers of §1.4, which differ only in when the sequence is written.
+/// The two cursor serializers (`scope-sync.md`, "Cursors"), which differ only in when the
+/// sequence is written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CursorParamsForm {
@@ -284,7 +289,8 @@ impl FromStr for CursorParamsForm {
     }
 }
 
-/// Serializes a cursor into request params (§1.4), in the order id, sequence, timestamp.
+/// Serializes a cursor into request params (`scope-sync.md`, "Cursors"), in the order id,
+/// sequence, timestamp.
 ///
 /// A null cursor yields no params at all. Otherwise `<prefix>Id` is always present (possibly
 /// `null`) and so is `<prefix>UpdatedAt`; `<prefix>ServerSequence` follows `form`.
@@ -316,11 +322,12 @@ pub fn cursor_to_params(
     params
 }
 
-/// Orders two cursors (§1.6): the null cursor is lowest; two sequenced cursors compare by
-/// sequence alone; otherwise `updatedAt` as an instant, then `id` as a string (null as `""`).
+/// Orders two cursors (`scope-sync.md`, "Comparing cursors"): the null cursor is lowest; two
+/// sequenced cursors compare by sequence alone; otherwise `updatedAt` as an instant, then `id`
+/// as a string (null as `""`).
 ///
 /// Within sequenced cursors and within legacy cursors this is a total order. A set mixing both
-/// can cycle (`seq 5 @T2 < seq 10 @T0 < legacy @T1 < seq 5 @T2`): §1.7 requires the instant
+/// can cycle (`seq 5 @T2 < seq 10 @T0 < legacy @T1 < seq 5 @T2`): the rules require the instant
 /// fallback between the kinds, and no single order satisfies it. Such mixes occur only while a
 /// legacy cursor is being replaced by sequenced ones, where any forward step is acceptable.
 ///
@@ -343,8 +350,9 @@ pub fn compare_cursors(a: Option<&SyncCursor>, b: Option<&SyncCursor>) -> Orderi
     }
 }
 
-/// Whether `candidate` is strictly after `current` (§1.6). A null candidate never is; anything
-/// is after a null current; an equal cursor is not after, so duplicates never advance.
+/// Whether `candidate` is strictly after `current` (`scope-sync.md`, "Comparing cursors"). A
+/// null candidate never is; anything is after a null current; an equal cursor is not after, so
+/// duplicates never advance.
 pub fn is_cursor_after(candidate: Option<&SyncCursor>, current: Option<&SyncCursor>) -> bool {
     compare_cursors(candidate, current) == Ordering::Greater
 }
@@ -523,7 +531,7 @@ mod tests {
         is_cursor_after(Some(candidate), Some(current))
     }
 
-    // §1.7 worked comparison examples, one test each.
+    // Worked comparison examples, one test each (scope-sync.md, "Comparing cursors").
 
     #[test]
     fn example_01_anything_is_after_a_null_current() {
@@ -670,7 +678,7 @@ mod tests {
         assert!(after(&garbage, &other_garbage));
     }
 
-    // Scenario 1: cursor parse matrix (§1.3).
+    // Scenario 1: cursor parse matrix (scope-sync.md, "Cursors").
 
     #[test]
     fn scenario_01_falsy_payloads_are_the_null_cursor() {
@@ -857,7 +865,7 @@ mod tests {
         ));
     }
 
-    // Scenario 2: serializer asymmetry (§1.4).
+    // Scenario 2: serializer asymmetry (scope-sync.md, "Cursors").
 
     #[test]
     fn scenario_02_client_params_omit_a_zero_or_null_sequence_but_keep_a_null_id() {
@@ -916,7 +924,7 @@ mod tests {
         );
     }
 
-    // §1.5: entry cursors.
+    // Entry cursors (scope-sync.md, "Cursors").
 
     #[test]
     fn entry_cursors_use_the_sync_row_id_not_the_resource_id() {
@@ -944,7 +952,7 @@ mod tests {
         );
     }
 
-    // §1.8 edge cases.
+    // Edge cases (scope-sync.md, "Comparing cursors").
 
     #[test]
     fn rows_within_one_millisecond_are_ordered_by_sequence_alone() {

@@ -17,10 +17,11 @@
 //! fails (invalid envelope, unknown type, or a failed apply) is reported and the queue goes on.
 //!
 //! Cursors: after a batch applies, the scope's in-memory watermark moves to the batch's highest
-//! entry cursor if that is later (§1.6), and [`BridgeEffect::SaveCursor`] is emitted only when
-//! the persisted cursor actually changes, so a persisted cursor never moves backwards.
+//! entry cursor if that is later (`docs/protocol/scope-sync.md`, "Comparing cursors"), and
+//! [`BridgeEffect::SaveCursor`] is emitted only when the persisted cursor actually changes, so a
+//! persisted cursor never moves backwards.
 //!
-//! Hazards designed out (§6.3):
+//! Hazards designed out (`docs/protocol/scope-sync.md`, "Hazards"):
 //! - P3: live rows interleave with replay pages, so a live row can be applied before lower
 //!   replay rows arrive. No cursor is persisted for a subscription until its `channel-subscribed`
 //!   has passed through the apply queue (that is, until every replay page before it was
@@ -59,9 +60,9 @@ pub struct BridgeConfig {
     pub subscription_id_prefix: String,
     /// Re-subscribe every scope from its persisted cursor after `session-resumed`. The server's
     /// resume replay starts from what it *sent*, so frames lost on a half-open socket or dropped
-    /// from its paused queue would be skipped (P1); re-subscribing trades them for duplicates.
-    /// It also gives the resume replay a `channel-subscribed` end marker, which the P3 guard
-    /// needs. Default: true.
+    /// from its paused queue would be skipped (`scope-sync.md`, hazard P1); re-subscribing
+    /// trades them for duplicates. It also gives the resume replay a `channel-subscribed` end
+    /// marker, which the guard against hazard P3 needs. Default: true.
     pub reopen_on_resume: bool,
 }
 
@@ -875,7 +876,8 @@ impl ScopeBridge {
             return;
         };
         // A reset on a subscription already confirmed would replay with no
-        // `channel-subscribed` to end it (and no P3 guard): reopen it too, so it ends with one.
+        // `channel-subscribed` to end it (and no guard against hazard P3): reopen it too, so it
+        // ends with one.
         if open != batch.subscription_id || track.caught_up {
             self.subscriptions.remove(&open);
             effects.push(BridgeEffect::SendUnsubscribe {
@@ -992,7 +994,8 @@ impl ScopeBridge {
         }
     }
 
-    /// Validates a message body (§3.5) and resolves its entries; the whole message or nothing.
+    /// Validates a message body (`scope-sync.md`, "Envelopes") and resolves its entries; the
+    /// whole message or nothing.
     fn prepare(
         &self,
         body: MessageBody,
@@ -1863,7 +1866,8 @@ mod tests {
                 BridgeEffect::ApplyBatch { ticket: 2, .. },
             ] if message == "constraint violated"
         ));
-        // The failed row is skipped (P11): the next success moves the cursor past it.
+        // The failed row is skipped (scope-sync.md, hazard P11): the next success moves the
+        // cursor past it.
         assert_eq!(saves(&feed(&mut bridge, ok(2))), vec![3]);
         assert_eq!(bridge.status().queued, 0);
     }

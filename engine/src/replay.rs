@@ -7,11 +7,13 @@
 //! start cursor up to a high-water pinned on the first page (rows above it arrive live), sends
 //! each non-empty page as `{echoOrigin: null, syncs}`, and stops on an empty or short page.
 //!
-//! Beyond the velocious behaviour it is modelled on, it designs out three hazards: the delivered
-//! cursor only ever moves forwards, also when a replay page lands below a live row sent earlier
-//! (P5); every page request names all of its `after*`/`upTo*` bounds, so stale subscribe params
-//! cannot leak into later pages (P6); and a start cursor older than the retention window gets an
-//! explicit reset answer followed by a full-scope replay instead of silently missing deletions.
+//! Beyond the velocious behaviour it is modelled on, it designs out three hazards
+//! (`docs/protocol/scope-sync.md`, "Hazards"): the delivered cursor only ever moves forwards,
+//! also when a replay page lands below a live row sent earlier (P5); every page request names
+//! all of its `after*`/`upTo*` bounds, so stale subscribe params cannot leak into later pages
+//! (P6); and a start cursor older than the retention window gets an explicit reset answer
+//! followed by a full-scope replay instead of silently missing deletions ("Resets and
+//! retention").
 
 use serde::Serialize;
 use serde_json::{json, Map, Value};
@@ -180,9 +182,10 @@ pub enum ReplayError {
 
 /// How far a subscription has been sent: the highest entry cursor delivered, live or replayed.
 ///
-/// Monotonic: fan-out can finish deliveries out of order (§4.10), and a lower cursor never
-/// replaces a higher one. It is send-side (P1): a client that suspects lost frames re-subscribes
-/// from its own persisted cursor.
+/// Monotonic: deliveries can reach a subscription out of cursor order (`scope-sync.md`,
+/// "Delivered cursor"), and a lower cursor never replaces a higher one. It is send-side
+/// (`scope-sync.md`, hazard P1): a client that suspects lost frames re-subscribes from its own
+/// persisted cursor.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeliveredCursor(Option<SyncCursor>);
 
@@ -838,7 +841,8 @@ mod tests {
 
     #[test]
     fn a_replay_page_below_a_live_row_never_moves_the_delivered_cursor_back() {
-        // P5: velocious assigns the replay's page cursor to the delivered cursor outright.
+        // Hazard P5 (scope-sync.md): velocious assigns the replay's page cursor to the
+        // delivered cursor outright.
         let mut planner = ReplayPlanner::new(None, 2);
         let mut feed = Feed::with(1..=4);
         let first = planner.handle(begin(ReplayKind::Subscribe)).expect("begin");
@@ -955,7 +959,8 @@ mod tests {
 
     #[test]
     fn feed_params_name_every_bound_so_stale_subscribe_params_cannot_leak() {
-        // P6: a page cursor without a sequence must not inherit the subscribe-time sequence.
+        // Hazard P6 (scope-sync.md): a page cursor without a sequence must not inherit the
+        // subscribe-time sequence.
         let base = params(json!({
             "conditions": {"projectId": "p1"},
             "afterId": "9", "afterServerSequence": 9, "afterUpdatedAt": updated_at(9),

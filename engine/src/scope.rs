@@ -94,7 +94,8 @@ impl Scope {
         out
     }
 
-    /// The scope's digest (§2.3): UUIDv5 in the URL namespace of `velocious-sync-scope:<key>`.
+    /// The scope's digest (`docs/protocol/scope-sync.md`, "Scopes and digests"): UUIDv5 in the
+    /// URL namespace of `velocious-sync-scope:<key>`.
     ///
     /// The name is fed as the low byte of each UTF-16 code unit, not as UTF-8: velocious digests
     /// with pure-uuid, which does exactly that. ASCII names therefore give standard v5 UUIDs;
@@ -152,7 +153,8 @@ impl<'de> Deserialize<'de> for ScopeDigest {
     }
 }
 
-/// The scope a server parses from `channel-subscribe` params (§2.6) and routes broadcasts by.
+/// The scope a server parses from `channel-subscribe` params (`scope-sync.md`, "Subscribe
+/// params") and routes broadcasts by.
 ///
 /// Serializes as `{resourceType, conditions, resourceTypes?}`; deserializing applies the same
 /// validation as [`ChangesScope::from_params`].
@@ -225,7 +227,7 @@ impl ChangesScope {
         self.conditions.is_empty()
     }
 
-    /// Whether a broadcast with these params reaches this scope (§4.6).
+    /// Whether a broadcast with these params reaches this scope (`scope-sync.md`, "Conditions").
     ///
     /// The params must carry a non-null `resourceType`: equal to the scope's type, or listed in
     /// `resourceTypes` for the all-types scope (which without `resourceTypes` matches nothing).
@@ -345,7 +347,7 @@ mod tests {
         }
     }
 
-    // Scenario 4: the digest vectors of §2.3.
+    // Scenario 4: the digest vectors (scope-sync.md, "Scopes and digests").
 
     #[test]
     fn scenario_04_user_scope_digest_includes_the_owner() {
@@ -494,7 +496,7 @@ mod tests {
         }
     }
 
-    // §2.6: parsing the scope of subscribe params.
+    // Parsing the scope of subscribe params (scope-sync.md, "Subscribe params").
 
     #[test]
     fn changes_scope_trims_types_and_requires_object_conditions() {

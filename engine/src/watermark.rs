@@ -225,7 +225,8 @@ impl StateVersion {
         StateVersion { major, minor: None }
     }
 
-    /// The next auxiliary version after this one: `major.(minor + 1)` (§6.3 of the protocol).
+    /// The next auxiliary version after this one: `major.(minor + 1)`
+    /// (`docs/protocol/change-stream.md`, "Watermarks").
     pub fn next_minor(self) -> Self {
         StateVersion {
             major: self.major,

@@ -246,8 +246,8 @@ fn backfill_transaction<'m>(
     })
 }
 
-/// Checks the shape of a backfill transaction (§9.6) and returns the backfilled columns and
-/// the number of rows it carried.
+/// Checks the shape of a backfill transaction (`docs/protocol/change-stream.md`, "Backfills")
+/// and returns the backfilled columns and the number of rows it carried.
 fn check_backfill_transaction(transaction: &[DownstreamMessage]) -> (Vec<String>, usize) {
     let DownstreamMessage::Begin(begin) = &transaction[0] else {
         panic!("a transaction starts with begin: {transaction:?}");

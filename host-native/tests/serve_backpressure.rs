@@ -1,9 +1,10 @@
-//! Slow subscribers against the real `highwater serve` binary and a real Postgres (§8.9): a
-//! subscriber that stops reading its socket and acking holds up the stream only within bounds —
-//! the upstream is paused (the slot's confirmed position stops) and the server's memory stays
-//! bounded — and after the full-backlog timeout it is closed with 1013, even if it never reads
-//! again, after which the stream resumes for everyone else, gap-free. Both while the slow
-//! subscriber catches up from the change log and once it is live.
+//! Slow subscribers against the real `highwater serve` binary and a real Postgres
+//! (`docs/protocol/change-stream.md`, "Acks and back-pressure"): a subscriber that stops reading
+//! its socket and acking holds up the stream only within bounds — the upstream is paused (the
+//! slot's confirmed position stops) and the server's memory stays bounded — and after the
+//! full-backlog timeout it is closed with 1013, even if it never reads again, after which the
+//! stream resumes for everyone else, gap-free. Both while the slow subscriber catches up from
+//! the change log and once it is live.
 
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]

@@ -3,7 +3,7 @@ import { test } from "node:test";
 
 import { compareWatermarks, isHighwaterError, lsnToWatermark, watermarkToLsn } from "highwater";
 
-// Worked examples of reference §6.2: LSN text, watermark.
+// Worked examples of docs/protocol/change-stream.md, "Watermarks": LSN text, watermark.
 const LSNS = [
   ["0/0", "00"],
   ["0/A", "0a"],

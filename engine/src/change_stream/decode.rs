@@ -1,4 +1,5 @@
-//! Decoding JSON into typed messages with Zero's validation rules (§13 of the protocol notes).
+//! Decoding JSON into typed messages with Zero's validation rules
+//! (`docs/protocol/change-stream.md`, "Decoding rules").
 //!
 //! Text is parsed to a [`Value`] first (arbitrary precision keeps big integers exact, and
 //! serde_json's recursion limit bounds hostile nesting), then taken apart by hand: known keys

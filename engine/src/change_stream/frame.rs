@@ -1,5 +1,6 @@
 //! WebSocket application framing: `{"id":n,"msg":M}`, `{"id":n,"batch":[…]}` and `{"ack":n}`
-//! (§2.1), the shared pre-serialized batch payload, and the sender's ack-order check.
+//! (`docs/protocol/change-stream.md`, "Framing"), the shared pre-serialized batch payload, and
+//! the sender's ack-order check.
 
 use std::collections::VecDeque;
 use std::fmt;

@@ -1,5 +1,5 @@
-//! Protocol versions (§1): what we accept, the 1002 close reason, and what a subscriber at
-//! protocol vN may receive.
+//! Protocol versions (`docs/protocol/change-stream.md`, "Protocol versions"): what we accept,
+//! the 1002 close reason, and what a subscriber at protocol vN may receive.
 
 use std::borrow::Cow;
 

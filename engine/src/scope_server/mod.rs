@@ -23,14 +23,15 @@
 //! ([`PageResult::Rows`]), so a page read after a prune is judged by it even when the host's
 //! hand-off of the new floor comes later.
 //!
-//! Rules carried here: a subscription replays rows up to a high-water pinned on its first page
-//! and gets rows above it live, each once (live entries at or below the pin, or at or below its
-//! start cursor, are dropped: the replay has them); a replay page is only requested while the
-//! socket's unflushed bytes are under its budget (P15), and a socket whose budget stays full
-//! longer than a bound is closed 1013 "slow consumer"; a cursor of another epoch, without an
-//! epoch, below the retention floor (at subscribe, or raised past it while its replay runs), or
-//! before a truncate of its table gets a reset marker and a full replay; delivered cursors only
-//! move forwards; a subscription whose token expires is ended with `auth-expired`.
+//! Rules carried here (`docs/protocol/scope-sync.md`, "Replay then live", "Flow control",
+//! "Resets and retention"): a subscription replays rows up to a high-water pinned on its first
+//! page and gets rows above it live, each once (live entries at or below the pin, or at or below
+//! its start cursor, are dropped: the replay has them); a replay page is only requested while
+//! the socket's unflushed bytes are under its budget (hazard P15), and a socket whose budget
+//! stays full longer than a bound is closed 1013 "slow consumer"; a cursor of another epoch,
+//! without an epoch, below the retention floor (at subscribe, or raised past it while its replay
+//! runs), or before a truncate of its table gets a reset marker and a full replay; delivered
+//! cursors only move forwards; a subscription whose token expires is ended with `auth-expired`.
 //!
 //! Checkpoints: a client's cursor must follow the feed, not only its scope's rows, or a scope
 //! nobody writes would keep a cursor below the retention floor (raised to the initial sync's
@@ -1296,7 +1297,7 @@ fn cursor_seq(epoch: &str, cursor: &SyncCursor) -> Result<i64, &'static str> {
     }
 }
 
-/// Whether every condition matches `values` by JS string form (§4.6).
+/// Whether every condition matches `values` by JS string form (`scope-sync.md`, "Conditions").
 /// The text a routing value is indexed and looked up by. Values that [`Conditions`] finds
 /// equal have equal forms (`5`, `5.0` and `"5"`; an ISO timestamp and its milliseconds), so
 /// the index never misses a subscription; the few it finds in excess are matched away.

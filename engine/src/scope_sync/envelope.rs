@@ -1,4 +1,5 @@
-//! Channel-message bodies (§5.5): `{echoOrigin, syncs:[entry…]}` envelopes and their entries.
+//! Channel-message bodies: `{echoOrigin, syncs:[entry…]}` envelopes and their entries
+//! (`docs/protocol/scope-sync.md`, "Envelopes").
 
 use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -101,8 +102,8 @@ impl SyncEnvelope {
         }
     }
 
-    /// Decodes a body (§3.5): it must be an object; `syncs` is taken when it is an array,
-    /// otherwise the body itself is one bare entry.
+    /// Decodes a body (`scope-sync.md`, "Envelopes"): it must be an object; `syncs` is taken
+    /// when it is an array, otherwise the body itself is one bare entry.
     pub fn from_value(body: &Value) -> Result<Self, EnvelopeError> {
         Self::from_owned(body.clone())
     }
@@ -222,8 +223,8 @@ impl SyncEnvelope {
     }
 
     /// The highest cursor strictly after `current` among the entries and the envelope's
-    /// [`CURSOR_KEY`] position, if any is after it (§3.7): where a scope watermark moves once
-    /// this envelope is applied or delivered.
+    /// [`CURSOR_KEY`] position, if any is after it (`scope-sync.md`, "Envelopes"): where a
+    /// scope watermark moves once this envelope is applied or delivered.
     pub fn advanced_cursor(&self, current: Option<&SyncCursor>) -> Option<SyncCursor> {
         let mut best: Option<SyncCursor> = None;
         let entries = self.syncs.iter().filter_map(SyncEntry::cursor);
@@ -568,7 +569,8 @@ impl SyncEntry {
         })
     }
 
-    /// The entry's cursor (§1.5): `None` without an `updatedAt`, so it moves no cursor.
+    /// The entry's cursor (`scope-sync.md`, "Cursors"): `None` without an `updatedAt`, so it
+    /// moves no cursor.
     pub fn cursor(&self) -> Option<SyncCursor> {
         let updated_at = self.updated_at.clone().filter(|text| !text.is_empty())?;
         Some(SyncCursor::new(
@@ -578,8 +580,8 @@ impl SyncEntry {
         ))
     }
 
-    /// The entry's type once the channel default is applied (§3.5): the default fills in only
-    /// an absent key; an explicit null stays null.
+    /// The entry's type once the channel default is applied (`scope-sync.md`, "Envelopes"):
+    /// the default fills in only an absent key; an explicit null stays null.
     pub fn resolved_resource_type(&self, channel_default: Option<&str>) -> Option<String> {
         match &self.resource_type {
             None => channel_default.map(str::to_owned),

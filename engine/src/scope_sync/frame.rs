@@ -1,4 +1,5 @@
-//! Session and channel frames (§5.2, §5.3): one JSON object per WebSocket text frame.
+//! Session and channel frames (`docs/protocol/scope-sync.md`, "Endpoint and session",
+//! "Frames"): one JSON object per WebSocket text frame.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};

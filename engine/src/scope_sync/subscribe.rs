@@ -1,4 +1,5 @@
-//! `channel-subscribe` params of the scope-sync channel (§4.1): scope, after-cursor, page limit.
+//! `channel-subscribe` params of the scope-sync channel (`docs/protocol/scope-sync.md`,
+//! "Subscribe params"): scope, after-cursor, page limit.
 
 use serde_json::{Map, Value};
 
@@ -136,10 +137,10 @@ impl SubscribeParams {
     }
 }
 
-/// The replay page size for a `limit` param (§4.4): absent, null or `""` give the default; any
-/// other value must be a positive integer no larger than 2^53 − 1 (a number or a numeric
-/// string), and is clamped to [`MAX_PAGE_LIMIT`]. So `0`, `-1`, `1.5` and `"abc"` fail.
-/// Booleans fail too, although `Number(true)` would give 1.
+/// The replay page size for a `limit` param (`scope-sync.md`, "Subscribe params"): absent, null
+/// or `""` give the default; any other value must be a positive integer no larger than
+/// 2^53 − 1 (a number or a numeric string), and is clamped to [`MAX_PAGE_LIMIT`]. So `0`, `-1`,
+/// `1.5` and `"abc"` fail. Booleans fail too, although `Number(true)` would give 1.
 pub fn page_limit(value: Option<&Value>) -> Result<u32, SubscribeError> {
     let verdict = match value {
         None | Some(Value::Null) => return Ok(DEFAULT_PAGE_LIMIT),
@@ -174,7 +175,8 @@ pub fn request_sequence(value: &Value) -> Result<i64, SubscribeError> {
     }
 }
 
-/// The start cursor of a subscription (server `cursorFromParams`, §1.4), validated strictly.
+/// The start cursor of a subscription (velocious' `cursorFromParams`; `scope-sync.md`,
+/// "Subscribe params"), validated strictly.
 ///
 /// Without a non-empty `afterUpdatedAt` there is no cursor (a full replay), but a present
 /// `afterServerSequence` or `afterId` must still be well-formed.

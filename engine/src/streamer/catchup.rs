@@ -1,5 +1,5 @@
-//! Catch-up from the change log (§7.4): the rows a subscriber is sent before it goes live, and
-//! whether its watermark can be served at all.
+//! Catch-up from the change log (`docs/protocol/change-stream.md`, "Catch-up"): the rows a
+//! subscriber is sent before it goes live, and whether its watermark can be served at all.
 
 use crate::watermark::Watermark;
 
@@ -34,8 +34,8 @@ pub enum FirstRow {
     TooOld { earliest: Watermark },
 }
 
-/// Judges the first row a catch-up from `requested` read (§7.4 step 4). The row must be the
-/// subscriber's own, already applied transaction.
+/// Judges the first row a catch-up from `requested` read (`change-stream.md`, "Catch-up",
+/// step 4). The row must be the subscriber's own, already applied transaction.
 ///
 /// Zero also accepts `replicaVersion` whatever the first row is. Highwater does not: a log seeded
 /// at `replicaVersion` still holds its seed rows there (so the rule above accepts it), and a log
@@ -59,12 +59,12 @@ pub fn check_first_row(first: &Watermark, requested: &Watermark) -> FirstRow {
     }
 }
 
-/// `WatermarkTooOld`'s message (§5.7).
+/// `WatermarkTooOld`'s message (`change-stream.md`, "Errors and close codes").
 pub fn too_old_message(earliest: &Watermark, requested: &Watermark) -> String {
     format!("earliest supported watermark is {earliest} (requested {requested})")
 }
 
-/// `WrongReplicaVersion`'s message (§5.7).
+/// `WrongReplicaVersion`'s message (`change-stream.md`, "Errors and close codes").
 pub fn wrong_replica_version_message(current: &Watermark, requested: &Watermark) -> String {
     format!("current replica version is {current} (requested {requested})")
 }

@@ -82,7 +82,8 @@ impl StoredChange {
     }
 }
 
-/// A write to the change log (§7.3): one store transaction per upstream transaction.
+/// A write to the change log (`docs/protocol/change-stream.md`, "Forward, store, ack"): one
+/// store transaction per upstream transaction.
 #[derive(Debug, Clone)]
 pub enum LogOp {
     /// Open a store transaction and write the `begin` row (pos 0).

@@ -1,5 +1,5 @@
 //! One message of the stream, serialized once and shared by every subscriber, the backlog and
-//! the change log (§7.3: "changes are JSON-stringified once").
+//! the change log (`docs/protocol/change-stream.md`, "Forward, store, ack").
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -83,7 +83,7 @@ impl Entry {
         }
     }
 
-    /// A change-log row, rebuilt into its downstream tuple (§7.1).
+    /// A change-log row, rebuilt into its downstream tuple (`change-stream.md`, "The change log").
     pub(super) fn stored(watermark: Watermark, tag: &str, change: &str) -> Self {
         let w = watermark.as_str();
         let (kind, prefix, suffix) = match tag {
@@ -149,7 +149,8 @@ impl Entry {
     }
 
     /// Whether a subscriber at `watermark` has already got this message's transaction.
-    /// Statuses belong to no transaction and always pass (§4).
+    /// Statuses belong to no transaction and always pass (`change-stream.md`, "Transactions and
+    /// ordering").
     pub fn is_seen_at(&self, watermark: &Watermark) -> bool {
         self.watermark.as_ref().is_some_and(|w| w <= watermark)
     }

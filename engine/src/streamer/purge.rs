@@ -1,4 +1,5 @@
-//! Change-log purging (§8.5, generation B): how far the log may be cut, and when.
+//! Change-log purging (`docs/protocol/change-stream.md`, "Purging"): how far the log may be
+//! cut, and when.
 
 use std::collections::VecDeque;
 

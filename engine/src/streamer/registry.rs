@@ -1,4 +1,5 @@
-//! Downstream connections: frame ids, outstanding frames and what their acks release (§2.1).
+//! Downstream connections: frame ids, outstanding frames and what their acks release
+//! (`docs/protocol/change-stream.md`, "Framing").
 
 use std::collections::VecDeque;
 use std::sync::Arc;

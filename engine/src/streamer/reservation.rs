@@ -1,5 +1,5 @@
-//! Snapshot reservations (§10.2, generation B): a task restoring a backup pins the change log
-//! until it subscribes.
+//! Snapshot reservations (`docs/protocol/change-stream.md`, "Reservations and snapshots"): a
+//! task restoring a backup pins the change log until it subscribes.
 
 use indexmap::IndexMap;
 

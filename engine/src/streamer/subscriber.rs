@@ -1,4 +1,5 @@
-//! One subscriber's stream position, catch-up backlog and flow control (§8.9).
+//! One subscriber's stream position, catch-up backlog and flow control
+//! (`docs/protocol/change-stream.md`, "Subscription phases", "Acks and back-pressure").
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -11,11 +12,12 @@ use crate::watermark::Watermark;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     /// Subscribed while a transaction was in flight; starts at the next commit or rollback so
-    /// that catch-up and live stream meet at a transaction boundary (§7.4 step 1).
+    /// that catch-up and live stream meet at a transaction boundary (`change-stream.md`,
+    /// "Catch-up", step 1).
     Queued,
     /// Reading the change log; live messages wait in the backlog.
     CatchingUp {
-        /// Whether the first row has been judged (§7.4 step 4).
+        /// Whether the first row has been judged (`change-stream.md`, "Catch-up", step 4).
         checked: bool,
     },
     /// Caught up; the backlog is being sent with bounded bytes in flight.
@@ -85,7 +87,7 @@ impl<'a> Delivery<'a> {
     }
 }
 
-/// Byte limits for backlogs and in-flight data (§8.9).
+/// Byte limits for backlogs and in-flight data (`change-stream.md`, "Acks and back-pressure").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WaterMarks {
     pub high: usize,

@@ -1,5 +1,6 @@
-//! Golden transcripts (events → effects), the §14 scenarios that concern the streamer's rules,
-//! and a property test of the whole state machine against a simulated host.
+//! Golden transcripts (events → effects) of the streamer's rules in
+//! `docs/protocol/change-stream.md`, the scenarios of Zero's change-streamer tests that concern
+//! them, and a property test of the whole state machine against a simulated host.
 
 use std::fmt::Write as _;
 
@@ -365,7 +366,7 @@ send #3 {"id":1,"msg":["error",{"type":2,"message":"earliest supported watermark
     );
 }
 
-// ---- subscribe and catch-up (§7.4, storer / change-streamer-service tests) ----
+// ---- subscribe and catch-up (change-stream.md, "Catch-up"; storer, change-streamer-service) ----
 
 #[test]
 fn subscriber_ahead_of_change_log_is_caught_up_without_error() {
@@ -535,7 +536,7 @@ fn catchup_pauses_while_too_much_is_unacknowledged() {
     assert!(resumed);
 }
 
-// ---- backlog and back-pressure (§8.9, subscriber.test) ----
+// ---- backlog and back-pressure (change-stream.md, "Acks and back-pressure"; subscriber.test) ----
 
 fn small_streamer(high: usize) -> Streamer {
     let mut config = config();
@@ -739,7 +740,7 @@ fn client_frames_on_legacy_connections_are_acks_only() {
     assert!(matches!(&e[..], [Effect::Close { code: 1002, .. }]));
 }
 
-// ---- per-version delivery (§1, §8.9) ----
+// ---- per-version delivery (change-stream.md, "Protocol versions", "Acks and back-pressure") ----
 
 #[test]
 fn update_table_metadata_is_withheld_below_v5_and_key_columns_added() {
@@ -851,7 +852,7 @@ fn live_messages_share_one_serialization() {
     assert!(shared.windows(2).all(|p| Arc::ptr_eq(p[0], p[1])));
 }
 
-// ---- upstream (§7.3, §8.1, §8.4) ----
+// ---- upstream (change-stream.md, "Forward, store, ack") ----
 
 #[test]
 fn upstream_protocol_violations_are_rejected_without_effect() {
@@ -908,7 +909,7 @@ fn upstream_ending_mid_transaction_rolls_back_subscribers_and_storage() {
     assert_eq!(s.subscriber(c).map(|s| s.watermark), Some(w("0d")));
 }
 
-// ---- snapshot reservations (§10.2, snapshot-reservations.test) ----
+// ---- snapshot reservations (change-stream.md, "Reservations and snapshots") ----
 
 fn backup(wm: &str) -> BackupWatermark {
     BackupWatermark {
@@ -1021,7 +1022,7 @@ fn reservations_are_refused_without_backups() {
     );
 }
 
-// ---- purging (§8.5) ----
+// ---- purging (change-stream.md, "Purging") ----
 
 #[test]
 fn purge_floor_holds_at_confirmed_reservations_and_subscriber_acks() {
@@ -1054,7 +1055,7 @@ fn purge_never_removes_the_newest_stored_transaction() {
     assert!(s.tick(30_001).is_empty());
 }
 
-// ---- v8 backfill tracking (§9.7) ----
+// ---- v8 backfill tracking (change-stream.md, "Backfills") ----
 
 fn backfill_request(column: &str, progress: Option<&str>) -> BackfillRequest {
     let progress = progress

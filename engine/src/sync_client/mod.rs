@@ -38,11 +38,12 @@
 //! - Every new socket re-subscribes every scope from its persisted cursor: the server keeps no
 //!   session state, so a fresh connect, `session-gone` and `session-resumed` end the same way.
 //! - A scope's cursor is persisted only after its rows were applied and its subscription was
-//!   confirmed (`channel-subscribed` passed through the apply queue, P3), and never moves
-//!   backwards; it also moves with an envelope's `cursor` checkpoint (the feed position its
-//!   scope is complete up to). A reset marker drops the cursor but keeps the rows: the full
-//!   replay that follows overwrites them, and once it is confirmed the rows it did not
-//!   deliver are removed, so a reset never empties a page.
+//!   confirmed (`channel-subscribed` passed through the apply queue;
+//!   `docs/protocol/scope-sync.md`, hazard P3), and never moves backwards; it also moves with
+//!   an envelope's `cursor` checkpoint (the feed position its scope is complete up to). A reset
+//!   marker drops the cursor but keeps the rows: the full replay that follows overwrites them,
+//!   and once it is confirmed the rows it did not deliver are removed, so a reset never empties
+//!   a page.
 //! - Each envelope is applied at once: one [`ClientEffect::Changed`] with the net change per
 //!   row; an entry older than the row held (by `serverSequence`) is skipped, a repeated entry
 //!   changes nothing.
@@ -54,8 +55,8 @@
 //!   rejection in a row, `auth-invalid`, `auth-required` and every other `channel-error` code
 //!   fail the scope, reported once and never retried; other scopes go on.
 //!
-//! The per-scope subscription rules (apply queue, P3 cursor guard, fresh ids on re-subscribe)
-//! are [`crate::realtime_bridge::ScopeBridge`]'s: each scope drives one bridge.
+//! The per-scope subscription rules (apply queue, the cursor guard against hazard P3, fresh ids
+//! on re-subscribe) are [`crate::realtime_bridge::ScopeBridge`]'s: each scope drives one bridge.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;

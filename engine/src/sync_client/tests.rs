@@ -190,7 +190,8 @@ fn a_connect_asks_for_a_token_then_opens_and_subscribes_with_it() {
 #[test]
 fn a_cursor_is_persisted_with_the_rows_only_after_the_subscription_is_confirmed() {
     let (mut client, sub) = connected(None);
-    // A live row beats the replay page below it (P3): rows are stored, the cursor is not.
+    // A live row beats the replay page below it (scope-sync.md, hazard P3): rows are stored,
+    // the cursor is not.
     let effects = frame(
         &mut client,
         1,

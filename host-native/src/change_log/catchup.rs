@@ -1,6 +1,6 @@
-//! Reading the change log for a subscriber's catch-up (§7.4): rows with
-//! `from <= watermark <= through` in `(watermark, pos)` order, from one read snapshot, handed out
-//! in bounded batches so a long log never sits in memory at once.
+//! Reading the change log for a subscriber's catch-up (`docs/protocol/change-stream.md`,
+//! "Catch-up"): rows with `from <= watermark <= through` in `(watermark, pos)` order, from one
+//! read snapshot, handed out in bounded batches so a long log never sits in memory at once.
 
 use std::ops::ControlFlow;
 use std::path::Path;

@@ -20,7 +20,8 @@
 //!   of the downstream tuple only (the inner object). `pos` is 0 for `begin`, the commit last.
 //! * `_hw_change_log_state` — `lastWatermark`, `owner`, `ownerAddress` (single row).
 //! * `_hw_change_log_config` — `replicaVersion`, `publications`, `resetRequired` (single row).
-//! * `_hw_change_log_table_metadata`, `_hw_change_log_backfilling` — the cookie jar (§9.5).
+//! * `_hw_change_log_table_metadata`, `_hw_change_log_backfilling` — the cookie jar
+//!   (`docs/protocol/change-stream.md`, "Backfills").
 //!
 //! Functions here take the connection they work on; the writer functions expect the caller to
 //! have a transaction open (the replica writer's), so the log commits with the replica.
@@ -140,11 +141,11 @@ pub fn create_tables(conn: &Connection) -> Result<(), ChangeLogError> {
     Ok(())
 }
 
-/// Makes the log belong to `config` (§7.2). A log for another replica version or other
-/// publications (or none at all) is emptied and reseeded — only while the replica is freshly
-/// synced (`replica_watermark == replica_version`); otherwise the log could not serve the
-/// transactions the replica already holds and [`ChangeLogError::ResetRequired`] asks for a new
-/// initial sync. Runs in its own transaction.
+/// Makes the log belong to `config` (`change-stream.md`, "The change log"). A log for another
+/// replica version or other publications (or none at all) is emptied and reseeded — only while
+/// the replica is freshly synced (`replica_watermark == replica_version`); otherwise the log
+/// could not serve the transactions the replica already holds and
+/// [`ChangeLogError::ResetRequired`] asks for a new initial sync. Runs in its own transaction.
 pub fn ensure(
     conn: &Connection,
     config: &ChangeLogConfig,
@@ -332,7 +333,8 @@ pub fn append_rows(conn: &Connection, rows: &[LogRow<'_>]) -> Result<(), ChangeL
     Ok(())
 }
 
-/// Applies a schema change's cookie-jar updates (§9.5) in the open transaction.
+/// Applies a schema change's cookie-jar updates (`change-stream.md`, "Backfills") in the open
+/// transaction.
 pub fn apply_cookie_ops(conn: &Connection, change: &Change) -> Result<(), ChangeLogError> {
     for op in cookie_ops(change) {
         apply_cookie_op(conn, &op)?;
@@ -504,8 +506,8 @@ pub fn cookie_jar(conn: &Connection) -> Result<Vec<BackfillRequest>, ChangeLogEr
 }
 
 /// Deletes the rows of transactions below `below`, always keeping the newest stored
-/// transaction (§8.5). Runs in chunks of [`PURGE_CHUNK_ROWS`], each its own transaction: call it
-/// between upstream transactions.
+/// transaction (`change-stream.md`, "Purging"). Runs in chunks of [`PURGE_CHUNK_ROWS`], each its
+/// own transaction: call it between upstream transactions.
 pub fn purge(conn: &Connection, below: &Watermark) -> Result<PurgeReport, ChangeLogError> {
     let mut deleted = 0;
     loop {

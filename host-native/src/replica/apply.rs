@@ -1088,11 +1088,12 @@ fn apply_truncate(
     Ok(())
 }
 
-/// Backfilled values (§9.8) overwrite only the backfilling columns of existing rows, and of
-/// those only the ones the stream has not written since the backfill's snapshot. A row deleted
-/// or truncated after the snapshot stays deleted. A row the replica lacks is inserted, with the
-/// snapshot's watermark as its version, only while the whole table awaits its backfill (for a
-/// column backfill it was deleted, or will arrive with all its values from the stream).
+/// Backfilled values (`docs/protocol/change-stream.md`, "Backfills") overwrite only the
+/// backfilling columns of existing rows, and of those only the ones the stream has not written
+/// since the backfill's snapshot. A row deleted or truncated after the snapshot stays deleted.
+/// A row the replica lacks is inserted, with the snapshot's watermark as its version, only
+/// while the whole table awaits its backfill (for a column backfill it was deleted, or will
+/// arrive with all its values from the stream).
 fn apply_backfill(
     ctx: &mut RowContext<'_>,
     tables: &Tables,
@@ -2448,8 +2449,9 @@ mod tests {
             .unwrap()
     }
 
-    /// §9.8: a backfill read at a snapshot older than later streamed changes skips the rows
-    /// deleted after it and keeps the backfilling values the stream wrote after it.
+    /// A backfill read at a snapshot older than later streamed changes skips the rows deleted
+    /// after it and keeps the backfilling values the stream wrote after it
+    /// (`change-stream.md`, "Backfills").
     #[test]
     fn backfill_skips_rows_deleted_after_its_snapshot_and_keeps_later_streamed_values() {
         let mut w = writer();
@@ -2507,9 +2509,9 @@ mod tests {
         );
     }
 
-    /// §9.8: a table new to the replica gets the rows it lacks, versioned at the backfill's
-    /// snapshot; rows the stream wrote after the snapshot keep their values, and a truncate
-    /// after the snapshot drops the whole backfill.
+    /// A table new to the replica gets the rows it lacks, versioned at the backfill's snapshot;
+    /// rows the stream wrote after the snapshot keep their values, and a truncate after the
+    /// snapshot drops the whole backfill (`change-stream.md`, "Backfills").
     #[test]
     fn whole_table_backfill_inserts_missing_rows_at_the_snapshot_version() {
         let mut w = writer();

@@ -95,7 +95,7 @@ pub struct BackfillJob {
     /// no schema change in the stream will rename or drop them.
     pub settle: Vec<String>,
     /// The synthetic transaction's watermark: the next minor version after the consumer's
-    /// position (§6.3).
+    /// position (`docs/protocol/change-stream.md`, "Watermarks").
     pub commit_watermark: Watermark,
     /// Upstream transactions (32-bit xids) the snapshot must see: the consumer's latest.
     pub visible_xids: Vec<u32>,
@@ -225,7 +225,7 @@ pub async fn lock_unless_rewritten(
     Ok(stable.unwrap_or(true))
 }
 
-/// The watermark of the snapshot (§9.8: the backfill's `watermark`).
+/// The watermark of the snapshot: the backfill's `watermark` (`change-stream.md`, "Backfills").
 async fn snapshot_watermark(client: &Client) -> Result<Watermark, SyncError> {
     let lsn: String = client
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
@@ -737,7 +737,7 @@ fn key_backfilling(table: &ReplicaTable, pending: &PendingBackfill) -> bool {
         .any(|c| pending.key.contains(&c.name) && c.backfill.is_some())
 }
 
-/// `position.minor + 1` (§6.3).
+/// `position.minor + 1` (`change-stream.md`, "Watermarks").
 fn next_minor(position: &Watermark) -> Watermark {
     position
         .state_version()

@@ -1,5 +1,6 @@
 //! One change-stream WebSocket: frames the streamer produced go out, client frames go to the
-//! streamer, and a ping every interval drops a peer that went silent (§2.2).
+//! streamer, and a ping every interval drops a peer that went silent
+//! (`docs/protocol/change-stream.md`, "Liveness").
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,6 +1,6 @@
 //! HTTP routes: the change-stream WebSockets `/replication/v<N>/{changes,snapshot,subscribe}`
-//! (§3), `GET /replica/snapshot`, `GET /metrics`, and health checks (`/`, `/keepalive`,
-//! `/health`).
+//! (`docs/protocol/change-stream.md`, "Endpoints"), `GET /replica/snapshot`, `GET /metrics`,
+//! and health checks (`/`, `/keepalive`, `/health`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -216,7 +216,7 @@ pub(crate) fn parse_request(
     query: &HashMap<String, String>,
 ) -> Result<StreamRequest, String> {
     let version = check_protocol_version(requested, endpoint).map_err(|e| e.close_reason())?;
-    // An empty value counts as missing (§3.2).
+    // An empty value counts as missing (change-stream.md, "Endpoints").
     let param = |name: &str| query.get(name).filter(|v| !v.is_empty());
     let required = |name: &str| {
         param(name)

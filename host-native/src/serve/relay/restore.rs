@@ -1,8 +1,9 @@
-//! A relay's replica from its primary's snapshot (§3.3 flow 1, §10.2): reserve a snapshot on
-//! the `/subscribe` socket, download the `backupURL` into the data directory, check it against
-//! the reservation, seed the relay's own change log inside the copy, and put it in place with
-//! one rename. The socket stays open — it *is* the reservation, pinning the primary's change
-//! log — and is handed to the change stream, which sends `start-subscription` on it.
+//! A relay's replica from its primary's snapshot (`docs/protocol/change-stream.md`,
+//! "Reservations and snapshots"): reserve a snapshot on the `/subscribe` socket, download the
+//! `backupURL` into the data directory, check it against the reservation, seed the relay's own
+//! change log inside the copy, and put it in place with one rename. The socket stays open — it
+//! *is* the reservation, pinning the primary's change log — and is handed to the change stream,
+//! which sends `start-subscription` on it.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

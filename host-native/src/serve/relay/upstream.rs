@@ -1,8 +1,9 @@
-//! The relay's side of its primary's `/replication/v8/subscribe` socket (§3.3): the framed
-//! connection, and the change source that subscribes from the relay's durable watermark,
-//! hands every frame to the ingest thread's upstream session, and carries out what the session
-//! says back: which frames to acknowledge, and when to end the connection. It decides none of
-//! it; liveness (silence past the ping interval) is the engine's `Liveness` on plain values.
+//! The relay's side of its primary's `/replication/v8/subscribe` socket
+//! (`docs/protocol/change-stream.md`, "Endpoints"): the framed connection, and the change
+//! source that subscribes from the relay's durable watermark, hands every frame to the ingest
+//! thread's upstream session, and carries out what the session says back: which frames to
+//! acknowledge, and when to end the connection. It decides none of it; liveness (silence past
+//! the ping interval) is the engine's `Liveness` on plain values.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
