@@ -38,6 +38,8 @@ try {
     "dist/react.js",
     "dist/stores.d.ts",
     "dist/stores.js",
+    "dist/tanstack-db.d.ts",
+    "dist/tanstack-db.js",
     "dist/wasm/api.d.ts",
     "dist/wasm/api.js",
     "dist/wasm/highwater_wasm.d.ts",
@@ -80,9 +82,14 @@ try {
   // `highwater/react` needs React's types, as any React app has them.
   mkdirSync(join(project, "node_modules", "@types"), { recursive: true });
   symlinkSync(join(packageDir, "..", "node_modules", "@types", "react"), join(project, "node_modules", "@types", "react"));
+  // `highwater/tanstack-db` needs TanStack DB's, as an app using it has them.
+  mkdirSync(join(project, "node_modules", "@tanstack"), { recursive: true });
+  symlinkSync(join(packageDir, "..", "node_modules", "@tanstack", "db"), join(project, "node_modules", "@tanstack", "db"));
   for (const [user, options] of Object.entries(typeConfigs)) {
     const compilerOptions = { target: "ES2022", module: "NodeNext", moduleResolution: "NodeNext", strict: true, noEmit: true, ...options };
-    writeFileSync(join(project, `tsconfig.${user}.json`), JSON.stringify({ compilerOptions, files: ["smoke.ts", "smoke-react.ts"] }));
+    // TanStack DB's own declarations need the DOM's (IndexedDB, Storage): browser apps only.
+    const files = ["smoke.ts", "smoke-react.ts", ...(user === "browser" ? ["smoke-tanstack-db.ts"] : [])];
+    writeFileSync(join(project, `tsconfig.${user}.json`), JSON.stringify({ compilerOptions, files }));
     run(tsc, ["-p", `tsconfig.${user}.json`], project);
   }
   // The README's examples, as a user copies them: every `js` and `tsx` block, and the module
