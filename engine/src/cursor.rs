@@ -657,7 +657,7 @@ mod tests {
     }
 
     #[test]
-    fn mixed_legacy_and_sequenced_cursors_can_cycle_as_section_1_6_prescribes() {
+    fn mixed_legacy_and_sequenced_cursors_can_cycle() {
         // The instant fallback between kinds (examples 7 and 8) admits no total order.
         let low_seq_late = cursor(Some("a"), Some(5), T2);
         let high_seq_early = cursor(Some("b"), Some(10), T0);

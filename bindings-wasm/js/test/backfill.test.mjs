@@ -27,7 +27,7 @@ const progressOf = (tracker) =>
     tracker.requests().flatMap((r) => Object.entries(r.columns).map(([name, c]) => [`${r.table.name}.${name}`, c.progress?.progressMark ?? null])),
   );
 
-test("contiguous progress is taken, gaps are ignored (reference 9.3)", () => {
+test("contiguous progress is taken, gaps are ignored", () => {
   const tracker = new BackfillTracker([request({ a: mark("05"), b: null })]);
   assert.equal(tracker.apply(begin).length, 0);
   assert.ok(tracker.inTransaction);

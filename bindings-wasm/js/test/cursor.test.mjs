@@ -7,7 +7,7 @@ const T0 = "2026-07-01T10:00:00.000Z";
 const T1 = "2026-07-01T10:00:01.000Z";
 const cursor = (id, serverSequence, updatedAt) => ({ id, serverSequence, updatedAt });
 
-test("payloads parse as in reference 1.3", () => {
+test("payloads parse into cursors", () => {
   const table = [
     [null, null],
     [undefined, null],
@@ -48,7 +48,7 @@ test("sequences beyond 2^53 - 1 stay exact as bigint", () => {
   });
 });
 
-test("comparison examples of reference 1.7", () => {
+test("cursor comparison examples", () => {
   const table = [
     [1, cursor("a", 5, T0), null, true],
     [2, null, cursor("a", 5, T0), false],
@@ -80,7 +80,7 @@ test("compareCursors is antisymmetric over a mixed set", () => {
   }
 });
 
-test("params follow reference 1.4: the client form omits a zero sequence", () => {
+test("params: the client form omits a zero sequence", () => {
   const c = cursor("42", 1234, T0);
   assert.deepEqual(cursorToParams("after", c, "client"), { afterId: "42", afterServerSequence: 1234, afterUpdatedAt: T0 });
   assert.deepEqual(cursorToParams("upTo", c, "server"), { upToId: "42", upToServerSequence: 1234, upToUpdatedAt: T0 });

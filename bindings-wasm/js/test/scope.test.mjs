@@ -3,7 +3,7 @@ import { test } from "node:test";
 
 import { scopeDigest, scopeMatches } from "highwater";
 
-test("digests of reference 2.3", () => {
+test("scope digests", () => {
   const table = [
     [{ resourceType: null, conditions: {}, owner: "token-abc" }, "848fc985-57e9-5355-82a4-467eb5f792cd"],
     [{ resourceType: null, conditions: {} }, "6c2ff54c-cd6a-5ecc-810f-a80b20aa0c85"],
@@ -30,7 +30,7 @@ test("digests reject conditions that are not equality", () => {
   assert.throws(() => scopeDigest({ resourceType: 7, conditions: {} }), (e) => e.code === "HW_INVALID_SCOPE");
 });
 
-test("broadcast routing of reference 4.6", () => {
+test("broadcast routing", () => {
   const scope = { resourceType: "Task", conditions: { projectId: [1, 2], state: "open" } };
   assert.ok(scopeMatches(scope, { resourceType: "Task", projectId: 2, state: "open" }));
   assert.ok(scopeMatches(scope, { resourceType: "Task", projectId: "1", state: "open" }), "5 matches \"5\"");

@@ -14,7 +14,7 @@ const LSNS = [
   ["FFFFFFFF/FFFFFFFF", "c3w5e11264sgsf"],
 ];
 
-test("lsn and watermark convert both ways (reference 6.2 table)", () => {
+test("lsn and watermark convert both ways", () => {
   for (const [lsn, watermark] of LSNS) {
     assert.equal(lsnToWatermark(lsn), watermark, lsn);
     assert.equal(watermarkToLsn(watermark), lsn, watermark);
@@ -22,7 +22,7 @@ test("lsn and watermark convert both ways (reference 6.2 table)", () => {
   assert.equal(lsnToWatermark("16/b374d848"), "718sh0nk8", "lowercase hex is accepted");
 });
 
-test("the lsn of a state version is the lsn of its major part (reference 6.3)", () => {
+test("the lsn of a state version is the lsn of its major part", () => {
   assert.equal(watermarkToLsn("718sh0nk8.123"), "16/B374D848");
   assert.equal(watermarkToLsn("579e6a5.01"), "0/1A2B3C4D");
 });

@@ -168,7 +168,7 @@ mod tests {
     use crate::change_stream::{decode_downstream, encode_downstream, Status};
 
     #[test]
-    fn unsupported_version_reason_is_exact_section_1() {
+    fn unsupported_version_reason_is_exact() {
         assert_eq!(
             unsupported_version_reason(9, 1, 8),
             "Error: Cannot service client at protocol v9. Supported protocols: [v1 ... v8]"
@@ -199,7 +199,7 @@ mod tests {
     }
 
     #[test]
-    fn gating_per_version_section_1() {
+    fn gating_per_version() {
         let status = DownstreamMessage::Status(Status::default());
         let reserved = decode_downstream(
             r#"["reserved",{"tag":"snapshot","backupURL":"s3://b","replicaVersion":"00","minWatermark":"0a"}]"#,

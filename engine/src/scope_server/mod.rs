@@ -1297,8 +1297,7 @@ fn cursor_seq(epoch: &str, cursor: &SyncCursor) -> Result<i64, &'static str> {
     }
 }
 
-/// Whether every condition matches `values` by JS string form (`scope-sync.md`, "Conditions").
-/// The text a routing value is indexed and looked up by. Values that [`Conditions`] finds
+/// The text a routing value is indexed and looked up by (`scope-sync.md`, "Conditions"). Values that [`Conditions`] finds
 /// equal have equal forms (`5`, `5.0` and `"5"`; an ISO timestamp and its milliseconds), so
 /// the index never misses a subscription; the few it finds in excess are matched away.
 fn routing_form(value: &Value) -> String {

@@ -253,7 +253,7 @@ mod tests {
     }
 
     #[test]
-    fn stored_rows_rebuild_the_live_tuples_section_7_1() {
+    fn stored_rows_rebuild_the_live_tuples() {
         for (text, watermark) in [
             (
                 r#"["begin",{"tag":"begin","json":"s"},{"commitWatermark":"0b"}]"#,

@@ -424,7 +424,7 @@ mod tests {
     }
 
     #[test]
-    fn changes_request_takes_its_context_from_the_query_section_3_2() {
+    fn changes_request_takes_its_context_from_the_query() {
         let request = parse_request(6, Endpoint::Changes, &changes_query()).expect("valid");
         let StreamRequest::Changes {
             version,
@@ -480,7 +480,7 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_versions_close_with_the_supported_range_section_1() {
+    fn unsupported_versions_close_with_the_supported_range() {
         assert_eq!(
             parse_request(9, Endpoint::Changes, &changes_query()),
             Err(

@@ -756,7 +756,7 @@ async fn snapshot_serves_a_consistent_replica_without_the_change_log() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn v7_reserve_then_subscribe_on_one_socket_section_3_3() {
+async fn v7_reserve_then_subscribe_on_one_socket() {
     let h = Harness::start("subscribe", Duration::from_secs(30)).await;
     h.transaction(0x200, &[1], true).await;
     wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
@@ -1041,7 +1041,7 @@ fn owner_address_is_what_zero_discovers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_that_stops_answering_pings_is_dropped_section_2_2() {
+async fn a_peer_that_stops_answering_pings_is_dropped() {
     let h = Harness::start_with(
         "liveness",
         Duration::from_secs(30),

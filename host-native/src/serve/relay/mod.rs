@@ -321,7 +321,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn subscribe_urls_accept_the_forms_zero_accepts_section_2_3() {
+    fn subscribe_urls_accept_the_forms_zero_accepts() {
         let path = "/replication/v8/subscribe?taskID=app-relay%40127.0.0.1%3A4850";
         for from in [
             "ws://primary:4848",
