@@ -55,7 +55,14 @@ function start() {
   state.offline = false;
   state.pending = [];
   const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/sync`;
-  const client = new HighwaterClient({ url, token, store: new IndexedDbStore("highwater-demo") });
+  // Tabs of one user share one socket: the leader tab's client serves the others' scopes with
+  // its token, so the share is named after the user.
+  const client = new HighwaterClient({
+    url,
+    token,
+    store: new IndexedDbStore("highwater-demo"),
+    shareTabs: `highwater-demo-${state.user}`,
+  });
   state.client = client;
   client.on("status", () => renderStatus());
   const specs = [

@@ -38,6 +38,8 @@ try {
     "dist/react.js",
     "dist/stores.d.ts",
     "dist/stores.js",
+    "dist/tabs.d.ts",
+    "dist/tabs.js",
     "dist/tanstack-db.d.ts",
     "dist/tanstack-db.js",
     "dist/wasm/api.d.ts",

@@ -4,6 +4,7 @@
 import { SyncClientCore, scopeDigest } from "./wasm/api.js";
 import type { ClientEvent, ConnectionStatus, CoreRowChange, CoreWrite, JsonValue, PersistWrite, ScopeCondition, SyncCursor } from "./wasm/api.js";
 import { MemoryStore, type ScopeStore } from "./stores.js";
+import { Tabs, type TabMessage } from "./tabs.js";
 
 /** A row: the replicated columns. */
 export type Row = Record<string, JsonValue>;
@@ -35,6 +36,23 @@ export interface HighwaterClientOptions {
   token?: TokenSource;
   /** Where rows and cursors are kept; default a new `MemoryStore`. */
   store?: ScopeStore;
+  /**
+   * Share one socket among the tabs of this origin: `true` (named after the store: an
+   * `IndexedDbStore`'s name) or a name. The tabs elect a leader with the Web Locks API; it
+   * holds the socket and writes the store, the others subscribe through it (BroadcastChannel)
+   * and see the same rows, events and status. When the leader's tab closes another takes over
+   * and resumes from the stored cursors. Where Web Locks or BroadcastChannel are missing each
+   * tab keeps its own socket, and `status.tabs` says `"unshared"`.
+   */
+  shareTabs?: boolean | string;
+}
+
+/** This tab's part when tabs share a socket (`shareTabs`). */
+export type TabRole = "leader" | "follower" | "unshared";
+
+/** The connection's status; `tabs` only when `shareTabs` was asked for. */
+export interface ClientStatus extends ConnectionStatus {
+  tabs?: TabRole;
 }
 
 export interface ScopeParams {
@@ -148,7 +166,7 @@ export class Subscription<R = Row> extends Emitter<SubscriptionEvents<R>> {
 
   /** The persisted cursor: `{id, serverSequence, updatedAt}`, or `null` before the first sync. */
   get cursor(): SyncCursor | null {
-    return this.#closed || this.#client.closed ? null : (this.#client.core().cursor(this.#key) as SyncCursor | null);
+    return this.#closed || this.#client.closed ? null : this.#client.cursorOf(this.#key);
   }
 
   /**
@@ -157,7 +175,7 @@ export class Subscription<R = Row> extends Emitter<SubscriptionEvents<R>> {
    * catch-up's count; each "ready" event carries the new one.
    */
   get replayedOnLastResume(): number {
-    return this.#closed || this.#client.closed ? 0 : this.#client.core().replayed(this.#key);
+    return this.#closed || this.#client.closed ? 0 : this.#client.replayedOf(this.#key);
   }
 
   /** @internal The stored form of a write from the core: its upserts take the rows held. */
@@ -259,7 +277,7 @@ export class Subscription<R = Row> extends Emitter<SubscriptionEvents<R>> {
 }
 
 export interface ClientEvents {
-  status: ConnectionStatus;
+  status: ClientStatus;
   error: SyncProblem;
 }
 
@@ -271,7 +289,19 @@ export class HighwaterClient extends Emitter<ClientEvents> {
   #storeKeys = new Map<number, string>();
   #writes = new Map<string, Promise<void>>();
   #nextKey = 1;
-  #status: ConnectionStatus = { state: "connecting" };
+  #status: ClientStatus = { state: "connecting" };
+  /** Tabs sharing this client's socket (`shareTabs`), when the runtime can. */
+  #tabs: Tabs | null = null;
+  #role: TabRole | null = null;
+  /** As a follower: each scope's cursor and catch-up count, as the leader last said. */
+  #remote = new Map<number, { cursor: SyncCursor | null; replayed: number }>();
+  /** As the leader: the core key serving each other tab's scope, and back. */
+  #proxies = new Map<string, number>();
+  #proxied = new Map<number, { tab: string; key: number }>();
+  /** Tabs the leader watches for closing. */
+  #watched = new Set<string>();
+  /** Scopes the core has been given (their store read is done). */
+  #inCore = new Set<number>();
   #loading = new Set<Promise<void>>();
   #closed = false;
   #detach: () => void = () => undefined;
@@ -289,8 +319,27 @@ export class HighwaterClient extends Emitter<ClientEvents> {
       typeof token === "function" ? ((await token()) ?? null) : (token ?? null);
     this.#core = new SyncClientCore(options.url, source, (event: ClientEvent) => this.#deliver(event));
     this.#listen();
-    // Subscriptions made right after construction load from the store before the socket opens,
-    // so stored rows show at once.
+    const share = options.shareTabs;
+    if (share !== undefined && share !== false) {
+      const storeName = (this.#store as { name?: unknown }).name;
+      const name = typeof share === "string" ? share : typeof storeName === "string" ? storeName : options.url;
+      this.#tabs = Tabs.join(
+        name,
+        (message) => this.#fromTab(message),
+        () => this.#lead(),
+      );
+      this.#role = this.#tabs === null ? "unshared" : "follower";
+      this.#status = { state: "connecting", tabs: this.#role };
+      // A follower asks who leads; the leader answers and is sent this tab's scopes.
+      this.#tabs?.post({ type: "hello", from: this.#tabs.id });
+      if (this.#tabs !== null) return;
+    }
+    this.#start();
+  }
+
+  /** Opens the socket once the subscriptions made so far have read the store, so stored rows
+   * show at once. */
+  #start(): void {
     void Promise.resolve()
       .then(() => Promise.allSettled([...this.#loading]))
       .then(() => {
@@ -298,8 +347,132 @@ export class HighwaterClient extends Emitter<ClientEvents> {
       });
   }
 
-  /** `{state, reason?}`: "connecting" | "open" | "reconnecting" | "offline" | "closed". */
-  get status(): ConnectionStatus {
+  /** This tab now leads: its scopes are subscribed again from the store (which the old leader
+   * kept current), the socket opens, and the other tabs are told to send their scopes. */
+  #lead(): void {
+    if (this.#closed || this.#tabs === null) return;
+    this.#role = "leader";
+    this.#remote.clear();
+    // Scopes still reading the store reach the core with what it holds now; the others read
+    // it again.
+    for (const [key, subscription] of this.#subscriptions) {
+      if (this.#proxied.has(key) || !this.#inCore.has(key)) continue;
+      const storeKey = this.#storeKeys.get(key);
+      if (storeKey === undefined) continue;
+      const scope = subscription.params;
+      const reload: Promise<void> = this.#afterWrites(storeKey)
+        .then(() => this.#store.load(storeKey))
+        .catch(() => null)
+        .then((stored) => {
+          if (this.#closed || !this.#subscriptions.has(key)) return;
+          this.#core.unsubscribe(key);
+          this.#core.subscribe(key, { resourceType: scope.resourceType, conditions: scope.conditions ?? {} }, stored);
+        })
+        .catch(() => undefined)
+        .finally(() => this.#loading.delete(reload));
+      this.#loading.add(reload);
+    }
+    this.#setStatus({ ...this.#status });
+    this.#tabs.post({ type: "leader", from: this.#tabs.id });
+    this.#start();
+  }
+
+  /** A message from another tab. */
+  #fromTab(message: TabMessage): void {
+    const tabs = this.#tabs;
+    if (tabs === null || this.#closed) return;
+    if (this.#role === "leader") {
+      switch (message.type) {
+        case "hello":
+          tabs.post({ type: "leader", from: tabs.id });
+          tabs.post({ type: "status", from: tabs.id, status: this.#status });
+          return;
+        case "subscribe": {
+          const id = `${message.from}:${message.key}`;
+          if (this.#proxies.has(id)) return;
+          this.subscribe(message.scope as ScopeParams);
+          // The key `subscribe` just gave.
+          const key = this.#nextKey - 1;
+          this.#proxies.set(id, key);
+          this.#proxied.set(key, { tab: message.from, key: message.key });
+          if (!this.#watched.has(message.from)) {
+            this.#watched.add(message.from);
+            tabs.watch(message.from, () => this.#dropTab(message.from));
+          }
+          return;
+        }
+        case "unsubscribe": {
+          const key = this.#proxies.get(`${message.from}:${message.key}`);
+          if (key !== undefined) this.#dropProxy(key);
+          return;
+        }
+        default:
+          return;
+      }
+    }
+    // A follower.
+    switch (message.type) {
+      case "leader":
+        // A new leader (or the answer to hello): it is sent every scope of this tab.
+        for (const [key, subscription] of this.#subscriptions) {
+          tabs.post({ type: "subscribe", from: tabs.id, key, scope: subscription.params });
+        }
+        return;
+      case "status": {
+        const status = message.status as ConnectionStatus;
+        this.#setStatus(status.reason === undefined ? { state: status.state } : { state: status.state, reason: status.reason });
+        return;
+      }
+      case "event": {
+        if (message.to !== tabs.id) return;
+        const subscription = this.#subscriptions.get(message.key);
+        if (subscription === undefined) return;
+        this.#remote.set(message.key, { cursor: message.cursor as SyncCursor | null, replayed: message.replayed });
+        subscription.deliver(message.event as ClientEvent);
+        return;
+      }
+      default:
+        return;
+    }
+  }
+
+  #dropProxy(key: number): void {
+    const target = this.#proxied.get(key);
+    if (target === undefined) return;
+    this.#proxied.delete(key);
+    this.#proxies.delete(`${target.tab}:${target.key}`);
+    this.#subscriptions.get(key)?.unsubscribe();
+  }
+
+  /** Another tab closed: its scopes are no longer served. */
+  #dropTab(tab: string): void {
+    this.#watched.delete(tab);
+    for (const [key, target] of [...this.#proxied]) if (target.tab === tab) this.#dropProxy(key);
+  }
+
+  #setStatus(status: ConnectionStatus): void {
+    this.#status = this.#role === null ? status : { ...status, tabs: this.#role };
+    this.emit("status", this.#status);
+    if (this.#role === "leader") this.#tabs?.post({ type: "status", from: this.#tabs.id, status: this.#status });
+  }
+
+  /** @internal A scope's cursor: the core's, or as a follower the leader's. */
+  cursorOf(key: number): SyncCursor | null {
+    const remote = this.#role === "follower" ? this.#remote.get(key) : undefined;
+    return remote !== undefined ? remote.cursor : (this.#core.cursor(key) as SyncCursor | null);
+  }
+
+  /** @internal A scope's last catch-up count: the core's, or as a follower the leader's. */
+  replayedOf(key: number): number {
+    const remote = this.#role === "follower" ? this.#remote.get(key) : undefined;
+    return remote !== undefined ? remote.replayed : this.#core.replayed(key);
+  }
+
+  /**
+   * `{state, reason?}`: "connecting" | "open" | "reconnecting" | "offline" | "closed"; with
+   * `shareTabs`, also `tabs`: "leader", "follower" or "unshared".
+   */
+  get status(): ClientStatus {
     return this.#status;
   }
 
@@ -325,6 +498,8 @@ export class HighwaterClient extends Emitter<ClientEvents> {
       .then((stored) => {
         if (this.#closed || !this.#subscriptions.has(key)) return;
         this.#core.subscribe(key, scope, stored);
+        this.#inCore.add(key);
+        if (this.#role === "follower") this.#tabs?.post({ type: "subscribe", from: this.#tabs.id, key, scope });
       })
       .catch((error: unknown) => {
         // Params the core refuses (a blank resourceType, say): the scope fails, `ready` rejects.
@@ -341,14 +516,15 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     return subscription;
   }
 
-  /** Closes the socket and stays offline until `goOnline()`. */
+  /** Closes the socket and stays offline until `goOnline()` (with `shareTabs`, only in the
+   * tab that leads: it switches the shared socket). */
   goOffline(): void {
-    if (!this.#closed) this.#core.goOffline();
+    if (!this.#closed && this.#role !== "follower") this.#core.goOffline();
   }
 
-  /** Reconnects now (also after `goOffline()`). */
+  /** Reconnects now (also after `goOffline()`); with `shareTabs`, only in the tab that leads. */
   goOnline(): void {
-    if (!this.#closed) this.#core.goOnline();
+    if (!this.#closed && this.#role !== "follower") this.#core.goOnline();
   }
 
   /** Closes the socket for good; resolves once every store write has finished. */
@@ -356,6 +532,8 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     if (!this.#closed) {
       this.#closed = true;
       this.#detach();
+      // The locks go: another tab takes the lead, and the leader drops this tab's scopes.
+      this.#tabs?.close();
       this.#core.close();
       // The core holds the emit callback, which holds this client: free it explicitly (later,
       // so a close from inside an event handler does not free the core under its own call).
@@ -379,7 +557,9 @@ export class HighwaterClient extends Emitter<ClientEvents> {
   release(key: number): void {
     this.#subscriptions.delete(key);
     this.#storeKeys.delete(key);
+    this.#inCore.delete(key);
     this.#core.unsubscribe(key);
+    if (this.#role === "follower") this.#tabs?.post({ type: "unsubscribe", from: this.#tabs.id, key });
   }
 
   #afterWrites(storeKey: string): Promise<void> {
@@ -403,8 +583,9 @@ export class HighwaterClient extends Emitter<ClientEvents> {
   #deliver(event: ClientEvent): void {
     switch (event.type) {
       case "status": {
-        this.#status = event.reason === undefined ? { state: event.state } : { state: event.state, reason: event.reason };
-        this.emit("status", this.#status);
+        // A follower's own core never connects: its status is the leader's.
+        if (this.#role === "follower") return;
+        this.#setStatus(event.reason === undefined ? { state: event.state } : { state: event.state, reason: event.reason });
         return;
       }
       case "persist": {
@@ -417,11 +598,28 @@ export class HighwaterClient extends Emitter<ClientEvents> {
           this.emit("error", { code: event.code, message: event.message });
         } else {
           this.#subscriptions.get(event.scope)?.deliver(event);
+          this.#forward(event.scope, event);
         }
         return;
       default:
         this.#subscriptions.get(event.scope)?.deliver(event);
+        this.#forward(event.scope, event);
     }
+  }
+
+  /** A scope served for another tab: its event goes on to that tab, with the scope's cursor. */
+  #forward(key: number, event: ClientEvent): void {
+    const target = this.#proxied.get(key);
+    if (target === undefined || this.#tabs === null) return;
+    this.#tabs.post({
+      type: "event",
+      from: this.#tabs.id,
+      to: target.tab,
+      key: target.key,
+      event,
+      cursor: this.#core.cursor(key) as unknown,
+      replayed: this.#core.replayed(key),
+    });
   }
 
   /**

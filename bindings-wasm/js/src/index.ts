@@ -47,6 +47,7 @@ export type {
 export { HighwaterClient, Subscription } from "./client.js";
 export type {
   ClientEvents,
+  ClientStatus,
   HighwaterClientOptions,
   ProgressEvent,
   Row,
@@ -55,6 +56,7 @@ export type {
   ScopeParams,
   SubscriptionEvents,
   SyncProblem,
+  TabRole,
   TokenSource,
 } from "./client.js";
 export { IndexedDbStore, MemoryStore } from "./stores.js";

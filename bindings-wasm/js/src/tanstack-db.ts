@@ -1,7 +1,7 @@
 // `highwater/tanstack-db`: a scope as a TanStack DB collection. Import it only where TanStack DB
 // is: the core entry points never load it.
 import type { CollectionConfig, SyncConfig } from "@tanstack/db";
-import type { HighwaterClient, RowChangeEvent, ScopeParams, Subscription, SyncProblem } from "./client.js";
+import type { HighwaterClient, Row, RowChangeEvent, ScopeParams, Subscription, SyncProblem } from "./client.js";
 
 /** What `highwaterCollectionOptions` needs. */
 export interface HighwaterCollectionConfig<T extends object, K extends string | number> {
@@ -37,7 +37,7 @@ export interface HighwaterCollectionUtils {
  * }));
  * ```
  */
-export function highwaterCollectionOptions<T extends object, K extends string | number = string | number>(
+export function highwaterCollectionOptions<T extends object = Row, K extends string | number = string | number>(
   config: HighwaterCollectionConfig<T, K>,
 ): CollectionConfig<T, K, never, HighwaterCollectionUtils> & { utils: HighwaterCollectionUtils } {
   let current: Subscription<T> | null = null;

@@ -359,3 +359,15 @@ test("malformed scopes are refused with a code, never an unhandled rejection", (
     await fine.ready;
     await client.close();
   }));
+
+test("shareTabs without Web Locks keeps a socket of its own and says so in status", () =>
+  withServer(async (server, url) => {
+    server.write("r1", "ada", { n: 1 });
+    const client = new HighwaterClient({ url, token: "t", shareTabs: "my-app" });
+    assert.equal(client.status.tabs, "unshared");
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    assert.deepEqual(byId(todos.rows()), byId(server.scopeRows("ada")));
+    assert.deepEqual(client.status, { state: "open", tabs: "unshared" });
+    await client.close();
+  }));
