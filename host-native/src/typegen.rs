@@ -139,10 +139,15 @@ async fn read_tables(args: &TypegenArgs) -> anyhow::Result<Vec<Table>> {
         "SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
          WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition \
            AND n.nspname NOT IN ('pg_catalog', 'information_schema') \
-           AND n.nspname NOT LIKE 'pg\\_%' AND $1::text[] IS NOT NULL"
+           AND n.nspname NOT LIKE 'pg\\_%'"
     } else {
         "SELECT (quote_ident(schemaname) || '.' || quote_ident(tablename))::regclass::oid \
          FROM pg_publication_tables WHERE pubname = ANY($1)"
+    };
+    let bind: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = if existing.is_empty() {
+        Vec::new()
+    } else {
+        vec![&existing]
     };
     let rows = client
         .query(
@@ -160,7 +165,7 @@ async fn read_tables(args: &TypegenArgs) -> anyhow::Result<Vec<Table>> {
                  WHERE c.oid IN ({tables}) \
                  ORDER BY 1, 2, a.attnum"
             ),
-            &[&existing],
+            &bind,
         )
         .await?;
     let mut by_table: BTreeMap<String, Vec<Column>> = BTreeMap::new();
