@@ -164,6 +164,41 @@ impl SyncRules {
             .map(|(name, rules)| (name.as_str(), rules))
     }
 
+    /// What the rules name that the replica does not have: a table, or a column of a listed
+    /// table in `filterColumns` (which hold every `require` column), `omitColumns` or the
+    /// `where` filter. `columns_of`
+    /// gives a replicated table's columns (`None`: no such table). One message per miss,
+    /// naming where in the rules it is; empty when the rules fit.
+    pub fn schema_problems(&self, columns_of: impl Fn(&str) -> Option<Vec<String>>) -> Vec<String> {
+        let mut problems = Vec::new();
+        for (name, rules) in &self.tables {
+            let Some(columns) = columns_of(name) else {
+                problems.push(format!(
+                    "tables.{name}: the replica has no table {name:?} (is it in the publication?)"
+                ));
+                continue;
+            };
+            let mut check = |place: &str, column: &str| {
+                if !columns.iter().any(|c| c == column) {
+                    problems.push(format!(
+                        "tables.{name}.{place}: {name} has no column {column:?} (it has {})",
+                        columns.join(", ")
+                    ));
+                }
+            };
+            for column in &rules.filter_columns {
+                check("filterColumns", column);
+            }
+            for column in &rules.omit_columns {
+                check("omitColumns", column);
+            }
+            for column in rules.row_filter.iter().flat_map(RuleFilter::columns) {
+                check("where", &column);
+            }
+        }
+        problems
+    }
+
     /// The columns a scope's membership depends on, per table: its filter columns, then the
     /// columns its row filter reads. The server indexes these and keeps their old values in
     /// exits, so a row leaving a scope by a change of any of them is seen.

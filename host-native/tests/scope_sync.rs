@@ -1777,3 +1777,33 @@ async fn metrics_parse_as_prometheus_text_and_move_under_a_workload() {
 
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_naming_a_table_or_column_the_replica_lacks_are_refused_at_start() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    let files = SyncFiles::with_rules(
+        r#"{"tables":{"todos":{"filterColumns":["owner","ownr"],"omitColumns":["secret_note"],"where":"done = false OR prio > 3"},"ghosts":{"filterColumns":["id"]}}}"#,
+    );
+    let data = DataDir::new("rules-misfit");
+    let mut args = serve_args(&pg.url(), data.path(), free_port());
+    files.apply(&mut args);
+    let (_stop, stop) = tokio::sync::watch::channel(false);
+    let error = tokio::time::timeout(PROMPT, highwater_host::serve::serve(args, stop))
+        .await
+        .expect("serve stops on its own")
+        .expect_err("rules that do not fit are refused");
+    assert!(
+        matches!(error, highwater_host::serve::ServeError::RulesDoNotFit(_)),
+        "{error}"
+    );
+    let text = error.to_string();
+    for miss in [
+        r#"tables.ghosts: the replica has no table "ghosts""#,
+        r#"tables.todos.filterColumns: todos has no column "ownr""#,
+        r#"tables.todos.where: todos has no column "prio""#,
+    ] {
+        assert!(text.contains(miss), "{miss} in {text}");
+    }
+}

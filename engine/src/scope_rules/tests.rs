@@ -336,3 +336,31 @@ fn a_where_filter_is_parsed_at_load_bound_to_the_claims_and_indexed() {
         .to_string();
     assert!(error.contains("a SQL boolean expression"), "{error}");
 }
+
+#[test]
+fn schema_problems_name_each_table_and_column_the_replica_lacks() {
+    let rules = SyncRules::from_json(
+        r#"{"tables": {
+            "todos": {"filterColumns": ["owner", "ownr"], "omitColumns": ["secret"],
+                      "require": {"ownr": "sub"}, "where": "done = false OR prio > 3"},
+            "ghosts": {"filterColumns": ["id"]}
+        }}"#,
+    )
+    .expect("rules");
+    let columns_of = |table: &str| {
+        (table == "todos").then(|| vec!["id".to_owned(), "owner".to_owned(), "done".to_owned()])
+    };
+    let problems = rules.schema_problems(columns_of);
+    assert_eq!(
+        problems,
+        [
+            r#"tables.ghosts: the replica has no table "ghosts" (is it in the publication?)"#,
+            r#"tables.todos.filterColumns: todos has no column "ownr" (it has id, owner, done)"#,
+            r#"tables.todos.omitColumns: todos has no column "secret" (it has id, owner, done)"#,
+            r#"tables.todos.where: todos has no column "prio" (it has id, owner, done)"#,
+        ]
+    );
+    let fitting = SyncRules::from_json(r#"{"tables": {"todos": {"filterColumns": ["owner"]}}}"#)
+        .expect("rules");
+    assert!(fitting.schema_problems(columns_of).is_empty());
+}

@@ -335,6 +335,9 @@ pub enum ServeError {
     Source(String),
     #[error("expected {expected}, found {found}")]
     Invariant { expected: String, found: String },
+    /// `--sync-rules` names tables or columns the replica does not have.
+    #[error("the sync rules do not fit the replicated tables: {0}")]
+    RulesDoNotFit(String),
     #[error("a server task failed: {0}")]
     Task(String),
     #[error("the server stopped: {0}")]
@@ -650,6 +653,17 @@ async fn run_server(
     let sync_hub = match &settings.sync {
         None => None,
         Some(auth) => {
+            // Rules naming a table or column the replica lacks would only fail subscribes later,
+            // one by one: the server refuses to start instead, naming every miss.
+            let replica = writer.replica();
+            let problems = auth.rules().schema_problems(|table| {
+                replica
+                    .table(table)
+                    .map(|t| t.columns.iter().map(|c| c.name.clone()).collect())
+            });
+            if !problems.is_empty() {
+                return Err(ServeError::RulesDoNotFit(problems.join("; ")));
+            }
             writer.enable_scope_feed(auth.filter_columns().into_iter().collect())?;
             let mut config = ServerConfig::new(log.replica_version.as_str());
             config.slow_consumer_timeout_ms = settings.sync_slow_consumer_ms;
