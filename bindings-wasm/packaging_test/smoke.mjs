@@ -1,13 +1,6 @@
 // What a user writes: one call of each family through the installed package.
-import {
-  BackfillTracker,
-  ScopeBridge,
-  compareWatermarks,
-  cursorFromPayload,
-  isHighwaterError,
-  parseChangeStreamMessage,
-  scopeDigest,
-} from "highwater";
+import { compareWatermarks, cursorFromPayload, isHighwaterError, scopeDigest } from "highwater";
+import { BackfillTracker, ScopeBridge, parseChangeStreamMessage } from "highwater/tools";
 
 const results = {
   watermark: compareWatermarks("579e6a5", "579e6a5.01"),

@@ -1,18 +1,20 @@
 // Type-checks the published declarations the way a TypeScript user consumes them.
 import {
-  BackfillTracker,
   HighwaterClient,
   MemoryStore,
   type ConnectionStatus,
   type Row,
-  ScopeBridge,
   compareCursors,
-  encodeChangeStreamMessage,
   isHighwaterError,
-  type BridgeEffect,
-  type ChangeStreamMessage,
   type SyncCursor,
 } from "highwater";
+import {
+  BackfillTracker,
+  ScopeBridge,
+  encodeChangeStreamMessage,
+  type BridgeEffect,
+  type ChangeStreamMessage,
+} from "highwater/tools";
 
 const cursor: SyncCursor = { id: "1", serverSequence: 7n, updatedAt: "2026-07-01T10:00:00.000Z" };
 const order: number = compareCursors(cursor, null);

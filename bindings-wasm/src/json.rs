@@ -56,7 +56,9 @@ pub(crate) fn to_js(value: &Value) -> Result<JsValue, JsValue> {
 /// [`to_js`] of a serializable value, for large ones (events, pages of rows): one
 /// `JSON.parse` of its text instead of a call across the boundary per property, when that gives
 /// the same value (see [`text_parses_exactly`]); otherwise through [`Value`] and [`to_js`].
-/// Serialized straight to text, so the value is not first copied into a [`Value`].
+/// Serialized straight to text, so the value is not first copied into a [`Value`]. The
+/// client's (a tools-only build has no use for it).
+#[cfg_attr(not(feature = "client"), allow(dead_code))]
 pub(crate) fn to_js_bulk<T: Serialize + ?Sized>(value: &T) -> Result<JsValue, JsValue> {
     let unserializable = |e: serde_json::Error| {
         Failure::new(
@@ -78,6 +80,7 @@ pub(crate) fn to_js_bulk<T: Serialize + ?Sized>(value: &T) -> Result<JsValue, Js
 /// number is an integer beyond ±(2^53 − 1) (a `bigint` for `to_js`, a rounded number for
 /// `JSON.parse`) or `-0`. `text` is serde_json's own output, so a plain scan finds the numbers:
 /// every number token outside a string. Written by hand: no JSON crate reports this.
+#[cfg_attr(not(feature = "client"), allow(dead_code))]
 fn text_parses_exactly(text: &str) -> bool {
     let bytes = text.as_bytes();
     let mut at = 0;

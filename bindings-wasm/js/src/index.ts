@@ -1,47 +1,28 @@
-// The API shared by the Node and browser entry points: the engine's exports plus JS conveniences.
-import type { HighwaterError, HighwaterErrorCode } from "./wasm/api.js";
+// The API shared by the Node and browser entry points: the client, cursors, scopes and
+// watermarks. The protocol tools (change-stream messages, backfills, the velocious bridge) are
+// `highwater/tools`, a module of their own.
 
 export {
-  BackfillTracker,
   compareCursors,
   compareWatermarks,
   cursorFromPayload,
   cursorToParams,
-  encodeChangeStreamFrame,
-  encodeChangeStreamMessage,
   isCursorAfter,
   lsnToWatermark,
-  parseChangeStreamFrame,
-  parseChangeStreamMessage,
-  ScopeBridge,
   scopeDigest,
   SyncClientCore,
   scopeMatches,
   watermarkToLsn,
 } from "./wasm/api.js";
 export type {
-  BackfillRequest,
-  BridgeEffect,
-  BridgeState,
-  BridgeStatus,
-  ChangeStreamFrame,
-  ChangeStreamMessage,
-  ChannelStatus,
   CursorParamPrefix,
   CursorParamsFormName,
-  DropReason,
   HighwaterError,
   HighwaterErrorCode,
   JsonValue,
-  MessageRejection,
-  RemoteChange,
-  ScopeBridgeConfig,
-  ScopeChannel,
   ScopeCondition,
   ScopeScalar,
-  SubscribedScope,
   SyncCursor,
-  SyncScope,
 } from "./wasm/api.js";
 
 export { HighwaterClient, Subscription } from "./client.js";
@@ -74,12 +55,4 @@ export type {
   StoredScopeData,
 } from "./wasm/api.js";
 
-/** True for errors thrown by this package; narrow further with `code`. */
-export function isHighwaterError(error: unknown, code?: HighwaterErrorCode): error is HighwaterError {
-  return (
-    error instanceof Error &&
-    error.name === "HighwaterError" &&
-    typeof (error as Partial<HighwaterError>).code === "string" &&
-    (code === undefined || (error as HighwaterError).code === code)
-  );
-}
+export { isHighwaterError } from "./errors.js";

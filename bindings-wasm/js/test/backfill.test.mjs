@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { BackfillTracker } from "highwater";
+import { BackfillTracker } from "highwater/tools";
 
 const relation = { schema: "public", name: "foo", rowKey: { columns: ["id"] } };
 const begin = ["begin", { tag: "begin" }, { commitWatermark: "01" }];

@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { ScopeBridge, scopeDigest } from "highwater";
+import { ScopeBridge, scopeDigest } from "highwater/tools";
 
 const at = (second) => `2026-07-01T10:00:${String(second).padStart(2, "0")}.000Z`;
 const cursor = (sequence) => ({ id: String(sequence), serverSequence: sequence, updatedAt: at(sequence % 60) });

@@ -8,7 +8,7 @@ import {
   isHighwaterError,
   parseChangeStreamFrame,
   parseChangeStreamMessage,
-} from "highwater";
+} from "highwater/tools";
 
 import { jsRepresentationErrors, missingFrom, parseRaw } from "./support/raw-json.mjs";
 
