@@ -70,7 +70,7 @@ export async function until(what, check, timeoutMs = 20_000, everyMs = 100) {
   throw new Error(`Timed out after ${timeoutMs} ms waiting for ${what}${last ? `: ${last.message}` : ""}`);
 }
 
-function highwaterBinary() {
+export function highwaterBinary() {
   if (process.env.HIGHWATER_BIN) return process.env.HIGHWATER_BIN;
   const target = process.env.CARGO_TARGET_DIR ?? join(repo, "target");
   return join(target, "debug", "highwater");
@@ -89,11 +89,12 @@ function psqlBinary() {
 /** `highwater demo` on a free port (or `port`), with its own private Postgres unless `upstream`
  * is given; by default it writes nothing on its own. */
 export class Demo {
-  static async start({ writesPerSecond = 0, port, upstream, data } = {}) {
+  static async start({ writesPerSecond = 0, port, upstream, data, webDir } = {}) {
     port ??= await freePort();
     const args = ["demo", "--port", String(port), "--writes-per-second", String(writesPerSecond)];
     if (upstream) args.push("--upstream", upstream);
     if (data) args.push("--data", data);
+    if (webDir) args.push("--web-dir", webDir);
     const child = spawn(highwaterBinary(), args, {
       cwd: repo,
       stdio: ["ignore", "pipe", "pipe"],

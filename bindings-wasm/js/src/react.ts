@@ -1,8 +1,7 @@
 // `highwater/react`: a scope as React state. Import it only where React is: the core entry
 // points never load it, so a page without React carries none of this.
 import { useEffect, useRef, useState, useSyncExternalStore } from "react";
-import type { HighwaterClient, ProgressEvent, Row, ScopeParams, Subscription, SyncProblem } from "./client.js";
-import type { ConnectionStatus } from "./wasm/api.js";
+import type { ClientStatus, HighwaterClient, ProgressEvent, Row, ScopeParams, Subscription, SyncProblem } from "./client.js";
 
 /** What `useScope` returns: one snapshot, replaced only when something in it changed. */
 export interface ScopeState<R = Row> {
@@ -12,8 +11,8 @@ export interface ScopeState<R = Row> {
    * only for rows that changed.
    */
   rows: readonly R[];
-  /** The client's connection: `{state, reason?}`. */
-  status: ConnectionStatus;
+  /** The client's connection: `{state, reason?}`, and `tabs` with `shareTabs`. */
+  status: ClientStatus;
   /** Caught up with the server (the catch-up replay was applied). */
   ready: boolean;
   /** The catch-up's progress while it runs, `null` before the first page. */
