@@ -120,4 +120,15 @@ describe("a React app in three tabs", { timeout: 240_000 }, () => {
     await allShowPostgres("the new row in the remaining tabs");
     await until("one /sync socket again", async () => (await syncSockets()) === 1, WAIT);
   });
+
+  test("closing a follower's tab leaves the leader serving the rest", async () => {
+    const tabs = await Promise.all(pages.map(async (page) => (await state(page)).tabs));
+    const follower = pages[tabs.indexOf("follower")];
+    await follower.close();
+    pages = pages.filter((page) => page !== follower);
+    assert.equal((await state(pages[0])).tabs, "leader");
+    demo.sql("INSERT INTO todos (owner, title) VALUES ('ada', 'After a follower closed');");
+    await allShowPostgres("the new row in the last tab");
+    assert.equal(await syncSockets(), 1);
+  });
 });
