@@ -92,8 +92,8 @@ pub(crate) struct Ingest {
     group: GroupCommit<Watermark>,
     /// The open group's scope-feed entries.
     grouped: Vec<CommittedChanges>,
-    /// Committed groups' scope-feed entries (by the group's last commit), routed once a sync
-    /// made the group durable.
+    /// Committed groups' scope-feed entries (by the group's last commit, with its upstream
+    /// commit time for the lag metrics), routed once a sync made the group durable.
     unsynced_feed: VecDeque<(Watermark, Option<i64>, Vec<CommittedChanges>)>,
     /// Syncs the replica's WAL apart from its commits; `None` when the replica's commits sync
     /// themselves (a database not in WAL mode), each then durable at its commit.
