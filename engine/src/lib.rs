@@ -8,6 +8,7 @@ pub mod backfill;
 pub mod backoff;
 pub mod change_stream;
 pub mod cursor;
+pub mod liveness;
 pub mod pgoutput;
 pub mod realtime_bridge;
 pub mod replay;

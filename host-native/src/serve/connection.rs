@@ -9,6 +9,7 @@ use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket};
 use bytes::BytesMut;
 use futures::{SinkExt, StreamExt};
 use highwater_engine::change_stream::{close_reason, PROTOCOL_ERROR_CLOSE_CODE};
+use highwater_engine::liveness;
 use highwater_engine::streamer::{ConnId, Effect, Outgoing};
 use tokio::sync::{mpsc, watch};
 
@@ -77,8 +78,11 @@ pub(crate) async fn run(
     let mut ping = tokio::time::interval(ping_interval);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ping.tick().await;
-    // Whether anything arrived from the peer since the last ping.
-    let mut alive = true;
+    // When anything last arrived from the peer (the engine's liveness rule judges it).
+    let clock = std::time::Instant::now();
+    let elapsed_ms = || u64::try_from(clock.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let mut last_heard_ms = 0;
+    let ping_interval_ms = u64::try_from(ping_interval.as_millis()).unwrap_or(u64::MAX);
     let mut close: Option<CloseFrame> = None;
     let mut frames = FrameBuffer::default();
     loop {
@@ -107,7 +111,7 @@ pub(crate) async fn run(
                 }
             }
             message = stream.next() => {
-                alive = true;
+                last_heard_ms = elapsed_ms();
                 match message {
                     Some(Ok(Message::Text(text))) => {
                         hub.call(|s, now| s.on_client_frame(conn, text.as_str(), now));
@@ -127,11 +131,10 @@ pub(crate) async fn run(
                 }
             }
             _ = ping.tick() => {
-                if !alive {
-                    tracing::info!(%conn, "no message or pong for a whole ping interval: closing");
+                if liveness::peer_is_gone(last_heard_ms, elapsed_ms(), ping_interval_ms) {
+                    tracing::info!(%conn, "no message or pong for two ping intervals: closing");
                     break;
                 }
-                alive = false;
                 let ping = sink.send(Message::Ping(Default::default()));
                 match unless_stuck(ping, &mut closing).await {
                     Ok(Ok(())) => {}

@@ -21,6 +21,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::extract::ws::{CloseFrame, Message, WebSocket};
 use futures::{SinkExt, StreamExt};
+use highwater_engine::liveness;
 use highwater_engine::scope_server::{
     codes, ConnId, Decision, FeedChange, FeedEntry, PageResult, ScopeServer, ServerConfig,
     ServerEffect, ServerInput, SLOW_CONSUMER_CLOSE_CODE, SLOW_CONSUMER_REASON,
@@ -398,8 +399,8 @@ impl SyncHub {
                             }
                         }
                         _ = ping.tick() => {
-                            let silent = now_ms().saturating_sub(last_seen.load(Ordering::Relaxed));
-                            if silent > 2 * u64::try_from(ping_interval.as_millis()).unwrap_or(u64::MAX) {
+                            let interval_ms = u64::try_from(ping_interval.as_millis()).unwrap_or(u64::MAX);
+                            if liveness::peer_is_gone(last_seen.load(Ordering::Relaxed), now_ms(), interval_ms) {
                                 tracing::info!(conn, "scope-sync peer silent for two ping intervals: closing");
                                 break None;
                             }
