@@ -315,9 +315,15 @@ function renderStatus() {
   el.dataset.state = status.state;
   $("#status-text").textContent = STATUS_TEXT[status.state] ?? status.state;
   el.title = status.reason ?? "";
+  // Tabs of one user share one socket: say which tab holds it.
+  const follower = status.tabs === "follower";
+  $("#tabs").textContent =
+    status.tabs === "leader" ? "socket in this tab" : follower ? "socket in another tab" : "";
   const toggle = $("#offline");
   toggle.textContent = state.offline ? "Go online" : "Go offline";
   toggle.classList.toggle("active", state.offline);
+  toggle.disabled = follower;
+  toggle.title = follower ? "The tab that holds the socket can take it offline" : "";
   for (const scope of state.scopes) refresh(scope);
 }
 

@@ -57,7 +57,13 @@ describe("tabs sharing one socket", { timeout: 180_000 }, () => {
     const roles = await Promise.all(pages.map(role));
     assert.deepEqual([...roles].sort(), ["follower", "follower", "leader"]);
     await until("one /sync socket", async () => (await syncSockets()) === 1, WAIT);
-    for (const page of pages) assert.equal(await page.evaluate(() => window.demo.client.status.state), "open");
+    for (const [i, page] of pages.entries()) {
+      assert.equal(await page.evaluate(() => window.demo.client.status.state), "open");
+      // The page says which tab holds the socket; only that one can take it offline.
+      const leads = roles[i] === "leader";
+      assert.equal(await page.textContent("#tabs"), leads ? "socket in this tab" : "socket in another tab");
+      assert.equal(await page.isDisabled("#offline"), !leads);
+    }
     const title = `Seen in every tab ${Date.now()}`;
     demo.sql(`INSERT INTO todos (owner, title) VALUES ('ada', '${title}');`);
     await allEqualPostgres("the new row in every tab");
