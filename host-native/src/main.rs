@@ -6,7 +6,10 @@ use clap::{CommandFactory, Parser, Subcommand};
 /// (SQLite's too): measured on `bench sync`, the server's memory falls back after clients
 /// leave and after large replays (glibc kept 135 MiB after a run, jemalloc 27–36 MiB), and a
 /// replay is served faster. Its settings, a background thread returning memory unused for a
-/// second, are in `.cargo/config.toml`.
+/// second, are in `.cargo/config.toml`. mimalloc, tried earlier for the change stream's
+/// fan-out, was not kept: it halved the page faults but cost more CPU than it saved
+/// (`BENCHMARKS.md`, section "Fan-out: one change stream to many subscribers, and catch-up
+/// from the log").
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

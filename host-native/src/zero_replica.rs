@@ -26,6 +26,11 @@
 //! The view-syncer then subscribes at the replica's watermark: Highwater's change log must
 //! still reach back to it (it does for as long as Highwater's purge delay), and the replica
 //! version must be Highwater's (it is, by construction).
+//!
+//! Limits: only Zero 1.9's layout (replica schema v13, [`ZERO_REPLICA_SCHEMA_VERSION`]) is
+//! written. A snapshot with a backfill still pending is refused (its columns would lack their
+//! values). A replica made before Highwater recorded upstream indexes (`_hw_indexes`) exports
+//! its key index as `<table>_pkey` and its other indexes as non-unique.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

@@ -1,6 +1,12 @@
 // HighwaterClient: live rows of scopes over one socket. The rules (reconnect, heartbeat,
 // tokens, resume, cursors) run in the WebAssembly core; this file keeps handles, events and
 // store writes.
+//
+// A fresh process applies its first replay while V8 still compiles the wasm module's hot
+// code (Liftoff, then TurboFan), so it replays slower than a warm one (BENCHMARKS.md,
+// section "Browser/Node client: package size and replay into `HighwaterClient`"). The
+// wake on a page shown again (`#listen`) is tested in the engine and, with a stand-in
+// `document`, in the package's Node tests, not yet in a real browser.
 import { SyncClientCore, scopeDigest } from "./wasm/api.js";
 import type { ClientEvent, ConnectionStatus, CoreRowChange, CoreWrite, JsonValue, PersistWrite, ScopeCondition, SyncCursor } from "./wasm/api.js";
 import { MemoryStore, type ScopeStore } from "./stores.js";

@@ -14,6 +14,13 @@
 //! decoded but not mapped: they are a typed [`MappingError::BinaryValue`].
 //!
 //! Everything here is pure: bytes in, values out. Malformed input is a typed error, never a panic.
+//!
+//! Protocol version 1 only: Postgres sends a transaction once it has committed, so a large
+//! transaction reaches the consumer all at once, after its commit, and is decoded and stored
+//! from then on. Streaming in-progress transactions (protocol version 2's `streaming` option,
+//! Postgres 14+) is not built: the replica would have to hold a streamed transaction's rows
+//! apart until its commit or abort. `BENCHMARKS.md`, section "Ingest: Postgres commit to
+//! durable SQLite replica", measures what that costs (its `--mode live-shared` runs).
 
 mod array;
 mod datetime;

@@ -8,6 +8,12 @@
 //! fails with the same [`MappingError`](super::MappingError), and [`TextRowChange::to_change`]
 //! gives exactly the change-stream change the JSON path would have made. A row keeps all its
 //! texts in one string, so a row costs two allocations, not one per column name and value.
+//!
+//! `replicate` takes row changes in this form (its session keeps row text) and binds each value
+//! from its text; `serve` keeps JSON rows, since its change stream carries them. The property
+//! test `text_rows_are_the_json_rows` (`mapper.rs`) checks that both forms give the same change
+//! for any row, and the replica's `text_rows_store_what_json_rows_store` that they store the
+//! same row.
 
 use std::sync::Arc;
 

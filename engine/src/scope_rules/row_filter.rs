@@ -14,6 +14,12 @@
 //! [`RuleFilter::bind`] puts a token's claims in place, giving the [`RowFilter`] a
 //! subscription is served by: the scope server matches live rows with it and the replica's
 //! replay reads render it as SQL, so both say the same.
+//!
+//! Not supported yet: a filter reads the table's own columns only, so rows reached through
+//! another table (a membership table, with rows moving in when it changes) cannot be filtered
+//! for; subqueries are refused at load. A column the filter names that the table lacks is not
+//! caught at the server's start: each subscription to the table fails on it at its first
+//! replay page, whose SQL (`replica/feed.rs`) names the column.
 
 use serde_json::{Map, Number, Value};
 use sqlparser::ast::{BinaryOperator, Expr, UnaryOperator, Value as Literal};

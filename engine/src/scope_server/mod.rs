@@ -42,6 +42,12 @@
 //! subscription that has not heard of the feed's newest routed entry for
 //! [`ServerConfig::checkpoint_interval_ms`]. Both are exact: every change of the scope up to
 //! that position has been sent on the socket before them.
+//!
+//! Live routing finds a subscription by its routing key
+//! ([`Conditions::routing_key`](crate::scope_sync::Conditions::routing_key): its first column
+//! with an equality test). A scope without one (only ranges, lists or `isNull`) is kept in its
+//! table's table-wide list, and every change to that table is matched against each scope in
+//! that list; there is no index for ranges.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 

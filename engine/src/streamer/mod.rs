@@ -36,6 +36,12 @@
 //! subscribers, and the upstream paused, until the host reports it durable.
 //!
 //! Connection ids ([`ConnId`]) and the time (`now_ms`) come from the host.
+//!
+//! One subscriber whose backlog stays above its high-water mark holds the upstream up for
+//! every subscriber ([`Effect::PauseUpstream`]) until its acks bring it down to low water, or
+//! until [`StreamerConfig::backlog_full_timeout_ms`] has passed and [`Streamer::tick`] closes
+//! it (1013). There is no release by majority: the upstream does not go on once most
+//! subscribers have taken a message, leaving the slow one to catch up from the change log.
 
 mod catchup;
 mod effect;

@@ -1,5 +1,18 @@
 //! Downstream connections: frame ids, outstanding frames and what their acks release
 //! (`docs/protocol/change-stream.md`, "Framing").
+//!
+//! Connections framing the same burst as batch frames share one serialized payload
+//! ([`SharedBatch`]). A connection that may not get batch frames (below v7, without
+//! `wsBatched`) gets one frame and one ack per message.
+//!
+//! Not built: routing a burst once for every subscriber at the same position. Each message is
+//! still offered to each subscriber in turn, on the ingest thread under the streamer's lock,
+//! which at many subscribers is much of the server's CPU (`BENCHMARKS.md`, section "Fan-out:
+//! one change stream to many subscribers, and catch-up from the log", "What bounds it"). Tried
+//! and not kept: ack-clocked framing, where a connection with a frame unacknowledged at the end
+//! of a burst keeps holding its messages until the ack. Acks were back before most bursts
+//! ended, so frames hardly grew, and a remote subscriber's messages would wait up to a round
+//! trip whenever a frame is in flight.
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -57,6 +57,16 @@
 //!
 //! The per-scope subscription rules (apply queue, the cursor guard against hazard P3, fresh ids
 //! on re-subscribe) are [`crate::realtime_bridge::ScopeBridge`]'s: each scope drives one bridge.
+//!
+//! A subscription id is never reused on one client (`s{key}.{n}.` with a client-wide count of
+//! subscribes): a scope unsubscribed while its replay was still coming and subscribed again on
+//! the same socket would otherwise take the old replay's last page and `channel-subscribed` for
+//! its own, and confirm a cursor past rows it never applied. The property tests found that
+//! history; it is kept in `engine/proptest-regressions/sync_client/tests.txt` and as
+//! `late_frames_of_an_unsubscribed_replay_do_not_confirm_its_resubscription`.
+//!
+//! A token that is not a JWT stating `iat` and `exp` (an opaque one) is not renewed ahead of
+//! time: only the server's `auth-expired` asks for a fresh one.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;

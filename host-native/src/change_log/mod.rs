@@ -25,6 +25,11 @@
 //!
 //! Functions here take the connection they work on; the writer functions expect the caller to
 //! have a transaction open (the replica writer's), so the log commits with the replica.
+//!
+//! `_hw_change_log` keeps SQLite's rowid beside its `(watermark, pos)` key: a `WITHOUT ROWID`
+//! table, tried, saved too little per transaction to be worth a second layout of the log
+//! (`BENCHMARKS.md`, section "Fan-out: one change stream to many subscribers, and catch-up
+//! from the log").
 
 mod catchup;
 

@@ -18,6 +18,16 @@
 //! deleted (or truncated) after the backfill's snapshot; a backfilling column keeps a value the
 //! stream wrote after that snapshot (tracked per row in `_hw_backfill_versions` while the column
 //! is backfilling); rows new to the replica get the snapshot's watermark as their version.
+//!
+//! What a transaction costs is kept small. A row statement's SQL is built once per table and
+//! column set and prepared through the connection's statement cache, as are the per-transaction
+//! `BEGIN`, `SAVEPOINT`, `RELEASE` and `COMMIT`; values are bound borrowed from the change
+//! ([`to_sql_ref`] for JSON rows, [`scalar_to_sql`] for text rows). A small transaction is held
+//! whole by the caller until its commit (until [`outgrows_hold`]) and applied by
+//! [`ReplicaWriter::apply_whole`] with no savepoint of its own; one that outgrows the hold
+//! streams in inside a savepoint. In a group the position row (`_hw_state`) is written once,
+//! by [`ReplicaWriter::commit_group`]. The property test `text_rows_store_what_json_rows_store`
+//! checks that a text row and its JSON row leave the same replica, bit for bit.
 
 use highwater_engine::change_stream::{
     lite_default, AddColumn, Backfill, BackfillCompleted, Begin, Change, Commit, CreateIndex,

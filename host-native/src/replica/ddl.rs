@@ -12,6 +12,13 @@
 //! warns that schema changes are not followed.
 //!
 //! Tables are matched by OID and columns by `attnum`, so renames are told apart from drops.
+//!
+//! Publication column lists and row filters (Postgres 15+): [`PublishedTable::restrict_to`]
+//! keeps a table's published columns (key columns always) and its publications' row filters,
+//! combined with `OR`, and the initial sync and backfills read upstream with them as the stream
+//! sends rows. A row filter changed later (`ALTER PUBLICATION … SET TABLE … WHERE …`) is not
+//! re-applied to rows already replicated, as in Postgres' own logical replication: a resync
+//! applies it.
 
 use highwater_engine::change_stream::{
     exact_lite_default, AddColumn, Change, ColumnDef, ColumnSpec, CreateIndex, CreateTable,

@@ -18,6 +18,12 @@
 //! cursor up to a high-water, by index range scans (`(column, _hw_seq)` for every filter
 //! column, an expression index on `_hw_exits` for old values). [`prune_exits`] drops exits older
 //! than the retention window and raises the retention floor.
+//!
+//! A transaction's entries are built in memory at its commit ([`CommittedChanges`]) and held
+//! there until they are routed, once the commit is durable: a very large transaction on a
+//! followed table needs that memory. The feed does not follow a followed table's rename or
+//! drop: nothing is recorded for it, and the table's subscribers keep their rows until they
+//! subscribe again.
 
 use std::collections::{BTreeMap, HashMap};
 

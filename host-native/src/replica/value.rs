@@ -3,6 +3,11 @@
 //! Integers are INTEGER (int8 beyond 2^53 exactly), other numbers REAL, booleans 0/1, JSON and
 //! arrays JSON text, everything else TEXT. Reading back uses the column's upstream type, so a
 //! value comes out in the same JSON form it went in.
+//!
+//! A `numeric` that is not an integer fitting an `i64` is stored as REAL too, so one with more
+//! digits than a double holds is stored rounded to one; scope sync, which reads rows from the
+//! replica (`replica/feed.rs`), sends it rounded, while the change stream carries its exact
+//! text.
 
 use std::borrow::Cow;
 

@@ -26,6 +26,17 @@
 //!
 //! Written by hand: SQLite has no call that syncs a commit already made, and `synchronous` is
 //! a setting of the connection that syncs on the committing thread.
+//!
+//! What the sync apart costs is CPU. Each group pays a hand-off to the blocking thread and a
+//! wake-up back, on top of the wake-ups every transaction already pays (the replication socket
+//! task, the ingest thread, the group's linger timer, each connection's writer task, the reader
+//! of its acks, the acknowledgement to Postgres); at a low rate every transaction is a group of
+//! its own and pays all of them. Fewer wake-ups per transaction at low rates is not built. At
+//! a high rate the ingest thread, no longer stopping for the disk, forwards smaller frames,
+//! each with its own write and ack. `replicate` keeps commits that sync themselves
+//! (`synchronous = FULL`): it has no subscribers to keep waiting, and its group commit already
+//! spreads one fsync over the transactions queued. `BENCHMARKS.md`, section "Fan-out: one
+//! change stream to many subscribers, and catch-up from the log", measures both.
 
 use std::cell::Cell;
 use std::path::{Path, PathBuf};

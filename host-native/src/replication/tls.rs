@@ -19,6 +19,12 @@
 //! TCP can be refused on its connections too. tokio-postgres does not know `verify-ca`,
 //! `verify-full` or `sslrootcert`, so they are taken out of the URL here before it parses the
 //! rest.
+//!
+//! Not supported: encrypted client keys (`sslpassword`, refused) and certificate revocation
+//! lists (`sslcrl`). Every connection uses the URL's first host only, and none uses SCRAM
+//! channel binding (`SCRAM-SHA-256-PLUS`). Since ordinary connections hand tokio-postgres a
+//! stream it did not open, their `connect_timeout` is applied here as one limit on the whole
+//! connect (TCP, TLS and authentication), not per host and attempt as libpq does.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -1,6 +1,12 @@
 //! One change-stream WebSocket: frames the streamer produced go out, client frames go to the
 //! streamer, and a ping every interval drops a peer that went silent
 //! (`docs/protocol/change-stream.md`, "Liveness").
+//!
+//! Each frame's text is written into one buffer the connection reuses (`FrameBuffer`), so a
+//! batch payload the streamer shares among connections ([`Outgoing::Batch`]) is still copied
+//! once per connection. Sending the shared payload without that copy would take WebSocket
+//! continuation frames (the frame's own `{"id":…` head, then the shared bytes), which axum's
+//! `WebSocket` does not expose; it is not built.
 
 use std::sync::Arc;
 use std::time::Duration;

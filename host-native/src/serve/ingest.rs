@@ -31,6 +31,19 @@
 //! one may start (between upstream transactions, everything before stored) the thread starts
 //! the backfill the replica waits for and takes its messages instead of upstream's until its
 //! commit: forwarded, stored and (being `skipAck`) never confirmed upstream.
+//!
+//! A relay's follower takes the same path: its primary's frames are upstream events as
+//! pgoutput's are, so its transactions are grouped the same way. A `RestartUpstream` the
+//! streamer asks for (a v8 subscriber needs backfills the running stream does not cover) is
+//! only logged: Postgres takes no backfill requests, the replica runs its own backfills.
+//!
+//! Group commit was first merged and then reverted, because the client end-to-end suite
+//! (`npm run test:client-serve`) failed more often with it, and its port onto this one ingest
+//! loop waited for the same reason. The cause was in the browser client: a timer that fired a
+//! few milliseconds early (Node counts a timer from its event loop's cached clock) left a
+//! reconnect unarmed for good, and bursts made that likelier by keeping the client's loop
+//! busier. The engine's `sync_client` now arms such a deadline again (its handling of
+//! `ClientInput::Tick`), and the suite passes with group commit on.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;

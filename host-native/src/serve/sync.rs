@@ -12,6 +12,12 @@
 //! - `Close` ends the socket with that code, even when its writer is stuck on a full socket.
 //!
 //! Commits reach [`SyncHub::committed`] from the ingest thread after the replica commit.
+//!
+//! A burst of connections leaves some memory behind once they close: the replay readers it
+//! opened stay pooled (`READER_POOL`, each with a `READER_CACHE_KIB` page cache) and the
+//! allocator keeps its per-thread caches and metadata; later bursts return to the level the
+//! first one leaves (`BENCHMARKS.md`, section "Scope sync: commit to browser client, replay,
+//! idle connections").
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -4,6 +4,10 @@
 //! change log inside the copy, and put it in place with one rename. The socket stays open — it
 //! *is* the reservation, pinning the primary's change log — and is handed to the change stream,
 //! which sends `start-subscription` on it.
+//!
+//! The snapshot holds no change log (`serve::snapshot` leaves it out), so no cookie jar: the
+//! seeded log starts with an empty one, and a fresh relay's first `start-subscription` says
+//! `backfills: []`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
