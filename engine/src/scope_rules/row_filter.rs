@@ -17,9 +17,8 @@
 //!
 //! Not supported yet: a filter reads the table's own columns only, so rows reached through
 //! another table (a membership table, with rows moving in when it changes) cannot be filtered
-//! for; subqueries are refused at load. A column the filter names that the table lacks is not
-//! caught at the server's start: each subscription to the table fails on it at its first
-//! replay page, whose SQL (`replica/feed.rs`) names the column.
+//! for; subqueries are refused at load. A column the filter names that the table lacks stops
+//! the server at its start ([`SyncRules::schema_problems`](crate::scope_rules::SyncRules::schema_problems)).
 
 use serde_json::{Map, Number, Value};
 use sqlparser::ast::{BinaryOperator, Expr, UnaryOperator, Value as Literal};
