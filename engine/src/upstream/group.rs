@@ -315,8 +315,27 @@ fn merge<P: Ord>(earlier: Option<DurableGroup<P>>, next: DurableGroup<P>) -> Dur
     }
 }
 
+/// A transaction is held whole until its commit (the host then applies it in one piece, with
+/// no savepoint of its own) up to this many messages and bytes (as the host measures them, e.g.
+/// its stored change text); a larger one streams into storage as it arrives, so the memory a
+/// held transaction takes stays bounded.
+pub const HOLD_MESSAGES: usize = 256;
+pub const HOLD_BYTES: usize = 256 * 1024;
+
+/// Whether a held transaction of `messages` and `bytes` must stream into storage from now on.
+pub fn outgrows_hold(messages: usize, bytes: usize) -> bool {
+    messages >= HOLD_MESSAGES || bytes >= HOLD_BYTES
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_held_transaction_streams_from_its_256th_message_or_256th_kib() {
+        assert!(!super::outgrows_hold(255, 256 * 1024 - 1));
+        assert!(super::outgrows_hold(256, 0));
+        assert!(super::outgrows_hold(1, 256 * 1024));
+    }
+
     use super::*;
 
     /// Limits without a linger: only the delay bounds the wait.

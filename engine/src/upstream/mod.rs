@@ -81,7 +81,10 @@ use crate::watermark::{Lsn, Watermark};
 use ack::AckQueue;
 use frames::FrameAcks;
 
-pub use group::{DurableGroup, GroupCommit, GroupDecision, GroupLimits, SyncDecision};
+pub use group::{
+    outgrows_hold, DurableGroup, GroupCommit, GroupDecision, GroupLimits, SyncDecision, HOLD_BYTES,
+    HOLD_MESSAGES,
+};
 pub use liveness::Liveness;
 
 /// Settings of an [`UpstreamSession`].

@@ -49,16 +49,10 @@ use super::schema::{
 use super::value::{into_sql, row_key_json, scalar_to_sql, to_sql_ref, SqlScalar};
 use super::{Replica, ReplicaError, ReplicaState};
 
-/// A transaction is held whole until its commit (then applied with
-/// [`ReplicaWriter::apply_whole`]) up to this many messages and bytes; a larger one streams
-/// into SQLite inside a savepoint, so the memory a held transaction takes stays bounded.
-const HOLD_MESSAGES: usize = 256;
-const HOLD_BYTES: usize = 256 * 1024;
-
-/// Whether a held transaction of `messages` and `bytes` must stream into SQLite from now on.
-pub fn outgrows_hold(messages: usize, bytes: usize) -> bool {
-    messages >= HOLD_MESSAGES || bytes >= HOLD_BYTES
-}
+/// The engine's hold rule: a transaction is held whole until its commit (then applied with
+/// [`ReplicaWriter::apply_whole`]) while it is small; a larger one streams into SQLite inside
+/// a savepoint.
+pub use highwater_engine::upstream::outgrows_hold;
 
 /// One part of a whole transaction for [`ReplicaWriter::apply_whole`]: a message, or a row
 /// change that kept its text.
