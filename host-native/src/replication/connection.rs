@@ -91,21 +91,29 @@ impl PgConfig {
                 },
             }
         };
-        match self.config.get_connect_timeout() {
-            None => connecting.await,
-            Some(&limit) => tokio::time::timeout(limit, connecting).await.map_err(|_| {
-                ReplicationError::Connect {
-                    target: params.target(),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!(
-                            "no connection within {} s (connect_timeout)",
-                            limit.as_secs()
-                        ),
+        within_connect_timeout(&params, connecting).await
+    }
+}
+
+/// Runs a whole connect (TCP, TLS, authentication) under the URL's `connect_timeout`, if any.
+async fn within_connect_timeout<T>(
+    params: &ConnectParams,
+    connecting: impl std::future::Future<Output = Result<T, ReplicationError>>,
+) -> Result<T, ReplicationError> {
+    match params.config.get_connect_timeout() {
+        None => connecting.await,
+        Some(&limit) => tokio::time::timeout(limit, connecting).await.map_err(|_| {
+            ReplicationError::Connect {
+                target: params.target(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "no connection within {} s (connect_timeout)",
+                        limit.as_secs()
                     ),
-                }
-            })?,
-        }
+                ),
+            }
+        })?,
     }
 }
 
@@ -469,20 +477,24 @@ impl std::fmt::Debug for ReplicationConnection {
 }
 
 impl ReplicationConnection {
-    /// Connects in `replication=database` mode and authenticates.
+    /// Connects in `replication=database` mode and authenticates, within the URL's
+    /// `connect_timeout` as ordinary connections do.
     pub async fn connect(params: &ConnectParams) -> Result<Self, ReplicationError> {
-        let (transport, secure) = params.transport().await?;
-        let mut conn = ReplicationConnection {
-            transport,
-            cleartext_allowed: secure || params.ssl_mode() == SslMode::Disable,
-            read_buf: BytesMut::with_capacity(READ_CHUNK),
-            write_buf: BytesMut::new(),
-            user: params.user().to_owned(),
-            server_major: 0,
-            backend_pid: 0,
-        };
-        conn.startup(params).await?;
-        Ok(conn)
+        within_connect_timeout(params, async {
+            let (transport, secure) = params.transport().await?;
+            let mut conn = ReplicationConnection {
+                transport,
+                cleartext_allowed: secure || params.ssl_mode() == SslMode::Disable,
+                read_buf: BytesMut::with_capacity(READ_CHUNK),
+                write_buf: BytesMut::new(),
+                user: params.user().to_owned(),
+                server_major: 0,
+                backend_pid: 0,
+            };
+            conn.startup(params).await?;
+            Ok(conn)
+        })
+        .await
     }
 
     /// Process id of the walsender serving this connection.
@@ -991,6 +1003,37 @@ fn data_row(body: &[u8]) -> Result<Vec<Option<String>>, ReplicationError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server that accepts and then says nothing: without the limit, the replication
+    /// connection would wait for its startup answer forever.
+    #[tokio::test]
+    async fn the_replication_connection_gives_up_at_connect_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("listen");
+        let port = listener.local_addr().expect("addr").port();
+        let silent = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        let params: ConnectParams =
+            format!("postgres://u@127.0.0.1:{port}/db?sslmode=disable&connect_timeout=1")
+                .parse()
+                .expect("url");
+        let started = std::time::Instant::now();
+        let result = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            ReplicationConnection::connect(&params),
+        )
+        .await
+        .expect("the connect ends on its own");
+        let error = result.expect_err("no answer is a timeout");
+        assert!(error.to_string().contains("connect_timeout"), "{error}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        silent.abort();
+    }
 
     fn auth(code: i32, rest: &[u8]) -> Vec<u8> {
         let mut body = code.to_be_bytes().to_vec();

@@ -22,9 +22,10 @@
 //!
 //! Not supported: encrypted client keys (`sslpassword`, refused) and certificate revocation
 //! lists (`sslcrl`). Every connection uses the URL's first host only, and none uses SCRAM
-//! channel binding (`SCRAM-SHA-256-PLUS`). Since ordinary connections hand tokio-postgres a
-//! stream it did not open, their `connect_timeout` is applied here as one limit on the whole
-//! connect (TCP, TLS and authentication), not per host and attempt as libpq does.
+//! channel binding (`SCRAM-SHA-256-PLUS`). Since Highwater opens the stream itself (ordinary
+//! connections hand it to tokio-postgres; the replication connection speaks the protocol
+//! directly), the URL's `connect_timeout` is applied in `connection.rs` as one limit on the whole
+//! connect (TCP, TLS and authentication) of both kinds, not per host and attempt as libpq does.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
