@@ -8,22 +8,14 @@ use std::fmt::Write as _;
 
 use tokio_postgres::Client;
 
-use crate::replication::setup::ReplicationNames;
+use crate::replication::setup::{ReplicationNames, UpstreamTarget};
 use crate::replication::{ConnectParams, ReplicationConnection};
 
 /// Command-line arguments of `highwater doctor`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DoctorArgs {
-    /// Postgres connection URL, as `serve --upstream` takes it.
-    #[arg(long, env = "HIGHWATER_UPSTREAM", hide_env_values = true)]
-    pub upstream: String,
-    /// The app id `serve` will run with: names its slot and default publication.
-    #[arg(long, default_value = crate::replication::setup::DEFAULT_APP_ID)]
-    pub app_id: String,
-    /// The publications `serve` will replicate (default: `<app-id>_pub`, created for all
-    /// tables at the first start).
-    #[arg(long = "publication")]
-    pub publications: Vec<String>,
+    #[command(flatten)]
+    pub target: UpstreamTarget,
 }
 
 /// How a check came out.
@@ -113,7 +105,7 @@ pub fn report(checks: &[Check]) -> String {
 /// Every check, in order; a check that cannot run (no connection) ends the list.
 pub async fn diagnose(args: &DoctorArgs) -> Vec<Check> {
     let mut checks = Vec::new();
-    let names = match ReplicationNames::for_app(&args.app_id) {
+    let names = match ReplicationNames::for_app(&args.target.app_id) {
         Ok(names) => names,
         Err(error) => {
             checks.push(Check::fail(
@@ -124,7 +116,7 @@ pub async fn diagnose(args: &DoctorArgs) -> Vec<Check> {
             return checks;
         }
     };
-    let params: ConnectParams = match args.upstream.parse() {
+    let params: ConnectParams = match args.target.upstream.parse() {
         Ok(params) => params,
         Err(error) => {
             checks.push(Check::fail(
@@ -369,11 +361,7 @@ async fn publication_checks(
     user: &str,
 ) -> Result<Vec<Check>, tokio_postgres::Error> {
     let mut checks = Vec::new();
-    let wanted: Vec<String> = if args.publications.is_empty() {
-        vec![names.publication.clone()]
-    } else {
-        args.publications.clone()
-    };
+    let wanted = args.target.wanted_publications(names);
     let mut existing = Vec::new();
     for publication in &wanted {
         let exists = client
@@ -386,14 +374,14 @@ async fn publication_checks(
         if exists {
             existing.push(publication.clone());
             checks.push(Check::ok("publication", format!("{publication} exists")));
-        } else if args.publications.is_empty() && superuser {
+        } else if args.target.publications.is_empty() && superuser {
             checks.push(Check::ok(
                 "publication",
                 format!(
                     "{publication} does not exist yet: created FOR ALL TABLES at the first start"
                 ),
             ));
-        } else if args.publications.is_empty() {
+        } else if args.target.publications.is_empty() {
             checks.push(Check::fail(
                 "publication",
                 format!("{publication} does not exist, and only a superuser can create it FOR ALL TABLES"),
@@ -415,7 +403,7 @@ async fn publication_checks(
     }
     // The tables that will be replicated: those the publications hold now, or every table
     // when the default publication is still to be created FOR ALL TABLES.
-    let all_tables = args.publications.is_empty() && existing.is_empty();
+    let all_tables = args.target.publications.is_empty() && existing.is_empty();
     let columns = "n.nspname::text, c.relname::text, c.relreplident::text, \
          EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), \
          has_table_privilege(c.oid, 'SELECT')";

@@ -19,22 +19,14 @@ use anyhow::Context as _;
 use highwater_engine::scope_rules::SyncRules;
 
 use crate::replica::schema::replica_table_name;
-use crate::replication::setup::ReplicationNames;
+use crate::replication::setup::{ReplicationNames, UpstreamTarget};
 use crate::replication::ConnectParams;
 
 /// Command-line arguments of `highwater typegen`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct TypegenArgs {
-    /// Postgres connection URL, as `serve --upstream` takes it.
-    #[arg(long, env = "HIGHWATER_UPSTREAM", hide_env_values = true)]
-    pub upstream: String,
-    /// The app id `serve` runs with: names its default publication (`<app-id>_pub`).
-    #[arg(long, default_value = crate::replication::setup::DEFAULT_APP_ID)]
-    pub app_id: String,
-    /// The publications `serve` replicates (default: `<app-id>_pub`; all tables while it does
-    /// not exist yet, as `serve` would create it FOR ALL TABLES).
-    #[arg(long = "publication")]
-    pub publications: Vec<String>,
+    #[command(flatten)]
+    pub target: UpstreamTarget,
     /// Only the tables these sync rules expose, without their omitted columns.
     #[arg(long, value_name = "FILE")]
     pub sync_rules: Option<PathBuf>,
@@ -110,14 +102,11 @@ pub fn exposed(tables: Vec<Table>, rules: &SyncRules) -> Vec<Table> {
 }
 
 async fn read_tables(args: &TypegenArgs) -> anyhow::Result<Vec<Table>> {
-    let params: ConnectParams = args.upstream.parse()?;
+    let target = &args.target;
+    let params: ConnectParams = target.upstream.parse()?;
     let (client, connection) = params.upstream().connect().await?;
     tokio::spawn(connection);
-    let publications = if args.publications.is_empty() {
-        vec![ReplicationNames::for_app(&args.app_id)?.publication]
-    } else {
-        args.publications.clone()
-    };
+    let publications = target.wanted_publications(&ReplicationNames::for_app(&target.app_id)?);
     let existing: Vec<String> = client
         .query(
             "SELECT pubname::text FROM pg_publication WHERE pubname = ANY($1)",
@@ -127,7 +116,7 @@ async fn read_tables(args: &TypegenArgs) -> anyhow::Result<Vec<Table>> {
         .iter()
         .map(|row| row.get(0))
         .collect();
-    if existing.is_empty() && !args.publications.is_empty() {
+    if existing.is_empty() && !target.publications.is_empty() {
         anyhow::bail!(
             "expected the publications {publications:?} upstream, found none of them; \
              `highwater doctor` says how to create them"

@@ -28,6 +28,33 @@ pub fn validate_name(kind: &'static str, name: &str) -> Result<(), ReplicationEr
     }
 }
 
+/// The upstream a read-only command inspects as `serve` would see it (`doctor`, `typegen`):
+/// its URL, the app id naming the default publication, and the publications.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpstreamTarget {
+    /// Postgres connection URL, as `serve --upstream` takes it.
+    #[arg(long, env = "HIGHWATER_UPSTREAM", hide_env_values = true)]
+    pub upstream: String,
+    /// The app id `serve` runs with: names its slot and default publication (`<app-id>_pub`).
+    #[arg(long, default_value = DEFAULT_APP_ID)]
+    pub app_id: String,
+    /// The publications `serve` replicates (default: `<app-id>_pub`, created for all tables at
+    /// the first start).
+    #[arg(long = "publication")]
+    pub publications: Vec<String>,
+}
+
+impl UpstreamTarget {
+    /// The publications `serve` would replicate: those given, else the app's default one.
+    pub fn wanted_publications(&self, names: &ReplicationNames) -> Vec<String> {
+        if self.publications.is_empty() {
+            vec![names.publication.clone()]
+        } else {
+            self.publications.clone()
+        }
+    }
+}
+
 /// The publication and slot of one app: `<app>_pub` and `<app>_slot`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicationNames {
