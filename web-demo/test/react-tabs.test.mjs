@@ -23,10 +23,6 @@ let pages = [];
 const state = (page) => page.evaluate(() => window.app);
 const pgTitles = () =>
   JSON.parse(demo.sql("SELECT coalesce(json_agg(title ORDER BY id), '[]') FROM todos WHERE owner = 'ada'").trim());
-async function syncSockets() {
-  const text = await (await fetch(`${demo.url}metrics`)).text();
-  return Number(/^highwater_sync_connections (\d+)$/m.exec(text)?.[1] ?? NaN);
-}
 async function allShowPostgres(what) {
   await until(what, async () => {
     const want = JSON.stringify(pgTitles());
@@ -95,7 +91,7 @@ describe("a React app in three tabs", { timeout: 240_000 }, () => {
   test("every tab shows the typed rows live over one socket, and re-renders only the changed row", async () => {
     const tabs = await Promise.all(pages.map(async (page) => (await state(page)).tabs));
     assert.deepEqual([...tabs].sort(), ["follower", "follower", "leader"]);
-    await until("one /sync socket", async () => (await syncSockets()) === 1, WAIT);
+    await until("one /sync socket", async () => (await demo.syncSockets()) === 1, WAIT);
     await allShowPostgres("Postgres' rows in every tab");
     const before = await Promise.all(pages.map((page) => page.evaluate(() => ({ ...window.renders }))));
     const [{ id }] = JSON.parse(
@@ -118,7 +114,7 @@ describe("a React app in three tabs", { timeout: 240_000 }, () => {
     await until("another tab to lead", async () => (await Promise.all(pages.map(state))).some((s) => s.tabs === "leader"), 5_000);
     demo.sql("INSERT INTO todos (owner, title) VALUES ('ada', 'After the leader closed');");
     await allShowPostgres("the new row in the remaining tabs");
-    await until("one /sync socket again", async () => (await syncSockets()) === 1, WAIT);
+    await until("one /sync socket again", async () => (await demo.syncSockets()) === 1, WAIT);
   });
 
   test("closing a follower's tab leaves the leader serving the rest", async () => {
@@ -129,6 +125,6 @@ describe("a React app in three tabs", { timeout: 240_000 }, () => {
     assert.equal((await state(pages[0])).tabs, "leader");
     demo.sql("INSERT INTO todos (owner, title) VALUES ('ada', 'After a follower closed');");
     await allShowPostgres("the new row in the last tab");
-    assert.equal(await syncSockets(), 1);
+    assert.equal(await demo.syncSockets(), 1);
   });
 });

@@ -132,6 +132,12 @@ export class Demo {
     return /upstream\s+(\S+)/.exec(this.stdout)[1];
   }
 
+  /** Open `/sync` sockets on the server (`/metrics`). */
+  async syncSockets() {
+    const text = await (await fetch(`${this.url}metrics`)).text();
+    return Number(/^highwater_sync_connections (\d+)$/m.exec(text)?.[1] ?? NaN);
+  }
+
   /** Upstream transactions this run of the demo has stored durably (`/health`). */
   async storedTransactions() {
     return (await (await fetch(`${this.url}health`)).json()).storedTransactions;

@@ -17,11 +17,6 @@ const titles = (page) =>
   page.evaluate(() => window.demo.scopes.find((s) => s.key === "all").sub.rows().map((r) => r.title).sort());
 const pgTitles = () =>
   demo.sql("SELECT coalesce(json_agg(title ORDER BY title), '[]') FROM todos WHERE owner = 'ada'").trim();
-/** Open `/sync` sockets on the server. */
-async function syncSockets() {
-  const text = await (await fetch(`${demo.url}metrics`)).text();
-  return Number(/^highwater_sync_connections (\d+)$/m.exec(text)?.[1] ?? NaN);
-}
 /** Every open tab shows ada's rows exactly as Postgres has them. */
 async function allEqualPostgres(what) {
   await until(what, async () => {
@@ -56,7 +51,7 @@ describe("tabs sharing one socket", { timeout: 180_000 }, () => {
     }
     const roles = await Promise.all(pages.map(role));
     assert.deepEqual([...roles].sort(), ["follower", "follower", "leader"]);
-    await until("one /sync socket", async () => (await syncSockets()) === 1, WAIT);
+    await until("one /sync socket", async () => (await demo.syncSockets()) === 1, WAIT);
     for (const [i, page] of pages.entries()) {
       assert.equal(await page.evaluate(() => window.demo.client.status.state), "open");
       // The page says which tab holds the socket; only that one can take it offline.
@@ -79,7 +74,7 @@ describe("tabs sharing one socket", { timeout: 180_000 }, () => {
     await until("another tab to lead", async () => (await Promise.all(pages.map(role))).includes("leader"), 5_000);
     const tookOver = Date.now() - closed;
     console.log(`# a new leader after ${tookOver} ms`);
-    await until("one /sync socket again", async () => (await syncSockets()) === 1, WAIT);
+    await until("one /sync socket again", async () => (await demo.syncSockets()) === 1, WAIT);
     const title = `After the leader closed ${Date.now()}`;
     demo.sql(`INSERT INTO todos (owner, title) VALUES ('ada', '${title}');`);
     await allEqualPostgres("the row after the hand-over in both tabs");
