@@ -360,23 +360,9 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     this.#role = "leader";
     this.#remote.clear();
     // Scopes still reading the store reach the core with what it holds now; the others read
-    // it again.
+    // it again (the old leader kept it current).
     for (const [key, subscription] of this.#subscriptions) {
-      if (this.#proxied.has(key) || !this.#inCore.has(key)) continue;
-      const storeKey = this.#storeKeys.get(key);
-      if (storeKey === undefined) continue;
-      const scope = subscription.params;
-      const reload: Promise<void> = this.#afterWrites(storeKey)
-        .then(() => this.#store.load(storeKey))
-        .catch(() => null)
-        .then((stored) => {
-          if (this.#closed || !this.#subscriptions.has(key)) return;
-          this.#core.unsubscribe(key);
-          this.#core.subscribe(key, { resourceType: scope.resourceType, conditions: scope.conditions ?? {} }, stored);
-        })
-        .catch(() => undefined)
-        .finally(() => this.#loading.delete(reload));
-      this.#loading.add(reload);
+      if (!this.#proxied.has(key) && this.#inCore.has(key)) this.#intoCore(key, subscription);
     }
     this.#setStatus({ ...this.#status });
     this.#tabs.post({ type: "leader", from: this.#tabs.id });
@@ -495,6 +481,21 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     const subscription = new Subscription<R>(this, key, scope);
     this.#subscriptions.set(key, subscription as unknown as Subscription);
     this.#storeKeys.set(key, storeKey);
+    this.#intoCore(key, subscription as unknown as Subscription);
+    return subscription;
+  }
+
+  /**
+   * Gives the core a scope with what the store holds for it, once the store's pending writes
+   * are done (so stored rows show at once); a scope the core has already is given again, from
+   * the store's newer state (a tab that takes the lead). A follower also asks the leader for it.
+   */
+  #intoCore(key: number, subscription: Subscription): void {
+    const storeKey = this.#storeKeys.get(key);
+    if (storeKey === undefined) return;
+    const params = subscription.params;
+    const scope = { resourceType: params.resourceType, conditions: params.conditions ?? {} };
+    const again = this.#inCore.has(key);
     const loading: Promise<void> = this.#afterWrites(storeKey)
       .then(() => this.#store.load(storeKey))
       .catch((error: unknown) => {
@@ -503,6 +504,7 @@ export class HighwaterClient extends Emitter<ClientEvents> {
       })
       .then((stored) => {
         if (this.#closed || !this.#subscriptions.has(key)) return;
+        if (again) this.#core.unsubscribe(key);
         this.#core.subscribe(key, scope, stored);
         this.#inCore.add(key);
         if (this.#role === "follower") this.#tabs?.post({ type: "subscribe", from: this.#tabs.id, key, scope });
@@ -519,7 +521,6 @@ export class HighwaterClient extends Emitter<ClientEvents> {
       })
       .finally(() => this.#loading.delete(loading));
     this.#loading.add(loading);
-    return subscription;
   }
 
   /** Closes the socket and stays offline until `goOnline()` (with `shareTabs`, only in the
