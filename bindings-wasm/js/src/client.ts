@@ -556,11 +556,6 @@ export class HighwaterClient extends Emitter<ClientEvents> {
   }
 
   /** @internal */
-  core(): SyncClientCore {
-    return this.#core;
-  }
-
-  /** @internal */
   release(key: number): void {
     this.#subscriptions.delete(key);
     this.#storeKeys.delete(key);
