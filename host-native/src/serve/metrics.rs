@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -49,7 +49,7 @@ pub(crate) struct Recorded {
     /// Milliseconds from the upstream commit to durable here, for the newest durable commit.
     lag_ms: AtomicI64,
     /// Whether `lag_ms` has been measured.
-    lag_known: AtomicU64,
+    lag_known: AtomicBool,
 }
 
 impl Default for Recorded {
@@ -62,7 +62,7 @@ impl Default for Recorded {
             // 1 ms … ~16 s.
             commit_to_route_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
             lag_ms: AtomicI64::new(0),
-            lag_known: AtomicU64::new(0),
+            lag_known: AtomicBool::new(false),
         }
     }
 }
@@ -78,7 +78,7 @@ impl Recorded {
     pub fn durable(&self, commit_ms: i64) {
         self.lag_ms
             .store((unix_ms() - commit_ms).max(0), Ordering::Relaxed);
-        self.lag_known.store(1, Ordering::Relaxed);
+        self.lag_known.store(true, Ordering::Relaxed);
     }
 
     /// Changes committed upstream at `commit_ms` were routed to scope-sync subscriptions now.
@@ -238,7 +238,7 @@ impl Collector for Collected {
             stored_transactions,
         )?;
         let recorded = sources.hub.recorded();
-        if recorded.lag_known.load(Ordering::Relaxed) == 1 {
+        if recorded.lag_known.load(Ordering::Relaxed) {
             out.gauge(
                 "replication_lag_seconds",
                 "Time from the upstream commit to durable here, for the newest durable commit",
