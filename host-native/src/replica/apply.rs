@@ -413,7 +413,7 @@ impl ReplicaWriter {
         let ms = commit
             .commit_time_ms
             .as_ref()
-            .and_then(|n| n.to_string().parse::<f64>().ok())
+            .and_then(serde_json::Number::as_f64)
             .map(|ms| ms as i64)
             .or(txn.begin_time_us.map(|us| us.div_euclid(1000)));
         self.last_commit_ms = ms;
