@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 
 use tokio_postgres::Client;
 
-use crate::replication::setup::{ReplicationNames, UpstreamTarget};
+use crate::replication::setup::{ReplicationNames, UpstreamTarget, ALL_TABLES_WHERE};
 use crate::replication::{ConnectParams, ReplicationConnection};
 
 /// Command-line arguments of `highwater doctor`.
@@ -412,10 +412,7 @@ async fn publication_checks(
             .query(
                 &format!(
                     "SELECT {columns} FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-                     WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition \
-                       AND n.nspname NOT IN ('pg_catalog', 'information_schema') \
-                       AND n.nspname NOT LIKE 'pg\\_%' \
-                     ORDER BY 1, 2"
+                     WHERE {ALL_TABLES_WHERE} ORDER BY 1, 2"
                 ),
                 &[],
             )

@@ -19,7 +19,7 @@ use anyhow::Context as _;
 use highwater_engine::scope_rules::SyncRules;
 
 use crate::replica::schema::replica_table_name;
-use crate::replication::setup::{ReplicationNames, UpstreamTarget};
+use crate::replication::setup::{ReplicationNames, UpstreamTarget, ALL_TABLES_WHERE};
 use crate::replication::ConnectParams;
 
 /// Command-line arguments of `highwater typegen`.
@@ -125,13 +125,14 @@ async fn read_tables(args: &TypegenArgs) -> anyhow::Result<Vec<Table>> {
     // The tables `serve` replicates: the publications', or all while the default one is still
     // to be created FOR ALL TABLES.
     let tables = if existing.is_empty() {
-        "SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-         WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition \
-           AND n.nspname NOT IN ('pg_catalog', 'information_schema') \
-           AND n.nspname NOT LIKE 'pg\\_%'"
+        format!(
+            "SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE {ALL_TABLES_WHERE}"
+        )
     } else {
         "SELECT (quote_ident(schemaname) || '.' || quote_ident(tablename))::regclass::oid \
          FROM pg_publication_tables WHERE pubname = ANY($1)"
+            .to_owned()
     };
     let bind: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = if existing.is_empty() {
         Vec::new()

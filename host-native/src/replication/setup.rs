@@ -28,6 +28,12 @@ pub fn validate_name(kind: &'static str, name: &str) -> Result<(), ReplicationEr
     }
 }
 
+/// The tables a publication FOR ALL TABLES holds, as a `WHERE` over `pg_class c` joined to
+/// `pg_namespace n`: ordinary and partitioned tables (not partitions) outside the system
+/// schemas.
+pub const ALL_TABLES_WHERE: &str = "c.relkind IN ('r', 'p') AND NOT c.relispartition \
+     AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg\\_%'";
+
 /// The upstream a read-only command inspects as `serve` would see it (`doctor`, `typegen`):
 /// its URL, the app id naming the default publication, and the publications.
 #[derive(Debug, Clone, clap::Args)]
