@@ -165,6 +165,7 @@ impl BridgeInput {
             ServerFrame::SessionEstablished { .. }
             | ServerFrame::Error { .. }
             | ServerFrame::Pong
+            | ServerFrame::MutationResult { .. }
             | ServerFrame::ChannelUnsubscribed { .. }
             | ServerFrame::ChannelReplayGap { .. } => None,
         }

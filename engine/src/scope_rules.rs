@@ -28,7 +28,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde_json::{Map, Value};
 
 use crate::scope_sync::coercion::{describe, js_string_form};
-use crate::scope_sync::Conditions;
+use crate::scope_sync::{Conditions, MutationOp};
 
 pub mod row_filter;
 
@@ -49,6 +49,60 @@ pub struct TableRules {
     require: BTreeMap<String, String>,
     /// The `where` row filter.
     row_filter: Option<RuleFilter>,
+    /// What sync clients may write (`write`); nothing without the key.
+    write: WriteRules,
+}
+
+/// A table's `write` rules: `{"insert": true, "update": ["title", "done"], "delete": true}`.
+/// `update` is `true` (any column but the key) or the columns an update may set.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct WriteRules {
+    pub insert: bool,
+    pub update: Option<UpdateColumns>,
+    pub delete: bool,
+}
+
+/// The columns an update may set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UpdateColumns {
+    Any,
+    Only(Vec<String>),
+}
+
+/// A write the rules allow, with the checks its rows must pass: the row before the write (of
+/// an update or delete) and after it (of an insert or update) must both be rows the writer may
+/// read, so nobody writes another user's rows or moves a row out of their own reach.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteGrant {
+    pub table: String,
+    /// Column → the claim value it must equal (the table's `require`).
+    require: Vec<(String, Value)>,
+    /// The table's row filter with the writer's claims in place.
+    row_filter: Option<RowFilter>,
+    /// Columns the writer may not read: stripped from a conflict's current row.
+    pub omit_columns: Vec<String>,
+}
+
+impl WriteGrant {
+    /// Whether the writer may read `row` (so may have it before or after a write).
+    pub fn admits(&self, row: &Map<String, Value>) -> bool {
+        self.require.iter().all(|(column, claim)| {
+            row.get(column).is_some_and(|value| {
+                !value.is_null() && js_string_form(value) == js_string_form(claim)
+            })
+        }) && self
+            .row_filter
+            .as_ref()
+            .is_none_or(|filter| filter.matches(row))
+    }
+
+    /// `row` with the columns the writer may not read taken out.
+    pub fn visible(&self, mut row: Map<String, Value>) -> Map<String, Value> {
+        for column in &self.omit_columns {
+            row.remove(column);
+        }
+        row
+    }
 }
 
 /// A subscription the rules allow.
@@ -195,6 +249,9 @@ impl SyncRules {
             for column in rules.row_filter.iter().flat_map(RuleFilter::columns) {
                 check("where", &column);
             }
+            for column in rules.write.columns() {
+                check("write.update", column);
+            }
         }
         problems
     }
@@ -291,6 +348,96 @@ impl SyncRules {
             row_filter,
         })
     }
+
+    /// Decides a write of `op` to `table` setting `columns`, for a caller holding `claims`
+    /// (verified; empty without a token). `key` is the table's key columns: an update may
+    /// always name them (they find the row), and must name them all, as must a delete.
+    ///
+    /// A table without `write` rules is read-only; an operation its rules do not list, or an
+    /// update of a column outside its `update` list, is `forbidden`. The grant then checks the
+    /// rows themselves ([`WriteGrant::admits`]).
+    pub fn decide_write<'a>(
+        &self,
+        claims: &Map<String, Value>,
+        table: &str,
+        op: MutationOp,
+        columns: impl IntoIterator<Item = &'a str>,
+        key: &[String],
+    ) -> Result<WriteGrant, Denial> {
+        let Some(rules) = self.tables.get(table) else {
+            return Err(forbidden(format!(
+                "the sync rules do not allow writing table {table:?}"
+            )));
+        };
+        let write = &rules.write;
+        let columns: Vec<&str> = columns.into_iter().collect();
+        match op {
+            MutationOp::Insert if !write.insert => {
+                return Err(forbidden(format!(
+                    "the sync rules do not allow inserts into {table:?}"
+                )))
+            }
+            MutationOp::Delete if !write.delete => {
+                return Err(forbidden(format!(
+                    "the sync rules do not allow deletes from {table:?}"
+                )))
+            }
+            MutationOp::Update => match &write.update {
+                None => {
+                    return Err(forbidden(format!(
+                        "the sync rules do not allow updates of {table:?}"
+                    )))
+                }
+                Some(UpdateColumns::Any) => {}
+                Some(UpdateColumns::Only(allowed)) => {
+                    if let Some(column) = columns.iter().find(|column| {
+                        !key.iter().any(|k| k == *column) && !allowed.iter().any(|a| a == *column)
+                    }) {
+                        return Err(forbidden(format!(
+                            "an update of {table:?} may not set column {column:?}; allowed: {}",
+                            list(allowed)
+                        )));
+                    }
+                }
+            },
+            _ => {}
+        }
+        if op != MutationOp::Insert {
+            if let Some(missing) = key.iter().find(|k| !columns.contains(&k.as_str())) {
+                return Err(invalid(format!(
+                    "an {} of {table:?} must name its key column {missing:?}",
+                    op.as_str()
+                )));
+            }
+        }
+        let mut require = Vec::new();
+        for (column, claim) in &rules.require {
+            match claims.get(claim) {
+                Some(value @ (Value::String(_) | Value::Number(_) | Value::Bool(_))) => {
+                    require.push((column.clone(), value.clone()));
+                }
+                _ => {
+                    return Err(forbidden(format!(
+                        "a write to {table:?} needs a token with a scalar {claim:?} claim"
+                    )))
+                }
+            }
+        }
+        let row_filter = match &rules.row_filter {
+            None => None,
+            Some(filter) => Some(filter.bind(claims).map_err(|claim| {
+                forbidden(format!(
+                    "a write to {table:?} needs a token with a scalar {claim:?} claim"
+                ))
+            })?),
+        };
+        Ok(WriteGrant {
+            table: table.to_owned(),
+            require,
+            row_filter,
+            omit_columns: rules.omit_columns.clone(),
+        })
+    }
 }
 
 impl TableRules {
@@ -299,8 +446,8 @@ impl TableRules {
         check_keys(
             fields,
             path,
-            &["filterColumns", "omitColumns", "require", "where"],
-            "\"filterColumns\", \"omitColumns\", \"require\", \"where\"",
+            &["filterColumns", "omitColumns", "require", "where", "write"],
+            "\"filterColumns\", \"omitColumns\", \"require\", \"where\", \"write\"",
         )?;
         let filter_columns = columns(
             fields.get("filterColumns"),
@@ -355,12 +502,22 @@ impl TableRules {
                 })
             }
         };
+        let write = match fields.get("write") {
+            None | Some(Value::Null) => WriteRules::default(),
+            Some(value) => WriteRules::from_value(value, &format!("{path}.write"))?,
+        };
         Ok(Self {
             filter_columns,
             omit_columns,
             require,
             row_filter,
+            write,
         })
+    }
+
+    /// What sync clients may write to the table.
+    pub fn write(&self) -> &WriteRules {
+        &self.write
     }
 
     /// The columns a scope of this table may filter on.
@@ -391,6 +548,57 @@ impl TableRules {
                 .row_filter
                 .as_ref()
                 .is_some_and(|filter| !filter.claims().is_empty())
+    }
+}
+
+impl WriteRules {
+    fn from_value(value: &Value, path: &str) -> Result<Self, RulesError> {
+        let fields = object(value, path)?;
+        check_keys(
+            fields,
+            path,
+            &["insert", "update", "delete"],
+            "\"insert\", \"update\", \"delete\"",
+        )?;
+        let flag = |key: &str| -> Result<bool, RulesError> {
+            match fields.get(key) {
+                None | Some(Value::Null) => Ok(false),
+                Some(Value::Bool(flag)) => Ok(*flag),
+                Some(other) => Err(RulesError::WrongType {
+                    path: format!("{path}.{key}"),
+                    expected: "true or false",
+                    found: describe(other),
+                }),
+            }
+        };
+        let update = match fields.get("update") {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+            Some(Value::Bool(true)) => Some(UpdateColumns::Any),
+            Some(list @ Value::Array(_)) => Some(UpdateColumns::Only(columns(
+                Some(list),
+                &format!("{path}.update"),
+            )?)),
+            Some(other) => {
+                return Err(RulesError::WrongType {
+                    path: format!("{path}.update"),
+                    expected: "true, false or a list of columns",
+                    found: describe(other),
+                })
+            }
+        };
+        Ok(WriteRules {
+            insert: flag("insert")?,
+            update,
+            delete: flag("delete")?,
+        })
+    }
+
+    /// The columns the rules name (for the schema check).
+    fn columns(&self) -> &[String] {
+        match &self.update {
+            Some(UpdateColumns::Only(columns)) => columns,
+            _ => &[],
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use highwater_engine::scope_server::{
     ConnId as SyncConn, Decision, Grant, PageResult, ScopeServer, ServerConfig, ServerEffect,
     ServerInput,
 };
-use highwater_engine::scope_sync::{ClientFrame, SubscribeParams};
+use highwater_engine::scope_sync::{ClientFrame, MutationResult, SubscribeParams};
 use highwater_engine::streamer::{ChangeLogState, ConnId, Effect, Streamer, StreamerConfig};
 use highwater_engine::watermark::Watermark;
 
@@ -85,7 +85,9 @@ pub fn scope_sync_client(data: &[u8]) {
     let Some(frames) = frames(data) else {
         return;
     };
-    let mut server = ScopeServer::new(ServerConfig::new("epoch"));
+    let mut config = ServerConfig::new("epoch");
+    config.takes_writes = true;
+    let mut server = ScopeServer::new(config);
     let conn: SyncConn = 1;
     let mut pending = vec![ServerInput::Opened {
         conn,
@@ -154,6 +156,29 @@ pub fn scope_sync_client(data: &[u8]) {
                         pending.push(ServerInput::Written {
                             conn,
                             bytes: text.len(),
+                        });
+                    }
+                    ServerEffect::ApplyMutations {
+                        conn,
+                        ticket,
+                        mutations,
+                        ..
+                    } => {
+                        let results: Vec<MutationResult> = mutations
+                            .iter()
+                            .map(|m| match m {
+                                Ok(m) => MutationResult::confirmed(m.id),
+                                Err(e) => {
+                                    MutationResult::rejected(e.id, "invalid", e.reason.clone())
+                                }
+                            })
+                            .collect();
+                        let replicated = results.iter().map(|r| r.id).max();
+                        pending.push(ServerInput::MutationsApplied {
+                            conn,
+                            ticket,
+                            results,
+                            replicated,
                         });
                     }
                     ServerEffect::Close { .. } => {}

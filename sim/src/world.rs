@@ -1239,7 +1239,10 @@ impl World {
                             let items = server.ingest.stored(w);
                             self.ingested(items);
                         }
-                        self.scope_input(ServerInput::Committed { entries });
+                        self.scope_input(ServerInput::Committed {
+                            entries,
+                            confirms: Vec::new(),
+                        });
                         self.maybe_prune();
                     }
                     Ok(None) => {}

@@ -60,12 +60,15 @@ use crate::replay::{
 };
 use crate::scope_rules::row_filter::RowFilter;
 use crate::scope_sync::{
-    js_string_form, operand_number, ClientFrame, Conditions, ServerFrame, SubscribeParams,
-    SyncEntry, SyncEnvelope, SYNC_CHANNEL_TYPE,
+    js_string_form, operand_number, ClientFrame, Conditions, Echo, InvalidMutation, Mutation,
+    MutationResult, ServerFrame, SubscribeParams, SyncEntry, SyncEnvelope, SYNC_CHANNEL_TYPE,
 };
 
 #[cfg(test)]
 mod tests;
+mod writes;
+
+pub use writes::{write_codes, MAX_AWAITED};
 
 /// One socket, as the host numbers them.
 pub type ConnId = u64;
@@ -109,6 +112,9 @@ pub struct ServerConfig {
     /// feed position it is complete up to (a [`CURSOR_KEY`](crate::scope_sync::CURSOR_KEY) checkpoint), so its client's cursor
     /// keeps up with the feed and stays above the retention floor.
     pub checkpoint_interval_ms: u64,
+    /// Whether `mutate` frames are applied here (a primary with an upstream to write to); a
+    /// node that takes no writes answers each mutation `retry` with `unavailable`.
+    pub takes_writes: bool,
 }
 
 impl ServerConfig {
@@ -121,6 +127,7 @@ impl ServerConfig {
             outbound_hard_limit_bytes: 16 << 20,
             max_buffered_live: 10_000,
             checkpoint_interval_ms: 30_000,
+            takes_writes: false,
         }
     }
 }
@@ -196,8 +203,21 @@ pub enum ServerInput {
         pass: u64,
         result: PageResult,
     },
-    /// The feed entries of one committed upstream transaction, ascending by seq.
-    Committed { entries: Vec<FeedEntry> },
+    /// The feed entries of one committed upstream transaction, ascending by seq, and the
+    /// client mutations it confirmed (`highwater.confirm` messages: client id, mutation id).
+    Committed {
+        entries: Vec<FeedEntry>,
+        confirms: Vec<(String, u64)>,
+    },
+    /// The answer to [`ServerEffect::ApplyMutations`]: a result per mutation, in order
+    /// (`confirmed` for one applied upstream, now or by an earlier send), and the client's
+    /// last mutation id the replica held when the host looked, after applying them.
+    MutationsApplied {
+        conn: ConnId,
+        ticket: u64,
+        results: Vec<MutationResult>,
+        replicated: Option<u64>,
+    },
     /// `bytes` of frames sent to `conn` were flushed to its socket.
     Written { conn: ConnId, bytes: usize },
     /// The socket is gone.
@@ -234,6 +254,17 @@ pub enum ServerEffect {
         up_to: Option<i64>,
         limit: u32,
         count_total: bool,
+    },
+    /// Check the token and the write rules and apply these mutations upstream, in order, each
+    /// in its own transaction and at most once (see the module docs); answer
+    /// [`ServerInput::MutationsApplied`]. An `Err` is a mutation that could not be read: it is
+    /// rejected `invalid` with its reason, and the ones after it still apply.
+    ApplyMutations {
+        conn: ConnId,
+        ticket: u64,
+        client_id: String,
+        token: Option<String>,
+        mutations: Vec<Result<Mutation, InvalidMutation>>,
     },
     Close {
         conn: ConnId,
@@ -297,6 +328,7 @@ struct Connection {
     unflushed: usize,
     over_budget_since: Option<u64>,
     closing: bool,
+    writes: writes::ConnWrites,
 }
 
 type SubRef = (ConnId, String);
@@ -318,6 +350,8 @@ pub struct ScopeServer {
     routed: Option<(i64, String)>,
     tickets: u64,
     counted: ServerCounts,
+    /// Per client with an open socket that writes: its last mutation id the replica holds.
+    replicated: HashMap<String, u64>,
 }
 
 /// What the scope server has counted since it started: the values behind the host's metrics
@@ -340,6 +374,11 @@ pub struct ServerCounts {
     pub resets: u64,
     /// Checkpoints sent to quiet live subscriptions.
     pub checkpoints: u64,
+    /// Mutations received in `mutate` frames, and what became of them.
+    pub mutations_received: u64,
+    pub mutations_applied: u64,
+    pub mutations_rejected: u64,
+    pub mutations_retried: u64,
 }
 
 /// The scope server's counts and what it holds now, for metrics.
@@ -365,6 +404,7 @@ impl ScopeServer {
             routed: None,
             tickets: 0,
             counted: ServerCounts::default(),
+            replicated: HashMap::new(),
         }
     }
 
@@ -443,7 +483,15 @@ impl ScopeServer {
                 pass,
                 result,
             } => self.page_fetched(conn, ticket, pass, result, &mut out),
-            ServerInput::Committed { entries } => self.committed(&entries, &mut out),
+            ServerInput::Committed { entries, confirms } => {
+                self.committed(&entries, &confirms, &mut out)
+            }
+            ServerInput::MutationsApplied {
+                conn,
+                ticket,
+                results,
+                replicated,
+            } => self.mutations_applied(conn, ticket, results, replicated, &mut out),
             ServerInput::Written { conn, bytes } => {
                 if let Some(c) = self.connections.get_mut(&conn) {
                     c.unflushed = c.unflushed.saturating_sub(bytes);
@@ -496,6 +544,22 @@ impl ScopeServer {
                 params,
                 ..
             } => self.subscribe(conn, subscription_id, &channel_type, &params, out),
+            ClientFrame::Mutate {
+                client_id,
+                token,
+                mutations,
+            } => self.write_frame(
+                conn,
+                writes::WriteFrame::Mutate {
+                    client_id,
+                    token,
+                    mutations,
+                },
+                out,
+            ),
+            ClientFrame::AwaitMutations { client_id, ids } => {
+                self.write_frame(conn, writes::WriteFrame::Await { client_id, ids }, out)
+            }
         }
     }
 
@@ -780,6 +844,8 @@ impl ScopeServer {
                         },
                         out,
                     );
+                    // Results held back for this replay may go now.
+                    self.flush_results(conn, out);
                 }
             }
         }
@@ -879,7 +945,7 @@ impl ScopeServer {
                 };
                 self.replay_effects(conn, &id, effects, out);
                 for entries in buffered {
-                    self.deliver_live(conn, &id, &entries, out);
+                    self.deliver_live(conn, &id, &entries, None, out);
                 }
             }
         }
@@ -911,7 +977,13 @@ impl ScopeServer {
     }
 
     /// Routes one committed transaction to the subscriptions it reaches.
-    fn committed(&mut self, entries: &[FeedEntry], out: &mut Vec<ServerEffect>) {
+    fn committed(
+        &mut self,
+        entries: &[FeedEntry],
+        confirms: &[(String, u64)],
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let echoes = self.note_confirms(confirms);
         if let Some(last) = entries.iter().max_by_key(|entry| entry.seq) {
             if self.routed.as_ref().is_none_or(|(seq, _)| last.seq > *seq) {
                 self.routed = Some((last.seq, last.updated_at.clone()));
@@ -924,7 +996,14 @@ impl ScopeServer {
             }
         }
         for ((conn, id), entries) in reached {
-            self.deliver_live(conn, &id, &entries, out);
+            let echo = echoes
+                .iter()
+                .find(|(c, _)| *c == conn)
+                .map(|(_, echo)| echo.clone());
+            self.deliver_live(conn, &id, &entries, echo, out);
+        }
+        for (conn, _) in echoes {
+            self.flush_results(conn, out);
         }
     }
 
@@ -960,6 +1039,7 @@ impl ScopeServer {
         conn: ConnId,
         id: &str,
         entries: &[FeedEntry],
+        echo: Option<Echo>,
         out: &mut Vec<ServerEffect>,
     ) {
         let epoch = self.config.epoch.clone();
@@ -998,7 +1078,7 @@ impl ScopeServer {
             sub.told = sub.told.max(seq);
         }
         let removals = syncs.iter().filter(|entry| entry.is_delete()).count() as u64;
-        let envelope = SyncEnvelope::new(None, syncs);
+        let envelope = SyncEnvelope::new(None, syncs).with_echo(echo);
         let _ = sub.planner.handle(ReplayInput::Delivered {
             envelope: envelope.clone(),
         });
@@ -1161,7 +1241,11 @@ impl ScopeServer {
         for id in ids {
             self.remove_subscription(conn, &id);
         }
-        self.connections.remove(&conn);
+        let writer = self
+            .connections
+            .remove(&conn)
+            .and_then(|c| c.writes.client_id().map(str::to_owned));
+        self.forget_writer(writer);
         // Tables sized for a burst of connections give their memory back once it is over.
         shrink_when_sparse(&mut self.connections);
         shrink_when_sparse(&mut self.index);

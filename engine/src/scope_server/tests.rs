@@ -6,6 +6,7 @@ use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 
 use super::*;
+use crate::scope_sync::MAX_MUTATIONS_PER_FRAME;
 
 const EPOCH: &str = "v1";
 const C: ConnId = 7;
@@ -295,6 +296,7 @@ fn a_quiet_live_scope_is_told_how_far_the_feed_moved_once_per_checkpoint_interva
     server.handle(
         ServerInput::Committed {
             entries: vec![upsert(6, 9, "grace"), upsert(7, 10, "grace")],
+            confirms: Vec::new(),
         },
         0,
     );
@@ -319,6 +321,7 @@ fn a_quiet_live_scope_is_told_how_far_the_feed_moved_once_per_checkpoint_interva
     server.handle(
         ServerInput::Committed {
             entries: vec![upsert(8, 2, "ada")],
+            confirms: Vec::new(),
         },
         5_000,
     );
@@ -340,12 +343,14 @@ fn live_rows_above_the_pin_arrive_once_and_rows_at_or_below_come_by_replay() {
     let early = server.handle(
         ServerInput::Committed {
             entries: vec![upsert(4, 1, "ada")],
+            confirms: Vec::new(),
         },
         0,
     );
     let late = server.handle(
         ServerInput::Committed {
             entries: vec![upsert(6, 2, "ada")],
+            confirms: Vec::new(),
         },
         0,
     );
@@ -378,6 +383,7 @@ fn live_rows_above_the_pin_arrive_once_and_rows_at_or_below_come_by_replay() {
     let again = server.handle(
         ServerInput::Committed {
             entries: vec![upsert(5, 9, "ada")],
+            confirms: Vec::new(),
         },
         0,
     );
@@ -403,6 +409,7 @@ fn one_transaction_is_one_envelope_and_moves_route_removals_to_the_old_scope() {
                 upsert(3, 2, "grace"),
                 exit(3, 2, "ada", Some("grace")),
             ],
+            confirms: Vec::new(),
         },
         0,
     );
@@ -477,6 +484,7 @@ fn refusals_are_typed_and_deliver_nothing() {
     let live = server.handle(
         ServerInput::Committed {
             entries: vec![upsert(2, 1, "ada")],
+            confirms: Vec::new(),
         },
         0,
     );
@@ -565,6 +573,7 @@ fn a_row_sent_live_before_a_truncate_reset_comes_again_in_the_full_replay() {
     let live = server.handle(
         ServerInput::Committed {
             entries: vec![upsert(9, 2, "ada")],
+            confirms: Vec::new(),
         },
         0,
     );
@@ -707,6 +716,7 @@ fn replay_pages_wait_for_room_and_a_socket_that_stays_full_is_closed() {
         let effects = server.handle(
             ServerInput::Committed {
                 entries: vec![upsert(20 + i as i64, 1, "ada")],
+                confirms: Vec::new(),
             },
             now,
         );
@@ -766,7 +776,8 @@ fn unsubscribe_stops_delivery_and_frees_the_id() {
     assert!(server
         .handle(
             ServerInput::Committed {
-                entries: vec![upsert(2, 1, "ada")]
+                entries: vec![upsert(2, 1, "ada")],
+                confirms: Vec::new()
             },
             0
         )
@@ -925,7 +936,7 @@ proptest! {
             match step {
                 Step::Write { id, owner } => {
                     let entries = feed.write(id, owner.map(|o| owners[o as usize].to_owned()));
-                    let effects = server.handle(ServerInput::Committed { entries }, 0);
+                    let effects = server.handle(ServerInput::Committed { entries, confirms: Vec::new() }, 0);
                     client.receive(sent(&effects));
                 }
                 Step::Page => {
@@ -1005,6 +1016,7 @@ fn scopes_with_operators_are_routed_live_and_left_by_the_rows_that_stop_matching
                 upsert(5, 4, "grace"),
                 exit(5, 4, "ada", Some("grace")),
             ],
+            confirms: Vec::new(),
         },
         0,
     );
@@ -1094,6 +1106,7 @@ fn metrics_count_grants_refusals_replay_and_live_rows_and_subscriptions_by_stage
     server.handle(
         ServerInput::Committed {
             entries: vec![upsert(4, 3, "ada"), exit(4, 1, "ada", Some("grace"))],
+            confirms: Vec::new(),
         },
         0,
     );
@@ -1110,4 +1123,285 @@ fn metrics_count_grants_refusals_replay_and_live_rows_and_subscriptions_by_stage
     assert_eq!(metrics.subscriptions.get("live"), Some(&1));
     assert_eq!(metrics.subscriptions.get("replaying"), Some(&1));
     assert_eq!(metrics.routed_seq, Some(4));
+}
+
+// Writes.
+
+fn writer() -> ScopeServer {
+    let mut config = ServerConfig::new(EPOCH);
+    config.takes_writes = true;
+    let mut server = ScopeServer::new(config);
+    for conn in [C, C + 1] {
+        server.handle(
+            ServerInput::Opened {
+                conn,
+                session_id: "s".into(),
+            },
+            0,
+        );
+    }
+    server
+}
+
+fn mutate_text(client: &str, ids: &[u64]) -> String {
+    let mutations: Vec<Value> = ids
+        .iter()
+        .map(|id| json!({"id": id, "table": "todos", "op": "insert", "row": {"id": id, "owner": "ada"}}))
+        .collect();
+    json!({"type": "mutate", "clientId": client, "mutations": mutations}).to_string()
+}
+
+/// The ticket and mutations of the ApplyMutations effect.
+fn applying(effects: &[ServerEffect]) -> (u64, Vec<Result<Mutation, InvalidMutation>>) {
+    effects
+        .iter()
+        .find_map(|e| match e {
+            ServerEffect::ApplyMutations {
+                ticket, mutations, ..
+            } => Some((*ticket, mutations.clone())),
+            _ => None,
+        })
+        .expect("an ApplyMutations effect")
+}
+
+/// A live subscription `id` on `conn` to ada's todos.
+fn live_on(server: &mut ScopeServer, conn: ConnId, id: &str) {
+    let (ticket, effects) = granted_text(server, conn, &subscribe_text(id, "ada", json!({})));
+    let pass = fetch(&effects).unwrap().1;
+    server.handle(
+        ServerInput::PageFetched {
+            conn,
+            ticket,
+            pass,
+            result: PageResult::Rows {
+                up_to: 1,
+                rows: vec![],
+                total: Some(0),
+                floor: None,
+            },
+        },
+        0,
+    );
+}
+
+#[test]
+fn an_applied_mutation_is_confirmed_after_its_echoed_change_reaches_the_writer() {
+    let mut server = writer();
+    live_on(&mut server, C, "mine");
+    live_on(&mut server, C + 1, "theirs");
+    let (ticket, mutations) = applying(&frame(&mut server, &mutate_text("c1", &[1, 2])));
+    assert_eq!(mutations.len(), 2);
+    // Applied upstream, but the replica has not seen it yet: no answer.
+    let effects = server.handle(
+        ServerInput::MutationsApplied {
+            conn: C,
+            ticket,
+            results: vec![MutationResult::confirmed(1), MutationResult::confirmed(2)],
+            replicated: Some(0),
+        },
+        0,
+    );
+    assert_eq!(sent(&effects), Vec::<Value>::new());
+    // Its transaction commits: the writer's envelope names its mutations, the other socket's
+    // does not, and the answer follows the envelope.
+    let effects = server.handle(
+        ServerInput::Committed {
+            entries: vec![upsert(5, 1, "ada"), upsert(6, 2, "ada")],
+            confirms: vec![("c1".into(), 1), ("c1".into(), 2)],
+        },
+        0,
+    );
+    let mine: Vec<Value> = effects
+        .iter()
+        .filter_map(|e| match e {
+            ServerEffect::Send { conn, text } if *conn == C => {
+                Some(serde_json::from_str(text).unwrap())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(mine.len(), 2, "{mine:?}");
+    assert_eq!(
+        mine[0]["body"]["echoOrigin"],
+        json!({"clientId": "c1", "mutationIds": [1, 2]})
+    );
+    assert_eq!(
+        mine[1],
+        json!({"type": "mutation-result", "clientId": "c1", "results": [
+            {"id": 1, "status": "confirmed"}, {"id": 2, "status": "confirmed"}]})
+    );
+    let theirs: Vec<Value> = effects
+        .iter()
+        .filter_map(|e| match e {
+            ServerEffect::Send { conn, text } if *conn == C + 1 => {
+                Some(serde_json::from_str(text).unwrap())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(theirs.len(), 1);
+    assert_eq!(theirs[0]["body"]["echoOrigin"], Value::Null);
+}
+
+#[test]
+fn a_resent_mutation_the_replica_already_holds_is_confirmed_at_once_and_rejections_keep_their_place(
+) {
+    let mut server = writer();
+    live_on(&mut server, C, "mine");
+    let (ticket, _) = applying(&frame(&mut server, &mutate_text("c1", &[3, 4, 5])));
+    let effects = server.handle(
+        ServerInput::MutationsApplied {
+            conn: C,
+            ticket,
+            results: vec![
+                MutationResult::confirmed(3),
+                MutationResult::rejected(4, "forbidden", "not yours"),
+                MutationResult::confirmed(5),
+            ],
+            replicated: Some(3),
+        },
+        0,
+    );
+    // 3 is in the replica, 4 is refused, 5 waits for its change.
+    assert_eq!(
+        sent(&effects),
+        vec![
+            json!({"type": "mutation-result", "clientId": "c1", "results": [
+            {"id": 3, "status": "confirmed"},
+            {"id": 4, "status": "rejected", "code": "forbidden", "message": "not yours"}]})
+        ]
+    );
+    let effects = server.handle(
+        ServerInput::Committed {
+            entries: vec![],
+            confirms: vec![("c1".into(), 5)],
+        },
+        0,
+    );
+    assert_eq!(
+        sent(&effects),
+        vec![
+            json!({"type": "mutation-result", "clientId": "c1", "results": [{"id": 5, "status": "confirmed"}]})
+        ]
+    );
+    let metrics = server.metrics().counts;
+    assert_eq!(
+        (
+            metrics.mutations_received,
+            metrics.mutations_applied,
+            metrics.mutations_rejected
+        ),
+        (3, 2, 1)
+    );
+}
+
+#[test]
+fn a_confirmation_waits_for_the_sockets_replays_to_finish() {
+    let mut server = writer();
+    let (ticket, effects) = granted(&mut server, "s1", "ada", json!({}));
+    let pass = fetch(&effects).unwrap().1;
+    let (apply, _) = applying(&frame(&mut server, &mutate_text("c1", &[1])));
+    let effects = server.handle(
+        ServerInput::MutationsApplied {
+            conn: C,
+            ticket: apply,
+            results: vec![MutationResult::confirmed(1)],
+            replicated: Some(1),
+        },
+        0,
+    );
+    assert_eq!(sent(&effects), Vec::<Value>::new(), "held while s1 replays");
+    let effects = page(&mut server, ticket, pass, 5, vec![upsert(5, 1, "ada")]);
+    let frames = sent(&effects);
+    let last = frames.last().unwrap();
+    assert_eq!(last["type"], "mutation-result", "{frames:?}");
+    let page_at = frames
+        .iter()
+        .position(|f| f["type"] == "channel-message")
+        .unwrap();
+    assert!(
+        page_at < frames.len() - 1,
+        "the row comes before the answer"
+    );
+}
+
+#[test]
+fn write_frames_are_checked_one_batch_one_client_and_ordered() {
+    let mut server = writer();
+    let (ticket, _) = applying(&frame(&mut server, &mutate_text("c1", &[1])));
+    // A second batch while the first is applied.
+    let frames = sent(&frame(&mut server, &mutate_text("c1", &[2])));
+    assert_eq!(frames[0]["code"], "busy");
+    server.handle(
+        ServerInput::MutationsApplied {
+            conn: C,
+            ticket,
+            results: vec![MutationResult::rejected(1, "invalid", "no")],
+            replicated: None,
+        },
+        0,
+    );
+    // Another client on the same socket.
+    let frames = sent(&frame(&mut server, &mutate_text("c2", &[2])));
+    assert_eq!(frames[0]["code"], "client-changed");
+    // Ids out of order, and a mutation without an id.
+    let frames = sent(&frame(&mut server, &mutate_text("c1", &[3, 2])));
+    assert_eq!(frames[0]["code"], "bad-frame");
+    let text =
+        json!({"type": "mutate", "clientId": "c1", "mutations": [{"table": "t"}]}).to_string();
+    assert_eq!(sent(&frame(&mut server, &text))[0]["code"], "bad-frame");
+    // A malformed mutation is handed on as invalid, the next one applies.
+    let text = json!({"type": "mutate", "clientId": "c1", "mutations": [
+        {"id": 4, "table": "todos", "op": "merge", "row": {"id": 1}},
+        {"id": 5, "table": "todos", "op": "delete", "row": {"id": 1}}]})
+    .to_string();
+    let (_, mutations) = applying(&frame(&mut server, &text));
+    assert!(mutations[0].is_err());
+    assert_eq!(mutations[1].as_ref().unwrap().id, 5);
+    // Too many in one frame.
+    let ids: Vec<u64> = (10..=10 + MAX_MUTATIONS_PER_FRAME as u64).collect();
+    let mut fresh = writer();
+    assert_eq!(
+        sent(&frame(&mut fresh, &mutate_text("c1", &ids)))[0]["code"],
+        "bad-frame"
+    );
+}
+
+#[test]
+fn a_node_that_takes_no_writes_asks_for_them_again_later() {
+    let mut server = server();
+    let frames = sent(&frame(&mut server, &mutate_text("c1", &[1, 2])));
+    assert_eq!(
+        frames,
+        vec![
+            json!({"type": "mutation-result", "clientId": "c1", "results": [
+            {"id": 1, "status": "retry", "code": "unavailable",
+             "message": "this node takes no writes (a relay): they are applied through the primary"},
+            {"id": 2, "status": "retry", "code": "unavailable",
+             "message": "this node takes no writes (a relay): they are applied through the primary"}]})
+        ]
+    );
+}
+
+#[test]
+fn awaited_mutations_of_an_app_backend_are_confirmed_when_their_confirm_arrives() {
+    let mut server = writer();
+    let text = json!({"type": "await-mutations", "clientId": "c1", "ids": [7, 8]}).to_string();
+    assert_eq!(sent(&frame(&mut server, &text)), Vec::<Value>::new());
+    let effects = server.handle(
+        ServerInput::Committed {
+            entries: vec![],
+            confirms: vec![("c1".into(), 7)],
+        },
+        0,
+    );
+    assert_eq!(
+        sent(&effects),
+        vec![
+            json!({"type": "mutation-result", "clientId": "c1", "results": [{"id": 7, "status": "confirmed"}]})
+        ]
+    );
+    // A socket that closes forgets its client.
+    server.handle(ServerInput::Closed { conn: C }, 0);
+    assert!(server.replicated.is_empty());
 }

@@ -7,6 +7,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::coercion::{describe, json_number_text};
+use super::mutation::Echo;
 use crate::cursor::{parse_cursor_payload, sequence_from_value, CursorError, SyncCursor};
 
 /// Envelope key of a position the subscription has every change of its scope up to:
@@ -29,6 +30,9 @@ pub struct SyncEnvelope {
     /// The device that caused these changes; a client drops envelopes carrying its own origin.
     /// Replay envelopes carry `None`.
     pub echo_origin: Option<String>,
+    /// Highwater: the writing client's mutations this upstream transaction applied (the
+    /// object form of `echoOrigin`, sent only to that client; see [`Echo`]).
+    pub echo: Option<Echo>,
     /// The entries, applied together as one batch, in order.
     pub syncs: Vec<SyncEntry>,
     /// The body was a single bare entry rather than `{echoOrigin, syncs}`.
@@ -62,7 +66,7 @@ pub struct SyncEntry {
 pub enum EnvelopeError {
     #[error("expected a sync message to be an envelope object, got {found}")]
     NotObject { found: String },
-    #[error("expected echoOrigin to be a string, a number or null, got {found}")]
+    #[error("expected echoOrigin to be a string, a number, null or {{clientId, mutationIds}}, got {found}")]
     BadEchoOrigin { found: String },
     #[error("expected sync entry {index} to be an object, got {found}")]
     EntryNotObject { index: usize, found: String },
@@ -96,10 +100,17 @@ impl SyncEnvelope {
     pub fn new(echo_origin: Option<String>, syncs: Vec<SyncEntry>) -> Self {
         Self {
             echo_origin,
+            echo: None,
             syncs,
             bare: false,
             extra: Map::new(),
         }
+    }
+
+    /// The envelope with `echo` as its `echoOrigin`.
+    pub fn with_echo(mut self, echo: Option<Echo>) -> Self {
+        self.echo = echo;
+        self
     }
 
     /// Decodes a body (`scope-sync.md`, "Envelopes"): it must be an object; `syncs` is taken
@@ -116,20 +127,12 @@ impl SyncEnvelope {
                 found: describe(&body),
             });
         };
-        let echo_origin = match object.get("echoOrigin") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(origin)) => Some(origin.clone()),
-            Some(Value::Number(origin)) => Some(json_number_text(origin)),
-            Some(other) => {
-                return Err(EnvelopeError::BadEchoOrigin {
-                    found: describe(other),
-                })
-            }
-        };
+        let (echo_origin, echo) = read_echo_origin(object.get("echoOrigin").cloned())?;
         if !matches!(object.get("syncs"), Some(Value::Array(_))) {
             object.shift_remove("echoOrigin");
             return Ok(Self {
                 echo_origin,
+                echo,
                 syncs: vec![SyncEntry::from_owned_object(0, object)?],
                 bare: true,
                 extra: Map::new(),
@@ -160,6 +163,7 @@ impl SyncEnvelope {
         }
         Ok(Self {
             echo_origin,
+            echo,
             syncs,
             bare: false,
             extra,
@@ -178,13 +182,16 @@ impl SyncEnvelope {
     /// The body as JSON: `{echoOrigin, syncs, …}`, or the entry itself for a bare body.
     pub fn to_value(&self) -> Value {
         let mut object = Map::new();
-        let echo_origin = self.echo_origin.clone().map_or(Value::Null, Value::String);
+        let echo_origin = match &self.echo {
+            Some(echo) => serde_json::to_value(echo).unwrap_or(Value::Null),
+            None => self.echo_origin.clone().map_or(Value::Null, Value::String),
+        };
         match (self.bare, self.syncs.as_slice()) {
             (true, [entry]) => {
                 if let Value::Object(entry) = entry.to_value() {
                     object = entry;
                 }
-                if self.echo_origin.is_some() {
+                if !echo_origin.is_null() {
                     object.insert("echoOrigin".to_owned(), echo_origin);
                 }
             }
@@ -234,6 +241,25 @@ impl SyncEnvelope {
             }
         }
         best
+    }
+}
+
+/// An `echoOrigin`: a device's id (velocious: a string or a number), or Highwater's object
+/// naming a client's mutations.
+fn read_echo_origin(value: Option<Value>) -> Result<(Option<String>, Option<Echo>), EnvelopeError> {
+    match value {
+        None | Some(Value::Null) => Ok((None, None)),
+        Some(Value::String(origin)) => Ok((Some(origin), None)),
+        Some(Value::Number(origin)) => Ok((Some(json_number_text(&origin)), None)),
+        Some(other @ Value::Object(_)) => match serde_json::from_value::<Echo>(other.clone()) {
+            Ok(echo) => Ok((None, Some(echo))),
+            Err(_) => Err(EnvelopeError::BadEchoOrigin {
+                found: describe(&other),
+            }),
+        },
+        Some(other) => Err(EnvelopeError::BadEchoOrigin {
+            found: describe(&other),
+        }),
     }
 }
 
@@ -289,16 +315,7 @@ impl RawBody {
         {
             return Ok(None);
         }
-        let echo_origin = match self.echo_origin {
-            None | Some(Value::Null) => None,
-            Some(Value::String(origin)) => Some(origin),
-            Some(Value::Number(origin)) => Some(json_number_text(&origin)),
-            Some(other) => {
-                return Err(EnvelopeError::BadEchoOrigin {
-                    found: describe(&other),
-                })
-            }
-        };
+        let (echo_origin, echo) = read_echo_origin(self.echo_origin)?;
         let mut syncs = Vec::with_capacity(raw_entries.len());
         let mut rows = Vec::with_capacity(raw_entries.len());
         for (index, entry) in raw_entries.into_iter().enumerate() {
@@ -308,6 +325,7 @@ impl RawBody {
         Ok(Some((
             SyncEnvelope {
                 echo_origin,
+                echo,
                 syncs,
                 bare: false,
                 extra: self.extra,
@@ -848,7 +866,7 @@ mod tests {
             ),
             (
                 json!({"echoOrigin": ["d"], "syncs": []}),
-                "expected echoOrigin to be a string, a number or null, got an array of 1 items",
+                "expected echoOrigin to be a string, a number, null or {clientId, mutationIds}, got an array of 1 items",
             ),
         ];
         for (body, message) in cases {

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::coercion::{describe, integer_from_number, IntegerText};
+use super::mutation::{valid_client_id, MutationResult, MAX_MUTATIONS_PER_FRAME};
 
 /// The channel type of scope sync.
 pub const SYNC_CHANNEL_TYPE: &str = "velocious-sync";
@@ -33,6 +34,20 @@ pub enum ClientFrame {
     /// Application-level heartbeat; the server answers [`ServerFrame::Pong`]. Browsers cannot
     /// see WebSocket protocol pings, so a client detects a half-open socket with this.
     Ping,
+    /// Highwater: writes to apply upstream, in order (each read with
+    /// [`super::Mutation::parse`]; at most [`MAX_MUTATIONS_PER_FRAME`]). The server answers
+    /// [`ServerFrame::MutationResult`].
+    #[serde(rename_all = "camelCase")]
+    Mutate {
+        client_id: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
+        mutations: Vec<Value>,
+    },
+    /// Highwater: mutations the app's own backend applied (with `highwater.confirm`): answer
+    /// each with [`ServerFrame::MutationResult`] once its change has reached this node.
+    #[serde(rename_all = "camelCase")]
+    AwaitMutations { client_id: String, ids: Vec<u64> },
 }
 
 /// A frame the server sends.
@@ -85,6 +100,12 @@ pub enum ServerFrame {
     },
     /// The answer to [`ClientFrame::Ping`].
     Pong,
+    /// Highwater: what became of mutations of `client_id`, in the order they were applied.
+    #[serde(rename_all = "camelCase")]
+    MutationResult {
+        client_id: String,
+        results: Vec<MutationResult>,
+    },
     /// Event-log replay could not cover the gap; not used by scope sync.
     #[serde(rename_all = "camelCase")]
     ChannelReplayGap {
@@ -119,6 +140,13 @@ pub enum FrameError {
         expected: &'static str,
         found: String,
     },
+    #[error("expected at most {max} items in `{field}` of the {frame} frame, got {found}")]
+    TooMany {
+        frame: &'static str,
+        field: &'static str,
+        max: usize,
+        found: usize,
+    },
 }
 
 impl ClientFrame {
@@ -144,6 +172,26 @@ impl ClientFrame {
                 last_event_id: fields.optional_string("lastEventId")?,
             },
             "ping" => ClientFrame::Ping,
+            "mutate" => ClientFrame::Mutate {
+                client_id: fields.client_id()?,
+                token: fields.optional_string("token")?,
+                mutations: fields.list("mutations", MAX_MUTATIONS_PER_FRAME)?,
+            },
+            "await-mutations" => ClientFrame::AwaitMutations {
+                client_id: fields.client_id()?,
+                ids: fields
+                    .list("ids", MAX_MUTATIONS_PER_FRAME)?
+                    .iter()
+                    .map(|id| id.as_u64().filter(|id| *id > 0))
+                    .collect::<Option<Vec<u64>>>()
+                    .ok_or_else(|| {
+                        fields.wrong(
+                            "ids",
+                            "an array of positive integers",
+                            fields.object.get("ids").unwrap_or(&Value::Null),
+                        )
+                    })?,
+            },
             _ => ClientFrame::ChannelUnsubscribe {
                 subscription_id: fields.id("subscriptionId")?,
             },
@@ -164,7 +212,9 @@ impl ClientFrame {
             | ClientFrame::ChannelUnsubscribe { subscription_id } => Some(subscription_id),
             ClientFrame::SessionResume { .. }
             | ClientFrame::Metadata { .. }
-            | ClientFrame::Ping => None,
+            | ClientFrame::Ping
+            | ClientFrame::Mutate { .. }
+            | ClientFrame::AwaitMutations { .. } => None,
         }
     }
 }
@@ -208,6 +258,21 @@ impl ServerFrame {
                 retry_after_ms: fields.optional_count("retryAfterMs")?,
             },
             "pong" => ServerFrame::Pong,
+            "mutation-result" => ServerFrame::MutationResult {
+                client_id: fields.client_id()?,
+                results: fields
+                    .list("results", usize::MAX)?
+                    .iter()
+                    .map(MutationResult::from_value)
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| {
+                        fields.wrong(
+                            "results",
+                            "an array of {id, status, code?, message?, row?}",
+                            fields.object.get("results").unwrap_or(&Value::Null),
+                        )
+                    })?,
+            },
             "channel-message" => ServerFrame::ChannelMessage {
                 subscription_id: fields.id("subscriptionId")?,
                 body: fields.required("body")?.clone(),
@@ -254,7 +319,8 @@ impl ServerFrame {
             | ServerFrame::SessionResumed { .. }
             | ServerFrame::SessionGone
             | ServerFrame::Error { .. }
-            | ServerFrame::Pong => None,
+            | ServerFrame::Pong
+            | ServerFrame::MutationResult { .. } => None,
         }
     }
 }
@@ -281,6 +347,8 @@ const CLIENT_TYPES: &[&str] = &[
     "channel-subscribe",
     "channel-unsubscribe",
     "ping",
+    "mutate",
+    "await-mutations",
 ];
 
 const SERVER_TYPES: &[&str] = &[
@@ -294,6 +362,7 @@ const SERVER_TYPES: &[&str] = &[
     "channel-error",
     "channel-replay-gap",
     "pong",
+    "mutation-result",
 ];
 
 fn parse_json(text: &str) -> Result<Value, FrameError> {
@@ -387,6 +456,27 @@ impl<'a> Fields<'a> {
             None | Some(Value::Null) => Ok(Map::new()),
             Some(Value::Object(object)) => Ok(object.clone()),
             Some(other) => Err(self.wrong(field, "an object", other)),
+        }
+    }
+
+    fn client_id(&self) -> Result<String, FrameError> {
+        match self.required("clientId")? {
+            Value::String(id) if valid_client_id(id) => Ok(id.clone()),
+            other => Err(self.wrong("clientId", "1 to 64 letters, digits, '-' or '_'", other)),
+        }
+    }
+
+    /// An array of at most `max` items.
+    fn list(&self, field: &'static str, max: usize) -> Result<Vec<Value>, FrameError> {
+        match self.required(field)? {
+            Value::Array(items) if items.len() <= max => Ok(items.clone()),
+            Value::Array(items) => Err(FrameError::TooMany {
+                frame: self.frame,
+                field,
+                max,
+                found: items.len(),
+            }),
+            other => Err(self.wrong(field, "an array", other)),
         }
     }
 

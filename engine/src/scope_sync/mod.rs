@@ -9,6 +9,7 @@ pub(crate) mod coercion;
 mod conditions;
 mod envelope;
 mod frame;
+mod mutation;
 mod row;
 mod subscribe;
 
@@ -19,6 +20,11 @@ pub use conditions::{
 };
 pub use envelope::{EnvelopeError, SyncEntry, SyncEnvelope, CURSOR_KEY};
 pub use frame::{ClientFrame, FrameError, ServerFrame, SYNC_CHANNEL_TYPE};
+pub use mutation::{
+    parse_confirm_message, rejection, valid_client_id, Echo, InvalidMutation, Mutation,
+    MutationIdError, MutationOp, MutationResult, MutationStatus, CONFIRM_MESSAGE_PREFIX,
+    MAX_CLIENT_ID_BYTES, MAX_MUTATIONS_PER_FRAME, MAX_ROW_COLUMNS,
+};
 pub use row::RowText;
 pub use subscribe::{
     page_limit, request_sequence, SubscribeError, SubscribeParams, DEFAULT_PAGE_LIMIT,

@@ -1176,6 +1176,7 @@ impl SyncClient {
                     self.feed(key, BridgeInput::ChannelSubscribed { subscription_id }, out);
                 }
             }
+            ServerFrame::MutationResult { .. } => {}
         }
     }
 
