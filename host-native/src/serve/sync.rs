@@ -32,7 +32,7 @@ use highwater_engine::scope_server::{
     codes, ConnId, Decision, FeedChange, FeedEntry, PageResult, ScopeServer, ServerConfig,
     ServerEffect, ServerInput, SLOW_CONSUMER_CLOSE_CODE, SLOW_CONSUMER_REASON,
 };
-use highwater_engine::scope_sync::ServerFrame;
+use highwater_engine::scope_sync::{rejection, MutationResult, ServerFrame};
 use tokio::sync::{mpsc, watch};
 
 use super::connection::too_big;
@@ -230,6 +230,35 @@ impl SyncHub {
                                 .await;
                         });
                     }
+                    ServerEffect::ApplyMutations {
+                        conn,
+                        ticket,
+                        mutations,
+                        ..
+                    } => {
+                        // Writes are not applied by this host yet: each mutation is to be sent
+                        // again later.
+                        let results = mutations
+                            .iter()
+                            .map(|mutation| {
+                                let id = match mutation {
+                                    Ok(mutation) => mutation.id,
+                                    Err(invalid) => invalid.id,
+                                };
+                                MutationResult::retry(
+                                    id,
+                                    rejection::UNAVAILABLE,
+                                    "this node does not apply writes yet",
+                                )
+                            })
+                            .collect();
+                        inputs.push(ServerInput::MutationsApplied {
+                            conn,
+                            ticket,
+                            results,
+                            replicated: None,
+                        });
+                    }
                     ServerEffect::Send { .. } | ServerEffect::Close { .. } => {}
                 }
             }
@@ -310,6 +339,7 @@ impl SyncHub {
         }
         self.call(ServerInput::Committed {
             entries: changes.rows.into_iter().map(feed_entry).collect(),
+            confirms: Vec::new(),
         });
     }
 
