@@ -42,8 +42,8 @@ use crate::cursor::{is_cursor_after, SyncCursor};
 use crate::replay::is_reset;
 use crate::scope::ScopeDigest;
 use crate::scope_sync::{
-    ClientFrame, EnvelopeError, RowText, ServerFrame, SubscribeParams, SyncEntry, SyncEnvelope,
-    SYNC_CHANNEL_TYPE,
+    ClientFrame, Echo, EnvelopeError, RowText, ServerFrame, SubscribeParams, SyncEntry,
+    SyncEnvelope, SYNC_CHANNEL_TYPE,
 };
 
 /// How a bridge behaves; fixed for its lifetime.
@@ -314,6 +314,10 @@ pub enum BridgeEffect {
         changes: Vec<RemoteChange>,
         /// A replay page's `progress`, to report once the batch is applied.
         progress: Option<ReplayProgress>,
+        /// The writing client's mutations the batch's upstream transaction applied (the
+        /// envelope's `echoOrigin` in its object form).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        echo: Option<Echo>,
     },
     /// Persist `cursor` as the scope's cursor (its JSON text in `cursor_json`). Emitted only
     /// when the cursor moves forwards, and only for confirmed, caught-up subscriptions.
@@ -530,6 +534,7 @@ enum Prepared {
         changes: Vec<RemoteChange>,
         cursor: Option<SyncCursor>,
         progress: Option<ReplayProgress>,
+        echo: Option<Echo>,
     },
 }
 
@@ -939,6 +944,7 @@ impl ScopeBridge {
                             changes,
                             cursor,
                             progress,
+                            echo,
                         }) => {
                             self.tickets_issued += 1;
                             let ticket = self.tickets_issued;
@@ -958,6 +964,7 @@ impl ScopeBridge {
                                 reset,
                                 changes,
                                 progress,
+                                echo,
                             });
                         }
                     }
@@ -1030,6 +1037,7 @@ impl ScopeBridge {
             changes,
             cursor,
             progress,
+            echo: envelope.echo,
         })
     }
 

@@ -81,10 +81,15 @@ use crate::realtime_bridge::{
     ReplayProgress, ScopeBridge, ScopeChannel,
 };
 use crate::scope::{Scope, ScopeDigest};
-use crate::scope_sync::{ClientFrame, RowText, ServerFrame, SubscribeParams};
+use crate::scope_sync::{
+    ClientFrame, Mutation, MutationOp, MutationResult, RowText, ServerFrame, SubscribeParams,
+};
 
+mod outbox;
 #[cfg(test)]
 mod tests;
+
+pub use outbox::{resource_id, MutateError, OutboxWrite};
 
 /// The host's name for one subscription of the app (a handle), chosen by the host.
 pub type ScopeKey = u32;
@@ -118,6 +123,11 @@ pub struct ClientConfig {
     pub token_renew_margin_ms: u64,
     /// Replay page size sent as `limit`; `None` leaves it to the server.
     pub page_limit: Option<u32>,
+    /// Writes are applied by the app's own backend: batches go to [`ClientEffect::Upload`]
+    /// instead of `mutate` frames.
+    pub upload: bool,
+    /// Key columns per table, for laying mutations over rows (`id` where not listed).
+    pub keys: BTreeMap<String, Vec<String>>,
 }
 
 impl Default for ClientConfig {
@@ -132,6 +142,8 @@ impl Default for ClientConfig {
             wake_probe_ms: 3_000,
             token_renew_margin_ms: 60_000,
             page_limit: None,
+            upload: false,
+            keys: BTreeMap::new(),
         }
     }
 }
@@ -190,6 +202,10 @@ pub struct PersistWrite {
     pub deletes: Vec<String>,
     /// The new cursor; `None` keeps the stored one (or none, after `forget_cursor`).
     pub cursor: Option<SyncCursor>,
+    /// Ids of `upserts` whose row is shown with a pending mutation laid over it: the row
+    /// stored is the server's (`upserts`' data), not the one shown.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shadowed: Vec<String>,
 }
 
 impl PersistWrite {
@@ -281,6 +297,20 @@ pub enum ClientInput {
     GoOnline,
     /// Close for good.
     Close,
+    /// The outbox as the store kept it: the client's id, the last mutation id it gave out,
+    /// and the mutations not settled, in any order. Nothing is sent or laid over before it.
+    RestoreOutbox {
+        client_id: String,
+        last_id: u64,
+        pending: Vec<Mutation>,
+    },
+    /// The app's `upload` of these mutations (a [`ClientEffect::Upload`]) finished: `Ok` with
+    /// the ones it refused for good (each a rejected result), or `Err` why it failed (tried
+    /// again later).
+    Uploaded {
+        ids: Vec<u64>,
+        result: Result<Vec<MutationResult>, String>,
+    },
 }
 
 /// Something the host must do or report, in order. See the module docs.
@@ -352,6 +382,22 @@ pub enum ClientEffect {
         message: String,
     },
     Status(ConnectionStatus),
+    /// Write this to the outbox's store in ONE storage transaction, in order.
+    #[serde(rename_all = "camelCase")]
+    PersistOutbox {
+        write: OutboxWrite,
+    },
+    /// A mutation is settled: `confirmed` (applied, and its change is in the rows) or
+    /// `rejected` (dropped; `code` says why).
+    #[serde(rename_all = "camelCase")]
+    Settled {
+        result: MutationResult,
+    },
+    /// Hand these mutations to the app's `upload` and report [`ClientInput::Uploaded`].
+    #[serde(rename_all = "camelCase")]
+    Upload {
+        mutations: Vec<Mutation>,
+    },
 }
 
 /// Where the one connection stands.
@@ -423,6 +469,9 @@ struct ScopeSlot {
     /// While a replay from no cursor runs over rows already held: the ids it delivered. The
     /// rest are gone on the server and are removed when it is confirmed.
     sweep: Option<BTreeSet<String>>,
+    /// Rows shown other than the server's, by pending mutations: the row shown, or `None`
+    /// for one hidden (see `outbox`).
+    overlay: HashMap<String, Option<RowData>>,
 }
 
 /// The client state machine. See the module docs.
@@ -457,6 +506,7 @@ pub struct SyncClient {
     routes: BTreeMap<String, ScopeKey>,
     status: ConnectionStatus,
     timer: Option<u64>,
+    outbox: outbox::Outbox,
 }
 
 impl SyncClient {
@@ -487,6 +537,7 @@ impl SyncClient {
                 reason: None,
             },
             timer: None,
+            outbox: outbox::Outbox::default(),
         }
     }
 
@@ -494,15 +545,43 @@ impl SyncClient {
         &self.status
     }
 
-    /// The scope's rows, in `resourceId` order.
-    /// The scope's rows by `resourceId`, decoded (the client keeps each as its text).
+    /// The scope's rows as shown (pending mutations laid over the server's), in `resourceId`
+    /// order, decoded (the client keeps each as its text).
     pub fn rows(&self, scope: ScopeKey) -> Vec<Map<String, Value>> {
-        let Some(slot) = self.scopes.get(&scope) else {
-            return Vec::new();
-        };
-        let mut rows: Vec<(&String, &HeldRow)> = slot.rows.iter().collect();
-        rows.sort_unstable_by(|a, b| a.0.cmp(b.0));
-        rows.into_iter().map(|(_, row)| row.data.to_map()).collect()
+        self.shown_rows(scope)
+            .into_iter()
+            .map(|(_, row)| row.to_map())
+            .collect()
+    }
+
+    /// The `serverSequence` of the server's row `id` in the scope (for `ifVersion`).
+    pub fn version(&self, scope: ScopeKey, id: &str) -> Option<i64> {
+        self.scopes
+            .get(&scope)?
+            .rows
+            .get(id)
+            .and_then(|row| row.server_sequence)
+    }
+
+    /// Queues a mutation at `now_ms`: its id, or why it was refused (nothing queued). The
+    /// effects persist it, lay it over the scopes of its table and send it when the socket
+    /// is open.
+    pub fn mutate(
+        &mut self,
+        now_ms: u64,
+        table: String,
+        op: MutationOp,
+        row: Map<String, Value>,
+        if_version: Option<i64>,
+    ) -> (Result<u64, MutateError>, Vec<ClientEffect>) {
+        let mut out = Vec::new();
+        if self.closed {
+            return (Err(MutateError::Invalid("an open client".to_owned())), out);
+        }
+        let queued = self.queue(table, op, row, if_version, &mut out);
+        self.pump(now_ms, &mut out);
+        self.report(now_ms, &mut out);
+        (queued, out)
     }
 
     /// The scope's persisted cursor.
@@ -616,6 +695,15 @@ impl SyncClient {
                 // Nothing is reported after close: the rows go now, not with the host.
                 self.scopes.clear();
             }
+            ClientInput::RestoreOutbox {
+                client_id,
+                last_id,
+                pending,
+            } => self.restore_outbox(client_id, last_id, pending, &mut out),
+            ClientInput::Uploaded { ids, result } => self.uploaded(&ids, result, &mut out),
+        }
+        if !self.closed {
+            self.pump(now_ms, &mut out);
         }
         self.report(now_ms, &mut out);
         out
@@ -1002,18 +1090,14 @@ impl SyncClient {
                 replayed: 0,
                 expired_in_a_row: 0,
                 sweep: None,
+                overlay: HashMap::new(),
             },
         );
-        if !inserted.is_empty() {
-            out.push(ClientEffect::Changed {
-                scope: key,
-                reset: false,
-                change: RowChange {
-                    inserted,
-                    ..RowChange::default()
-                },
-            });
-        }
+        let restored = RowChange {
+            inserted,
+            ..RowChange::default()
+        };
+        self.emit_change(key, false, restored, out);
         if matches!(self.link, Link::Open { .. }) {
             self.subscribe_scope(key, out);
         }
@@ -1176,7 +1260,9 @@ impl SyncClient {
                     self.feed(key, BridgeInput::ChannelSubscribed { subscription_id }, out);
                 }
             }
-            ServerFrame::MutationResult { .. } => {}
+            ServerFrame::MutationResult { client_id, results } => {
+                self.mutation_results(&client_id, results, out)
+            }
         }
     }
 
@@ -1278,23 +1364,23 @@ impl SyncClient {
                     reset,
                     changes,
                     progress,
+                    echo,
                     ..
                 } => {
                     flush(key, pending.take(), out);
+                    self.echoed(key, echo);
                     let Some(slot) = self.scopes.get_mut(&key) else {
                         return;
                     };
                     if slot.phase == Phase::Subscribing {
                         slot.replaying += changes.len() as u64;
                     }
-                    let (change, write) = slot.apply(reset, changes);
-                    if reset || !change.is_empty() {
-                        out.push(ClientEffect::Changed {
-                            scope: key,
-                            reset,
-                            change,
-                        });
-                    }
+                    let (change, mut write) = slot.apply(reset, changes);
+                    self.emit_change(key, reset, change, out);
+                    let Some(slot) = self.scopes.get_mut(&key) else {
+                        return;
+                    };
+                    write.shadowed = slot.shadowed(write.upserts.iter().map(|row| row.id.clone()));
                     pending = Some(write);
                     let more = slot
                         .bridge
@@ -1320,13 +1406,12 @@ impl SyncClient {
                     if is_cursor_after(Some(&cursor), slot.cursor.as_ref()) {
                         if let Some((change, write)) = slot.sweep() {
                             flush(key, pending.take(), out);
-                            out.push(ClientEffect::Changed {
-                                scope: key,
-                                reset: false,
-                                change,
-                            });
+                            self.emit_change(key, false, change, out);
                             pending = Some(write);
                         }
+                        let Some(slot) = self.scopes.get_mut(&key) else {
+                            return;
+                        };
                         slot.cursor = Some(cursor.clone());
                         pending.get_or_insert_with(PersistWrite::default).cursor = Some(cursor);
                         flush(key, pending.take(), out);
@@ -1339,13 +1424,12 @@ impl SyncClient {
                     if slot.phase == Phase::Subscribing {
                         if let Some((change, write)) = slot.sweep() {
                             flush(key, pending.take(), out);
-                            out.push(ClientEffect::Changed {
-                                scope: key,
-                                reset: false,
-                                change,
-                            });
+                            self.emit_change(key, false, change, out);
                             pending = Some(write);
                         }
+                        let Some(slot) = self.scopes.get_mut(&key) else {
+                            return;
+                        };
                         slot.phase = Phase::Live;
                         slot.expired_in_a_row = 0;
                         // The server answered a subscription in full: this connection works.
@@ -1418,7 +1502,8 @@ impl SyncClient {
                 Some(
                     self.silence_deadline(heard_ms, probe_ms)
                         .min(pinged_ms.saturating_add(self.config.ping_interval_ms))
-                        .min(renew.unwrap_or(u64::MAX)),
+                        .min(renew.unwrap_or(u64::MAX))
+                        .min(self.outbox_deadline().unwrap_or(u64::MAX)),
                 )
             }
         };

@@ -1297,6 +1297,12 @@ impl Harness {
                         self.server.outbox.clear();
                     }
                 }
+                // This property run makes no mutations.
+                ClientEffect::PersistOutbox { .. }
+                | ClientEffect::Settled { .. }
+                | ClientEffect::Upload { .. } => {
+                    panic!("an outbox effect without a mutation: {effect:?}")
+                }
                 ClientEffect::Persist { scope, write } => {
                     let store = &mut self.stores[self.scope_of(scope)];
                     if write.forget_cursor {
@@ -1762,3 +1768,6 @@ fn a_key_subscribed_again_on_the_same_socket_ignores_the_old_subscriptions_frame
         replayed: 1
     }));
 }
+
+#[path = "outbox_tests.rs"]
+mod outbox_tests;
