@@ -19,6 +19,7 @@ use gloo_net::websocket::{Message, State, WebSocketError};
 use gloo_timers::callback::Timeout;
 use highwater_engine::cursor::SyncCursor as EngineCursor;
 use highwater_engine::scope_sync::SubscribeParams;
+use highwater_engine::scope_sync::{Mutation as EngineMutation, MutationOp, MutationResult};
 use highwater_engine::sync_client::{
     ClientConfig, ClientEffect, ClientInput, SocketId, StoredRow as EngineRow, StoredScope,
     SyncClient,
@@ -97,7 +98,9 @@ struct CoreRowChange {
     removed: Vec<String>,
 }
 
-/// A row of a [`CoreWrite`]: its data is the row the client already holds under `id`.
+/// A row of a [`CoreWrite`]: its data is the row the client already holds under `id`, unless
+/// `data` is given (the row is shown with a pending mutation laid over it; the store keeps the
+/// server's).
 #[derive(Tsify, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[allow(dead_code)]
@@ -105,6 +108,55 @@ struct CoreUpsert {
     id: String,
     #[tsify(type = "number | bigint | null")]
     server_sequence: Option<i64>,
+    #[tsify(optional, type = "Record<string, JsonValue>")]
+    data: Option<Map<String, Value>>,
+}
+
+/// A write to a table (`HighwaterClient.mutate`), as the outbox keeps it.
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+struct MutationRecord {
+    /// The client's number for it, growing with each mutation.
+    id: f64,
+    table: String,
+    #[tsify(type = "\"insert\" | \"update\" | \"delete\"")]
+    op: String,
+    #[tsify(type = "Record<string, JsonValue>")]
+    row: Map<String, Value>,
+    #[tsify(optional, type = "number")]
+    if_version: Option<f64>,
+}
+
+/// What became of a mutation: `confirmed`, `rejected` (with a `code`: `forbidden`, `invalid`,
+/// `constraint`, `conflict`), or `retry` (sent again later).
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+struct MutationOutcome {
+    id: f64,
+    #[tsify(type = "\"confirmed\" | \"rejected\" | \"retry\"")]
+    status: String,
+    #[tsify(optional)]
+    code: Option<String>,
+    #[tsify(optional)]
+    message: Option<String>,
+    /// For `conflict`: the row as it is now (`null` if gone).
+    #[tsify(optional, type = "Record<string, JsonValue> | null")]
+    row: Option<Value>,
+}
+
+/// One write of the outbox to its store: apply all of it or none.
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[allow(dead_code)]
+struct OutboxWrite {
+    client_id: String,
+    /// The last mutation id given out.
+    last_id: f64,
+    put: Vec<MutationRecord>,
+    /// Ids to delete.
+    remove: Vec<f64>,
 }
 
 /// A [`PersistWrite`] as the core hands it over: `HighwaterClient` fills each upsert's data
@@ -184,6 +236,26 @@ enum ClientEvent {
         #[tsify(optional)]
         reason: Option<String>,
     },
+    /// Write this to the outbox's store in one transaction, in order.
+    #[serde(rename_all = "camelCase")]
+    PersistOutbox { write: OutboxWrite },
+    /// A mutation is settled (confirmed, and its change is in the rows; or rejected).
+    #[serde(rename_all = "camelCase")]
+    Settled { result: MutationOutcome },
+    /// Hand these to the app's `upload`, then call `uploaded`.
+    #[serde(rename_all = "camelCase")]
+    Upload { mutations: Vec<MutationRecord> },
+}
+
+/// How the core writes: through the server (`mutate` frames) or the app's `upload`; and the
+/// key columns of tables whose key is not `id`.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct CoreOptions {
+    #[serde(default)]
+    upload: bool,
+    #[serde(default)]
+    keys: BTreeMap<String, Vec<String>>,
 }
 
 /// What the socket task is told to do.
@@ -223,11 +295,30 @@ impl SyncClientCore {
         token: js_sys::Function,
         #[wasm_bindgen(unchecked_param_type = "(event: ClientEvent) => void")]
         emit: js_sys::Function,
-    ) -> SyncClientCore {
+        #[wasm_bindgen(
+            unchecked_param_type = "{ upload?: boolean; keys?: Record<string, string[]> } | undefined"
+        )]
+        options: JsValue,
+    ) -> Result<SyncClientCore, Failure> {
         let seed = (js_sys::Math::random() * 9_007_199_254_740_991.0) as u64;
-        SyncClientCore {
+        let options: CoreOptions = if options.is_null() || options.is_undefined() {
+            CoreOptions::default()
+        } else {
+            serde_json::from_value(from_js(&options)?).map_err(|error| {
+                Failure::new(
+                    ErrorCode::InvalidArgument,
+                    format!("expected client options {{upload?, keys?}}: {error}"),
+                )
+            })?
+        };
+        let config = ClientConfig {
+            upload: options.upload,
+            keys: options.keys,
+            ..ClientConfig::default()
+        };
+        Ok(SyncClientCore {
             host: Rc::new(Host {
-                machine: RefCell::new(SyncClient::new(ClientConfig::default(), seed)),
+                machine: RefCell::new(SyncClient::new(config, seed)),
                 url,
                 token,
                 emit,
@@ -236,7 +327,154 @@ impl SyncClientCore {
                 queue: RefCell::new(VecDeque::new()),
                 busy: Cell::new(false),
             }),
+        })
+    }
+
+    /// Gives the core its outbox from the store: the client id, the last mutation id given
+    /// out, and the mutations not settled.
+    #[wasm_bindgen(js_name = restoreOutbox)]
+    pub fn restore_outbox(
+        &self,
+        client_id: String,
+        last_id: f64,
+        #[wasm_bindgen(unchecked_param_type = "MutationRecord[]")] pending: JsValue,
+    ) -> Result<(), Failure> {
+        let pending = match from_js(&pending)? {
+            Value::Array(items) => items
+                .iter()
+                .map(|item| match EngineMutation::parse(item) {
+                    Ok(Ok(mutation)) => Ok(mutation),
+                    Ok(Err(invalid)) => Err(invalid.to_string()),
+                    Err(error) => Err(error.to_string()),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|error| {
+                    Failure::new(
+                        ErrorCode::InvalidMutation,
+                        format!("the stored outbox holds a mutation that cannot be read: {error}"),
+                    )
+                })?,
+            Value::Null => Vec::new(),
+            _ => {
+                return Err(Failure::new(
+                    ErrorCode::InvalidArgument,
+                    "expected the stored mutations as an array",
+                ))
+            }
+        };
+        dispatch(
+            &self.host,
+            ClientInput::RestoreOutbox {
+                client_id,
+                last_id: last_id.max(0.0) as u64,
+                pending,
+            },
+        );
+        Ok(())
+    }
+
+    /// Queues a mutation; returns its id. Throws `HW_INVALID_MUTATION` for one the server
+    /// would refuse as malformed (or before `restoreOutbox`).
+    pub fn mutate(
+        &self,
+        table: String,
+        op: String,
+        #[wasm_bindgen(unchecked_param_type = "Record<string, JsonValue>")] row: JsValue,
+        if_version: Option<f64>,
+    ) -> Result<f64, Failure> {
+        let invalid = |message: String| Failure::new(ErrorCode::InvalidMutation, message);
+        let op = match op.as_str() {
+            "insert" => MutationOp::Insert,
+            "update" => MutationOp::Update,
+            "delete" => MutationOp::Delete,
+            other => {
+                return Err(invalid(format!(
+                    "expected op \"insert\", \"update\" or \"delete\", got {other:?}"
+                )))
+            }
+        };
+        let Value::Object(row) = from_js(&row)? else {
+            return Err(invalid(
+                "expected the row to be an object of columns".to_owned(),
+            ));
+        };
+        let (queued, effects) = self.host.machine.borrow_mut().mutate(
+            now_ms(),
+            table,
+            op,
+            row,
+            if_version.map(|v| v as i64),
+        );
+        for effect in effects {
+            carry_out(&self.host, effect);
         }
+        queued
+            .map(|id| id as f64)
+            .map_err(|error| invalid(error.to_string()))
+    }
+
+    /// The app's `upload` of `ids` finished: `rejected` lists the ones it refused for good;
+    /// `error` says why it failed (the batch is tried again later).
+    pub fn uploaded(
+        &self,
+        ids: Vec<f64>,
+        #[wasm_bindgen(unchecked_param_type = "{ id: number; code: string; message: string }[]")]
+        rejected: JsValue,
+        error: Option<String>,
+    ) -> Result<(), Failure> {
+        let ids = ids.into_iter().map(|id| id as u64).collect();
+        let result = match error {
+            Some(error) => Err(error),
+            None => {
+                let rejected = match from_js(&rejected)? {
+                    Value::Array(items) => items
+                        .iter()
+                        .map(|item| {
+                            let mut item = item.clone();
+                            if let Some(object) = item.as_object_mut() {
+                                object
+                                    .entry("status")
+                                    .or_insert_with(|| Value::String("rejected".into()));
+                            }
+                            MutationResult::from_value(&item)
+                        })
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or_else(|| {
+                            Failure::new(
+                                ErrorCode::InvalidArgument,
+                                "expected rejections as [{id, code, message}]",
+                            )
+                        })?,
+                    _ => Vec::new(),
+                };
+                Ok(rejected)
+            }
+        };
+        dispatch(&self.host, ClientInput::Uploaded { ids, result });
+        Ok(())
+    }
+
+    /// The `serverSequence` of the server's row `id` in the scope (for `ifVersion`).
+    pub fn version(&self, key: u32, id: &str) -> Option<f64> {
+        self.host
+            .machine
+            .borrow()
+            .version(key, id)
+            .map(|v| v as f64)
+    }
+
+    /// The mutations not settled yet, oldest first.
+    #[wasm_bindgen(js_name = pendingMutations, unchecked_return_type = "MutationRecord[]")]
+    pub fn pending_mutations(&self) -> Result<JsValue, JsValue> {
+        let pending: Vec<Value> = self
+            .host
+            .machine
+            .borrow()
+            .pending_mutations()
+            .iter()
+            .map(EngineMutation::to_value)
+            .collect();
+        to_js(&Value::Array(pending))
     }
 
     /// Starts connecting.
@@ -522,6 +760,7 @@ impl Serialize for Emitted<'_> {
                             .map(|row| UpsertOut {
                                 id: &row.id,
                                 server_sequence: row.server_sequence,
+                                data: write.shadowed.contains(&row.id).then_some(&row.data),
                             })
                             .collect(),
                         deletes: &write.deletes,
@@ -547,6 +786,8 @@ struct ChangeOut<'a> {
 struct UpsertOut<'a> {
     id: &'a str,
     server_sequence: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data: Option<&'a highwater_engine::sync_client::RowData>,
 }
 
 #[derive(Serialize)]

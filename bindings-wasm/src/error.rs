@@ -28,6 +28,9 @@ pub(crate) enum ErrorCode {
     InvalidBackfill,
     InvalidFrame,
     InvalidBridgeInput,
+    /// Thrown by the client only.
+    #[cfg_attr(not(feature = "client"), allow(dead_code))]
+    InvalidMutation,
 }
 
 impl ErrorCode {
@@ -46,6 +49,7 @@ impl ErrorCode {
         ErrorCode::InvalidBackfill,
         ErrorCode::InvalidFrame,
         ErrorCode::InvalidBridgeInput,
+        ErrorCode::InvalidMutation,
     ];
 
     pub(crate) fn as_str(self) -> &'static str {
@@ -62,6 +66,7 @@ impl ErrorCode {
             ErrorCode::InvalidBackfill => "HW_INVALID_BACKFILL",
             ErrorCode::InvalidFrame => "HW_INVALID_FRAME",
             ErrorCode::InvalidBridgeInput => "HW_INVALID_BRIDGE_INPUT",
+            ErrorCode::InvalidMutation => "HW_INVALID_MUTATION",
         }
     }
 }
@@ -83,7 +88,8 @@ export type HighwaterErrorCode =
   | "HW_INVALID_SCOPE"
   | "HW_INVALID_BACKFILL"
   | "HW_INVALID_FRAME"
-  | "HW_INVALID_BRIDGE_INPUT";
+  | "HW_INVALID_BRIDGE_INPUT"
+  | "HW_INVALID_MUTATION";
 
 /** What the package throws: a plain `Error` with a stable `code`; decode errors also carry `path`. */
 export interface HighwaterError extends Error {

@@ -8,7 +8,19 @@
 // wake on a page shown again (`#listen`) is tested in the engine and, with a stand-in
 // `document`, in the package's Node tests, not yet in a real browser.
 import { SyncClientCore, scopeDigest } from "./wasm/api.js";
-import type { ClientEvent, ConnectionStatus, CoreRowChange, CoreWrite, JsonValue, PersistWrite, ScopeCondition, SyncCursor } from "./wasm/api.js";
+import type {
+  ClientEvent,
+  ConnectionStatus,
+  CoreRowChange,
+  CoreWrite,
+  JsonValue,
+  MutationOutcome,
+  MutationRecord,
+  OutboxWrite,
+  PersistWrite,
+  ScopeCondition,
+  SyncCursor,
+} from "./wasm/api.js";
 import { MemoryStore, type ScopeStore } from "./stores.js";
 import { Tabs, type TabMessage } from "./tabs.js";
 
@@ -51,6 +63,75 @@ export interface HighwaterClientOptions {
    * tab keeps its own socket, and `status.tabs` says `"unshared"`.
    */
   shareTabs?: boolean | string;
+  /**
+   * Apply writes in the app's own backend instead of through the server: called with batches
+   * of pending mutations, in order, while the socket is open. Apply each in a transaction that
+   * also runs `SELECT highwater.confirm(clientId, id)` (the client's id is
+   * `client.clientId`); the mutation is confirmed once its change comes back. Resolve with
+   * `{ rejected: [{ id, code, message }] }` for mutations refused for good; throw to try the
+   * batch again later.
+   */
+  upload?: (mutations: MutationRecord[], clientId: string) => Promise<void | { rejected?: { id: number; code: string; message: string }[] }>;
+  /** Key columns of tables whose key is not `id` (to lay mutations over their rows). */
+  keys?: Record<string, string[]>;
+}
+
+/** What a mutation does: `insert` a row, `update` (the key columns and the changed ones) or
+ * `delete` (the key columns). */
+export type MutationOp = "insert" | "update" | "delete";
+
+export interface MutateOptions {
+  /** Compare-and-set: the row's `serverSequence` this client saw (`subscription.version(id)`).
+   * A row changed since is not overwritten: the mutation is rejected with `conflict`. */
+  ifVersion?: number;
+}
+
+/** Thrown by `Mutation.confirmed` when the server refused the mutation. */
+export interface MutationError extends Error {
+  name: "HighwaterMutationError";
+  /** `forbidden`, `invalid`, `constraint` or `conflict`. */
+  code: string;
+  /** For `conflict`: the row as it is now (`null` if gone). */
+  row?: Record<string, JsonValue> | null;
+}
+
+/** A refused mutation, as the client's `rejected` event reports it. */
+export interface RejectedEvent {
+  mutation: MutationRecord;
+  code: string;
+  message: string;
+  row?: Record<string, JsonValue> | null;
+}
+
+/**
+ * A queued write. It shows in the rows at once; `confirmed` resolves once the server applied it
+ * and its change is in the rows (read-your-writes), or rejects with a `HighwaterMutationError`.
+ */
+export class Mutation {
+  /** The client's number for it; 0 until numbered (while the store loads, or in a tab that does
+   * not hold the socket, until the one that does has queued it). */
+  id = 0;
+  readonly table: string;
+  readonly op: MutationOp;
+  readonly row: Record<string, JsonValue>;
+  readonly confirmed: Promise<void>;
+  /** @internal */
+  resolve!: () => void;
+  /** @internal */
+  reject!: (error: Error) => void;
+
+  /** @internal */
+  constructor(table: string, op: MutationOp, row: Record<string, JsonValue>) {
+    this.table = table;
+    this.op = op;
+    this.row = row;
+    this.confirmed = new Promise<void>((resolve, reject) => {
+      this.resolve = resolve;
+      this.reject = reject;
+    });
+    // An unobserved rejection is still reported through the client's "rejected" event.
+    this.confirmed.catch(() => undefined);
+  }
 }
 
 /** This tab's part when tabs share a socket (`shareTabs`). */
@@ -184,12 +265,22 @@ export class Subscription<R = Row> extends Emitter<SubscriptionEvents<R>> {
     return this.#closed || this.#client.closed ? 0 : this.#client.replayedOf(this.#key);
   }
 
-  /** @internal The stored form of a write from the core: its upserts take the rows held. */
+  /**
+   * The `serverSequence` of the server's row `resourceId` (for `mutate`'s `ifVersion`), or
+   * `null` if the scope does not hold it (or, with `shareTabs`, in a tab that does not hold the
+   * socket).
+   */
+  version(resourceId: string): number | null {
+    return this.#closed || this.#client.closed ? null : this.#client.versionOf(this.#key, resourceId);
+  }
+
+  /** @internal The stored form of a write from the core: its upserts take the rows held, but
+   * for rows shown with a pending mutation laid over them, whose server row comes with it. */
   storedWrite(write: CoreWrite): PersistWrite {
     const upserts = [];
-    for (const { id, serverSequence } of write.upserts) {
+    for (const { id, serverSequence, data: server } of write.upserts) {
       const place = this.#place.get(id);
-      const data = place === undefined ? undefined : this.#rows[place];
+      const data = server ?? (place === undefined ? undefined : this.#rows[place]);
       // Every upsert is a row the same apply reported just before (a change, or a restore).
       if (data !== undefined) upserts.push({ id, serverSequence, data });
     }
@@ -285,6 +376,10 @@ export class Subscription<R = Row> extends Emitter<SubscriptionEvents<R>> {
 export interface ClientEvents {
   status: ClientStatus;
   error: SyncProblem;
+  /** A mutation was refused for good; its rows are shown as the server has them again. */
+  rejected: RejectedEvent;
+  /** The number of mutations not settled yet changed. */
+  outbox: { pending: number };
 }
 
 /** The scope-sync client: one socket for every subscription, reconnecting on its own. */
@@ -311,6 +406,16 @@ export class HighwaterClient extends Emitter<ClientEvents> {
   #loading = new Set<Promise<void>>();
   #closed = false;
   #detach: () => void = () => undefined;
+  /** Mutations by id, and those not numbered yet (before the outbox is restored, or sent to
+   * the leading tab) by a local reference. */
+  #mutations = new Map<number, Mutation>();
+  #unnumbered = new Map<number, { mutation: Mutation; ifVersion?: number; forTab?: { tab: string; ref: number } }>();
+  #nextRef = 1;
+  #outboxLoaded = false;
+  #outboxWrites: Promise<void> = Promise.resolve();
+  #pending = 0;
+  #clientId: string | null = null;
+  #upload: HighwaterClientOptions["upload"];
 
   constructor(options: HighwaterClientOptions) {
     super();
@@ -323,7 +428,11 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     const token = options.token;
     const source = async (): Promise<string | null> =>
       typeof token === "function" ? ((await token()) ?? null) : (token ?? null);
-    this.#core = new SyncClientCore(options.url, source, (event: ClientEvent) => this.#deliver(event));
+    this.#upload = options.upload;
+    this.#core = new SyncClientCore(options.url, source, (event: ClientEvent) => this.#deliver(event), {
+      upload: options.upload !== undefined,
+      keys: options.keys ?? {},
+    });
     this.#listen();
     const share = options.shareTabs;
     if (share !== undefined && share !== false) {
@@ -340,7 +449,133 @@ export class HighwaterClient extends Emitter<ClientEvents> {
       this.#tabs?.post({ type: "hello", from: this.#tabs.id });
       if (this.#tabs !== null) return;
     }
+    this.#restoreOutbox();
     this.#start();
+  }
+
+  /** This client's id for its writes (the store keeps it); `null` until the store was read. */
+  get clientId(): string | null {
+    return this.#clientId;
+  }
+
+  /** Mutations not settled yet. */
+  get pendingCount(): number {
+    return this.#pending;
+  }
+
+  /** Reads the outbox from the store (or makes a client id) and gives it to the core; the
+   * mutations made meanwhile are queued after it. */
+  #restoreOutbox(): void {
+    const load = this.#store.loadOutbox?.() ?? Promise.resolve(null);
+    const loading = load
+      .catch((error: unknown) => {
+        this.emit("error", { code: "store-failed", message: describe(error) });
+        return null;
+      })
+      .then((stored) => {
+        if (this.#closed) return;
+        const clientId = stored?.clientId ?? newClientId();
+        this.#clientId = clientId;
+        try {
+          this.#core.restoreOutbox(clientId, stored?.lastId ?? 0, stored?.pending ?? []);
+        } catch (error) {
+          this.emit("error", { code: "store-failed", message: describe(error) });
+          this.#core.restoreOutbox(clientId, stored?.lastId ?? 0, []);
+        }
+        this.#outboxLoaded = true;
+        this.#pending = this.#core.pendingMutations().length;
+        for (const [ref, { mutation, ifVersion, forTab }] of [...this.#unnumbered]) {
+          this.#unnumbered.delete(ref);
+          this.#queue(mutation, ifVersion, true);
+          if (forTab !== undefined && this.#tabs !== null) {
+            this.#tabs.post({ type: "numbered", from: this.#tabs.id, to: forTab.tab, ref: forTab.ref, id: mutation.id });
+          }
+        }
+        this.emit("outbox", { pending: this.#pending });
+      })
+      .finally(() => this.#loading.delete(loading));
+    this.#loading.add(loading);
+  }
+
+  /**
+   * Queues a write to `table`: it shows in the rows of every scope it belongs to at once, is
+   * kept in the store until the server says what became of it (offline and across reloads),
+   * and is sent in order. Throws `HW_INVALID_MUTATION` for one the server would refuse as
+   * malformed (an update or delete without the key columns, an empty row, an unknown op).
+   */
+  mutate(table: string, op: MutationOp, row: Record<string, JsonValue>, options: MutateOptions = {}): Mutation {
+    if (this.#closed) throw new Error("the client is closed");
+    const mutation = new Mutation(table, op, row);
+    if (this.#role === "follower" && this.#tabs !== null) {
+      const ref = this.#nextRef++;
+      this.#unnumbered.set(ref, { mutation, ifVersion: options.ifVersion });
+      this.#tabs.post({ type: "mutate", from: this.#tabs.id, ref, table, op, row, ifVersion: options.ifVersion });
+      return mutation;
+    }
+    if (!this.#outboxLoaded) {
+      this.#unnumbered.set(this.#nextRef++, { mutation, ifVersion: options.ifVersion });
+      return mutation;
+    }
+    this.#queue(mutation, options.ifVersion, false);
+    return mutation;
+  }
+
+  /** Hands a mutation to the core, which throws for a malformed one: thrown to the caller,
+   * or for one queued earlier (`deferred`), its `confirmed` rejects. */
+  #queue(mutation: Mutation, ifVersion: number | undefined, deferred: boolean): void {
+    try {
+      mutation.id = this.#core.mutate(mutation.table, mutation.op, mutation.row, ifVersion);
+      this.#mutations.set(mutation.id, mutation);
+    } catch (error) {
+      if (!deferred) throw error;
+      mutation.reject(error as Error);
+    }
+  }
+
+  /** A settled mutation: its promise, the `rejected` event, and the tabs that wait on it. */
+  #settled(result: MutationOutcome): void {
+    const mutation = this.#mutations.get(result.id);
+    this.#mutations.delete(result.id);
+    if (result.status === "confirmed") {
+      mutation?.resolve();
+    } else {
+      const error = new Error(result.message ?? `mutation ${result.id} was rejected`) as MutationError;
+      error.name = "HighwaterMutationError";
+      error.code = result.code ?? "rejected";
+      if (result.row !== undefined) error.row = result.row as Record<string, JsonValue> | null;
+      mutation?.reject(error);
+      if (mutation !== undefined) {
+        const record: MutationRecord = { id: result.id, table: mutation.table, op: mutation.op, row: mutation.row };
+        this.emit("rejected", { mutation: record, code: error.code, message: error.message, row: error.row });
+      }
+    }
+  }
+
+  #persistOutbox(write: OutboxWrite): void {
+    const store = this.#store;
+    this.#outboxWrites = this.#outboxWrites
+      .then(() => store.writeOutbox?.(write))
+      .catch((error: unknown) => this.emit("error", { code: "store-failed", message: describe(error) }));
+    this.#pending = Math.max(0, this.#pending + write.put.length - write.remove.length);
+    this.emit("outbox", { pending: this.#pending });
+    if (this.#role === "leader") this.#tabs?.post({ type: "outbox", from: this.#tabs.id, pending: this.#pending });
+  }
+
+  /** Hands a batch to the app's `upload` and tells the core how it went. */
+  #uploadBatch(mutations: MutationRecord[]): void {
+    const upload = this.#upload;
+    const ids = mutations.map((m) => m.id);
+    const clientId = this.#clientId ?? "";
+    void Promise.resolve()
+      .then(() => (upload === undefined ? undefined : upload(mutations, clientId)))
+      .then(
+        (answer) => {
+          if (!this.#closed) this.#core.uploaded(ids, (answer && answer.rejected) ?? [], undefined);
+        },
+        (error: unknown) => {
+          if (!this.#closed) this.#core.uploaded(ids, [], describe(error));
+        },
+      );
   }
 
   /** Opens the socket once the subscriptions made so far have read the store, so stored rows
@@ -366,6 +601,9 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     }
     this.#setStatus({ ...this.#status });
     this.#tabs.post({ type: "leader", from: this.#tabs.id });
+    // The outbox is this tab's now: read from the store (the old leader kept it), with this
+    // tab's mutations the old leader had not numbered queued after it.
+    this.#restoreOutbox();
     this.#start();
   }
 
@@ -398,6 +636,25 @@ export class HighwaterClient extends Emitter<ClientEvents> {
           if (key !== undefined) this.#dropProxy(key);
           return;
         }
+        case "mutate": {
+          const mutation = new Mutation(message.table, message.op as MutationOp, message.row as Record<string, JsonValue>);
+          const answer = (id: number, error?: { code: string; message: string }) =>
+            tabs.post({ type: "numbered", from: tabs.id, to: message.from, ref: message.ref, id, error });
+          if (!this.#outboxLoaded) {
+            // Numbered once the store is read, and the other tab told then.
+            const forTab = { tab: message.from, ref: message.ref };
+            this.#unnumbered.set(this.#nextRef++, { mutation, ifVersion: message.ifVersion, forTab });
+            return;
+          }
+          try {
+            this.#queue(mutation, message.ifVersion, false);
+            answer(mutation.id);
+          } catch (error) {
+            const code = (error as { code?: unknown }).code;
+            answer(0, { code: typeof code === "string" ? code : "HW_INVALID_MUTATION", message: describe(error) });
+          }
+          return;
+        }
         default:
           return;
       }
@@ -415,6 +672,29 @@ export class HighwaterClient extends Emitter<ClientEvents> {
         this.#setStatus(status.reason === undefined ? { state: status.state } : { state: status.state, reason: status.reason });
         return;
       }
+      case "numbered": {
+        if (message.to !== tabs.id) return;
+        const held = this.#unnumbered.get(message.ref);
+        if (held === undefined) return;
+        this.#unnumbered.delete(message.ref);
+        if (message.error !== undefined) {
+          const error = new Error(message.error.message) as Error & { code: string };
+          error.name = "HighwaterError";
+          error.code = message.error.code;
+          held.mutation.reject(error);
+        } else {
+          held.mutation.id = message.id;
+          this.#mutations.set(message.id, held.mutation);
+        }
+        return;
+      }
+      case "settled":
+        this.#settled(message.result as MutationOutcome);
+        return;
+      case "outbox":
+        this.#pending = message.pending;
+        this.emit("outbox", { pending: message.pending });
+        return;
       case "event": {
         if (message.to !== tabs.id) return;
         const subscription = this.#subscriptions.get(message.key);
@@ -452,6 +732,12 @@ export class HighwaterClient extends Emitter<ClientEvents> {
   cursorOf(key: number): SyncCursor | null {
     const remote = this.#role === "follower" ? this.#remote.get(key) : undefined;
     return remote !== undefined ? remote.cursor : (this.#core.cursor(key) as SyncCursor | null);
+  }
+
+  /** @internal A row's server version: the core's (a follower has none). */
+  versionOf(key: number, resourceId: string): number | null {
+    if (this.#role === "follower") return null;
+    return this.#core.version(key, resourceId) ?? null;
   }
 
   /** @internal A scope's last catch-up count: the core's, or as a follower the leader's. */
@@ -547,7 +833,7 @@ export class HighwaterClient extends Emitter<ClientEvents> {
       const core = this.#core;
       setTimeout(() => core.free(), 0);
     }
-    await Promise.allSettled([...this.#writes.values()]);
+    await Promise.allSettled([...this.#writes.values(), this.#outboxWrites]);
   }
 
   /** Whether `close()` was called. */
@@ -595,6 +881,16 @@ export class HighwaterClient extends Emitter<ClientEvents> {
         if (subscription !== undefined) this.#persist(event.scope, subscription.storedWrite(event.write));
         return;
       }
+      case "persistOutbox":
+        this.#persistOutbox(event.write);
+        return;
+      case "settled":
+        this.#settled(event.result);
+        if (this.#role === "leader") this.#tabs?.post({ type: "settled", from: this.#tabs.id, result: event.result });
+        return;
+      case "upload":
+        this.#uploadBatch(event.mutations);
+        return;
       case "error":
         if (event.scope === null || event.scope === undefined) {
           this.emit("error", { code: event.code, message: event.message });
@@ -659,6 +955,13 @@ export class HighwaterClient extends Emitter<ClientEvents> {
       doc?.removeEventListener?.("visibilitychange", visibility);
     };
   }
+}
+
+/** A fresh client id: random, 22 characters of letters and digits. */
+function newClientId(): string {
+  const bytes = new Uint8Array(16);
+  globalThis.crypto.getRandomValues(bytes);
+  return "c" + Array.from(bytes, (b) => b.toString(36).padStart(2, "0")).join("").slice(0, 21);
 }
 
 function describe(error: unknown): string {

@@ -25,12 +25,16 @@ export type {
   SyncCursor,
 } from "./wasm/api.js";
 
-export { HighwaterClient, Subscription } from "./client.js";
+export { HighwaterClient, Mutation, Subscription } from "./client.js";
 export type {
   ClientEvents,
   ClientStatus,
   HighwaterClientOptions,
+  MutateOptions,
+  MutationError,
+  MutationOp,
   ProgressEvent,
+  RejectedEvent,
   Row,
   RowChangeEvent,
   ScopeError,
@@ -41,7 +45,7 @@ export type {
   TokenSource,
 } from "./client.js";
 export { IndexedDbStore, MemoryStore } from "./stores.js";
-export type { ScopeStore } from "./stores.js";
+export type { ScopeStore, StoredOutbox } from "./stores.js";
 export type {
   ClientEvent,
   ConnectionState,
@@ -51,6 +55,9 @@ export type {
   CoreRowChange,
   CoreUpsert,
   CoreWrite,
+  MutationOutcome,
+  MutationRecord,
+  OutboxWrite,
   StoredRow,
   StoredScopeData,
 } from "./wasm/api.js";

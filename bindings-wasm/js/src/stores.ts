@@ -1,5 +1,13 @@
 // Where a HighwaterClient keeps each scope's rows and cursor between runs.
-import type { PersistWrite, StoredRow, StoredScopeData, SyncCursor } from "./wasm/api.js";
+import type { MutationRecord, OutboxWrite, PersistWrite, StoredRow, StoredScopeData, SyncCursor } from "./wasm/api.js";
+
+/** What a store keeps of a client's writes: its id, the last mutation id it gave out, and the
+ * mutations not settled yet. */
+export interface StoredOutbox {
+  clientId: string;
+  lastId: number;
+  pending: MutationRecord[];
+}
 
 /**
  * A scope store. `write` must apply the whole write or none of it (rows, deletions and the
@@ -9,6 +17,11 @@ export interface ScopeStore {
   /** What the store holds for the scope, or `null` if nothing. */
   load(scope: string): Promise<StoredScopeData | null>;
   write(scope: string, write: PersistWrite): Promise<void>;
+  /** The outbox, or `null` if none was kept (the client makes a new client id). A store
+   * without these two keeps a client's pending writes in memory only. */
+  loadOutbox?(): Promise<StoredOutbox | null>;
+  /** Applies one outbox write, all of it or none, in the order given. */
+  writeOutbox?(write: OutboxWrite): Promise<void>;
 }
 
 interface MemoryScope {
@@ -19,6 +32,23 @@ interface MemoryScope {
 /** Keeps scopes in memory: the default. Share one between clients to keep rows across them. */
 export class MemoryStore implements ScopeStore {
   #scopes = new Map<string, MemoryScope>();
+  #outbox: { clientId: string; lastId: number; pending: Map<number, MutationRecord> } | null = null;
+
+  async loadOutbox(): Promise<StoredOutbox | null> {
+    const held = this.#outbox;
+    if (held === null) return null;
+    return { clientId: held.clientId, lastId: held.lastId, pending: [...held.pending.values()].map((m) => structuredClone(m)) };
+  }
+
+  async writeOutbox(write: OutboxWrite): Promise<void> {
+    if (this.#outbox === null || this.#outbox.clientId !== write.clientId) {
+      this.#outbox = { clientId: write.clientId, lastId: 0, pending: new Map() };
+    }
+    const held = this.#outbox;
+    held.lastId = Math.max(held.lastId, write.lastId);
+    for (const mutation of write.put) held.pending.set(mutation.id, structuredClone(mutation));
+    for (const id of write.remove) held.pending.delete(id);
+  }
 
   async load(scope: string): Promise<StoredScopeData | null> {
     const held = this.#scopes.get(scope);
@@ -41,6 +71,8 @@ export class MemoryStore implements ScopeStore {
 
 const ROWS = "rows";
 const CURSORS = "cursors";
+const OUTBOX = "outbox";
+const META = "meta";
 
 /**
  * Keeps scopes in IndexedDB (browsers): each write is ONE IndexedDB transaction over the
@@ -61,11 +93,15 @@ export class IndexedDbStore implements ScopeStore {
           reject(new Error("IndexedDbStore needs IndexedDB; use MemoryStore where there is none"));
           return;
         }
-        const request = indexedDB.open(this.name, 1);
+        const request = indexedDB.open(this.name, 2);
         request.onupgradeneeded = () => {
           const db = request.result;
-          db.createObjectStore(ROWS, { keyPath: ["scope", "id"] });
-          db.createObjectStore(CURSORS, { keyPath: "scope" });
+          // Version 1 had rows and cursors; version 2 adds the outbox.
+          const has = (name: string) => db.objectStoreNames.contains(name);
+          if (!has(ROWS)) db.createObjectStore(ROWS, { keyPath: ["scope", "id"] });
+          if (!has(CURSORS)) db.createObjectStore(CURSORS, { keyPath: "scope" });
+          if (!has(OUTBOX)) db.createObjectStore(OUTBOX, { keyPath: "id" });
+          if (!has(META)) db.createObjectStore(META, { keyPath: "key" });
         };
         request.onsuccess = () => resolve(request.result);
         request.onerror = () => reject(request.error ?? new Error(`could not open IndexedDB database ${this.name}`));
@@ -106,6 +142,36 @@ export class IndexedDbStore implements ScopeStore {
     } catch (error) {
       // A request that throws (a value IndexedDB cannot clone) must not leave the ones before it
       // to commit on their own: all of the write or none.
+      done.catch(() => undefined);
+      tx.abort();
+      throw error;
+    }
+    await done;
+  }
+
+  async loadOutbox(): Promise<StoredOutbox | null> {
+    const db = await this.#open();
+    const tx = db.transaction([OUTBOX, META], "readonly");
+    const pending = request<MutationRecord[]>(tx.objectStore(OUTBOX).getAll());
+    const meta = request<{ key: string; clientId: string; lastId: number } | undefined>(tx.objectStore(META).get("outbox"));
+    const [mutations, held] = await Promise.all([pending, meta]);
+    if (held === undefined) return null;
+    return { clientId: held.clientId, lastId: held.lastId, pending: mutations };
+  }
+
+  async writeOutbox(write: OutboxWrite): Promise<void> {
+    const db = await this.#open();
+    const tx = db.transaction([OUTBOX, META], "readwrite");
+    const done = new Promise<void>((resolve, reject) => {
+      tx.oncomplete = () => resolve();
+      tx.onabort = () => reject(tx.error ?? new Error("the IndexedDB transaction was aborted"));
+    });
+    try {
+      const outbox = tx.objectStore(OUTBOX);
+      tx.objectStore(META).put({ key: "outbox", clientId: write.clientId, lastId: write.lastId });
+      for (const mutation of write.put) outbox.put(mutation);
+      for (const id of write.remove) outbox.delete(id);
+    } catch (error) {
       done.catch(() => undefined);
       tx.abort();
       throw error;

@@ -9,7 +9,11 @@ export type TabMessage =
   | { type: "subscribe"; from: string; key: number; scope: unknown }
   | { type: "unsubscribe"; from: string; key: number }
   | { type: "event"; from: string; to: string; key: number; event: unknown; cursor: unknown; replayed: number }
-  | { type: "status"; from: string; status: unknown };
+  | { type: "status"; from: string; status: unknown }
+  | { type: "mutate"; from: string; ref: number; table: string; op: string; row: unknown; ifVersion?: number }
+  | { type: "numbered"; from: string; to: string; ref: number; id: number; error?: { code: string; message: string } }
+  | { type: "settled"; from: string; result: unknown }
+  | { type: "outbox"; from: string; pending: number };
 
 interface Locks {
   request(name: string, callback: () => Promise<void>): Promise<void>;

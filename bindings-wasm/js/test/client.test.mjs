@@ -371,3 +371,70 @@ test("shareTabs without Web Locks keeps a socket of its own and says so in statu
     assert.deepEqual(client.status, { state: "open", tabs: "unshared" });
     await client.close();
   }));
+
+test("a mutation shows at once, never leaves the rows, and is confirmed once its change is in them", () =>
+  withServer(async (server, url) => {
+    server.write("a", "ada", { title: "first" });
+    const client = new HighwaterClient({ url });
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    const seen = [];
+    todos.on("change", () => seen.push(new Set(todos.rows().map((r) => r.id))));
+    const insert = client.mutate("todos", "insert", { id: "b", owner: "ada", title: "second" });
+    // Shown before any answer.
+    assert.deepEqual(new Set(todos.rows().map((r) => r.id)), new Set(["a", "b"]));
+    const update = client.mutate("todos", "update", { id: "a", title: "edited" }, { ifVersion: todos.version("a") });
+    assert.equal(todos.rows().find((r) => r.id === "a").title, "edited");
+    await Promise.all([insert.confirmed, update.confirmed]);
+    assert.ok(insert.id > 0 && update.id === insert.id + 1);
+    // Read-your-writes: the server's rows are in `rows()` when `confirmed` resolves.
+    assert.deepEqual(byId(todos.rows()), byId(server.scopeRows("ada")));
+    assert.equal(todos.rows().find((r) => r.id === "a").title, "edited");
+    // No change event ever dropped a row that was shown.
+    for (const ids of seen) assert.ok(ids.has("a") && ids.has("b"), `a change dropped a row: ${[...ids]}`);
+    assert.deepEqual(server.applied, [`${client.clientId}:1`, `${client.clientId}:2`]);
+    assert.equal(client.pendingCount, 0);
+    await client.close();
+  }));
+
+test("offline mutations survive a restart of the client and are applied once when it comes online", () =>
+  withServer(async (server, url) => {
+    const store = new MemoryStore();
+    const first = new HighwaterClient({ url, store });
+    const todos = first.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    first.goOffline();
+    for (let i = 0; i < 50; i++) first.mutate("todos", "insert", { id: `o${i}`, owner: "ada", title: `offline ${i}` });
+    assert.equal(todos.rows().length, 50);
+    await first.close();
+    assert.equal(server.applied.length, 0);
+
+    const second = new HighwaterClient({ url, store });
+    const again = second.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await until(() => second.pendingCount === 50 && again.rows().length === 50, "the 50 pending mutations shown again");
+    await until(() => second.pendingCount === 0, "the outbox to drain");
+    assert.equal(new Set(server.applied).size, 50);
+    assert.equal(server.applied.length, 50);
+    assert.deepEqual(byId(again.rows()), byId(server.scopeRows("ada")));
+    await second.close();
+  }));
+
+test("a rejected mutation is taken back and reported with its code", () =>
+  withServer(async (server, url) => {
+    server.write("a", "ada", { title: "kept" });
+    const client = new HighwaterClient({ url });
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    await until(() => client.clientId !== null, "the outbox to load");
+    server.forbid.add(1);
+    const rejected = [];
+    client.on("rejected", (event) => rejected.push(event));
+    const doomed = client.mutate("todos", "delete", { id: "a" });
+    assert.equal(todos.rows().length, 0);
+    await assert.rejects(doomed.confirmed, (error) => error.name === "HighwaterMutationError" && error.code === "forbidden");
+    assert.equal(todos.rows()[0].title, "kept");
+    assert.equal(rejected[0].code, "forbidden");
+    assert.deepEqual(rejected[0].mutation.row, { id: "a" });
+    assert.throws(() => client.mutate("todos", "update", { title: "no key" }), (error) => error.code === "HW_INVALID_MUTATION");
+    await client.close();
+  }));

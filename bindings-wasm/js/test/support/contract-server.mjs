@@ -19,6 +19,12 @@ export class ContractServer {
   pings = 0;
   /** Rows per replay page (`highwater serve` sends 1,000). */
   pageRows = 100;
+  /** Per client: the last mutation id applied (applied once, as `highwater serve` does). */
+  lastApplied = new Map();
+  /** Mutations applied, in order: `${clientId}:${id}`. */
+  applied = [];
+  /** Mutation ids to refuse with `forbidden`. */
+  forbid = new Set();
 
   async start() {
     this.wss = new WebSocketServer({ port: 0, host: "127.0.0.1" });
@@ -89,6 +95,41 @@ export class ContractServer {
     ws.send(JSON.stringify({ type: "channel-message", subscriptionId: sub, body: { echoOrigin: null, syncs, ...extra } }));
   }
 
+  /** A `mutate` frame: each mutation applied once, its change sent (echoed to the writer),
+   * then the results. */
+  #mutate(ws, frame) {
+    const results = [];
+    for (const m of frame.mutations) {
+      const last = this.lastApplied.get(frame.clientId) ?? 0;
+      if (m.id <= last) {
+        results.push({ id: m.id, status: "confirmed" });
+        continue;
+      }
+      this.lastApplied.set(frame.clientId, m.id);
+      if (this.forbid.has(m.id)) {
+        results.push({ id: m.id, status: "rejected", code: "forbidden", message: "not yours" });
+        continue;
+      }
+      this.applied.push(`${frame.clientId}:${m.id}`);
+      const id = String(m.row.id);
+      const old = this.rows.get(id);
+      const fields = { ...(old?.data ?? {}), ...m.row, id };
+      const owner = m.op === "delete" ? null : (fields.owner ?? old?.owner ?? null);
+      this.seq += 1;
+      this.rows.set(id, { seq: this.seq, owner, data: owner === null ? null : { ...fields, owner } });
+      for (const other of this.sockets) {
+        for (const [sub, scope] of other.subs) {
+          if (old?.owner !== scope && owner !== scope) continue;
+          const echo = other === ws ? { clientId: frame.clientId, mutationIds: [m.id] } : null;
+          if (other.frozen) continue;
+          other.send(JSON.stringify({ type: "channel-message", subscriptionId: sub, body: { echoOrigin: echo, syncs: [this.#entry(id, scope)] } }));
+        }
+      }
+      results.push({ id: m.id, status: "confirmed" });
+    }
+    ws.send(JSON.stringify({ type: "mutation-result", clientId: frame.clientId, results }));
+  }
+
   #connection(ws) {
     this.connections += 1;
     ws.subs = new Map();
@@ -103,6 +144,7 @@ export class ContractServer {
       }
       if (frame.type === "session-resume") return ws.send(JSON.stringify({ type: "session-gone" }));
       if (frame.type === "channel-unsubscribe") return ws.subs.delete(frame.subscriptionId);
+      if (frame.type === "mutate") return this.#mutate(ws, frame);
       if (frame.type !== "channel-subscribe") return;
       const { subscriptionId: sub, params } = frame;
       this.subscribes.push(params);
