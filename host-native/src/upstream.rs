@@ -87,6 +87,20 @@ pub trait EffectHost {
     /// The source is between transactions with nothing new.
     fn idle(&mut self);
 
+    /// The open transaction applies a sync client's mutation
+    /// ([`Effect::Confirmed`](highwater_engine::upstream::Effect::Confirmed)): stored with
+    /// its data. A command that serves no sync clients ignores it.
+    fn confirmed(&mut self, _client_id: String, _mutation_id: u64) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    /// A fence passed ([`Effect::Fence`](highwater_engine::upstream::Effect::Fence)): release
+    /// its waiter once everything before it is readable in the replica. A command that takes
+    /// no writes ignores it.
+    fn fence(&mut self, _nonce: String) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
     /// The backfills this command reads from upstream itself, beside the replica they fill;
     /// `None` for a relay (its primary streams them).
     fn backfills(&mut self) -> Option<(&mut Backfills, &Replica)>;
@@ -141,6 +155,11 @@ pub fn carry<H: EffectHost>(host: &mut H, effects: Vec<Effect>) -> Result<(), H:
                     }
                 }
             }
+            Effect::Confirmed {
+                client_id,
+                mutation_id,
+            } => host.confirmed(client_id, mutation_id)?,
+            Effect::Fence { nonce } => host.fence(nonce)?,
             Effect::Warn(message) => tracing::warn!("{message}"),
         }
         let mut more = Vec::new();

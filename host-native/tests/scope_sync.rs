@@ -146,6 +146,8 @@ struct Client {
     scopes: BTreeMap<String, Scope>,
     /// Every non-message frame received, in order.
     others: Vec<Value>,
+    /// The `echoOrigin` of every channel message received, in order.
+    echoes: Vec<Value>,
 }
 
 impl Client {
@@ -157,6 +159,7 @@ impl Client {
             socket,
             scopes: BTreeMap::new(),
             others: Vec::new(),
+            echoes: Vec::new(),
         };
         let first = client.next().await.expect("a first frame");
         assert_eq!(first["type"], "session-established", "{first}");
@@ -218,7 +221,9 @@ impl Client {
                             }
                         }
                     }
-                    if frame["type"] != "channel-message" {
+                    if frame["type"] == "channel-message" {
+                        self.echoes.push(frame["body"]["echoOrigin"].clone());
+                    } else {
                         self.others.push(frame.clone());
                     }
                     return Some(frame);
@@ -1806,4 +1811,449 @@ async fn rules_naming_a_table_or_column_the_replica_lacks_are_refused_at_start()
     ] {
         assert!(text.contains(miss), "{miss} in {text}");
     }
+}
+
+// ---- writes through the socket ----
+
+/// Rules that let ada write her own todos (title, done and owner may change; never the secret
+/// note) and only read `notes`.
+const WRITE_RULES: &str = r#"{"tables":{
+    "todos":{"filterColumns":["owner","done"],"omitColumns":["secret_note"],"require":{"owner":"sub"},
+             "write":{"insert":true,"update":["title","done","owner"],"delete":true}},
+    "notes":{"filterColumns":["id"]}}}"#;
+const NOTES_DDL: &str = "CREATE TABLE notes (id int8 PRIMARY KEY, body text)";
+
+impl Client {
+    /// Sends a `mutate` frame and reads until each of its mutations has a result; returns
+    /// every frame read meanwhile, in order.
+    async fn mutate(
+        &mut self,
+        client_id: &str,
+        token: Option<&str>,
+        mutations: Value,
+    ) -> Vec<Value> {
+        let count = mutations.as_array().unwrap().len();
+        let mut frame = json!({"type": "mutate", "clientId": client_id, "mutations": mutations});
+        if let Some(token) = token {
+            frame["token"] = json!(token);
+        }
+        self.send(frame).await;
+        self.until_results(count).await
+    }
+
+    /// Reads until `count` mutation results came; returns every frame read, in order.
+    async fn until_results(&mut self, count: usize) -> Vec<Value> {
+        let mut frames = Vec::new();
+        let mut results = 0;
+        while results < count {
+            let frame = self
+                .next()
+                .await
+                .expect("frames until every mutation's result");
+            assert_ne!(frame["type"], "error", "{frame}");
+            if frame["type"] == "mutation-result" {
+                results += frame["results"].as_array().unwrap().len();
+            }
+            frames.push(frame);
+        }
+        frames
+    }
+}
+
+/// The mutation results among `frames`, in order.
+fn results_in(frames: &[Value]) -> Vec<Value> {
+    frames
+        .iter()
+        .filter(|f| f["type"] == "mutation-result")
+        .flat_map(|f| f["results"].as_array().unwrap().clone())
+        .collect()
+}
+
+/// `(status, code)` of each result.
+fn outcomes(results: &[Value]) -> Vec<(String, Option<String>)> {
+    results
+        .iter()
+        .map(|r| {
+            (
+                r["status"].as_str().unwrap().to_owned(),
+                r["code"].as_str().map(str::to_owned),
+            )
+        })
+        .collect()
+}
+
+/// Every todo in Postgres, by id, every column.
+async fn pg_todos(db: &tokio_postgres::Client) -> BTreeMap<i64, Value> {
+    db.query("SELECT id, to_jsonb(t.*)::text FROM todos t", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let text: String = r.get(1);
+            (r.get(0), serde_json::from_str(&text).unwrap())
+        })
+        .collect()
+}
+
+async fn start_writes_server(
+    pg: &highwater_host::private_pg::PrivatePg,
+    data: &Path,
+) -> (InProcess, SyncFiles) {
+    let files = SyncFiles::with_rules(WRITE_RULES);
+    let server = start_server(&pg.url(), data, &files).await;
+    (server, files)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutations_apply_once_echo_to_the_writer_and_are_confirmed_after_their_envelope() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    db.batch_execute(NOTES_DDL).await.unwrap();
+    db.batch_execute(
+        "INSERT INTO todos (id, owner, title) VALUES (1, 'ada', 'one'), (2, 'ada', 'two'), (3, 'grace', 'three')",
+    )
+    .await
+    .unwrap();
+    let data = DataDir::new("scope-writes");
+    let (server, _files) = start_writes_server(&pg, data.path()).await;
+    let ada = token("ada");
+    let mut writer = Client::connect(server.addr).await;
+    writer.subscribe("s1", "ada", Some(&ada), json!({})).await;
+    writer.until_subscribed("s1").await;
+    let mut reader = Client::connect(server.addr).await;
+    reader.subscribe("s1", "ada", Some(&ada), json!({})).await;
+    reader.until_subscribed("s1").await;
+
+    let batch = json!([
+        {"id": 1, "table": "todos", "op": "insert", "row": {"id": 1001, "owner": "ada", "title": "w1"}},
+        {"id": 2, "table": "todos", "op": "update", "row": {"id": 1, "title": "one!", "done": true}},
+        {"id": 3, "table": "todos", "op": "delete", "row": {"id": 2}},
+    ]);
+    let frames = writer.mutate("c1", Some(&ada), batch.clone()).await;
+    let results = results_in(&frames);
+    assert_eq!(
+        outcomes(&results),
+        vec![("confirmed".to_owned(), None); 3],
+        "{results:?}"
+    );
+    // Each mutation is its own upstream transaction: its envelope names it, on the writer's
+    // socket, before its result.
+    for id in 1..=3_u64 {
+        let echo = json!({"clientId": "c1", "mutationIds": [id]});
+        let envelope = frames
+            .iter()
+            .position(|f| f["type"] == "channel-message" && f["body"]["echoOrigin"] == echo)
+            .unwrap_or_else(|| panic!("no envelope echoes mutation {id}: {frames:?}"));
+        let result = frames
+            .iter()
+            .position(|f| {
+                f["type"] == "mutation-result"
+                    && f["results"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|r| r["id"] == id)
+            })
+            .unwrap();
+        assert!(
+            envelope < result,
+            "mutation {id}: result before its envelope: {frames:?}"
+        );
+    }
+    let todos = pg_todos(&db).await;
+    assert_eq!(todos[&1001]["title"], "w1");
+    assert_eq!(todos[&1]["title"], "one!");
+    assert_eq!(todos[&1]["done"], true);
+    assert!(!todos.contains_key(&2));
+    assert_eq!(writer.scopes["s1"].rows, pg_scope(&db, "ada").await);
+    // Another socket gets the same changes, with no echo and no results.
+    reader.echoes.clear();
+    reader.until_equal("s1", &pg_scope(&db, "ada").await).await;
+    assert_eq!(
+        reader.echoes,
+        vec![Value::Null; 3],
+        "live envelopes, unechoed"
+    );
+    assert!(reader.others.iter().all(|f| f["type"] != "mutation-result"));
+
+    // The same batch again on a new socket (its answer was lost): answered as before, and
+    // applied once.
+    let mut again = Client::connect(server.addr).await;
+    let frames = again.mutate("c1", Some(&ada), batch).await;
+    assert_eq!(
+        outcomes(&results_in(&frames)),
+        vec![("confirmed".to_owned(), None); 3]
+    );
+    assert!(
+        frames.iter().all(|f| f["type"] == "mutation-result"),
+        "nothing is written again: {frames:?}"
+    );
+    assert_eq!(pg_todos(&db).await, todos, "Postgres holds each write once");
+    let last: i64 = db
+        .query_one(
+            "SELECT last_mutation_id FROM highwater.client_mutations WHERE client_id = 'c1'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(last, 3);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutations_the_rules_or_postgres_refuse_change_nothing_and_the_batch_goes_on() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    db.batch_execute(NOTES_DDL).await.unwrap();
+    db.batch_execute(
+        "INSERT INTO todos (id, owner, title, secret_note) VALUES (1, 'ada', 'one', 's'), (2, 'grace', 'two', 's')",
+    )
+    .await
+    .unwrap();
+    let data = DataDir::new("scope-writes-refused");
+    let (server, _files) = start_writes_server(&pg, data.path()).await;
+    replica_caught_up(&db, data.path()).await;
+    let before = pg_todos(&db).await;
+    let ada = token("ada");
+    let batch = json!([
+        // Another user's row.
+        {"id": 1, "table": "todos", "op": "update", "row": {"id": 2, "title": "mine now"}},
+        // A column the rules keep from updates.
+        {"id": 2, "table": "todos", "op": "update", "row": {"id": 1, "secret_note": "x"}},
+        // Moving her row out of her reach, and inserting one outside it.
+        {"id": 3, "table": "todos", "op": "update", "row": {"id": 1, "owner": "grace"}},
+        {"id": 4, "table": "todos", "op": "insert", "row": {"id": 3, "owner": "grace"}},
+        // A read-only table.
+        {"id": 5, "table": "notes", "op": "insert", "row": {"id": 1, "body": "hi"}},
+        // A unique violation, and text where Postgres wants an integer.
+        {"id": 6, "table": "todos", "op": "insert", "row": {"id": 1, "owner": "ada"}},
+        {"id": 7, "table": "todos", "op": "insert", "row": {"id": "abc", "owner": "ada"}},
+        // A column the table lacks, and an operation that is not one.
+        {"id": 8, "table": "todos", "op": "update", "row": {"id": 1, "colour": "red"}},
+        {"id": 9, "table": "todos", "op": "upsert", "row": {"id": 1}},
+        // The batch goes on after all of them.
+        {"id": 10, "table": "todos", "op": "insert", "row": {"id": 50, "owner": "ada", "title": "ok"}},
+    ]);
+    let mut client = Client::connect(server.addr).await;
+    let frames = client.mutate("c2", Some(&ada), batch.clone()).await;
+    let results = results_in(&frames);
+    let rejected = |code: &str| ("rejected".to_owned(), Some(code.to_owned()));
+    let expected = vec![
+        rejected("forbidden"),
+        rejected("forbidden"),
+        rejected("forbidden"),
+        rejected("forbidden"),
+        rejected("forbidden"),
+        rejected("constraint"),
+        rejected("invalid"),
+        rejected("invalid"),
+        rejected("invalid"),
+        ("confirmed".to_owned(), None),
+    ];
+    assert_eq!(outcomes(&results), expected, "{results:?}");
+    let ids: Vec<u64> = results.iter().map(|r| r["id"].as_u64().unwrap()).collect();
+    assert_eq!(
+        ids,
+        (1..=10).collect::<Vec<_>>(),
+        "results in mutation order"
+    );
+    assert!(
+        results[5]["message"]
+            .as_str()
+            .unwrap()
+            .contains("duplicate key"),
+        "Postgres' own message: {}",
+        results[5]
+    );
+    let mut after = pg_todos(&db).await;
+    assert_eq!(after.remove(&50).unwrap()["title"], "ok");
+    assert_eq!(after, before, "nothing refused changed Postgres");
+    let notes: i64 = db
+        .query_one("SELECT count(*) FROM notes", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(notes, 0);
+
+    // Without a token nothing of a table that needs claims is written; an expired token is to
+    // be refreshed and sent again.
+    let frames = client
+        .mutate(
+            "c2",
+            None,
+            json!([{"id": 11, "table": "todos", "op": "insert", "row": {"id": 60, "owner": "ada"}}]),
+        )
+        .await;
+    assert_eq!(outcomes(&results_in(&frames)), vec![rejected("forbidden")]);
+    let expired = mint_token(
+        &SyncSecret::from_bytes(SECRET).unwrap(),
+        "ada",
+        Duration::from_secs(1),
+        &[],
+        unix_now_ms() - 3_600_000,
+    )
+    .unwrap();
+    let frames = client
+        .mutate(
+            "c2",
+            Some(&expired),
+            json!([{"id": 12, "table": "todos", "op": "insert", "row": {"id": 61, "owner": "ada"}}]),
+        )
+        .await;
+    assert_eq!(
+        outcomes(&results_in(&frames)),
+        vec![("retry".to_owned(), Some("auth".to_owned()))]
+    );
+
+    // Sent again, each gets the answer it got the first time.
+    let frames = client.mutate("c2", Some(&ada), batch).await;
+    assert_eq!(outcomes(&results_in(&frames)), expected);
+    assert!(!pg_todos(&db).await.contains_key(&61));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn if_version_refuses_a_write_to_a_row_changed_since_with_the_row_as_it_is() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    db.batch_execute(NOTES_DDL).await.unwrap();
+    db.batch_execute(
+        "INSERT INTO todos (id, owner, title, secret_note) VALUES (1, 'ada', 'one', 's'), (2, 'ada', 'two', 's')",
+    )
+    .await
+    .unwrap();
+    let data = DataDir::new("scope-writes-if-version");
+    let (server, _files) = start_writes_server(&pg, data.path()).await;
+    let ada = token("ada");
+    let mut client = Client::connect(server.addr).await;
+    client.subscribe("s1", "ada", Some(&ada), json!({})).await;
+    client.until_subscribed("s1").await;
+    let version_of = |client: &Client, id: &str| -> i64 {
+        client.scopes["s1"]
+            .seen
+            .iter()
+            .filter(|(rid, _)| rid == id)
+            .map(|(_, seq)| *seq)
+            .max()
+            .unwrap()
+    };
+    let seen = version_of(&client, "1");
+
+    // Changed upstream and written at once, before the replica may have the change: refused
+    // all the same, with the row as it is now (minus what the writer may not read).
+    db.batch_execute("UPDATE todos SET title = 'changed' WHERE id = 1")
+        .await
+        .unwrap();
+    let frames = client
+        .mutate(
+            "c3",
+            Some(&ada),
+            json!([
+                {"id": 1, "table": "todos", "op": "update", "row": {"id": 1, "title": "stale"}, "ifVersion": seen},
+                {"id": 2, "table": "todos", "op": "delete", "row": {"id": 1}, "ifVersion": seen},
+            ]),
+        )
+        .await;
+    let results = results_in(&frames);
+    assert_eq!(
+        outcomes(&results),
+        vec![("rejected".to_owned(), Some("conflict".to_owned())); 2],
+        "{results:?}"
+    );
+    assert_eq!(results[0]["row"]["title"], "changed");
+    assert_eq!(results[0]["row"]["id"], 1);
+    assert!(
+        results[0]["row"].get("secret_note").is_none(),
+        "{}",
+        results[0]
+    );
+    assert_eq!(pg_todos(&db).await[&1]["title"], "changed");
+
+    // At the version the client holds now, the write applies.
+    client.until_equal("s1", &pg_scope(&db, "ada").await).await;
+    let current = version_of(&client, "1");
+    assert!(current > seen);
+    let frames = client
+        .mutate(
+            "c3",
+            Some(&ada),
+            json!([
+                {"id": 3, "table": "todos", "op": "update", "row": {"id": 1, "title": "fresh"}, "ifVersion": current},
+                {"id": 4, "table": "todos", "op": "delete", "row": {"id": 2}, "ifVersion": version_of(&client, "2")},
+                {"id": 5, "table": "todos", "op": "update", "row": {"id": 2, "title": "gone"}},
+            ]),
+        )
+        .await;
+    let results = results_in(&frames);
+    assert_eq!(
+        outcomes(&results),
+        vec![
+            ("confirmed".to_owned(), None),
+            ("confirmed".to_owned(), None),
+            ("rejected".to_owned(), Some("conflict".to_owned())),
+        ],
+        "{results:?}"
+    );
+    assert_eq!(results[2]["row"], Value::Null, "the row is gone");
+    let todos = pg_todos(&db).await;
+    assert_eq!(todos[&1]["title"], "fresh");
+    assert!(!todos.contains_key(&2));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_writes_with_highwater_confirm_answers_await_mutations() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    db.batch_execute(NOTES_DDL).await.unwrap();
+    let data = DataDir::new("scope-writes-backend");
+    let (server, _files) = start_writes_server(&pg, data.path()).await;
+    let ada = token("ada");
+    let mut client = Client::connect(server.addr).await;
+    client.subscribe("s1", "ada", Some(&ada), json!({})).await;
+    client.until_subscribed("s1").await;
+    client
+        .send(json!({"type": "await-mutations", "clientId": "cX", "ids": [1]}))
+        .await;
+
+    // The app's backend applies mutation 1 of client cX in its own transaction.
+    let mut app = pg.connect().await.unwrap();
+    let tx = app.transaction().await.unwrap();
+    tx.execute(
+        "INSERT INTO todos (id, owner, title) VALUES (7, 'ada', 'from the backend')",
+        &[],
+    )
+    .await
+    .unwrap();
+    tx.execute("SELECT highwater.confirm('cX', 1)", &[])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let frames = client.until_results(1).await;
+    assert_eq!(
+        results_in(&frames),
+        vec![json!({"id": 1, "status": "confirmed"})]
+    );
+    assert!(
+        client.scopes["s1"].rows.contains_key("7"),
+        "the write reached the socket's scopes before its result"
+    );
+    assert_eq!(
+        client.echoes.last(),
+        Some(&json!({"clientId": "cX", "mutationIds": [1]}))
+    );
+
+    // The same mutation id again is refused: it was applied already.
+    let error = app
+        .execute("SELECT highwater.confirm('cX', 1)", &[])
+        .await
+        .expect_err("a mutation id at or below the client's last");
+    assert_eq!(error.code().map(|c| c.code()), Some("HW409"), "{error:?}");
+    server.stop().await;
 }

@@ -170,6 +170,12 @@ impl Ingest {
                     Effect::ResolveDdl { .. } => {
                         return Err("a DDL event, which the simulated upstream never sends".into())
                     }
+                    Effect::Confirmed { .. } | Effect::Fence { .. } => {
+                        return Err(
+                            "a write's logical message, which the simulated upstream never sends"
+                                .into(),
+                        )
+                    }
                     Effect::Idle { watermark } => out.push(Ingested::Idle(watermark)),
                     Effect::BackfillDue => out.push(Ingested::BackfillDue),
                     Effect::AckFrames(_) | Effect::Reconnect { .. } => {

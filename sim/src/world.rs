@@ -1457,6 +1457,7 @@ impl World {
             ServerEffect::Send { conn, .. }
             | ServerEffect::Authorize { conn, .. }
             | ServerEffect::FetchPage { conn, .. }
+            | ServerEffect::ApplyMutations { conn, .. }
             | ServerEffect::Close { conn, .. } => *conn,
         });
         for effect in effects {
@@ -1530,6 +1531,10 @@ impl World {
                     self.log(format!("scope server closes {conn}: {code} {reason}"));
                     self.server_close(conn, reason);
                     self.scope_input(ServerInput::Closed { conn });
+                }
+                // The simulated server takes no writes (`takes_writes` is off): never asked.
+                ServerEffect::ApplyMutations { conn, .. } => {
+                    self.log(format!("scope server asks {conn}'s writes to be applied"));
                 }
             }
         }

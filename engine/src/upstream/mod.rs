@@ -55,6 +55,11 @@
 //!   `acks` (the primary closes once its error is acknowledged), close the connection and
 //!   connect again after a backoff, or, with `restore`, restore the replica from a new snapshot
 //!   first. Feed [`Input::Started`] for the new connection.
+//! * [`Effect::Confirmed`]: record that the open transaction applies this sync client's
+//!   mutation, in the storage transaction of its data, and hand it on with its commit (scope
+//!   sync answers the mutation once that commit is routed).
+//! * [`Effect::Fence`]: once every `Apply` before it is stored where readers of the replica
+//!   see it (committed, not necessarily durable), release whoever waits for its nonce.
 //! * [`Effect::Warn`]: worth a log line.
 //!
 //! Liveness (status updates due, silence limits) belongs to the transport that owns the socket
@@ -77,6 +82,7 @@ mod tests;
 
 use crate::change_stream::{Begin, Change, Commit, DownstreamMessage, ErrorKind, Rollback};
 use crate::pgoutput::{MappingError, PgoutputEvent, PgoutputMapper, Relation, TextRowChange};
+use crate::scope_sync::{parse_confirm_message, CONFIRM_MESSAGE_PREFIX};
 use crate::watermark::{Lsn, Watermark};
 use ack::AckQueue;
 use frames::FrameAcks;
@@ -159,8 +165,25 @@ pub enum Effect {
         restore: bool,
         acks: Vec<u64>,
     },
+    /// The open transaction applies mutation `mutation_id` of sync client `client_id` (a
+    /// `highwater.confirm` logical message in it): store that with the transaction's data, in
+    /// the same storage transaction, and hand it on with the transaction's commit.
+    Confirmed {
+        client_id: String,
+        mutation_id: u64,
+    },
+    /// A fence (a `highwater.fence` logical message, `nonce` its content): every transaction
+    /// committed upstream before it has been handed on. Once they are all stored where the
+    /// replica's readers see them, tell whoever waits for `nonce`.
+    Fence {
+        nonce: String,
+    },
     Warn(String),
 }
+
+/// The prefix of the logical message a writer emits, outside its transaction, to learn when
+/// the replica holds every transaction committed before it ([`Effect::Fence`]).
+pub const FENCE_MESSAGE_PREFIX: &str = "highwater.fence";
 
 /// Input the session cannot take; the source cannot continue as it is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -432,6 +455,22 @@ impl UpstreamSession {
                     self.awaiting = Some(Awaiting::SchemaChanges);
                     out.push(Effect::ResolveDdl {
                         content: message.content,
+                    });
+                } else if message.prefix == CONFIRM_MESSAGE_PREFIX && self.in_live_transaction() {
+                    match parse_confirm_message(&message.content) {
+                        Some((client_id, mutation_id)) => out.push(Effect::Confirmed {
+                            client_id,
+                            mutation_id,
+                        }),
+                        None => out.push(Effect::Warn(format!(
+                            "ignoring a {CONFIRM_MESSAGE_PREFIX} message that is not \
+                             {{\"clientId\": \"…\", \"mutationId\": N}}: {}",
+                            String::from_utf8_lossy(&message.content)
+                        ))),
+                    }
+                } else if message.prefix == FENCE_MESSAGE_PREFIX && !self.skipping() {
+                    out.push(Effect::Fence {
+                        nonce: String::from_utf8_lossy(&message.content).into_owned(),
                     });
                 }
             }

@@ -87,7 +87,12 @@ fn pg_insert(values: &[&str]) -> Vec<u8> {
 }
 
 fn pg_message(prefix: &str, content: &str) -> Vec<u8> {
-    let mut p = vec![b'M', 1];
+    pg_message_of(true, prefix, content)
+}
+
+/// A logical message, transactional (`pg_logical_emit_message(true, …)`) or not.
+fn pg_message_of(transactional: bool, prefix: &str, content: &str) -> Vec<u8> {
+    let mut p = vec![b'M', u8::from(transactional)];
     p.extend_from_slice(&0u64.to_be_bytes());
     cstr(&mut p, prefix);
     p.extend_from_slice(&(content.len() as u32).to_be_bytes());
@@ -124,6 +129,11 @@ fn line(effect: &Effect) -> String {
         Effect::Reconnect { restore, acks, .. } => {
             format!("reconnect restore={restore} acks {acks:?}")
         }
+        Effect::Confirmed {
+            client_id,
+            mutation_id,
+        } => format!("confirmed {client_id} {mutation_id}"),
+        Effect::Fence { nonce } => format!("fence {nonce}"),
         Effect::Warn(message) => format!("warn {message}"),
     }
 }
@@ -403,6 +413,69 @@ fn ddl_messages_of_other_prefixes_outside_transactions_or_in_skipped_ones_are_ig
         s.handle(Input::SchemaChanges(Vec::new())),
         Err(SessionError::Unexpected { .. })
     ));
+}
+
+#[test]
+fn confirm_messages_of_live_transactions_name_the_mutations_they_apply() {
+    let mut s = started(0x20);
+    let confirm = r#"{"clientId":"c1","mutationId":7}"#;
+    // Outside a transaction, or in one already stored: nothing to record.
+    assert!(wal(&mut s, &[pg_message(CONFIRM_MESSAGE_PREFIX, confirm)]).is_empty());
+    let out = wal(
+        &mut s,
+        &[
+            pg_begin(0x20),
+            pg_message(CONFIRM_MESSAGE_PREFIX, confirm),
+            pg_commit(0x20),
+        ],
+    );
+    assert_eq!(
+        out,
+        [format!("ack {}", end(0x20)), "backfill due".to_owned()]
+    );
+    // In a live one: recorded at that point of the transaction; a malformed one is only
+    // worth a warning, and other prefixes are not the session's.
+    let out = wal(
+        &mut s,
+        &[
+            pg_begin(0x30),
+            pg_message(CONFIRM_MESSAGE_PREFIX, confirm),
+            pg_message(
+                CONFIRM_MESSAGE_PREFIX,
+                r#"{"clientId":"c 1","mutationId":8}"#,
+            ),
+            pg_message("highwater.other", confirm),
+            pg_commit(0x30),
+        ],
+    );
+    assert_eq!(out.len(), 4, "{out:?}");
+    assert_eq!(out[0], format!("apply begin {}", w(0x30)));
+    assert_eq!(out[1], "confirmed c1 7");
+    assert!(
+        out[2].starts_with("warn ignoring a highwater.confirm message"),
+        "{}",
+        out[2]
+    );
+    assert_eq!(out[3], format!("apply commit {}", w(0x30)));
+}
+
+#[test]
+fn fences_pass_between_transactions_whatever_their_flag() {
+    let mut s = started(0x20);
+    assert_eq!(
+        wal(&mut s, &[pg_message_of(false, FENCE_MESSAGE_PREFIX, "n1")]),
+        ["fence n1"]
+    );
+    // One in a transaction already stored is of the past: nobody waits for it.
+    let out = wal(
+        &mut s,
+        &[
+            pg_begin(0x20),
+            pg_message(FENCE_MESSAGE_PREFIX, "n0"),
+            pg_commit(0x20),
+        ],
+    );
+    assert!(!out.iter().any(|line| line.starts_with("fence")), "{out:?}");
 }
 
 #[test]

@@ -127,6 +127,8 @@ pub struct ReplicaWriter {
     state_unwritten: bool,
     /// Row statements' SQL text, built once per table and column set.
     row_sql: RowSql,
+    /// Sync clients' mutations the next commit applies (client id, mutation id).
+    confirms: Vec<(String, u64)>,
 }
 
 impl ReplicaWriter {
@@ -143,6 +145,7 @@ impl ReplicaWriter {
             group_open: false,
             state_unwritten: false,
             row_sql: RowSql::default(),
+            confirms: Vec::new(),
         }
     }
 
@@ -191,6 +194,7 @@ impl ReplicaWriter {
     /// Discards the open group and the transaction in progress: nothing of either was
     /// acknowledged, so upstream sends them again.
     pub fn discard_group(&mut self) -> Result<(), ReplicaError> {
+        self.confirms.clear();
         if self.txn.is_some() {
             self.rollback()?;
         }
@@ -219,6 +223,14 @@ impl ReplicaWriter {
         feed::prepare(&self.replica.conn, &self.replica.tables, &tables)?;
         self.feed = Some(Capture::new(tables));
         Ok(())
+    }
+
+    /// Records that the transaction committed next (the open one, or the next one applied
+    /// whole) applies these sync clients' mutations: its commit writes them to
+    /// `_hw_client_mutations` in the same SQLite transaction and hands them on in its
+    /// [`CommittedChanges::confirms`]. A rollback forgets them.
+    pub fn confirm_with_next_commit(&mut self, confirms: Vec<(String, u64)>) {
+        self.confirms.extend(confirms);
     }
 
     /// The scope-feed entries of the transaction committed last (empty when the feed is off or
@@ -425,6 +437,13 @@ impl ReplicaWriter {
             changes.commit_ms = ms;
             self.committed = Some(changes);
         }
+        let confirms = std::mem::take(&mut self.confirms);
+        if !confirms.is_empty() {
+            feed::record_confirms(&self.replica.conn, &confirms, &watermark)?;
+            if let Some(changes) = self.committed.as_mut() {
+                changes.confirms = confirms;
+            }
+        }
         if self.grouping {
             // The group's commit writes the position of its last transaction: one write of
             // the row per group, not per transaction.
@@ -450,6 +469,7 @@ impl ReplicaWriter {
     }
 
     fn rollback(&mut self) -> Result<Applied, ReplicaError> {
+        self.confirms.clear();
         let Some(txn) = self.txn.take() else {
             return Ok(Applied::RolledBack);
         };

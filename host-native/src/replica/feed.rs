@@ -32,6 +32,7 @@ use highwater_engine::scope_rules::row_filter::RowFilter;
 use highwater_engine::scope_sync::{
     js_string_form, operand_bool, operand_number, operand_text, Conditions, Test,
 };
+use highwater_engine::watermark::Watermark;
 use rusqlite::types::Value as SqlValue;
 use rusqlite::{params, params_from_iter, Connection, OptionalExtension};
 use serde_json::{Map, Value};
@@ -110,6 +111,8 @@ pub struct CommittedChanges {
     pub rows: Vec<FeedRow>,
     /// The upstream commit time (Unix ms), when known.
     pub commit_ms: Option<i64>,
+    /// The sync clients' mutations the transaction applied (client id, mutation id).
+    pub confirms: Vec<(String, u64)>,
 }
 
 /// What the writer captures for the feed.
@@ -419,8 +422,88 @@ impl Capture {
         Ok(CommittedChanges {
             rows,
             commit_ms: None,
+            confirms: Vec::new(),
         })
     }
+}
+
+/// Records, in the open transaction committed at `watermark`, the sync clients' mutations
+/// it applies: each client's last mutation id only grows.
+pub(super) fn record_confirms(
+    conn: &Connection,
+    confirms: &[(String, u64)],
+    watermark: &Watermark,
+) -> Result<(), ReplicaError> {
+    let mut stmt = conn.prepare_cached(
+        r#"INSERT INTO "_hw_client_mutations" ("client_id", "last_mutation_id", "watermark")
+           VALUES (?1, ?2, ?3)
+           ON CONFLICT ("client_id") DO UPDATE
+           SET "last_mutation_id" = excluded."last_mutation_id", "watermark" = excluded."watermark"
+           WHERE excluded."last_mutation_id" > "last_mutation_id""#,
+    )?;
+    for (client_id, mutation_id) in confirms {
+        // Postgres numbers them as bigint: one past i64 cannot come from `highwater.confirm`.
+        let Ok(mutation_id) = i64::try_from(*mutation_id) else {
+            continue;
+        };
+        stmt.execute(params![client_id, mutation_id, watermark.as_str()])?;
+    }
+    Ok(())
+}
+
+/// A sync client's last mutation the replica holds, and the commit watermark of the
+/// transaction that applied it.
+pub fn client_mutation(
+    conn: &Connection,
+    client_id: &str,
+) -> Result<Option<(u64, Watermark)>, ReplicaError> {
+    let row: Option<(i64, String)> = conn
+        .prepare_cached(
+            r#"SELECT "last_mutation_id", "watermark" FROM "_hw_client_mutations"
+               WHERE "client_id" = ?1"#,
+        )?
+        .query_row([client_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?;
+    match row {
+        None => Ok(None),
+        Some((id, watermark)) => Ok(Some((
+            u64::try_from(id).unwrap_or(0),
+            Watermark::parse(&watermark)?,
+        ))),
+    }
+}
+
+/// A replica row and its `_hw_seq` (a sync entry's `serverSequence`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VersionedRow {
+    pub data: Map<String, Value>,
+    pub seq: i64,
+}
+
+/// The row of `table` whose key `key_row` names (as the change stream's JSON), with its
+/// `_hw_seq`; `None` when the replica has no such row (or `key_row` lacks a key column).
+pub fn row_with_seq(
+    conn: &Connection,
+    table: &ReplicaTable,
+    key_row: &Map<String, Value>,
+) -> Result<Option<VersionedRow>, ReplicaError> {
+    let Some(key) = key_of(table, key_row, JsonFormat::Parsed) else {
+        return Ok(None);
+    };
+    let sql = format!(
+        "SELECT {}, \"_hw_seq\" FROM {} WHERE {} LIMIT 1",
+        select_list(table),
+        quote_ident(&table.name),
+        where_key(&key, 1)
+    );
+    let mut stmt = conn.prepare_cached(&sql)?;
+    let mut rows = stmt.query(params_from_iter(key.iter().map(|(_, v)| v)))?;
+    let Some(r) = rows.next()? else {
+        return Ok(None);
+    };
+    let data = row_data(table, r)?;
+    let seq: i64 = r.get(table.columns.len())?;
+    Ok(Some(VersionedRow { data, seq }))
 }
 
 /// Creates the feed's tables, the commit-time column and the scope indexes of `tables`.

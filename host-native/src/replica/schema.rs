@@ -421,6 +421,14 @@ CREATE TABLE IF NOT EXISTS "_hw_tombstones" (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS "_hw_tombstones_key" ON "_hw_tombstones" ("table_name", "row_key");
 CREATE INDEX IF NOT EXISTS "_hw_tombstones_seq" ON "_hw_tombstones" ("seq");
+-- Per scope-sync client: the last of its mutations an upstream transaction applied here (its
+-- `highwater.confirm` message), and the commit watermark of that transaction. Written in the
+-- transaction that applies the write's rows.
+CREATE TABLE IF NOT EXISTS "_hw_client_mutations" (
+    "client_id" TEXT PRIMARY KEY,
+    "last_mutation_id" INTEGER NOT NULL,
+    "watermark" TEXT NOT NULL
+);
 -- Upstream indexes as the change source announced them (key indexes too, which the replica
 -- keeps as its own `_hw_key` index): name, uniqueness and columns, so that an export in
 -- another replica format can recreate them exactly.

@@ -122,6 +122,13 @@ pub(crate) struct Ingest {
     held: Option<Vec<StoredChange>>,
     /// Bytes (stored change text) of the transaction being stored.
     txn_bytes: usize,
+    /// The commit watermark of the upstream transaction handed on last (its `begin`).
+    handed_on: Option<Watermark>,
+    /// Sync clients' mutations confirmed by transactions handed on and not stored yet: the
+    /// transaction's commit watermark, the client, the mutation.
+    confirms: Vec<(Watermark, String, u64)>,
+    /// Fences passed whose waiters are released once everything before them is committed.
+    fences: Vec<String>,
     epoch: std::time::Instant,
 }
 
@@ -230,6 +237,9 @@ impl Ingest {
             deferred_catchups: Vec::new(),
             held: None,
             txn_bytes: 0,
+            handed_on: None,
+            confirms: Vec::new(),
+            fences: Vec::new(),
             epoch: std::time::Instant::now(),
         }
     }
@@ -279,7 +289,26 @@ impl Ingest {
         if let Some(below) = self.pending_purge.take() {
             self.purge(&below)?;
         }
+        // Everything before the fences is committed: readers of the replica see it.
+        if let Some(sync) = self.sync.as_ref() {
+            for nonce in self.fences.drain(..) {
+                sync.hub.fence_passed(&nonce);
+            }
+        }
         Ok(())
+    }
+
+    /// The sync clients' mutations the transaction committed at `watermark` confirmed; those
+    /// of transactions before it (rolled back, never committed) are dropped.
+    fn take_confirms(&mut self, watermark: &Watermark) -> Vec<(String, u64)> {
+        let mut taken = Vec::new();
+        self.confirms.retain(|(at, client_id, mutation_id)| {
+            if at == watermark {
+                taken.push((client_id.clone(), *mutation_id));
+            }
+            at > watermark
+        });
+        taken
     }
 
     /// Starts the sync the group commit asked for: on its own thread, or (a replica whose
@@ -341,6 +370,9 @@ impl Ingest {
                     }
                 }
             }
+        }
+        if let Some(sync) = self.sync.as_ref() {
+            sync.hub.routed_through(&durable.last);
         }
         let watermark = durable.last;
         self.hub.set_last_watermark(watermark.clone());
@@ -688,6 +720,8 @@ impl Ingest {
                 }
             }
             StorageOp::Store(LogOp::Commit(row)) => {
+                let confirms = self.take_confirms(row.watermark());
+                self.writer.confirm_with_next_commit(confirms);
                 let applied = match self.held.take() {
                     Some(held) => self.store_whole(held, &row)?,
                     None => {
@@ -815,10 +849,14 @@ impl EffectHost for Ingest {
     /// Hands a message the session let through to the streamer, which forwards it and asks
     /// for its storing (carried out from the storage queue).
     fn apply(&mut self, message: DownstreamMessage) -> Result<Vec<Watermark>, ServeError> {
-        if let (DownstreamMessage::Begin(begin), Some(backfills)) =
-            (&message, self.backfills.as_mut())
-        {
-            backfills.note(begin);
+        if let DownstreamMessage::Begin(begin) = &message {
+            if let Some(backfills) = self.backfills.as_mut() {
+                backfills.note(begin);
+            }
+            // Sent again from its beginning after a restart: what it confirmed comes again.
+            let watermark = &begin.commit_watermark;
+            self.confirms.retain(|(at, _, _)| at != watermark);
+            self.handed_on = Some(watermark.clone());
         }
         self.hub.try_call(|s| s.on_upstream(message))?;
         Ok(Vec::new())
@@ -871,6 +909,28 @@ impl EffectHost for Ingest {
 
     fn idle(&mut self) {
         self.hub.call(|s, _| s.on_idle());
+    }
+
+    fn confirmed(&mut self, client_id: String, mutation_id: u64) -> Result<(), ServeError> {
+        if let Some(watermark) = &self.handed_on {
+            self.confirms
+                .push((watermark.clone(), client_id, mutation_id));
+        }
+        Ok(())
+    }
+
+    /// Every transaction before the fence was handed on: once they are stored and their group
+    /// committed, the waiter reads them in the replica.
+    fn fence(&mut self, nonce: String) -> Result<(), ServeError> {
+        if self.sync.is_none() {
+            return Ok(());
+        }
+        self.drain()?;
+        self.fences.push(nonce);
+        if !self.in_transaction() {
+            self.commit_group()?;
+        }
+        Ok(())
     }
 
     fn backfills(&mut self) -> Option<(&mut Backfills, &Replica)> {

@@ -38,6 +38,7 @@ mod startup;
 mod sync;
 pub(crate) mod tls;
 mod wal_watch;
+pub mod writes;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -344,6 +345,8 @@ pub enum ServeError {
     Poisoned(String),
     #[error("scope sync cannot start")]
     SyncConfig(#[from] AuthConfigError),
+    #[error(transparent)]
+    WriteSetup(#[from] writes::InstallError),
 }
 
 /// The scope-sync rules and secret, when `--sync-rules` is given.
@@ -403,15 +406,20 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     if let Some(from) = args.from.clone() {
         return relay::serve(args, from, token, sync, stop).await;
     }
+    // A primary applies sync clients' writes when its rules allow some.
+    let takes_writes = sync
+        .as_ref()
+        .is_some_and(|auth| writes::rules_allow_writes(auth.rules()));
     let handle = tokio::runtime::Handle::current();
     let prepared = {
         let args = args.clone();
         let handle = handle.clone();
         let stop = stop.clone();
-        let prepared =
-            tokio::task::spawn_blocking(move || startup::prepare_retrying(&handle, &args, &stop))
-                .await
-                .map_err(|e| ServeError::Task(e.to_string()))??;
+        let prepared = tokio::task::spawn_blocking(move || {
+            startup::prepare_retrying(&handle, &args, takes_writes, &stop)
+        })
+        .await
+        .map_err(|e| ServeError::Task(e.to_string()))??;
         match prepared {
             Some(prepared) => prepared,
             None => return Ok(()),
@@ -429,6 +437,9 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
         }),
         Err(_) => None,
     };
+    if takes_writes {
+        settings.writes_to = Some(prepared.backfill_from.clone());
+    }
     settings.backfill_from = Some(prepared.backfill_from);
     let source = source::spawn_postgres(prepared.stream, stop.clone());
     tracing::info!(
@@ -543,6 +554,7 @@ fn settings(
         extra_routes: args.extra_routes.clone(),
         wal_watch: None,
         metrics_addr: args.metrics_addr,
+        writes_to: None,
     }
 }
 
@@ -583,6 +595,9 @@ struct Settings {
     wal_watch: Option<wal_watch::WalWatch>,
     /// `--metrics-addr`: `/metrics` alone, without a token, on an address of its own.
     metrics_addr: Option<SocketAddr>,
+    /// Where sync clients' writes are applied (a primary whose rules allow writes); `None`:
+    /// this node takes none.
+    writes_to: Option<crate::replication::PgConfig>,
 }
 
 /// Runs the storage loop, the endpoints and the timers over a ready replica and a change
@@ -668,6 +683,15 @@ async fn run_server(
             let mut config = ServerConfig::new(log.replica_version.as_str());
             config.slow_consumer_timeout_ms = settings.sync_slow_consumer_ms;
             config.checkpoint_interval_ms = settings.sync_checkpoint_ms;
+            let writes = settings.writes_to.clone().map(|upstream| {
+                Arc::new(writes::Writes::new(
+                    upstream,
+                    auth.clone(),
+                    db_path.clone(),
+                    log.last_watermark.clone(),
+                ))
+            });
+            config.takes_writes = writes.is_some();
             let sync_hub = sync::SyncHub::new(
                 config,
                 auth.clone(),
@@ -675,6 +699,7 @@ async fn run_server(
                 handle.clone(),
                 settings.ping_interval,
                 hub.fault().clone(),
+                writes,
             );
             let floor = crate::replica::feed::retention_floor(writer.replica().connection())?;
             sync_hub.set_retention_floor(floor);

@@ -28,11 +28,12 @@ pub(crate) struct Prepared {
 pub(crate) fn prepare_retrying(
     handle: &Handle,
     args: &ServeArgs,
+    takes_writes: bool,
     stop: &watch::Receiver<bool>,
 ) -> Result<Option<Prepared>, ServeError> {
     startup_retry::retrying(
         stop,
-        || prepare(handle, args),
+        || prepare(handle, args, takes_writes),
         |error| startup_retry::connection_lost(error, replication_error(error)),
         |error| startup_retry::connection_refused(error),
     )
@@ -49,9 +50,17 @@ fn replication_error(error: &ServeError) -> Option<&ReplicationError> {
     }
 }
 
-/// Blocking: run on a blocking thread of `handle`'s runtime.
-pub(crate) fn prepare(handle: &Handle, args: &ServeArgs) -> Result<Prepared, ServeError> {
+/// Blocking: run on a blocking thread of `handle`'s runtime. With `takes_writes`, the write
+/// functions are installed upstream (before an initial sync, which then copies their tables).
+pub(crate) fn prepare(
+    handle: &Handle,
+    args: &ServeArgs,
+    takes_writes: bool,
+) -> Result<Prepared, ServeError> {
     let upstream = Upstream::prepare(handle, &args.upstream, &args.app_id, &args.publications)?;
+    if takes_writes {
+        handle.block_on(super::writes::install(&upstream.params.upstream()))?;
+    }
     let mut replica = Replica::open_in_dir(&args.data)?;
     upstream.check_slot(handle, &replica, &args.data, args.auto_reset)?;
     let mut log = None;

@@ -9,7 +9,9 @@
 //!   decision is a value);
 //! - `FetchPage` reads one replay page on a blocking thread, in one read transaction that ends
 //!   before the page is handed back, so no read transaction waits on a slow socket;
-//! - `Close` ends the socket with that code, even when its writer is stuck on a full socket.
+//! - `Close` ends the socket with that code, even when its writer is stuck on a full socket;
+//! - `ApplyMutations` is carried out by [`Writes`] on a task of its own, which answers
+//!   `MutationsApplied` (the module docs of `writes` follow a write through).
 //!
 //! Commits reach [`SyncHub::committed`] from the ingest thread after the replica commit.
 //!
@@ -33,10 +35,12 @@ use highwater_engine::scope_server::{
     ServerEffect, ServerInput, SLOW_CONSUMER_CLOSE_CODE, SLOW_CONSUMER_REASON,
 };
 use highwater_engine::scope_sync::{rejection, MutationResult, ServerFrame};
+use highwater_engine::watermark::Watermark;
 use tokio::sync::{mpsc, watch};
 
 use super::connection::too_big;
 use super::fault::Fault;
+use super::writes::Writes;
 use crate::replica::feed::{CommittedChanges, FeedKind, FeedRow, ScopePage, ScopeQuery};
 use crate::replica::Replica;
 use crate::sync_auth::SyncAuth;
@@ -100,6 +104,8 @@ pub(crate) struct SyncHub {
     handle: tokio::runtime::Handle,
     ping_interval: Duration,
     fault: Fault,
+    /// Applies `mutate` frames; `None` on a node that takes no writes.
+    writes: Option<Arc<Writes>>,
 }
 
 fn now_ms() -> u64 {
@@ -116,6 +122,7 @@ impl SyncHub {
         handle: tokio::runtime::Handle,
         ping_interval: Duration,
         fault: Fault,
+        writes: Option<Arc<Writes>>,
     ) -> Arc<SyncHub> {
         Arc::new(SyncHub {
             server: Mutex::new(ScopeServer::new(config)),
@@ -128,6 +135,7 @@ impl SyncHub {
             handle,
             ping_interval,
             fault,
+            writes,
         })
     }
 
@@ -233,32 +241,48 @@ impl SyncHub {
                     ServerEffect::ApplyMutations {
                         conn,
                         ticket,
+                        client_id,
+                        token,
                         mutations,
-                        ..
-                    } => {
-                        // Writes are not applied by this host yet: each mutation is to be sent
-                        // again later.
-                        let results = mutations
-                            .iter()
-                            .map(|mutation| {
-                                let id = match mutation {
-                                    Ok(mutation) => mutation.id,
-                                    Err(invalid) => invalid.id,
-                                };
-                                MutationResult::retry(
-                                    id,
-                                    rejection::UNAVAILABLE,
-                                    "this node does not apply writes yet",
-                                )
-                            })
-                            .collect();
-                        inputs.push(ServerInput::MutationsApplied {
-                            conn,
-                            ticket,
-                            results,
-                            replicated: None,
-                        });
-                    }
+                    } => match self.writes.clone() {
+                        // Applied on a task of its own; the answer comes back as an input.
+                        Some(writes) => {
+                            let hub = self.clone();
+                            self.handle.spawn(async move {
+                                let (results, replicated) =
+                                    writes.apply(&client_id, token.as_deref(), mutations).await;
+                                hub.call(ServerInput::MutationsApplied {
+                                    conn,
+                                    ticket,
+                                    results,
+                                    replicated,
+                                });
+                            });
+                        }
+                        // The server asks only when told it takes writes; answered all the same.
+                        None => {
+                            let results = mutations
+                                .iter()
+                                .map(|mutation| {
+                                    let id = match mutation {
+                                        Ok(mutation) => mutation.id,
+                                        Err(invalid) => invalid.id,
+                                    };
+                                    MutationResult::retry(
+                                        id,
+                                        rejection::UNAVAILABLE,
+                                        "this node takes no writes",
+                                    )
+                                })
+                                .collect();
+                            inputs.push(ServerInput::MutationsApplied {
+                                conn,
+                                ticket,
+                                results,
+                                replicated: None,
+                            });
+                        }
+                    },
                     ServerEffect::Send { .. } | ServerEffect::Close { .. } => {}
                 }
             }
@@ -332,15 +356,30 @@ impl SyncHub {
         result
     }
 
-    /// Routes the feed entries of one committed transaction (call after the replica commit).
+    /// Routes the feed entries of one committed transaction, and the sync clients' mutations
+    /// it applied (call once the replica commit is durable).
     pub fn committed(self: &Arc<Self>, changes: CommittedChanges) {
-        if changes.rows.is_empty() {
+        if changes.rows.is_empty() && changes.confirms.is_empty() {
             return;
         }
         self.call(ServerInput::Committed {
             entries: changes.rows.into_iter().map(feed_entry).collect(),
-            confirms: Vec::new(),
+            confirms: changes.confirms,
         });
+    }
+
+    /// Every transaction up to `watermark` has been routed ([`SyncHub::committed`]).
+    pub fn routed_through(&self, watermark: &Watermark) {
+        if let Some(writes) = &self.writes {
+            writes.routed_through(watermark);
+        }
+    }
+
+    /// A fence passed ingest with everything before it committed to the replica.
+    pub fn fence_passed(&self, nonce: &str) {
+        if let Some(writes) = &self.writes {
+            writes.fence_passed(nonce);
+        }
     }
 
     pub fn set_retention_floor(self: &Arc<Self>, floor: Option<i64>) {

@@ -183,6 +183,7 @@ impl Harness {
             extra_routes: None,
             wal_watch: None,
             metrics_addr: None,
+            writes_to: None,
         };
         let (stop, stop_rx) = watch::channel(false);
         let server = tokio::spawn(run_server(

@@ -1,0 +1,113 @@
+//! A few ordinary upstream connections for applying writes, reused between batches.
+//!
+//! A semaphore and a stack of idle clients rather than a pool crate (deadpool-postgres): our
+//! connections come through [`PgConfig::connect`], which negotiates Highwater's own TLS (and
+//! refuses a cleartext password over plain TCP), while a pool crate connects by itself from a
+//! tokio-postgres `Config` and a connector of its own.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_postgres::Client;
+
+use crate::replication::{PgConfig, PgErrorText, ReplicationError};
+
+/// Why no upstream connection could be had: the batch's mutations are answered `retry`.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum ConnectError {
+    #[error("could not connect to the upstream Postgres within {} s", CONNECT_TIMEOUT.as_secs())]
+    Timeout,
+    #[error("could not connect to the upstream Postgres: {0}")]
+    Connect(#[source] ReplicationError),
+    #[error("could not set up an upstream write connection: {}", PgErrorText(.0))]
+    Setup(tokio_postgres::Error),
+    #[error("the server is stopping")]
+    Closed,
+}
+
+/// Upstream connections that apply writes at once, at most.
+pub(super) const MAX_CONNECTIONS: usize = 4;
+/// How long opening one may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Set on every connection: a mutation waits this long at most for a row another transaction
+/// holds (then it is answered `retry`), and a statement runs this long at most.
+const SESSION_SQL: &str = "SET lock_timeout = '10s'; SET statement_timeout = '30s'";
+
+pub(super) struct Pool {
+    upstream: PgConfig,
+    permits: std::sync::Arc<Semaphore>,
+    idle: Mutex<Vec<Client>>,
+}
+
+/// A connection taken from the pool; give it back with [`Pool::put`].
+pub(super) struct Pooled {
+    pub client: Client,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Pool {
+    pub fn new(upstream: PgConfig) -> Pool {
+        Pool {
+            upstream,
+            permits: std::sync::Arc::new(Semaphore::new(MAX_CONNECTIONS)),
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// An idle connection, or a new one; waits while [`MAX_CONNECTIONS`] are in use.
+    pub async fn get(&self) -> Result<Pooled, ConnectError> {
+        let permit = self
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| ConnectError::Closed)?;
+        loop {
+            let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            match idle {
+                Some(client) if client.is_closed() => continue,
+                Some(client) => {
+                    return Ok(Pooled {
+                        client,
+                        _permit: permit,
+                    })
+                }
+                None => break,
+            }
+        }
+        let client = connect(&self.upstream).await?;
+        Ok(Pooled {
+            client,
+            _permit: permit,
+        })
+    }
+
+    /// Gives a connection back for the next batch (a closed one is dropped).
+    pub fn put(&self, pooled: Pooled) {
+        if !pooled.client.is_closed() {
+            self.idle
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(pooled.client);
+        }
+    }
+}
+
+/// A new upstream connection with the write session's settings.
+pub(super) async fn connect(upstream: &PgConfig) -> Result<Client, ConnectError> {
+    let (client, connection) = tokio::time::timeout(CONNECT_TIMEOUT, upstream.connect())
+        .await
+        .map_err(|_| ConnectError::Timeout)?
+        .map_err(ConnectError::Connect)?;
+    tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            tracing::debug!(%error, "upstream write connection ended");
+        }
+    });
+    client
+        .batch_execute(SESSION_SQL)
+        .await
+        .map_err(ConnectError::Setup)?;
+    Ok(client)
+}
