@@ -109,6 +109,7 @@ struct CoreUpsert {
     #[tsify(type = "number | bigint | null")]
     server_sequence: Option<i64>,
     #[tsify(optional, type = "Record<string, JsonValue>")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     data: Option<Map<String, Value>>,
 }
 
@@ -118,14 +119,15 @@ struct CoreUpsert {
 #[allow(dead_code)]
 struct MutationRecord {
     /// The client's number for it, growing with each mutation.
-    id: f64,
+    id: u64,
     table: String,
     #[tsify(type = "\"insert\" | \"update\" | \"delete\"")]
     op: String,
     #[tsify(type = "Record<string, JsonValue>")]
     row: Map<String, Value>,
-    #[tsify(optional, type = "number")]
-    if_version: Option<f64>,
+    #[tsify(optional)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    if_version: Option<i64>,
 }
 
 /// What became of a mutation: `confirmed`, `rejected` (with a `code`: `forbidden`, `invalid`,
@@ -134,15 +136,18 @@ struct MutationRecord {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[allow(dead_code)]
 struct MutationOutcome {
-    id: f64,
+    id: u64,
     #[tsify(type = "\"confirmed\" | \"rejected\" | \"retry\"")]
     status: String,
     #[tsify(optional)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     code: Option<String>,
     #[tsify(optional)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     message: Option<String>,
     /// For `conflict`: the row as it is now (`null` if gone).
     #[tsify(optional, type = "Record<string, JsonValue> | null")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     row: Option<Value>,
 }
 
@@ -153,10 +158,10 @@ struct MutationOutcome {
 struct OutboxWrite {
     client_id: String,
     /// The last mutation id given out.
-    last_id: f64,
+    last_id: u64,
     put: Vec<MutationRecord>,
     /// Ids to delete.
-    remove: Vec<f64>,
+    remove: Vec<u64>,
 }
 
 /// A [`PersistWrite`] as the core hands it over: `HighwaterClient` fills each upsert's data
@@ -1054,11 +1059,47 @@ mod tests {
                     upserts: vec![EngineRow {
                         id: "1".into(),
                         server_sequence: Some(2),
-                        data: std::sync::Arc::new(data.into()),
+                        data: std::sync::Arc::new(data.clone().into()),
                     }],
                     deletes: vec!["2".into()],
                     cursor: Some(cursor),
+                    shadowed: vec!["1".into()],
                 },
+            },
+            ClientEffect::PersistOutbox {
+                write: highwater_engine::sync_client::OutboxWrite {
+                    client_id: "c1".into(),
+                    last_id: 3,
+                    put: vec![highwater_engine::scope_sync::Mutation {
+                        id: 3,
+                        table: "todos".into(),
+                        op: MutationOp::Update,
+                        row: data.clone(),
+                        if_version: Some(9),
+                    }],
+                    remove: vec![1, 2],
+                },
+            },
+            ClientEffect::Settled {
+                result: MutationResult {
+                    id: 2,
+                    status: highwater_engine::scope_sync::MutationStatus::Rejected,
+                    code: Some("conflict".into()),
+                    message: Some("changed since".into()),
+                    row: Some(Value::Object(data.clone())),
+                },
+            },
+            ClientEffect::Settled {
+                result: MutationResult::confirmed(1),
+            },
+            ClientEffect::Upload {
+                mutations: vec![highwater_engine::scope_sync::Mutation {
+                    id: 4,
+                    table: "todos".into(),
+                    op: MutationOp::Delete,
+                    row: data.clone(),
+                    if_version: None,
+                }],
             },
             ClientEffect::Progress {
                 scope: 1,

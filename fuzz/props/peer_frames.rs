@@ -181,6 +181,12 @@ pub fn scope_sync_client(data: &[u8]) {
                             replicated,
                         });
                     }
+                    ServerEffect::LookUpReplicated { client_id } => {
+                        pending.push(ServerInput::Replicated {
+                            client_id,
+                            last: None,
+                        });
+                    }
                     ServerEffect::Close { .. } => {}
                 }
             }

@@ -1459,6 +1459,7 @@ impl World {
             | ServerEffect::FetchPage { conn, .. }
             | ServerEffect::ApplyMutations { conn, .. }
             | ServerEffect::Close { conn, .. } => *conn,
+            ServerEffect::LookUpReplicated { .. } => u64::MAX,
         });
         for effect in effects {
             let Some(server) = self.server.as_mut() else {
@@ -1535,6 +1536,11 @@ impl World {
                 // The simulated server takes no writes (`takes_writes` is off): never asked.
                 ServerEffect::ApplyMutations { conn, .. } => {
                     self.log(format!("scope server asks {conn}'s writes to be applied"));
+                }
+                ServerEffect::LookUpReplicated { client_id } => {
+                    self.log(format!(
+                        "scope server asks for {client_id}'s replicated writes"
+                    ));
                 }
             }
         }
@@ -2250,6 +2256,12 @@ impl World {
                 ));
             }
             ClientEffect::Changed { .. } | ClientEffect::Progress { .. } => {}
+            // The simulated clients make no mutations.
+            ClientEffect::PersistOutbox { .. }
+            | ClientEffect::Settled { .. }
+            | ClientEffect::Upload { .. } => {
+                self.fail(format!("client{c}: an outbox effect without a mutation"));
+            }
         }
     }
 

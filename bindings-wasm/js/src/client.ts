@@ -409,7 +409,12 @@ export class HighwaterClient extends Emitter<ClientEvents> {
   /** Mutations by id, and those not numbered yet (before the outbox is restored, or sent to
    * the leading tab) by a local reference. */
   #mutations = new Map<number, Mutation>();
-  #unnumbered = new Map<number, { mutation: Mutation; ifVersion?: number; forTab?: { tab: string; ref: number } }>();
+  #unnumbered = new Map<
+    number,
+    { mutation: Mutation; ifVersion?: number; forTab?: { tab: string; ref: number }; postedTo?: string }
+  >();
+  /** As a follower: the tab that leads, once it said so. */
+  #leader: string | null = null;
   #nextRef = 1;
   #outboxLoaded = false;
   #outboxWrites: Promise<void> = Promise.resolve();
@@ -458,9 +463,15 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     return this.#clientId;
   }
 
-  /** Mutations not settled yet. */
+  /** Mutations not settled yet (in every tab, with `shareTabs`). */
   get pendingCount(): number {
     return this.#pending;
+  }
+
+  /** The mutations not settled yet, oldest first; with `shareTabs`, only in the tab that
+   * holds the socket (the others see `pendingCount`). */
+  pendingMutations(): MutationRecord[] {
+    return this.#closed || this.#role === "follower" ? [] : this.#core.pendingMutations();
   }
 
   /** Reads the outbox from the store (or makes a client id) and gives it to the core; the
@@ -492,6 +503,7 @@ export class HighwaterClient extends Emitter<ClientEvents> {
           }
         }
         this.emit("outbox", { pending: this.#pending });
+        if (this.#role === "leader") this.#tabs?.post({ type: "outbox", from: this.#tabs.id, pending: this.#pending });
       })
       .finally(() => this.#loading.delete(loading));
     this.#loading.add(loading);
@@ -508,8 +520,12 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     const mutation = new Mutation(table, op, row);
     if (this.#role === "follower" && this.#tabs !== null) {
       const ref = this.#nextRef++;
-      this.#unnumbered.set(ref, { mutation, ifVersion: options.ifVersion });
-      this.#tabs.post({ type: "mutate", from: this.#tabs.id, ref, table, op, row, ifVersion: options.ifVersion });
+      const postedTo = this.#leader ?? undefined;
+      this.#unnumbered.set(ref, { mutation, ifVersion: options.ifVersion, postedTo });
+      // Without a leader yet, it goes once one says it leads.
+      if (postedTo !== undefined) {
+        this.#tabs.post({ type: "mutate", from: this.#tabs.id, ref, table, op, row, ifVersion: options.ifVersion });
+      }
       return mutation;
     }
     if (!this.#outboxLoaded) {
@@ -662,9 +678,19 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     // A follower.
     switch (message.type) {
       case "leader":
-        // A new leader (or the answer to hello): it is sent every scope of this tab.
+        // A new leader (or the answer to hello): it is sent every scope of this tab, and the
+        // mutations no leader has numbered yet (one that went while no tab led, or to a
+        // leader that closed before it answered).
+        if (message.from === this.#leader) return;
+        this.#leader = message.from;
         for (const [key, subscription] of this.#subscriptions) {
           tabs.post({ type: "subscribe", from: tabs.id, key, scope: subscription.params });
+        }
+        for (const [ref, held] of this.#unnumbered) {
+          if (held.postedTo === message.from) continue;
+          held.postedTo = message.from;
+          const { table, op, row } = held.mutation;
+          tabs.post({ type: "mutate", from: tabs.id, ref, table, op, row, ifVersion: held.ifVersion });
         }
         return;
       case "status": {

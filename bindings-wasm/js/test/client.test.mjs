@@ -438,3 +438,39 @@ test("a rejected mutation is taken back and reported with its code", () =>
     assert.throws(() => client.mutate("todos", "update", { title: "no key" }), (error) => error.code === "HW_INVALID_MUTATION");
     await client.close();
   }));
+
+test("with upload, the app's backend applies the batch and the client awaits each confirm", () =>
+  withServer(async (server, url) => {
+    const batches = [];
+    let failOnce = true;
+    const client = new HighwaterClient({
+      url,
+      upload: async (mutations, clientId) => {
+        batches.push(mutations.map((m) => m.id));
+        if (failOnce) {
+          failOnce = false;
+          throw new Error("backend down");
+        }
+        for (const m of mutations) {
+          if (m.row.title === "refuse me") continue;
+          server.appApply(clientId, m.id, m.row);
+        }
+        return { rejected: mutations.filter((m) => m.row.title === "refuse me").map((m) => ({ id: m.id, code: "invalid", message: "no" })) };
+      },
+    });
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    await todos.ready;
+    const errors = [];
+    client.on("error", (e) => errors.push(e.code));
+    const kept = client.mutate("todos", "insert", { id: "u1", owner: "ada", title: "uploaded" });
+    const refused = client.mutate("todos", "insert", { id: "u2", owner: "ada", title: "refuse me" });
+    await kept.confirmed;
+    await assert.rejects(refused.confirmed, (e) => e.code === "invalid");
+    // The first upload (mutation 1, queued alone) failed and went again, first in the batch.
+    assert.deepEqual(batches[0], [1]);
+    assert.equal(batches[1][0], 1);
+    assert.ok(errors.includes("upload-failed"));
+    assert.deepEqual(server.applied, [`${client.clientId}:1`]);
+    assert.deepEqual(todos.rows().map((r) => r.id), ["u1"]);
+    await client.close();
+  }));

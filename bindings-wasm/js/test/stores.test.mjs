@@ -47,3 +47,50 @@ test("IndexedDbStore: a write that fails stores none of it", async () => {
   );
   assert.deepEqual(await store.load("a"), { rows: [row("1", 1)], cursor: cursor(1) });
 });
+
+const mutation = (id, extra = {}) => ({ id, table: "todos", op: "insert", row: { id: `t${id}`, ...extra } });
+
+for (const [name, make] of [
+  ["MemoryStore", () => new MemoryStore()],
+  ["IndexedDbStore", () => new IndexedDbStore(`outbox-${Math.random()}`)],
+]) {
+  test(`${name}: the outbox keeps its client id, last id and pending mutations`, async () => {
+    const store = make();
+    assert.equal(await store.loadOutbox(), null);
+    await store.writeOutbox({ clientId: "c1", lastId: 2, put: [mutation(1), mutation(2, { n: 2n ** 60n })], remove: [] });
+    await store.writeOutbox({ clientId: "c1", lastId: 3, put: [mutation(3)], remove: [1] });
+    const held = await store.loadOutbox();
+    assert.equal(held.clientId, "c1");
+    assert.equal(held.lastId, 3);
+    assert.deepEqual(held.pending.map((m) => m.id).sort(), [2, 3]);
+    assert.equal(held.pending.find((m) => m.id === 2).row.n, 2n ** 60n);
+    // Emptied, the last id stays: a reload goes on counting.
+    await store.writeOutbox({ clientId: "c1", lastId: 3, put: [], remove: [2, 3] });
+    assert.deepEqual(await store.loadOutbox(), { clientId: "c1", lastId: 3, pending: [] });
+  });
+}
+
+test("IndexedDbStore: a database of the first version gains the outbox and keeps its rows", async () => {
+  const name = `upgrade-${Math.random()}`;
+  await new Promise((resolve, reject) => {
+    const open = indexedDB.open(name, 1);
+    open.onupgradeneeded = () => {
+      open.result.createObjectStore("rows", { keyPath: ["scope", "id"] });
+      open.result.createObjectStore("cursors", { keyPath: "scope" });
+    };
+    open.onsuccess = () => {
+      const tx = open.result.transaction(["rows"], "readwrite");
+      tx.objectStore("rows").put({ scope: "a", id: "1", serverSequence: 1, data: { id: "1" } });
+      tx.oncomplete = () => {
+        open.result.close();
+        resolve();
+      };
+    };
+    open.onerror = () => reject(open.error);
+  });
+  const store = new IndexedDbStore(name);
+  assert.deepEqual((await store.load("a")).rows, [row("1", 1)]);
+  await store.writeOutbox({ clientId: "c9", lastId: 1, put: [mutation(1)], remove: [] });
+  assert.equal((await store.loadOutbox()).pending.length, 1);
+  store.close();
+});

@@ -209,6 +209,12 @@ pub enum ServerInput {
         entries: Vec<FeedEntry>,
         confirms: Vec<(String, u64)>,
     },
+    /// The answer to [`ServerEffect::LookUpReplicated`]: the client's last mutation id the
+    /// replica holds (and whose transaction was routed), if any.
+    Replicated {
+        client_id: String,
+        last: Option<u64>,
+    },
     /// The answer to [`ServerEffect::ApplyMutations`]: a result per mutation, in order
     /// (`confirmed` for one applied upstream, now or by an earlier send), and the client's
     /// last mutation id the replica held when the host looked, after applying them.
@@ -265,6 +271,11 @@ pub enum ServerEffect {
         client_id: String,
         token: Option<String>,
         mutations: Vec<Result<Mutation, InvalidMutation>>,
+    },
+    /// Read the client's last mutation id the replica holds (once the transaction that
+    /// confirmed it was routed) and answer [`ServerInput::Replicated`].
+    LookUpReplicated {
+        client_id: String,
     },
     Close {
         conn: ConnId,
@@ -492,6 +503,9 @@ impl ScopeServer {
                 results,
                 replicated,
             } => self.mutations_applied(conn, ticket, results, replicated, &mut out),
+            ServerInput::Replicated { client_id, last } => {
+                self.replicated_up_to(&client_id, last, &mut out)
+            }
             ServerInput::Written { conn, bytes } => {
                 if let Some(c) = self.connections.get_mut(&conn) {
                     c.unflushed = c.unflushed.saturating_sub(bytes);

@@ -1384,6 +1384,30 @@ fn a_node_that_takes_no_writes_asks_for_them_again_later() {
 }
 
 #[test]
+fn awaited_mutations_already_in_the_replica_are_confirmed_once_the_host_has_looked() {
+    let mut server = writer();
+    let text = json!({"type": "await-mutations", "clientId": "c1", "ids": [3]}).to_string();
+    let effects = frame(&mut server, &text);
+    assert!(effects
+        .iter()
+        .any(|e| matches!(e, ServerEffect::LookUpReplicated { client_id } if client_id == "c1")));
+    assert_eq!(sent(&effects), Vec::<Value>::new());
+    let effects = server.handle(
+        ServerInput::Replicated {
+            client_id: "c1".into(),
+            last: Some(4),
+        },
+        0,
+    );
+    assert_eq!(
+        sent(&effects),
+        vec![
+            json!({"type": "mutation-result", "clientId": "c1", "results": [{"id": 3, "status": "confirmed"}]})
+        ]
+    );
+}
+
+#[test]
 fn awaited_mutations_of_an_app_backend_are_confirmed_when_their_confirm_arrives() {
     let mut server = writer();
     let text = json!({"type": "await-mutations", "clientId": "c1", "ids": [7, 8]}).to_string();

@@ -99,6 +99,12 @@ impl ScopeServer {
                     .writes
                     .queued
                     .extend(ids.into_iter().map(MutationResult::confirmed));
+                // Their change may have reached the replica before this socket named its
+                // client (the backend committed first): the host looks, and answers
+                // `Replicated`.
+                out.push(ServerEffect::LookUpReplicated {
+                    client_id: client_id.clone(),
+                });
                 self.flush_results(conn, out);
             }
             WriteFrame::Mutate {
@@ -200,6 +206,31 @@ impl ScopeServer {
         }
         connection.writes.queued.extend(results);
         self.flush_results(conn, out);
+    }
+
+    /// The host's answer to [`ServerEffect::LookUpReplicated`].
+    pub(super) fn replicated_up_to(
+        &mut self,
+        client_id: &str,
+        last: Option<u64>,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let conns: Vec<ConnId> = self
+            .connections
+            .iter()
+            .filter(|(_, c)| c.writes.client_id.as_deref() == Some(client_id))
+            .map(|(conn, _)| *conn)
+            .collect();
+        if conns.is_empty() {
+            return;
+        }
+        if let Some(last) = last {
+            let seen = self.replicated.entry(client_id.to_owned()).or_insert(0);
+            *seen = (*seen).max(last);
+        }
+        for conn in conns {
+            self.flush_results(conn, out);
+        }
     }
 
     /// Records the client mutations a committed upstream transaction confirmed; returns the

@@ -289,6 +289,14 @@ async fn drive(
                         lock(&shared).errors.push(format!("{code}: {message}"));
                     }
                     ClientEffect::Progress { .. } | ClientEffect::Status(_) => {}
+                    // This client makes no mutations.
+                    ClientEffect::PersistOutbox { .. }
+                    | ClientEffect::Settled { .. }
+                    | ClientEffect::Upload { .. } => {
+                        lock(&shared)
+                            .errors
+                            .push(format!("an outbox effect without a mutation: {effect:?}"));
+                    }
                 }
             }
         }

@@ -406,17 +406,21 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     if let Some(from) = args.from.clone() {
         return relay::serve(args, from, token, sync, stop).await;
     }
-    // A primary applies sync clients' writes when its rules allow some.
-    let takes_writes = sync
-        .as_ref()
-        .is_some_and(|auth| writes::rules_allow_writes(auth.rules()));
+    // A primary with scope sync sets up writes: the `highwater` schema upstream, required when
+    // its rules allow writes (it applies them), tried otherwise (for apps whose own backend
+    // applies writes with `highwater.confirm`).
+    let write_setup = match &sync {
+        None => startup::WriteSetup::None,
+        Some(auth) if writes::rules_allow_writes(auth.rules()) => startup::WriteSetup::Required,
+        Some(_) => startup::WriteSetup::Tried,
+    };
     let handle = tokio::runtime::Handle::current();
     let prepared = {
         let args = args.clone();
         let handle = handle.clone();
         let stop = stop.clone();
         let prepared = tokio::task::spawn_blocking(move || {
-            startup::prepare_retrying(&handle, &args, takes_writes, &stop)
+            startup::prepare_retrying(&handle, &args, write_setup, &stop)
         })
         .await
         .map_err(|e| ServeError::Task(e.to_string()))??;
@@ -437,7 +441,7 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
         }),
         Err(_) => None,
     };
-    if takes_writes {
+    if write_setup != startup::WriteSetup::None {
         settings.writes_to = Some(prepared.backfill_from.clone());
     }
     settings.backfill_from = Some(prepared.backfill_from);
@@ -691,7 +695,9 @@ async fn run_server(
                     log.last_watermark.clone(),
                 ))
             });
-            config.takes_writes = writes.is_some();
+            // Mutations are applied when the rules allow writes; `await-mutations` (writes the
+            // app's backend applies) is answered either way.
+            config.takes_writes = writes.is_some() && writes::rules_allow_writes(auth.rules());
             let sync_hub = sync::SyncHub::new(
                 config,
                 auth.clone(),

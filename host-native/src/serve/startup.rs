@@ -28,12 +28,12 @@ pub(crate) struct Prepared {
 pub(crate) fn prepare_retrying(
     handle: &Handle,
     args: &ServeArgs,
-    takes_writes: bool,
+    writes: WriteSetup,
     stop: &watch::Receiver<bool>,
 ) -> Result<Option<Prepared>, ServeError> {
     startup_retry::retrying(
         stop,
-        || prepare(handle, args, takes_writes),
+        || prepare(handle, args, writes),
         |error| startup_retry::connection_lost(error, replication_error(error)),
         |error| startup_retry::connection_refused(error),
     )
@@ -50,16 +50,41 @@ fn replication_error(error: &ServeError) -> Option<&ReplicationError> {
     }
 }
 
-/// Blocking: run on a blocking thread of `handle`'s runtime. With `takes_writes`, the write
-/// functions are installed upstream (before an initial sync, which then copies their tables).
+/// Whether `serve` installs the write functions (schema `highwater`) upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WriteSetup {
+    /// No scope sync, or a relay.
+    None,
+    /// The rules allow writes: serve applies them, so the functions must be there.
+    Required,
+    /// Scope sync without write rules: installed for apps whose backend confirms its own
+    /// writes, and a failure (no CREATE on the database, say) is a warning.
+    Tried,
+}
+
+/// Blocking: run on a blocking thread of `handle`'s runtime. The write functions are
+/// installed upstream as `writes` says (before an initial sync, which then copies their
+/// tables).
 pub(crate) fn prepare(
     handle: &Handle,
     args: &ServeArgs,
-    takes_writes: bool,
+    writes: WriteSetup,
 ) -> Result<Prepared, ServeError> {
     let upstream = Upstream::prepare(handle, &args.upstream, &args.app_id, &args.publications)?;
-    if takes_writes {
-        handle.block_on(super::writes::install(&upstream.params.upstream()))?;
+    match writes {
+        WriteSetup::None => {}
+        WriteSetup::Required => {
+            handle.block_on(super::writes::install(&upstream.params.upstream()))?;
+        }
+        WriteSetup::Tried => {
+            if let Err(error) = handle.block_on(super::writes::install(&upstream.params.upstream()))
+            {
+                tracing::warn!(
+                    %error,
+                    "highwater.confirm is not installed upstream: writes an app's backend applies cannot be confirmed (the rules allow no writes through serve, so it goes on)"
+                );
+            }
+        }
     }
     let mut replica = Replica::open_in_dir(&args.data)?;
     upstream.check_slot(handle, &replica, &args.data, args.auto_reset)?;

@@ -283,6 +283,19 @@ impl SyncHub {
                             });
                         }
                     },
+                    ServerEffect::LookUpReplicated { client_id } => match self.writes.clone() {
+                        Some(writes) => {
+                            let hub = self.clone();
+                            self.handle.spawn(async move {
+                                let last = writes.replicated(&client_id).await;
+                                hub.call(ServerInput::Replicated { client_id, last });
+                            });
+                        }
+                        None => inputs.push(ServerInput::Replicated {
+                            client_id,
+                            last: None,
+                        }),
+                    },
                     ServerEffect::Send { .. } | ServerEffect::Close { .. } => {}
                 }
             }

@@ -25,6 +25,25 @@ export class ContractServer {
   applied = [];
   /** Mutation ids to refuse with `forbidden`. */
   forbid = new Set();
+  /** Sockets waiting for an app backend's confirm: [ws, clientId, id]. */
+  awaiting = [];
+
+  /** An app backend applies a mutation and confirms it (`highwater.confirm`): the row
+   * changes, and sockets awaiting it are answered after the change. */
+  appApply(clientId, id, row) {
+    this.lastApplied.set(clientId, Math.max(this.lastApplied.get(clientId) ?? 0, id));
+    this.applied.push(`${clientId}:${id}`);
+    this.write(String(row.id), row.owner, row);
+    this.#answerAwaits();
+  }
+
+  #answerAwaits() {
+    this.awaiting = this.awaiting.filter(([ws, clientId, id]) => {
+      if (id > (this.lastApplied.get(clientId) ?? 0)) return true;
+      ws.send(JSON.stringify({ type: "mutation-result", clientId, results: [{ id, status: "confirmed" }] }));
+      return false;
+    });
+  }
 
   async start() {
     this.wss = new WebSocketServer({ port: 0, host: "127.0.0.1" });
@@ -145,6 +164,10 @@ export class ContractServer {
       if (frame.type === "session-resume") return ws.send(JSON.stringify({ type: "session-gone" }));
       if (frame.type === "channel-unsubscribe") return ws.subs.delete(frame.subscriptionId);
       if (frame.type === "mutate") return this.#mutate(ws, frame);
+      if (frame.type === "await-mutations") {
+        for (const id of frame.ids) this.awaiting.push([ws, frame.clientId, id]);
+        return this.#answerAwaits();
+      }
       if (frame.type !== "channel-subscribe") return;
       const { subscriptionId: sub, params } = frame;
       this.subscribes.push(params);

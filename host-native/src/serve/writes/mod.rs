@@ -311,7 +311,7 @@ impl Writes {
 
     /// The client's last mutation id the replica holds, once the transaction that confirmed
     /// it has been routed to the sockets.
-    async fn replicated(&self, client_id: &str) -> Option<u64> {
+    pub async fn replicated(&self, client_id: &str) -> Option<u64> {
         let client = client_id.to_owned();
         let held = self
             .replica
