@@ -4,7 +4,7 @@
 //! deletes), and runs `highwater serve` against it with scope sync on: a demo rules file (each
 //! user reads only its own `todos`) and a demo secret generated at start, kept in a private file
 //! and never printed. In front of serve's routes it mounts the web page (`/`), the built npm
-//! package (`/pkg/`), demo tokens and write endpoints ([`routes`]).
+//! package (`/pkg/`), demo tokens and the schema-change button ([`routes`]); the page writes through `/sync`.
 
 mod routes;
 
@@ -46,12 +46,14 @@ pub struct DemoArgs {
     pub package_dir: PathBuf,
 }
 
-/// Scope-sync rules of the demo: each user reads only the todos it owns (all, or by `done`).
+/// Scope-sync rules of the demo: each user reads and writes only the todos it owns (all, or by
+/// `done`); a todo given to another user is out of the writer's reach, so that write is refused.
 const RULES: &str = r#"{
   "tables": {
     "todos": {
       "filterColumns": ["owner", "done"],
-      "require": { "owner": "sub" }
+      "require": { "owner": "sub" },
+      "write": { "insert": true, "update": ["title", "done", "owner"], "delete": true }
     }
   }
 }
@@ -61,7 +63,7 @@ const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS todos (
     id bigserial PRIMARY KEY,
     owner text NOT NULL,
-    title text NOT NULL,
+    title text NOT NULL CHECK (length(title) BETWEEN 1 AND 200),
     done boolean NOT NULL DEFAULT false,
     updated_at timestamptz NOT NULL DEFAULT now()
 );

@@ -225,50 +225,18 @@ fn demo_serves_the_page_tokens_and_writes_into_postgres() {
         "auth-invalid"
     );
 
-    // Add, complete, rename, reassign, delete: each lands in Postgres.
-    let (status, added) = demo.json(
-        "POST",
-        "/demo/todos",
-        Some(&serde_json::json!({"owner": "ada", "title": "  From the test  "})),
-    );
-    assert_eq!(status, 201, "{added}");
-    let id = added["id"].as_i64().expect("an id");
-    let row = |id: i64| {
-        demo.sql(&format!(
-            "SELECT owner, title, done FROM todos WHERE id = {id}"
-        ))
-        .first()
-        .map(|r| {
-            (
-                r.get::<_, String>(0),
-                r.get::<_, String>(1),
-                r.get::<_, bool>(2),
-            )
-        })
-    };
-    assert_eq!(row(id), Some(("ada".into(), "From the test".into(), false)));
-    let path = format!("/demo/todos/{id}");
-    let change = |body: Value| demo.json("PATCH", &path, Some(&body)).0;
-    assert_eq!(change(serde_json::json!({"done": true})), 200);
-    assert_eq!(change(serde_json::json!({"title": "Renamed"})), 200);
-    assert_eq!(change(serde_json::json!({"owner": "linus"})), 200);
-    assert_eq!(row(id), Some(("linus".into(), "Renamed".into(), true)));
-    assert_eq!(change(serde_json::json!({"owner": "eve"})), 400);
-    assert_eq!(change(serde_json::json!({})), 400);
-    assert_eq!(change(serde_json::json!({"title": ""})), 400);
-    assert_eq!(
-        demo.json(
-            "POST",
-            "/demo/todos",
-            Some(&serde_json::json!({"owner": "ada", "title": "x", "secret": 1}))
-        )
-        .0,
-        422,
-        "unknown fields are refused"
-    );
-    assert_eq!(demo.request("DELETE", &path, None).0, 204);
-    assert_eq!(row(id), None);
-    assert_eq!(demo.request("DELETE", &path, None).0, 404);
+    // The page writes through `/sync`, like any app: the demo has no write endpoints.
+    for (method, path) in [
+        ("POST", "/demo/todos"),
+        ("PATCH", "/demo/todos/1"),
+        ("DELETE", "/demo/todos/1"),
+    ] {
+        let status = demo.request(method, path, None).0;
+        assert!(
+            status == 404 || status == 405,
+            "{method} {path} answered {status}"
+        );
+    }
 
     // Each click adds the next column, with a default every row then holds.
     let (status, column) = demo.json("POST", "/demo/columns", None);

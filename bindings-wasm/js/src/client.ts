@@ -115,6 +115,17 @@ export class Mutation {
   readonly op: MutationOp;
   readonly row: Record<string, JsonValue>;
   readonly confirmed: Promise<void>;
+  /**
+   * Resolves once the mutation is in the client's store (IndexedDB in browsers), so it
+   * survives a reload or a crash of the page; rejects if the store failed. Writes made together
+   * are stored in one transaction, within milliseconds. (With `shareTabs`, in a tab that does
+   * not hold the socket: once the tab that does has queued it; its store write follows.)
+   */
+  readonly stored: Promise<void>;
+  /** @internal */
+  storedResolve!: () => void;
+  /** @internal */
+  storedReject!: (error: unknown) => void;
   /** @internal */
   resolve!: () => void;
   /** @internal */
@@ -129,6 +140,11 @@ export class Mutation {
       this.resolve = resolve;
       this.reject = reject;
     });
+    this.stored = new Promise<void>((resolve, reject) => {
+      this.storedResolve = resolve;
+      this.storedReject = reject;
+    });
+    this.stored.catch(() => undefined);
     // An unobserved rejection is still reported through the client's "rejected" event.
     this.confirmed.catch(() => undefined);
   }
@@ -418,6 +434,10 @@ export class HighwaterClient extends Emitter<ClientEvents> {
   #nextRef = 1;
   #outboxLoaded = false;
   #outboxWrites: Promise<void> = Promise.resolve();
+  /** Outbox writes waiting for the one being stored: they go as one store transaction. */
+  #outboxBatch: { writes: OutboxWrite[]; done: Promise<void> } | null = null;
+  /** Per mutation id: when its outbox write is stored. */
+  #storedIds = new Map<number, Promise<void>>();
   #pending = 0;
   #clientId: string | null = null;
   #upload: HighwaterClientOptions["upload"];
@@ -542,7 +562,11 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     try {
       mutation.id = this.#core.mutate(mutation.table, mutation.op, mutation.row, ifVersion);
       this.#mutations.set(mutation.id, mutation);
+      const stored = this.#storedIds.get(mutation.id) ?? Promise.resolve();
+      this.#storedIds.delete(mutation.id);
+      stored.then(mutation.storedResolve, mutation.storedReject);
     } catch (error) {
+      mutation.storedReject(error);
       if (!deferred) throw error;
       mutation.reject(error as Error);
     }
@@ -567,11 +591,24 @@ export class HighwaterClient extends Emitter<ClientEvents> {
     }
   }
 
+  /** Stores an outbox write after the ones before it: writes that come while one is being
+   * stored are merged and stored together, as one transaction. */
   #persistOutbox(write: OutboxWrite): void {
     const store = this.#store;
-    this.#outboxWrites = this.#outboxWrites
-      .then(() => store.writeOutbox?.(write))
-      .catch((error: unknown) => this.emit("error", { code: "store-failed", message: describe(error) }));
+    if (this.#outboxBatch === null) {
+      const batch: { writes: OutboxWrite[]; done: Promise<void> } = { writes: [], done: Promise.resolve() };
+      batch.done = this.#outboxWrites.then(async () => {
+        // Writes from here on go in the next batch.
+        if (this.#outboxBatch === batch) this.#outboxBatch = null;
+        await store.writeOutbox?.(mergeOutboxWrites(batch.writes));
+      });
+      this.#outboxWrites = batch.done.catch((error: unknown) =>
+        this.emit("error", { code: "store-failed", message: describe(error) }),
+      );
+      this.#outboxBatch = batch;
+    }
+    this.#outboxBatch.writes.push(write);
+    for (const mutation of write.put) this.#storedIds.set(mutation.id, this.#outboxBatch.done);
     this.#pending = Math.max(0, this.#pending + write.put.length - write.remove.length);
     this.emit("outbox", { pending: this.#pending });
     if (this.#role === "leader") this.#tabs?.post({ type: "outbox", from: this.#tabs.id, pending: this.#pending });
@@ -708,7 +745,9 @@ export class HighwaterClient extends Emitter<ClientEvents> {
           error.name = "HighwaterError";
           error.code = message.error.code;
           held.mutation.reject(error);
+          held.mutation.storedReject(error);
         } else {
+          held.mutation.storedResolve();
           held.mutation.id = message.id;
           this.#mutations.set(message.id, held.mutation);
         }
@@ -981,6 +1020,25 @@ export class HighwaterClient extends Emitter<ClientEvents> {
       doc?.removeEventListener?.("visibilitychange", visibility);
     };
   }
+}
+
+/** Outbox writes in order, as one: the last state of each mutation id. */
+function mergeOutboxWrites(writes: OutboxWrite[]): OutboxWrite {
+  const put = new Map<number, MutationRecord>();
+  const remove = new Set<number>();
+  let lastId = 0;
+  for (const write of writes) {
+    lastId = Math.max(lastId, write.lastId);
+    for (const mutation of write.put) {
+      put.set(mutation.id, mutation);
+      remove.delete(mutation.id);
+    }
+    for (const id of write.remove) {
+      put.delete(id);
+      remove.add(id);
+    }
+  }
+  return { clientId: writes[writes.length - 1].clientId, lastId, put: [...put.values()], remove: [...remove] };
 }
 
 /** A fresh client id: random, 22 characters of letters and digits. */

@@ -1368,6 +1368,35 @@ fn write_frames_are_checked_one_batch_one_client_and_ordered() {
 }
 
 #[test]
+fn after_a_mutation_to_send_again_every_later_one_is_sent_again() {
+    let mut server = writer();
+    let (ticket, _) = applying(&frame(&mut server, &mutate_text("c1", &[1, 2, 3])));
+    let effects = server.handle(
+        ServerInput::MutationsApplied {
+            conn: C,
+            ticket,
+            results: vec![
+                MutationResult::rejected(1, "invalid", "no"),
+                MutationResult::retry(2, "unavailable", "Postgres went away"),
+                MutationResult::confirmed(3),
+            ],
+            replicated: Some(3),
+        },
+        0,
+    );
+    let statuses: Vec<Value> = sent(&effects)[0]["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["status"].clone())
+        .collect();
+    assert_eq!(
+        statuses,
+        [json!("rejected"), json!("retry"), json!("retry")]
+    );
+}
+
+#[test]
 fn a_node_that_takes_no_writes_asks_for_them_again_later() {
     let mut server = server();
     let frames = sent(&frame(&mut server, &mutate_text("c1", &[1, 2])));

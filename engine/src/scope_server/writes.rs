@@ -193,6 +193,26 @@ impl ScopeServer {
             return;
         }
         connection.writes.applying = None;
+        // Order holds: after a mutation to send again, every later one is sent again too (one
+        // applied meanwhile is recognised as applied then).
+        let mut results = results;
+        if let Some(first) = results
+            .iter()
+            .position(|r| r.status == MutationStatus::Retry)
+        {
+            let (code, message) = (results[first].code.clone(), results[first].message.clone());
+            for result in &mut results[first + 1..] {
+                if result.status != MutationStatus::Retry {
+                    *result = MutationResult {
+                        id: result.id,
+                        status: MutationStatus::Retry,
+                        code: code.clone(),
+                        message: message.clone(),
+                        row: None,
+                    };
+                }
+            }
+        }
         if let (Some(client), Some(id)) = (&connection.writes.client_id, replicated) {
             let seen = self.replicated.entry(client.clone()).or_insert(0);
             *seen = (*seen).max(id);

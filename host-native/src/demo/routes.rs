@@ -1,9 +1,6 @@
 //! The demo's HTTP routes, mounted in front of `serve`'s own: the page and the npm package's
-//! files, demo tokens, and small write endpoints into the upstream Postgres so the page can show
-//! a write's round trip (Postgres → replication → replica → `/sync` → page).
-//!
-//! Every write endpoint returns once Postgres has committed; the page times from the click to the
-//! moment the change arrives on its scope.
+//! files, demo tokens, and the schema-change button's endpoint. The page writes its todos
+//! through the client (`client.mutate` over `/sync`), like any app.
 
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::Arc;
@@ -11,7 +8,7 @@ use std::sync::Arc;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, patch, post};
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
@@ -20,8 +17,6 @@ use serde_json::json;
 pub const USERS: [&str; 3] = ["ada", "grace", "linus"];
 /// How long a demo token is valid.
 pub const TOKEN_TTL_SECONDS: u64 = 3600;
-/// Longest title the endpoints accept.
-const MAX_TITLE_CHARS: usize = 200;
 /// Columns the "add a column" button adds, in order; after these, `extra_<n>` text columns.
 const COLUMNS: [(&str, &str); 3] = [
     ("priority", "integer NOT NULL DEFAULT 3"),
@@ -42,14 +37,11 @@ pub struct DemoState {
     pub sign: TokenSigner,
 }
 
-/// The routes: `/` (the page), `/demo/<file>`, `/pkg/<path>`, `/demo/token`, `/demo/todos…`,
-/// `/demo/columns`.
+/// The routes: `/` (the page), `/demo/<file>`, `/pkg/<path>`, `/demo/token`, `/demo/columns`.
 pub fn router(state: Arc<DemoState>) -> Router {
     Router::new()
         .route("/", get(index))
         .route("/demo/token", get(token))
-        .route("/demo/todos", post(add_todo))
-        .route("/demo/todos/{id}", patch(change_todo).delete(delete_todo))
         .route("/demo/columns", post(add_column))
         .route("/demo/{file}", get(page_file))
         .route("/pkg/{*path}", get(package_file))
@@ -150,16 +142,6 @@ fn check_user(owner: &str) -> Result<(), Failure> {
     }
 }
 
-fn check_title(title: &str) -> Result<(), Failure> {
-    let length = title.trim().chars().count();
-    if length == 0 || length > MAX_TITLE_CHARS {
-        return Err(bad_request(format!(
-            "Expected a title of 1 to {MAX_TITLE_CHARS} characters, found {length}."
-        )));
-    }
-    Ok(())
-}
-
 #[derive(Deserialize)]
 struct TokenQuery {
     sub: String,
@@ -178,87 +160,6 @@ async fn token(
         "sub": query.sub,
         "expiresInSeconds": TOKEN_TTL_SECONDS,
     })))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NewTodo {
-    owner: String,
-    title: String,
-}
-
-/// `POST /demo/todos {owner, title}` → 201 `{id}`.
-async fn add_todo(
-    State(state): State<Arc<DemoState>>,
-    Json(todo): Json<NewTodo>,
-) -> Result<(StatusCode, Json<serde_json::Value>), Failure> {
-    check_user(&todo.owner)?;
-    check_title(&todo.title)?;
-    let row = state
-        .postgres
-        .query_one(
-            "INSERT INTO todos (owner, title) VALUES ($1, $2) RETURNING id",
-            &[&todo.owner, &todo.title.trim()],
-        )
-        .await?;
-    let id: i64 = row.get(0);
-    Ok((StatusCode::CREATED, Json(json!({ "id": id }))))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TodoChange {
-    title: Option<String>,
-    done: Option<bool>,
-    owner: Option<String>,
-}
-
-/// `PATCH /demo/todos/{id} {title?, done?, owner?}`: rename, complete, reassign.
-async fn change_todo(
-    State(state): State<Arc<DemoState>>,
-    Path(id): Path<i64>,
-    Json(change): Json<TodoChange>,
-) -> Result<Json<serde_json::Value>, Failure> {
-    if change.title.is_none() && change.done.is_none() && change.owner.is_none() {
-        return Err(bad_request(
-            "Expected at least one of title, done or owner, found none.".to_owned(),
-        ));
-    }
-    if let Some(owner) = &change.owner {
-        check_user(owner)?;
-    }
-    if let Some(title) = &change.title {
-        check_title(title)?;
-    }
-    let title = change.title.as_deref().map(str::trim);
-    let changed = state
-        .postgres
-        .execute(
-            "UPDATE todos SET title = COALESCE($2, title), done = COALESCE($3, done),
-                 owner = COALESCE($4, owner), updated_at = now()
-             WHERE id = $1",
-            &[&id, &title, &change.done, &change.owner],
-        )
-        .await?;
-    if changed == 0 {
-        return Err(Failure(StatusCode::NOT_FOUND, format!("No todo {id}.")));
-    }
-    Ok(Json(json!({ "id": id })))
-}
-
-/// `DELETE /demo/todos/{id}`.
-async fn delete_todo(
-    State(state): State<Arc<DemoState>>,
-    Path(id): Path<i64>,
-) -> Result<StatusCode, Failure> {
-    let deleted = state
-        .postgres
-        .execute("DELETE FROM todos WHERE id = $1", &[&id])
-        .await?;
-    if deleted == 0 {
-        return Err(Failure(StatusCode::NOT_FOUND, format!("No todo {id}.")));
-    }
-    Ok(StatusCode::NO_CONTENT)
 }
 
 /// `POST /demo/columns` → `{column}`: adds the next demo column to `todos` upstream, with a
@@ -337,11 +238,8 @@ mod tests {
     }
 
     #[test]
-    fn only_demo_users_and_sane_titles_pass() {
+    fn only_demo_users_get_tokens() {
         assert!(check_user("ada").is_ok());
         assert!(check_user("eve").is_err());
-        assert!(check_title("Buy milk").is_ok());
-        assert!(check_title("   ").is_err());
-        assert!(check_title(&"x".repeat(MAX_TITLE_CHARS + 1)).is_err());
     }
 }
