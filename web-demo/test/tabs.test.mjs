@@ -64,6 +64,23 @@ describe("tabs sharing one socket", { timeout: 180_000 }, () => {
     await allEqualPostgres("the new row in every tab");
   });
 
+  test("a tab without the socket writes through the one that has it: shown in every tab, applied once", async () => {
+    const roles = await Promise.all(pages.map(role));
+    const follower = pages[roles.indexOf("follower")];
+    const title = `Written in a follower tab ${Date.now()}`;
+    // The follower's mutation is numbered and sent by the leader; `confirmed` resolves here.
+    const id = await follower.evaluate(async (title) => {
+      const id = Date.now() * 1000 + 7;
+      const mutation = window.demo.client.mutate("todos", "insert", { id, owner: "ada", title });
+      await mutation.confirmed;
+      return mutation.id > 0 && id;
+    }, title);
+    assert.ok(id, "the follower learned its mutation's number");
+    assert.equal(demo.sql(`SELECT count(*) FROM todos WHERE title = '${title}';`), "1");
+    await allEqualPostgres("the follower's write in every tab");
+    assert.equal(await follower.evaluate(() => window.demo.client.pendingCount), 0);
+  });
+
   test("closing the leader's tab hands the socket to another tab, which resumes from its cursor", async () => {
     const roles = await Promise.all(pages.map(role));
     const leader = pages[roles.indexOf("leader")];
