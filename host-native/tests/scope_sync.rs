@@ -2257,3 +2257,132 @@ async fn a_backend_that_writes_with_highwater_confirm_answers_await_mutations() 
     assert_eq!(error.code().map(|c| c.code()), Some("HW409"), "{error:?}");
     server.stop().await;
 }
+
+/// The next `mutation-result` frame's results, or `None` once the socket is gone.
+async fn next_results(client: &mut Client) -> Option<Vec<Value>> {
+    loop {
+        let frame = client.next().await?;
+        if frame["type"] == "mutation-result" {
+            return Some(frame["results"].as_array().unwrap().clone());
+        }
+    }
+}
+
+/// A client flushes an outbox of 1,000 inserts as the client core does (frames of 100, one out
+/// at a time, unanswered ones sent again on a new socket); `serve` is killed with -9 while a
+/// frame is being applied and started again. Then a page sends a frame and is gone before any
+/// answer, and its next socket sends it again. Every mutation is answered `confirmed` (a second
+/// apply of an insert would be refused as `constraint`), and Postgres holds each row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_while_an_outbox_flushes_or_a_page_gone_before_its_answer_applies_each_mutation_once(
+) {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    db.batch_execute(NOTES_DDL).await.unwrap();
+    let files = SyncFiles::with_rules(WRITE_RULES);
+    let data = DataDir::new("sync-writes-kill");
+    let port = free_port();
+    let mut primary = spawn_primary(&pg.url(), data.path(), port, &files, "highwater");
+    wait_ready(primary.addr).await;
+    let token = token("ada");
+    let frame = |client_id: &str, ids: &[u64]| {
+        let mutations: Vec<Value> = ids
+            .iter()
+            .map(|id| json!({"id": id, "table": "todos", "op": "insert", "row": {"id": id, "owner": "ada", "title": format!("m{id}")}}))
+            .collect();
+        json!({"type": "mutate", "clientId": client_id, "token": token, "mutations": mutations})
+    };
+
+    let mut pending: Vec<u64> = (1..=1000).collect();
+    let mut client = Client::connect(primary.addr).await;
+    let (mut frames_sent, mut killed) = (0, false);
+    while !pending.is_empty() {
+        let batch: Vec<u64> = pending.iter().take(100).copied().collect();
+        client.send(frame("flush", &batch)).await;
+        frames_sent += 1;
+        if frames_sent == 4 && !killed {
+            // While the frame is being applied: some of it may be committed upstream, with
+            // no answer out.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            primary.kill9();
+            killed = true;
+            let committed: i64 = db
+                .query_one(
+                    "SELECT coalesce(max(last_mutation_id), 0) FROM highwater.client_mutations",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            eprintln!("# killed with mutations up to {committed} committed (the frame sent last ends at {})", batch[batch.len() - 1]);
+            primary = spawn_primary(&pg.url(), data.path(), port, &files, "highwater");
+            wait_ready(primary.addr).await;
+            client = Client::connect(primary.addr).await;
+            continue;
+        }
+        // The frame is out until each of its mutations is answered (confirmed ones are
+        // answered as their changes come back, maybe over several frames).
+        let mut out = batch;
+        while !out.is_empty() {
+            match next_results(&mut client).await {
+                Some(results) => {
+                    for result in results {
+                        assert_eq!(result["status"], "confirmed", "{result}");
+                        let id = result["id"].as_u64().unwrap();
+                        pending.retain(|p| *p != id);
+                        out.retain(|p| *p != id);
+                    }
+                }
+                None => {
+                    client = Client::connect(primary.addr).await;
+                    break;
+                }
+            }
+        }
+    }
+    assert!(killed);
+
+    // A page gone right after sending: its frame is applied (or not) with nobody to answer.
+    let mut gone = Client::connect(primary.addr).await;
+    let page_ids: Vec<u64> = (1001..=1010).collect();
+    gone.send(frame("page", &page_ids)).await;
+    drop(gone);
+    let mut again = Client::connect(primary.addr).await;
+    again.send(frame("page", &page_ids)).await;
+    let mut results = Vec::new();
+    while results.len() < page_ids.len() {
+        results.extend(
+            next_results(&mut again)
+                .await
+                .expect("the resent frame's results"),
+        );
+    }
+    assert_eq!(results.len(), 10);
+    assert!(
+        results.iter().all(|r| r["status"] == "confirmed"),
+        "{results:?}"
+    );
+
+    let rows = pg_todos(&db).await;
+    assert_eq!(rows.len(), 1010);
+    assert_eq!(
+        rows.keys().copied().collect::<Vec<_>>(),
+        (1..=1010).collect::<Vec<i64>>()
+    );
+    let last: Vec<(String, i64)> = db
+        .query(
+            "SELECT client_id, last_mutation_id FROM highwater.client_mutations ORDER BY client_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        last,
+        [("flush".to_owned(), 1000), ("page".to_owned(), 1010)]
+    );
+    primary.kill9();
+}

@@ -277,9 +277,12 @@ impl SyncClient {
         if self.outbox.client_id.as_deref() != Some(client_id) {
             return;
         }
+        // The batch stays out until each of its mutations is answered (the server answers
+        // confirmed ones as their changes reach it, so one batch may take several frames).
         let answered: BTreeSet<u64> = results.iter().map(|r| r.id).collect();
-        if let Some((_, ids)) = &self.outbox.in_flight {
-            if ids.iter().any(|id| answered.contains(id)) {
+        if let Some((_, ids)) = &mut self.outbox.in_flight {
+            ids.retain(|id| !answered.contains(id));
+            if ids.is_empty() {
                 self.outbox.in_flight = None;
             }
         }

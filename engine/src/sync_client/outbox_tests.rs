@@ -334,3 +334,23 @@ fn uploads_go_to_the_app_and_are_awaited_on_the_socket() {
         .iter()
         .any(|e| matches!(e, ClientEffect::Upload { .. })));
 }
+
+#[test]
+fn a_batch_stays_out_until_each_of_its_mutations_is_answered() {
+    let (mut client, _) = writer();
+    let _ = client.mutate(0, "todos".into(), MutationOp::Insert, todo("b", "1"), None);
+    let _ = client.mutate(0, "todos".into(), MutationOp::Insert, todo("c", "2"), None);
+    let _ = client.mutate(0, "todos".into(), MutationOp::Insert, todo("d", "3"), None);
+    // Mutation 1 went alone; 2 and 3 wait. Its answer sends them as one batch.
+    let effects = frame(&mut client, 1, result(&[(1, "confirmed")]));
+    let sent = sent_frames(&effects);
+    assert_eq!(sent[0]["mutations"].as_array().unwrap().len(), 2);
+    // Half of that batch answered: nothing more goes (nothing is left to send anyway, but a
+    // mutation queued now waits for the rest of the batch).
+    let (_, effects) = client.mutate(2, "todos".into(), MutationOp::Insert, todo("e", "4"), None);
+    assert!(sent_frames(&effects).is_empty());
+    let effects = frame(&mut client, 3, result(&[(2, "confirmed")]));
+    assert!(sent_frames(&effects).is_empty(), "3 is still out");
+    let effects = frame(&mut client, 4, result(&[(3, "confirmed")]));
+    assert_eq!(sent_frames(&effects)[0]["mutations"][0]["id"], 4);
+}
