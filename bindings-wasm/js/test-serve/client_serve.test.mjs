@@ -257,3 +257,79 @@ test("the server down for 2 s: a Node client connected straight to it is ready a
   // The backoff window after the few refused attempts of a 2-3 s outage is at most 8 s.
   assert.ok(readyAt - upAt < 8_000, `ready ${readyAt - upAt} ms after the server answered; ${reasons.join("\n")}`);
 });
+
+test("a Node app writes through client.mutate, offline and across a restart: each applied once, read-your-writes", async () => {
+  const store = new MemoryStore();
+  const token = serve.token("ada");
+  const first = new HighwaterClient({ url, token, store });
+  const todos = first.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  await todos.ready;
+  first.goOffline();
+  const made = [];
+  for (let i = 0; i < 20; i++) made.push(first.mutate("todos", "insert", { id: 5000 + i, owner: "ada", title: `offline ${i}` }));
+  made.push(first.mutate("todos", "update", { id: 5000, title: "offline 0, renamed" }));
+  made.push(first.mutate("todos", "delete", { id: 5019 }));
+  await Promise.all(made.map((m) => m.stored));
+  assert.equal(todos.rows().filter((r) => Number(r.id) >= 5000).length, 19, "shown while offline");
+  await first.close();
+  assert.equal(pg.query("SELECT count(*) FROM todos WHERE id >= 5000"), "0");
+
+  // The app starts again on the same store and comes online.
+  const second = new HighwaterClient({ url, token, store });
+  const again = second.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  await until(() => second.pendingCount === 22, "the 22 stored mutations");
+  const extra = second.mutate("todos", "update", { id: 5001, v: 7 });
+  await extra.confirmed;
+  // Read-your-writes: when `confirmed` resolves, the row is in the rows as Postgres has it.
+  assert.equal(again.rows().find((r) => Number(r.id) === 5001).v, 7);
+  await until(() => second.pendingCount === 0, "the outbox to drain");
+  assert.equal(pg.query("SELECT count(*) FROM todos WHERE id >= 5000"), "19");
+  assert.equal(pg.query("SELECT title FROM todos WHERE id = 5000"), "offline 0, renamed");
+  await converges(again, "owner = 'ada'", "ada's scope equal to Postgres after the writes");
+  // Refused by the rules: another user's row, a column the rules do not let an update set.
+  const rejected = [];
+  second.on("rejected", (event) => rejected.push(event.code));
+  const grace = second.mutate("todos", "delete", { id: 3 });
+  await assert.rejects(grace.confirmed, (error) => error.code === "forbidden");
+  const secret = second.mutate("todos", "update", { id: 1, secret_note: "mine now" });
+  await assert.rejects(secret.confirmed, (error) => error.code === "forbidden");
+  assert.deepEqual(rejected, ["forbidden", "forbidden"]);
+  assert.equal(pg.query("SELECT count(*) FROM todos WHERE id = 3"), "1");
+  assert.equal(pg.query("SELECT secret_note FROM todos WHERE id = 1"), "hidden");
+  await second.close();
+});
+
+test("with upload, a Node backend applies batches with highwater.confirm: once, even when its answer is lost", async () => {
+  const token = serve.token("ada");
+  let uploads = 0;
+  const client = new HighwaterClient({
+    url,
+    token,
+    upload: async (mutations, clientId) => {
+      uploads += 1;
+      for (const m of mutations) {
+        // The app's own transaction: its write and highwater.confirm together. HW409: this
+        // mutation was applied before (an upload sent again after a lost answer).
+        try {
+          pg.query(
+            `BEGIN; SELECT highwater.confirm('${clientId}', ${m.id}); INSERT INTO todos (id, owner, title) VALUES (${m.row.id}, 'ada', '${m.row.title}'); COMMIT;`,
+          );
+        } catch (error) {
+          if (!String(error.stderr ?? error.message).includes("was applied already")) throw error;
+        }
+      }
+      // The first answer is lost after the backend committed: the client uploads again.
+      if (uploads === 1) throw new Error("the connection to the backend dropped");
+    },
+  });
+  const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+  await todos.ready;
+  const made = [0, 1, 2].map((i) => client.mutate("todos", "insert", { id: 6000 + i, owner: "ada", title: `uploaded ${i}` }));
+  await Promise.all(made.map((m) => m.confirmed));
+  assert.ok(uploads >= 2, `uploads: ${uploads}`);
+  assert.equal(pg.query("SELECT count(*) FROM todos WHERE id BETWEEN 6000 AND 6002"), "3");
+  // Read-your-writes holds for writes the app applied too.
+  assert.deepEqual(todos.rows().filter((r) => Number(r.id) >= 6000).map((r) => r.title).sort(), ["uploaded 0", "uploaded 1", "uploaded 2"]);
+  assert.equal(client.pendingCount, 0);
+  await client.close();
+});

@@ -17,7 +17,14 @@ const PG_BIN = (() => {
 
 export const SECRET = "a client test secret that is longer than thirty-two bytes";
 export const RULES = {
-  tables: { todos: { filterColumns: ["owner", "done"], omitColumns: ["secret_note"], require: { owner: "sub" } } },
+  tables: {
+    todos: {
+      filterColumns: ["owner", "done"],
+      omitColumns: ["secret_note"],
+      require: { owner: "sub" },
+      write: { insert: true, update: ["title", "done", "v"], delete: true },
+    },
+  },
 };
 export const TODOS_DDL =
   "CREATE TABLE todos (id int8 PRIMARY KEY, owner text, title text, done bool NOT NULL DEFAULT false, v int NOT NULL DEFAULT 0, secret_note text)";
