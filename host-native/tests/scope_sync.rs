@@ -2384,5 +2384,25 @@ async fn kill_9_while_an_outbox_flushes_or_a_page_gone_before_its_answer_applies
         last,
         [("flush".to_owned(), 1000), ("page".to_owned(), 1010)]
     );
+    // Since the restart: the mutations answered, by outcome, none refused.
+    let metrics = scrape(primary.addr).await;
+    let applied = value(
+        &metrics,
+        "highwater_sync_mutations_total",
+        &[("outcome", "applied")],
+    );
+    let received = value(&metrics, "highwater_sync_mutations_received_total", &[]);
+    assert!(
+        applied >= 10.0 && received >= applied,
+        "{applied} of {received}"
+    );
+    assert_eq!(
+        value(
+            &metrics,
+            "highwater_sync_mutations_total",
+            &[("outcome", "rejected")]
+        ),
+        0.0
+    );
     primary.kill9();
 }

@@ -430,6 +430,25 @@ impl Collector for Collected {
                 "Checkpoints sent to quiet live subscriptions",
                 counts.checkpoints,
             )?;
+            out.counter(
+                "sync_mutations_received",
+                "Mutations received in mutate frames",
+                counts.mutations_received,
+            )?;
+            let outcomes: Vec<([(&str, String); 1], u64)> = [
+                ("applied", counts.mutations_applied),
+                ("rejected", counts.mutations_rejected),
+                ("retry", counts.mutations_retried),
+            ]
+            .into_iter()
+            .map(|(outcome, count)| ([("outcome", outcome.to_owned())], count))
+            .collect();
+            out.labelled(
+                "sync_mutations",
+                "Mutations answered: applied (now or before), rejected, or to send again (retry)",
+                MetricType::Counter,
+                &outcomes,
+            )?;
         }
         Ok(())
     }
