@@ -333,3 +333,23 @@ test("with upload, a Node backend applies batches with highwater.confirm: once, 
   assert.equal(client.pendingCount, 0);
   await client.close();
 });
+
+test("two clients update one row with ifVersion: one wins, the other gets conflict with the row as it is, and its overlay goes", async () => {
+  const token = serve.token("ada");
+  const [a, b] = [new HighwaterClient({ url, token }), new HighwaterClient({ url, token })];
+  const [subA, subB] = [a, b].map((client) => client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } }));
+  await Promise.all([subA.ready, subB.ready]);
+  const version = subA.version("1");
+  assert.equal(typeof version, "number");
+  assert.equal(subB.version("1"), version, "both hold the same version");
+  const first = a.mutate("todos", "update", { id: 1, title: "a wins" }, { ifVersion: version });
+  await first.confirmed;
+  // b still holds the old version: its compare-and-set fails, its overlay is taken back.
+  await until(() => subB.version("1") !== version, "b to see a's change");
+  const stale = b.mutate("todos", "update", { id: 1, title: "b loses" }, { ifVersion: version });
+  assert.equal(subB.rows().find((r) => Number(r.id) === 1).title, "b loses", "shown at once");
+  await assert.rejects(stale.confirmed, (error) => error.code === "conflict" && error.row?.title === "a wins" && !("secret_note" in error.row));
+  assert.equal(subB.rows().find((r) => Number(r.id) === 1).title, "a wins");
+  assert.equal(pg.query("SELECT title FROM todos WHERE id = 1"), "a wins");
+  await Promise.all([a.close(), b.close()]);
+});
