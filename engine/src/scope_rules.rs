@@ -206,6 +206,14 @@ impl SyncRules {
         Ok(Self { tables })
     }
 
+    /// Whether sync clients may write anything (then a primary takes writes).
+    pub fn allows_writes(&self) -> bool {
+        self.tables.values().any(|table| {
+            let write = &table.write;
+            write.insert || write.delete || write.update.is_some()
+        })
+    }
+
     /// The rules of one table, if it is readable.
     pub fn table(&self, name: &str) -> Option<&TableRules> {
         self.tables.get(name)

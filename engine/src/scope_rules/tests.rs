@@ -364,3 +364,132 @@ fn schema_problems_name_each_table_and_column_the_replica_lacks() {
         .expect("rules");
     assert!(fitting.schema_problems(columns_of).is_empty());
 }
+
+const WRITE_RULES: &str = r#"{
+  "tables": {
+    "todos": {
+      "filterColumns": ["owner", "done"],
+      "omitColumns": ["secret_note"],
+      "require": { "owner": "sub" },
+      "write": { "insert": true, "update": ["title", "done"], "delete": false }
+    },
+    "docs": { "where": "org = auth.org AND NOT archived", "write": { "update": true } },
+    "announcements": { "filterColumns": ["lang"] }
+  }
+}"#;
+
+#[test]
+fn write_rules_say_which_operations_and_columns_a_table_takes() {
+    assert!(!rules().allows_writes(), "no write key: read-only");
+    let rules = SyncRules::from_json(WRITE_RULES).unwrap();
+    assert!(rules.allows_writes());
+    let ada = map(json!({"sub": "ada", "org": 7}));
+    let key = ["id".to_owned()];
+    let decide = |table: &str, op: MutationOp, columns: &[&str]| {
+        rules
+            .decide_write(&ada, table, op, columns.iter().copied(), &key)
+            .map(|_| ())
+            .map_err(|denial| (denial.code.as_str(), denial.message))
+    };
+    assert_eq!(
+        decide("todos", MutationOp::Insert, &["id", "owner", "title"]),
+        Ok(())
+    );
+    assert_eq!(decide("todos", MutationOp::Update, &["id", "done"]), Ok(()));
+    let (code, message) = decide("todos", MutationOp::Update, &["id", "owner"]).unwrap_err();
+    assert_eq!(code, "forbidden");
+    assert_eq!(
+        message,
+        "an update of \"todos\" may not set column \"owner\"; allowed: title, done"
+    );
+    assert_eq!(
+        decide("todos", MutationOp::Delete, &["id"]).unwrap_err().1,
+        "the sync rules do not allow deletes from \"todos\""
+    );
+    assert_eq!(
+        decide("announcements", MutationOp::Insert, &["id"])
+            .unwrap_err()
+            .1,
+        "the sync rules do not allow inserts into \"announcements\""
+    );
+    assert_eq!(
+        decide("secrets", MutationOp::Insert, &["id"])
+            .unwrap_err()
+            .1,
+        "the sync rules do not allow writing table \"secrets\""
+    );
+    assert_eq!(
+        decide("todos", MutationOp::Update, &["title"]).unwrap_err(),
+        (
+            "invalid-params",
+            "an update of \"todos\" must name its key column \"id\"".to_owned()
+        )
+    );
+    assert_eq!(
+        decide("docs", MutationOp::Update, &["id", "archived", "body"]),
+        Ok(())
+    );
+    // A token without the claim the rules read.
+    let anonymous = Map::new();
+    let denial = rules
+        .decide_write(&anonymous, "todos", MutationOp::Insert, ["id"], &key)
+        .unwrap_err();
+    assert_eq!(
+        denial.message,
+        "a write to \"todos\" needs a token with a scalar \"sub\" claim"
+    );
+}
+
+#[test]
+fn a_write_grant_admits_only_rows_the_writer_may_read() {
+    let rules = SyncRules::from_json(WRITE_RULES).unwrap();
+    let ada = map(json!({"sub": "ada", "org": 7}));
+    let key = ["id".to_owned()];
+    let todos = rules
+        .decide_write(&ada, "todos", MutationOp::Update, ["id", "title"], &key)
+        .unwrap();
+    assert!(todos.admits(&map(json!({"id": 1, "owner": "ada"}))));
+    assert!(
+        !todos.admits(&map(json!({"id": 1, "owner": "grace"}))),
+        "another user's row"
+    );
+    assert!(!todos.admits(&map(json!({"id": 1, "owner": null}))));
+    assert_eq!(
+        todos.visible(map(json!({"id": 1, "owner": "ada", "secret_note": "x"}))),
+        map(json!({"id": 1, "owner": "ada"}))
+    );
+    let docs = rules
+        .decide_write(&ada, "docs", MutationOp::Update, ["id", "body"], &key)
+        .unwrap();
+    assert!(docs.admits(&map(json!({"org": 7, "archived": false}))));
+    assert!(
+        !docs.admits(&map(json!({"org": 7, "archived": true}))),
+        "moved out of reach"
+    );
+    assert!(!docs.admits(&map(json!({"org": 8, "archived": false}))));
+}
+
+#[test]
+fn malformed_write_rules_are_refused_with_their_place() {
+    for (rules, message) in [
+        (
+            r#"{"tables":{"t":{"write":{"insert":"yes"}}}}"#,
+            "tables.t.write.insert: expected true or false, got string \"yes\"",
+        ),
+        (
+            r#"{"tables":{"t":{"write":{"upsert":true}}}}"#,
+            "tables.t.write.upsert: unknown key; expected one of \"insert\", \"update\", \"delete\"",
+        ),
+        (
+            r#"{"tables":{"t":{"write":{"update":"title"}}}}"#,
+            "tables.t.write.update: expected true, false or a list of columns, got string \"title\"",
+        ),
+    ] {
+        assert_eq!(SyncRules::from_json(rules).unwrap_err().to_string(), message);
+    }
+    let rules = SyncRules::from_json(r#"{"tables":{"t":{"write":{"update":["titel"]}}}}"#).unwrap();
+    assert_eq!(
+        rules.schema_problems(|_| Some(vec!["id".to_owned(), "title".to_owned()])),
+        ["tables.t.write.update: t has no column \"titel\" (it has id, title)"]
+    );
+}

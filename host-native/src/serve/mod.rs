@@ -411,7 +411,7 @@ pub async fn serve(args: ServeArgs, stop: watch::Receiver<bool>) -> Result<(), S
     // applies writes with `highwater.confirm`).
     let write_setup = match &sync {
         None => startup::WriteSetup::None,
-        Some(auth) if writes::rules_allow_writes(auth.rules()) => startup::WriteSetup::Required,
+        Some(auth) if auth.rules().allows_writes() => startup::WriteSetup::Required,
         Some(_) => startup::WriteSetup::Tried,
     };
     let handle = tokio::runtime::Handle::current();
@@ -697,7 +697,7 @@ async fn run_server(
             });
             // Mutations are applied when the rules allow writes; `await-mutations` (writes the
             // app's backend applies) is answered either way.
-            config.takes_writes = writes.is_some() && writes::rules_allow_writes(auth.rules());
+            config.takes_writes = writes.is_some() && auth.rules().allows_writes();
             let sync_hub = sync::SyncHub::new(
                 config,
                 auth.clone(),

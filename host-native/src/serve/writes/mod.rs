@@ -83,14 +83,6 @@ pub use install::{install, InstallError, ALREADY_APPLIED, WRITES_SQL};
 /// How long an `ifVersion` write waits for the replica to catch up with upstream.
 pub const FENCE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Whether the rules let sync clients write anything (then a primary takes writes).
-pub fn rules_allow_writes(rules: &SyncRules) -> bool {
-    rules.tables().any(|(_, table)| {
-        let write = table.write();
-        write.insert || write.delete || write.update.is_some()
-    })
-}
-
 /// The write applier of a primary that takes writes.
 pub(crate) struct Writes {
     upstream: PgConfig,
