@@ -1,7 +1,8 @@
 // `highwater/tanstack-db`: a scope as a TanStack DB collection. Import it only where TanStack DB
 // is: the core entry points never load it.
-import type { CollectionConfig, SyncConfig } from "@tanstack/db";
+import type { CollectionConfig, DeleteMutationFn, InsertMutationFn, SyncConfig, UpdateMutationFn } from "@tanstack/db";
 import type { HighwaterClient, Row, RowChangeEvent, ScopeParams, Subscription, SyncProblem } from "./client.js";
+import type { JsonValue } from "./wasm/api.js";
 
 /** What `highwaterCollectionOptions` needs. */
 export interface HighwaterCollectionConfig<T extends object, K extends string | number> {
@@ -13,6 +14,9 @@ export interface HighwaterCollectionConfig<T extends object, K extends string | 
   getKey: (row: T) => K;
   /** The collection's id (default: derived from the scope). */
   id?: string;
+  /** The table's key columns, which name the row of an update or delete (default `["id"]`;
+   * give the client the same in its `keys` option). */
+  keyColumns?: string[];
 }
 
 /** What the collection's `utils` say about the scope behind it. */
@@ -28,8 +32,13 @@ export interface HighwaterCollectionUtils {
  * Collection options that sync a Highwater scope into a TanStack DB collection: each server
  * transaction is one sync transaction (its inserts, updates and removals together), the
  * collection is ready once the scope caught up, and a refused scope fails its `preload()`.
- * Rows stored by the client (its `store`) show before the socket is open. The collection is
- * read-only: it has no mutation handlers.
+ * Rows stored by the client (its `store`) show before the socket is open.
+ *
+ * Inserts, updates and deletes on the collection go through `client.mutate` (kept in the
+ * client's outbox, offline too, and checked by the server's write rules); each handler resolves
+ * once the server applied the mutation and its row is in the scope, so the collection's
+ * optimistic state gives way to the synced row without a gap. A refused mutation rejects the
+ * transaction (a `HighwaterMutationError` with its `code`) and rolls it back.
  *
  * ```ts
  * const todos = createCollection(highwaterCollectionOptions<Todo, number>({
@@ -78,10 +87,33 @@ export function highwaterCollectionOptions<T extends object = Row, K extends str
       if (current === subscription) current = null;
     };
   };
+  const table = config.scope.resourceType;
+  const keyColumns = config.keyColumns ?? ["id"];
+  const keyOf = (row: object): Record<string, JsonValue> =>
+    Object.fromEntries(keyColumns.map((column) => [column, (row as Record<string, JsonValue>)[column]]));
+  // The row's columns, without the fields TanStack DB adds to the rows it hands out.
+  const columns = (row: object): Record<string, JsonValue> =>
+    Object.fromEntries(Object.entries(row).filter(([column]) => !column.startsWith("$"))) as Record<string, JsonValue>;
+  const onInsert: InsertMutationFn<T, K, HighwaterCollectionUtils> = async ({ transaction }) => {
+    await Promise.all(transaction.mutations.map((m) => config.client.mutate(table, "insert", columns(m.modified)).confirmed));
+  };
+  const onUpdate: UpdateMutationFn<T, K, HighwaterCollectionUtils> = async ({ transaction }) => {
+    await Promise.all(
+      transaction.mutations.map(
+        (m) => config.client.mutate(table, "update", { ...columns(m.changes), ...keyOf(m.original) }).confirmed,
+      ),
+    );
+  };
+  const onDelete: DeleteMutationFn<T, K, HighwaterCollectionUtils> = async ({ transaction }) => {
+    await Promise.all(transaction.mutations.map((m) => config.client.mutate(table, "delete", keyOf(m.original)).confirmed));
+  };
   return {
     id: config.id ?? `highwater:${config.scope.resourceType}:${JSON.stringify(config.scope.conditions ?? {})}`,
     getKey: config.getKey,
     sync: { sync, rowUpdateMode: "full" },
+    onInsert,
+    onUpdate,
+    onDelete,
     utils: {
       subscription: () => current as unknown as Subscription | null,
       error: () => problem,

@@ -80,3 +80,36 @@ test("a scope the server refuses fails the collection's preload with its code", 
     await server.stop();
   }
 });
+
+test("writes on the collection go through client.mutate: persisted once the synced row is in, a refused one rolled back", async () => {
+  const server = new ContractServer();
+  const url = await server.start();
+  server.write("a", "ada", { n: 1 });
+  const client = new HighwaterClient({ url, token: "t" });
+  try {
+    const todos = createCollection(
+      highwaterCollectionOptions({ client, scope: { resourceType: "todos", conditions: { owner: "ada" } }, getKey: (row) => row.id }),
+    );
+    await todos.preload();
+    const inserted = todos.insert({ id: "b", owner: "ada", n: 2 });
+    assert.equal(todos.get("b")?.n, 2, "optimistic");
+    await inserted.isPersisted.promise;
+    assert.deepEqual(server.scopeRows("ada").map((r) => r.id).sort(), ["a", "b"]);
+    const updated = todos.update("a", (draft) => {
+      draft.n = 10;
+    });
+    await updated.isPersisted.promise;
+    assert.equal(server.rows.get("a").data.n, 10);
+    assert.equal(todos.get("a")?.n, 10);
+    // Refused by the server: the transaction fails and the row comes back.
+    server.forbid.add(3);
+    const removed = todos.delete("a");
+    await assert.rejects(removed.isPersisted.promise, (error) => error.code === "forbidden");
+    await until(() => todos.has("a"), "the row back after the refusal");
+    assert.equal(server.applied.length, 2);
+    await todos.cleanup();
+  } finally {
+    await client.close();
+    await server.stop();
+  }
+});
