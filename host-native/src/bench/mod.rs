@@ -12,6 +12,8 @@
 //!   and framing cost per transaction and subscriber.
 //! - `sync` ([`sync`]): scope sync on `/sync`: commit-to-client latency at many connections,
 //!   replay rows/s, memory per idle subscription.
+//! - `writes` ([`writes`]): writes through `/sync`, end to end: mutation → confirmed latency
+//!   at 1 and 100 writers, flushing a queued outbox, and `HighwaterClient`'s outbox in Node.
 
 pub mod apply;
 mod common;
@@ -22,6 +24,7 @@ mod recvlogical;
 pub mod streamer;
 pub mod sync;
 mod workload;
+pub mod writes;
 
 /// Command-line arguments of `highwater bench`.
 #[derive(Debug, Clone, clap::Args)]
@@ -45,6 +48,8 @@ pub enum Benchmark {
     Streamer(streamer::StreamerArgs),
     /// Scope sync: commit-to-client latency, replay speed, memory per idle subscription.
     Sync(sync::SyncArgs),
+    /// Writes through scope sync: mutation to confirmed latency, outbox flush, the Node client.
+    Writes(writes::WritesArgs),
 }
 
 /// Runs the chosen benchmark and prints its table to stdout.
@@ -56,5 +61,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Benchmark::InitialSync(args) => initial_sync::run(args),
         Benchmark::Streamer(args) => streamer::run(args),
         Benchmark::Sync(args) => sync::run(args),
+        Benchmark::Writes(args) => writes::run(args),
     }
 }

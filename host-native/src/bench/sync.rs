@@ -87,7 +87,7 @@ pub fn run(args: SyncArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
+pub(super) type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
 fn now_ms() -> i64 {
     SystemTime::now()
@@ -95,7 +95,7 @@ fn now_ms() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(0))
 }
 
-fn token(owner: &str) -> anyhow::Result<String> {
+pub(super) fn token(owner: &str) -> anyhow::Result<String> {
     let secret = SyncSecret::from_bytes(SECRET)?;
     let now = u64::try_from(now_ms())?;
     Ok(mint_token(
@@ -107,7 +107,7 @@ fn token(owner: &str) -> anyhow::Result<String> {
     )?)
 }
 
-async fn connect(addr: SocketAddr) -> anyhow::Result<Socket> {
+pub(super) async fn connect(addr: SocketAddr) -> anyhow::Result<Socket> {
     let (socket, _) =
         tokio_tungstenite::connect_async_with_config(format!("ws://{addr}/sync"), None, true)
             .await?;
@@ -124,7 +124,7 @@ async fn subscribe(socket: &mut Socket, id: &str, owner: &str) -> anyhow::Result
 }
 
 /// Reads frames until `count` `channel-subscribed` frames arrived; returns the rows received.
-async fn until_subscribed(socket: &mut Socket, mut count: usize) -> anyhow::Result<u64> {
+pub(super) async fn until_subscribed(socket: &mut Socket, mut count: usize) -> anyhow::Result<u64> {
     let mut rows = 0;
     while count > 0 {
         let message = tokio::time::timeout(WAIT, socket.next())
@@ -147,7 +147,7 @@ async fn until_subscribed(socket: &mut Socket, mut count: usize) -> anyhow::Resu
     Ok(rows)
 }
 
-fn percentile(sorted: &[i64], p: f64) -> Option<i64> {
+pub(super) fn percentile(sorted: &[i64], p: f64) -> Option<i64> {
     if sorted.is_empty() {
         return None;
     }
@@ -188,22 +188,30 @@ async fn bench(args: &SyncArgs) -> anyhow::Result<String> {
 }
 
 /// `highwater serve` as a child process; killed when dropped.
-struct Server {
+pub(super) struct Server {
     child: tokio::process::Child,
     pid: u32,
-    addr: SocketAddr,
+    pub(super) addr: SocketAddr,
 }
 
 impl Server {
     async fn start(pg: &PrivatePg, work: &Path, binary: &Path) -> anyhow::Result<Server> {
+        let rules = format!(
+            r#"{{"tables":{{"{TABLE}":{{"filterColumns":["owner"],"require":{{"owner":"sub"}}}}}}}}"#
+        );
+        Server::start_with_rules(pg, work, binary, &rules).await
+    }
+
+    /// `highwater serve` with these sync rules (JSON text).
+    pub(super) async fn start_with_rules(
+        pg: &PrivatePg,
+        work: &Path,
+        binary: &Path,
+        rules_text: &str,
+    ) -> anyhow::Result<Server> {
         let rules = work.join("rules.json");
         let secret = work.join("secret");
-        std::fs::write(
-            &rules,
-            format!(
-                r#"{{"tables":{{"{TABLE}":{{"filterColumns":["owner"],"require":{{"owner":"sub"}}}}}}}}"#
-            ),
-        )?;
+        std::fs::write(&rules, rules_text)?;
         std::fs::write(&secret, SECRET)?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
@@ -249,7 +257,7 @@ impl Server {
         rss_kib_of(self.pid).unwrap_or(0)
     }
 
-    async fn stop(mut self) {
+    pub(super) async fn stop(mut self) {
         let _ = self.child.start_kill();
         let _ = self.child.wait().await;
     }
