@@ -1097,7 +1097,8 @@ impl SyncClient {
             inserted,
             ..RowChange::default()
         };
-        self.emit_change(key, false, restored, out);
+        let overlaid = self.overlaid_rows(key);
+        self.emit_change(key, false, restored, &overlaid, out);
         if matches!(self.link, Link::Open { .. }) {
             self.subscribe_scope(key, out);
         }
@@ -1368,7 +1369,7 @@ impl SyncClient {
                     ..
                 } => {
                     flush(key, pending.take(), out);
-                    self.echoed(key, echo);
+                    let echoed = self.echoed(key, echo);
                     let Some(slot) = self.scopes.get_mut(&key) else {
                         return;
                     };
@@ -1376,7 +1377,7 @@ impl SyncClient {
                         slot.replaying += changes.len() as u64;
                     }
                     let (change, mut write) = slot.apply(reset, changes);
-                    self.emit_change(key, reset, change, out);
+                    self.emit_change(key, reset, change, &echoed, out);
                     let Some(slot) = self.scopes.get_mut(&key) else {
                         return;
                     };
@@ -1406,7 +1407,7 @@ impl SyncClient {
                     if is_cursor_after(Some(&cursor), slot.cursor.as_ref()) {
                         if let Some((change, write)) = slot.sweep() {
                             flush(key, pending.take(), out);
-                            self.emit_change(key, false, change, out);
+                            self.emit_change(key, false, change, &[], out);
                             pending = Some(write);
                         }
                         let Some(slot) = self.scopes.get_mut(&key) else {
@@ -1424,7 +1425,7 @@ impl SyncClient {
                     if slot.phase == Phase::Subscribing {
                         if let Some((change, write)) = slot.sweep() {
                             flush(key, pending.take(), out);
-                            self.emit_change(key, false, change, out);
+                            self.emit_change(key, false, change, &[], out);
                             pending = Some(write);
                         }
                         let Some(slot) = self.scopes.get_mut(&key) else {

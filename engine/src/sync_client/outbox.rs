@@ -45,6 +45,9 @@ const RETRY_MAX_MS: u64 = 30_000;
 #[derive(Debug, Clone)]
 pub(super) struct Pending {
     pub(super) mutation: Mutation,
+    /// The `resourceId` of its row (`None`: its row lacks a key column, so it is laid over
+    /// nothing: an insert whose key Postgres makes).
+    row_id: Option<String>,
     /// Scopes whose envelope echoed it: it is no longer laid over them.
     echoed: BTreeSet<ScopeKey>,
     /// Uploaded by the app (`upload`), awaiting its change.
@@ -58,6 +61,9 @@ pub(super) struct Outbox {
     client_id: Option<String>,
     last_id: u64,
     pub(super) pending: BTreeMap<u64, Pending>,
+    /// Pending mutation ids by table and `resourceId`: laying one row's overlay replays only
+    /// the mutations of that row.
+    by_row: HashMap<(String, String), BTreeSet<u64>>,
     /// The batch out (sent on that socket, or handed to `upload`), not answered yet.
     in_flight: Option<(Option<SocketId>, Vec<u64>)>,
     /// The socket the uploaded mutations were last awaited on.
@@ -90,6 +96,49 @@ pub enum MutateError {
     Invalid(String),
 }
 
+impl Outbox {
+    fn add(&mut self, mutation: Mutation, row_id: Option<String>) {
+        if let Some(row_id) = &row_id {
+            self.by_row
+                .entry((mutation.table.clone(), row_id.clone()))
+                .or_default()
+                .insert(mutation.id);
+        }
+        self.pending.insert(
+            mutation.id,
+            Pending {
+                mutation,
+                row_id,
+                echoed: BTreeSet::new(),
+                uploaded: false,
+            },
+        );
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Pending> {
+        let pending = self.pending.remove(&id)?;
+        if let Some(row_id) = &pending.row_id {
+            let at = (pending.mutation.table.clone(), row_id.clone());
+            if let Some(ids) = self.by_row.get_mut(&at) {
+                ids.remove(&id);
+                if ids.is_empty() {
+                    self.by_row.remove(&at);
+                }
+            }
+        }
+        Some(pending)
+    }
+
+    /// The rows of `table` pending mutations are laid over.
+    fn rows_of(&self, table: &str) -> Vec<String> {
+        self.by_row
+            .keys()
+            .filter(|(t, _)| t == table)
+            .map(|(_, id)| id.clone())
+            .collect()
+    }
+}
+
 impl SyncClient {
     /// Gives the client its outbox as the store kept it (or a fresh client id and none).
     pub(super) fn restore_outbox(
@@ -99,18 +148,11 @@ impl SyncClient {
         pending: Vec<Mutation>,
         out: &mut Vec<ClientEffect>,
     ) {
-        let outbox = &mut self.outbox;
-        outbox.client_id = Some(client_id);
-        outbox.last_id = pending.iter().map(|m| m.id).max().unwrap_or(0).max(last_id);
+        self.outbox.client_id = Some(client_id);
+        self.outbox.last_id = pending.iter().map(|m| m.id).max().unwrap_or(0).max(last_id);
         for mutation in pending {
-            outbox.pending.insert(
-                mutation.id,
-                Pending {
-                    mutation,
-                    echoed: BTreeSet::new(),
-                    uploaded: false,
-                },
-            );
+            let row_id = resource_id(&mutation.row, &self.key_columns(&mutation.table));
+            self.outbox.add(mutation, row_id);
         }
         self.relay_all(out);
     }
@@ -161,15 +203,9 @@ impl SyncClient {
             },
         });
         let table = mutation.table.clone();
-        self.outbox.pending.insert(
-            id,
-            Pending {
-                mutation,
-                echoed: BTreeSet::new(),
-                uploaded: false,
-            },
-        );
-        self.relay_table(&table, out);
+        let row_id = resource_id(&mutation.row, &key);
+        self.outbox.add(mutation, row_id.clone());
+        self.relay_rows(&table, row_id.into_iter().collect(), out);
         Ok(id)
     }
 
@@ -372,11 +408,13 @@ impl SyncClient {
         let Some(client_id) = self.outbox.client_id.clone() else {
             return;
         };
-        let mut tables = BTreeSet::new();
+        let mut rows: BTreeMap<String, Vec<String>> = BTreeMap::new();
         let mut remove = Vec::new();
         for result in &settled {
-            if let Some(pending) = self.outbox.pending.remove(&result.id) {
-                tables.insert(pending.mutation.table);
+            if let Some(pending) = self.outbox.remove(result.id) {
+                rows.entry(pending.mutation.table)
+                    .or_default()
+                    .extend(pending.row_id);
                 remove.push(result.id);
             }
         }
@@ -388,37 +426,56 @@ impl SyncClient {
                 remove,
             },
         });
-        for table in tables {
-            self.relay_table(&table, out);
+        for (table, ids) in rows {
+            self.relay_rows(&table, ids, out);
         }
         for result in settled {
             out.push(ClientEffect::Settled { result });
         }
     }
 
-    /// An envelope applied to scope `key` echoed these mutations of this client.
-    pub(super) fn echoed(&mut self, key: ScopeKey, echo: Option<Echo>) {
-        let Some(echo) = echo else { return };
+    /// An envelope applied to scope `key` echoed these mutations of this client; returns the
+    /// rows they were laid over (to lay again with the envelope's change).
+    pub(super) fn echoed(&mut self, key: ScopeKey, echo: Option<Echo>) -> Vec<String> {
+        let Some(echo) = echo else {
+            return Vec::new();
+        };
         if self.outbox.client_id.as_deref() != Some(echo.client_id.as_str()) {
-            return;
+            return Vec::new();
         }
+        let mut rows = Vec::new();
         for id in echo.mutation_ids {
             if let Some(pending) = self.outbox.pending.get_mut(&id) {
                 pending.echoed.insert(key);
+                rows.extend(pending.row_id.clone());
             }
         }
+        rows
+    }
+
+    /// The rows of scope `key`'s table that pending mutations are laid over.
+    pub(super) fn overlaid_rows(&self, key: ScopeKey) -> Vec<String> {
+        self.scopes
+            .get(&key)
+            .and_then(|slot| slot.params.scope.resource_type.as_deref())
+            .map_or_else(Vec::new, |table| self.outbox.rows_of(table))
     }
 
     /// Lays the overlays over every scope again (the outbox was restored).
     fn relay_all(&mut self, out: &mut Vec<ClientEffect>) {
         let keys: Vec<ScopeKey> = self.scopes.keys().copied().collect();
         for key in keys {
-            self.emit_change(key, false, RowChange::default(), out);
+            let rows = self.overlaid_rows(key);
+            self.emit_change(key, false, RowChange::default(), &rows, out);
         }
     }
 
-    /// Lays the overlays over the scopes of `table` again (its mutations changed).
-    fn relay_table(&mut self, table: &str, out: &mut Vec<ClientEffect>) {
+    /// Lays the overlays of these rows of `table` again over its scopes (their mutations
+    /// changed).
+    fn relay_rows(&mut self, table: &str, rows: Vec<String>, out: &mut Vec<ClientEffect>) {
+        if rows.is_empty() {
+            return;
+        }
         let keys: Vec<ScopeKey> = self
             .scopes
             .iter()
@@ -426,28 +483,61 @@ impl SyncClient {
             .map(|(key, _)| *key)
             .collect();
         for key in keys {
-            self.emit_change(key, false, RowChange::default(), out);
+            self.emit_change(key, false, RowChange::default(), &rows, out);
         }
     }
 
     /// Reports a change of scope `key`'s server rows (`server`, possibly empty) as the change
-    /// of the rows shown: the overlay is laid again and the change it makes is merged in.
+    /// of the rows shown: the overlay of each row the change touches, and of the rows in
+    /// `relay` (whose mutations changed), is laid again and the change it makes merged in.
+    /// Costs what those rows' pending mutations cost, not the whole outbox.
     pub(super) fn emit_change(
         &mut self,
         key: ScopeKey,
         reset: bool,
         server: RowChange,
+        relay: &[String],
         out: &mut Vec<ClientEffect>,
     ) {
-        let overlay = self.overlay_of(key);
-        let Some(slot) = self.scopes.get_mut(&key) else {
+        let Some(slot) = self.scopes.get(&key) else {
             return;
         };
-        let change = if overlay.is_empty() && slot.overlay.is_empty() {
+        let table = slot.params.scope.resource_type.clone().unwrap_or_default();
+        let overlaid = slot.overlay.is_empty() && self.outbox.by_row.is_empty();
+        let change = if overlaid {
             server
         } else {
-            let old = std::mem::replace(&mut slot.overlay, overlay);
-            slot.shown_change(&old, server)
+            let mut rows: BTreeSet<String> = relay.iter().cloned().collect();
+            for row in server
+                .inserted
+                .iter()
+                .chain(&server.updated)
+                .chain(&server.removed)
+            {
+                rows.insert(row.id.clone());
+            }
+            let conditions = Conditions::parse(&slot.params.scope.conditions).ok();
+            let laid: Vec<(String, Option<Option<RowData>>)> = rows
+                .iter()
+                .map(|id| {
+                    let shown = self.overlay_row(key, &table, id, conditions.as_ref());
+                    (id.clone(), shown)
+                })
+                .collect();
+            let Some(slot) = self.scopes.get_mut(&key) else {
+                return;
+            };
+            let mut old = HashMap::new();
+            for (id, shown) in laid {
+                let was = match shown {
+                    Some(shown) => slot.overlay.insert(id.clone(), shown),
+                    None => slot.overlay.remove(&id),
+                };
+                if let Some(was) = was {
+                    old.insert(id, was);
+                }
+            }
+            slot.shown_change(&old, &rows, server)
         };
         if reset || !change.is_empty() {
             out.push(ClientEffect::Changed {
@@ -458,43 +548,40 @@ impl SyncClient {
         }
     }
 
-    /// The overlay of scope `key`: per row id, the row shown (`None`: hidden).
-    fn overlay_of(&self, key: ScopeKey) -> HashMap<String, Option<RowData>> {
-        let mut overlay: HashMap<String, Option<RowData>> = HashMap::new();
-        let Some(slot) = self.scopes.get(&key) else {
-            return overlay;
-        };
-        if self.outbox.pending.is_empty() {
-            return overlay;
-        }
-        let Some(table) = slot.params.scope.resource_type.as_deref() else {
-            return overlay;
-        };
-        let conditions = Conditions::parse(&slot.params.scope.conditions).ok();
-        let key_columns = self.key_columns(table);
-        for pending in self.outbox.pending.values() {
-            let mutation = &pending.mutation;
-            if mutation.table != table || pending.echoed.contains(&key) {
+    /// Row `id` of scope `key` with its pending mutations laid over it, in id order: `None`
+    /// when no mutation is laid over it, `Some(None)` when it is hidden.
+    fn overlay_row(
+        &self,
+        key: ScopeKey,
+        table: &str,
+        id: &str,
+        conditions: Option<&Conditions>,
+    ) -> Option<Option<RowData>> {
+        let ids = self.outbox.by_row.get(&(table.to_owned(), id.to_owned()))?;
+        let slot = self.scopes.get(&key)?;
+        let mut shown: Option<Option<Map<String, Value>>> = None;
+        for mutation_id in ids {
+            let Some(pending) = self.outbox.pending.get(mutation_id) else {
+                continue;
+            };
+            if pending.echoed.contains(&key) {
                 continue;
             }
-            let Some(id) = resource_id(&mutation.row, &key_columns) else {
-                continue;
+            let mutation = &pending.mutation;
+            let base = match &shown {
+                Some(shown) => shown.clone(),
+                None => slot.rows.get(id).map(|row| row.data.to_map()),
             };
-            let base: Option<Map<String, Value>> = match overlay.get(&id) {
-                Some(shown) => shown.as_ref().map(|row| row.to_map()),
-                None => slot.rows.get(&id).map(|row| row.data.to_map()),
-            };
-            let shown = match (mutation.op, base) {
+            let next = match (mutation.op, base) {
                 (MutationOp::Insert, base) => Some(merged(base.unwrap_or_default(), &mutation.row)),
                 (MutationOp::Update, Some(base)) => Some(merged(base, &mutation.row)),
                 // An update of a row the scope does not hold: nothing to show it over.
                 (MutationOp::Update, None) => continue,
                 (MutationOp::Delete, _) => None,
             };
-            let shown = shown.filter(|row| conditions.as_ref().is_none_or(|c| c.matches(row)));
-            overlay.insert(id, shown.map(|row| Arc::new(RowText::from_map(&row))));
+            shown = Some(next.filter(|row| conditions.is_none_or(|c| c.matches(row))));
         }
-        overlay
+        shown.map(|shown| shown.map(|row| Arc::new(RowText::from_map(&row))))
     }
 
     /// The rows of scope `key` as shown (server rows with the overlay laid over them).
@@ -539,9 +626,15 @@ enum Before {
 }
 
 impl ScopeSlot {
-    /// The change of the rows shown, from the server rows' change and the overlay before it
-    /// (`old`; `self.overlay` is the one after it).
-    fn shown_change(&self, old: &HashMap<String, Option<RowData>>, server: RowChange) -> RowChange {
+    /// The change of the rows shown, from the server rows' change and the overlay before it of
+    /// the rows laid again (`old`; `self.overlay` is the one after it). `rows` holds every row
+    /// the server change touched and every row laid again.
+    fn shown_change(
+        &self,
+        old: &HashMap<String, Option<RowData>>,
+        rows: &BTreeSet<String>,
+        server: RowChange,
+    ) -> RowChange {
         let mut before: BTreeMap<String, Before> = BTreeMap::new();
         for row in &server.inserted {
             before.insert(row.id.clone(), Before::Absent);
@@ -552,7 +645,7 @@ impl ScopeSlot {
         for row in &server.removed {
             before.insert(row.id.clone(), Before::Known(Arc::clone(&row.data)));
         }
-        for id in old.keys().chain(self.overlay.keys()) {
+        for id in rows {
             if !before.contains_key(id) {
                 let held = self.rows.get(id).map(|row| Arc::clone(&row.data));
                 before.insert(id.clone(), held.map_or(Before::Absent, Before::Known));

@@ -1,7 +1,9 @@
 //! Transcripts of the outbox: mutations queued, sent, echoed, answered, and the rows shown.
 
 use super::*;
+use crate::scope_sync::js_string_form;
 use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet};
 
 fn todo(id: &str, title: &str) -> Map<String, Value> {
     match json!({"id": id, "owner": "ada", "title": title}) {
@@ -353,4 +355,176 @@ fn a_batch_stays_out_until_each_of_its_mutations_is_answered() {
     assert!(sent_frames(&effects).is_empty(), "3 is still out");
     let effects = frame(&mut client, 4, result(&[(3, "confirmed")]));
     assert_eq!(sent_frames(&effects)[0]["mutations"][0]["id"], 4);
+}
+
+/// A small deterministic random source for the randomized runs below.
+struct Dice(u64);
+
+impl Dice {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// The rows a scope shows, by the rule: the server's rows of the scope, with every pending
+/// mutation not echoed in it laid over them in id order.
+fn expected_rows(
+    server: &BTreeMap<String, Map<String, Value>>,
+    pending: &[Mutation],
+    echoed: &BTreeSet<u64>,
+) -> BTreeMap<String, Map<String, Value>> {
+    let mut shown: BTreeMap<String, Option<Map<String, Value>>> = server
+        .iter()
+        .map(|(id, row)| (id.clone(), Some(row.clone())))
+        .collect();
+    for mutation in pending.iter().filter(|m| !echoed.contains(&m.id)) {
+        let id = js_string_form(&mutation.row["id"]);
+        let base = shown.get(&id).cloned().flatten();
+        let next = match (mutation.op, base) {
+            (MutationOp::Insert, base) => {
+                let mut row = base.unwrap_or_default();
+                row.extend(mutation.row.clone());
+                Some(row)
+            }
+            (MutationOp::Update, Some(mut row)) => {
+                row.extend(mutation.row.clone());
+                Some(row)
+            }
+            (MutationOp::Update, None) => continue,
+            (MutationOp::Delete, _) => None,
+        };
+        shown.insert(id, next.filter(|row| row["owner"] == json!("ada")));
+    }
+    shown
+        .into_iter()
+        .filter_map(|(id, row)| row.map(|row| (id, row)))
+        .collect()
+}
+
+#[test]
+fn the_rows_shown_and_the_change_events_follow_the_overlay_rule_under_random_writes() {
+    for seed in 1..=40u64 {
+        let mut dice = Dice(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let (mut client, sub) = writer();
+        // The server's rows of ada's scope, and the view built from change events alone.
+        let mut server: BTreeMap<String, Map<String, Value>> = BTreeMap::new();
+        server.insert("a".into(), todo("a", "old"));
+        let mut view: BTreeMap<String, Value> = client
+            .rows(1)
+            .into_iter()
+            .map(|row| (row["id"].as_str().unwrap().to_owned(), Value::Object(row)))
+            .collect();
+        let mut echoed = BTreeSet::new();
+        let mut seq = 10;
+        for step in 0..120 {
+            let id = ["a", "b", "c", "d"][dice.below(4) as usize];
+            let owner = if dice.below(5) == 0 { "grace" } else { "ada" };
+            let effects = match dice.below(6) {
+                // A write of this client.
+                0 | 1 => {
+                    let (op, row) = match dice.below(3) {
+                        0 => (
+                            MutationOp::Insert,
+                            json!({"id": id, "owner": owner, "title": format!("i{step}")}),
+                        ),
+                        1 => (
+                            MutationOp::Update,
+                            json!({"id": id, "title": format!("u{step}")}),
+                        ),
+                        _ => (MutationOp::Delete, json!({"id": id})),
+                    };
+                    let Value::Object(row) = row else {
+                        unreachable!()
+                    };
+                    client.mutate(step, "todos".into(), op, row, None).1
+                }
+                // Someone else's change of the row (or a row leaving ada's scope).
+                2 | 3 => {
+                    seq += 1;
+                    let data = (owner == "ada")
+                        .then(|| json!({"id": id, "owner": "ada", "title": format!("s{step}")}));
+                    match &data {
+                        Some(Value::Object(row)) => server.insert(id.to_owned(), row.clone()),
+                        _ => server.remove(id),
+                    };
+                    frame(
+                        &mut client,
+                        step,
+                        message(&sub, vec![entry(1, seq, id, data)]),
+                    )
+                }
+                // The server's row for the oldest pending mutation, echoed.
+                4 => {
+                    let Some(oldest) = client.pending_mutations().into_iter().next() else {
+                        continue;
+                    };
+                    seq += 1;
+                    let row_id = js_string_form(&oldest.row["id"]);
+                    let data = match oldest.op {
+                        MutationOp::Delete => None,
+                        _ => {
+                            let mut row = server.get(&row_id).cloned().unwrap_or_default();
+                            row.extend(oldest.row.clone());
+                            row.entry("owner").or_insert(json!("ada"));
+                            (row["owner"] == json!("ada")).then_some(Value::Object(row))
+                        }
+                    };
+                    match &data {
+                        Some(Value::Object(row)) => server.insert(row_id.clone(), row.clone()),
+                        _ => server.remove(&row_id),
+                    };
+                    echoed.insert(oldest.id);
+                    frame(
+                        &mut client,
+                        step,
+                        echo_message(&sub, vec![entry(1, seq, &row_id, data)], &[oldest.id]),
+                    )
+                }
+                // The answer for the oldest pending mutation.
+                _ => {
+                    let Some(oldest) = client.pending_mutations().into_iter().next() else {
+                        continue;
+                    };
+                    let status = if echoed.contains(&oldest.id) || dice.below(2) == 0 {
+                        "confirmed"
+                    } else {
+                        "conflict"
+                    };
+                    frame(&mut client, step, result(&[(oldest.id, status)]))
+                }
+            };
+            for change in changes(&effects) {
+                for row in &change.removed {
+                    view.remove(&row.id);
+                }
+                for row in change.inserted.iter().chain(&change.updated) {
+                    view.insert(
+                        row.id.clone(),
+                        serde_json::from_str(row.data.as_str()).unwrap(),
+                    );
+                }
+            }
+            let shown: BTreeMap<String, Value> = client
+                .rows(1)
+                .into_iter()
+                .map(|row| (js_string_form(&row["id"]), Value::Object(row)))
+                .collect();
+            assert_eq!(
+                view, shown,
+                "seed {seed} step {step}: the change events disagree with rows()"
+            );
+            let pending = client.pending_mutations();
+            let expected: BTreeMap<String, Value> = expected_rows(&server, &pending, &echoed)
+                .into_iter()
+                .map(|(id, row)| (id, Value::Object(row)))
+                .collect();
+            assert_eq!(
+                shown, expected,
+                "seed {seed} step {step}: rows() break the overlay rule"
+            );
+        }
+    }
 }
