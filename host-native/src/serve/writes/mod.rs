@@ -12,17 +12,18 @@
 //!    claims; a token that fails verification answers the whole batch `retry`/`auth`, so
 //!    the client gets a fresh one), the table must be replicated and have a key, its columns
 //!    must exist, and [`SyncRules::decide_write`] must allow the operation and columns.
-//! 3. One Postgres transaction per mutation: the client's row in
-//!    `highwater.client_mutations` is locked (one client's writers take turns) and a
-//!    mutation id at or below its last was handled before (a resend after a lost answer or
-//!    a crash): it gets the answer it got then (its rejection in
-//!    `highwater.rejected_mutations`, else `confirmed`), and nothing is written. Otherwise an
+//! 3. One Postgres transaction per mutation, of statements the connection keeps prepared:
+//!    `highwater.confirm(client, id)` first, which locks the client's row in
+//!    `highwater.client_mutations` (one client's writers take turns), records the id and puts a
+//!    `highwater.confirm` logical message in the transaction; it raises `HW409` for an id at or
+//!    below the client's last, handled before (a resend after a lost answer or a crash), which
+//!    gets the answer it got then (its rejection in `highwater.rejected_mutations`, else
+//!    `confirmed`), and nothing is written. Otherwise an
 //!    update's or delete's row is locked and read (gone: `conflict`; out of the writer's
 //!    reach: `forbidden`); with `ifVersion` the replica's `serverSequence` of the row must
 //!    equal it (below); the row is written, with Postgres converting the values
 //!    (`statement`), and the row written must still be in the writer's reach (no moving a
-//!    row out of it); `highwater.confirm(client, id)` records the id and puts a
-//!    `highwater.confirm` logical message in the transaction; COMMIT.
+//!    row out of it); COMMIT.
 //! 4. Any refusal rolls the whole mutation back and is recorded with `highwater.reject` in
 //!    a transaction of its own, so a resend is answered the same. A constraint Postgres
 //!    enforces is `constraint`, a value it cannot take `invalid`. A lost connection, a lock
@@ -76,7 +77,7 @@ use crate::replica::schema::ReplicaTable;
 use crate::replica::{Replica, ReplicaError};
 use crate::replication::{PgConfig, PgErrorText};
 use crate::sync_auth::{unix_now_ms, SyncAuth};
-use pool::Pool;
+use pool::{Conn, Pool};
 
 pub use install::{install, InstallError, ALREADY_APPLIED, WRITES_SQL};
 
@@ -287,7 +288,7 @@ impl Writes {
                 continue;
             }
             let step = self
-                .apply_one(&mut pooled.client, client_id, &claims, &tables, mutation)
+                .apply_one(&mut pooled.conn, client_id, &claims, &tables, mutation)
                 .await;
             match step {
                 Step::Answer(result) => results.push(result),
@@ -321,7 +322,7 @@ impl Writes {
 
     async fn apply_one(
         &self,
-        client: &mut Client,
+        conn: &mut Conn,
         client_id: &str,
         claims: &Map<String, Value>,
         tables: &HashMap<String, ReplicaTable>,
@@ -331,21 +332,30 @@ impl Writes {
             Ok(mutation) => mutation,
             Err(invalid) => {
                 let refusal = Failure::refused(rejection::INVALID, invalid.reason);
-                return self.refuse(client, client_id, invalid.id, refusal).await;
+                return self
+                    .refuse(&conn.client, client_id, invalid.id, refusal)
+                    .await;
             }
         };
         let id = mutation.id;
         let checked = check(claims, tables, self.auth.rules(), &mutation);
         let (table, grant) = match checked {
             Ok(checked) => checked,
-            Err(refusal) => return self.refuse(client, client_id, id, refusal).await,
+            Err(refusal) => return self.refuse(&conn.client, client_id, id, refusal).await,
         };
         match self
-            .transact(client, client_id, &mutation, table, &grant)
+            .transact(conn, client_id, &mutation, table, &grant)
             .await
         {
             Ok(()) => Step::Answer(MutationResult::confirmed(id)),
-            Err(failure) => self.refuse(client, client_id, id, failure).await,
+            Err(failure) => {
+                if matches!(failure, Failure::Unavailable(_)) {
+                    // A failure that may pass may also be a statement a schema change made
+                    // stale: the next attempt prepares them again.
+                    conn.forget_prepared();
+                }
+                self.refuse(&conn.client, client_id, id, failure).await
+            }
         }
     }
 
@@ -426,10 +436,13 @@ impl Writes {
     }
 
     /// Applies one mutation in one upstream transaction (see the module docs); any failure
-    /// drops the transaction, which rolls it back.
+    /// drops the transaction, which rolls it back. Its statements are prepared on the
+    /// connection before the transaction begins (once per connection and statement), and
+    /// `highwater.confirm` runs first: it takes the client's row lock (one client's writers take
+    /// turns) and raises `HW409` for a mutation handled before, so nothing else is asked then.
     async fn transact(
         &self,
-        client: &mut Client,
+        conn: &mut Conn,
         client_id: &str,
         mutation: &Mutation,
         table: &ReplicaTable,
@@ -439,28 +452,30 @@ impl Writes {
             Failure::refused(rejection::INVALID, "expected a mutation id below 2^63")
         })?;
         let row_json = Value::Object(mutation.row.clone()).to_string();
-        let tx = client.transaction().await?;
-        let last = tx
-            .query_opt(
-                "SELECT last_mutation_id FROM highwater.client_mutations \
-                 WHERE client_id = $1 FOR UPDATE",
-                &[&client_id],
-            )
-            .await?;
-        if let Some(last) = last {
-            let last: i64 = last.try_get(0)?;
-            if id <= last {
-                return Err(Failure::AlreadyApplied);
-            }
-        }
-        let op = mutation.op.as_str();
-        let old = match mutation.op {
+        let columns = || mutation.row.keys().map(String::as_str);
+        let confirm = conn.prepared("SELECT highwater.confirm($1, $2)").await?;
+        let lock = match mutation.op {
             MutationOp::Insert => None,
             MutationOp::Update | MutationOp::Delete => {
-                let Some(locked) = tx
-                    .query_opt(&statement::lock_row(table), &[&row_json])
-                    .await?
-                else {
+                Some(conn.prepared(&statement::lock_row(table)).await?)
+            }
+        };
+        let write_sql = match mutation.op {
+            MutationOp::Insert => Some(statement::insert(table, columns())),
+            MutationOp::Update => statement::update(table, columns()),
+            MutationOp::Delete => Some(statement::delete(table)),
+        };
+        let write = match write_sql {
+            Some(sql) => Some(conn.prepared(&sql).await?),
+            None => None,
+        };
+        let tx = conn.client.transaction().await?;
+        tx.execute(&confirm, &[&client_id, &id]).await?;
+        let op = mutation.op.as_str();
+        let old = match &lock {
+            None => None,
+            Some(lock) => {
+                let Some(locked) = tx.query_opt(lock, &[&row_json]).await? else {
                     return Err(Failure::Refused {
                         code: rejection::CONFLICT,
                         message: format!("the {} row to {op} is gone", table.name),
@@ -483,20 +498,9 @@ impl Writes {
                 Some(old)
             }
         };
-        let columns = || mutation.row.keys().map(String::as_str);
-        let written = match mutation.op {
-            MutationOp::Insert => {
-                tx.query_opt(&statement::insert(table, columns()), &[&row_json])
-                    .await?
-            }
-            MutationOp::Update => match statement::update(table, columns()) {
-                Some(sql) => tx.query_opt(&sql, &[&row_json]).await?,
-                None => None,
-            },
-            MutationOp::Delete => {
-                tx.query_opt(&statement::delete(table), &[&row_json])
-                    .await?
-            }
+        let written = match &write {
+            Some(write) => tx.query_opt(write, &[&row_json]).await?,
+            None => None,
         };
         if mutation.op != MutationOp::Delete {
             let new = match &written {
@@ -515,8 +519,6 @@ impl Writes {
                 ));
             }
         }
-        tx.execute("SELECT highwater.confirm($1, $2)", &[&client_id, &id])
-            .await?;
         tx.commit().await?;
         Ok(())
     }

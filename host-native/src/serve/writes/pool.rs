@@ -5,11 +5,12 @@
 //! refuses a cleartext password over plain TCP), while a pool crate connects by itself from a
 //! tokio-postgres `Config` and a connector of its own.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio_postgres::Client;
+use tokio_postgres::{Client, Statement};
 
 use crate::replication::{PgConfig, PgErrorText, ReplicationError};
 
@@ -37,12 +38,42 @@ const SESSION_SQL: &str = "SET lock_timeout = '10s'; SET statement_timeout = '30
 pub(super) struct Pool {
     upstream: PgConfig,
     permits: std::sync::Arc<Semaphore>,
-    idle: Mutex<Vec<Client>>,
+    idle: Mutex<Vec<Conn>>,
+}
+
+/// Statements a connection keeps prepared, at most (then it starts again).
+const MAX_PREPARED: usize = 256;
+
+/// An upstream connection and the statements prepared on it: a mutation runs prepared
+/// statements, one round trip each, where an unprepared one costs two.
+pub(super) struct Conn {
+    pub client: Client,
+    prepared: HashMap<String, Statement>,
+}
+
+impl Conn {
+    /// `sql` prepared on this connection (once).
+    pub async fn prepared(&mut self, sql: &str) -> Result<Statement, tokio_postgres::Error> {
+        if let Some(statement) = self.prepared.get(sql) {
+            return Ok(statement.clone());
+        }
+        let statement = self.client.prepare(sql).await?;
+        if self.prepared.len() >= MAX_PREPARED {
+            self.prepared.clear();
+        }
+        self.prepared.insert(sql.to_owned(), statement.clone());
+        Ok(statement)
+    }
+
+    /// Forgets the prepared statements (a schema change may have made one stale).
+    pub fn forget_prepared(&mut self) {
+        self.prepared.clear();
+    }
 }
 
 /// A connection taken from the pool; give it back with [`Pool::put`].
 pub(super) struct Pooled {
-    pub client: Client,
+    pub conn: Conn,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -66,10 +97,10 @@ impl Pool {
         loop {
             let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
             match idle {
-                Some(client) if client.is_closed() => continue,
-                Some(client) => {
+                Some(conn) if conn.client.is_closed() => continue,
+                Some(conn) => {
                     return Ok(Pooled {
-                        client,
+                        conn,
                         _permit: permit,
                     })
                 }
@@ -78,18 +109,21 @@ impl Pool {
         }
         let client = connect(&self.upstream).await?;
         Ok(Pooled {
-            client,
+            conn: Conn {
+                client,
+                prepared: HashMap::new(),
+            },
             _permit: permit,
         })
     }
 
     /// Gives a connection back for the next batch (a closed one is dropped).
     pub fn put(&self, pooled: Pooled) {
-        if !pooled.client.is_closed() {
+        if !pooled.conn.client.is_closed() {
             self.idle
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .push(pooled.client);
+                .push(pooled.conn);
         }
     }
 }
