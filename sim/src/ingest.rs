@@ -34,6 +34,10 @@ pub enum Ingested {
     Idle(Watermark),
     /// A backfill may start now (between transactions, everything before it durable).
     BackfillDue,
+    /// The sync-client mutations the transaction committing at `watermark` applied (its
+    /// `highwater.confirm` messages): stored with it, handed on with its commit. Comes just
+    /// before that transaction's commit is forwarded.
+    Confirms(Watermark, Vec<(String, u64)>),
     Warn(String),
 }
 
@@ -52,6 +56,8 @@ pub struct Ingest {
     schema: BTreeMap<String, Vec<String>>,
     /// Schema changes of the open transaction, undone if it does not commit.
     open_ddl: Vec<(String, Option<String>)>,
+    /// Confirm messages of the open transaction.
+    open_confirms: Vec<(String, u64)>,
     pub bug: Option<IngestBug>,
 }
 
@@ -71,6 +77,7 @@ impl Ingest {
             session: UpstreamSession::new(config, stored, confirmed),
             schema,
             open_ddl: Vec::new(),
+            open_confirms: Vec::new(),
             bug,
         }
     }
@@ -133,10 +140,21 @@ impl Ingest {
                 match effect {
                     Effect::Apply(message) => {
                         match &message {
-                            DownstreamMessage::Begin(_) | DownstreamMessage::Commit(_) => {
+                            DownstreamMessage::Begin(_) => {
                                 self.open_ddl.clear();
+                                self.open_confirms.clear();
                             }
-                            DownstreamMessage::Rollback(_) => self.undo_open_ddl(),
+                            DownstreamMessage::Commit(c) => {
+                                self.open_ddl.clear();
+                                let confirms = std::mem::take(&mut self.open_confirms);
+                                if !confirms.is_empty() {
+                                    out.push(Ingested::Confirms(c.watermark.clone(), confirms));
+                                }
+                            }
+                            DownstreamMessage::Rollback(_) => {
+                                self.undo_open_ddl();
+                                self.open_confirms.clear();
+                            }
                             _ => {}
                         }
                         let early = match (&message, self.bug) {
@@ -170,10 +188,13 @@ impl Ingest {
                     Effect::ResolveDdl { .. } => {
                         return Err("a DDL event, which the simulated upstream never sends".into())
                     }
-                    Effect::Confirmed { .. } | Effect::Fence { .. } => {
+                    Effect::Confirmed {
+                        client_id,
+                        mutation_id,
+                    } => self.open_confirms.push((client_id, mutation_id)),
+                    Effect::Fence { .. } => {
                         return Err(
-                            "a write's logical message, which the simulated upstream never sends"
-                                .into(),
+                            "a fence message, which the simulated upstream never sends".into()
                         )
                     }
                     Effect::Idle { watermark } => out.push(Ingested::Idle(watermark)),
@@ -358,5 +379,31 @@ mod tests {
         pg.start_replication();
         let again = tags(&drain(&mut pg, &mut ingest));
         assert!(again.is_empty(), "{again:?}");
+    }
+
+    #[test]
+    fn a_write_is_applied_once_and_its_confirm_comes_just_before_its_commit() {
+        let mut rng = Rng::new(5);
+        let mut pg = SimPg::new(&mut rng);
+        let mut ingest = Ingest::new(schema(&pg), SimPg::replica_version(), pg.confirmed, None);
+        let row = serde_json::json!({"id": 1_000_000, "owner": "ada", "title": "w"});
+        let row = row.as_object().cloned().unwrap_or_default();
+        let applied = pg.apply_mutation("client0", 1, "todos", &row, EPOCH_UNIX_MS);
+        assert_eq!(applied, Ok(crate::upstream::Applied::Now));
+        let again = pg.apply_mutation("client0", 1, "todos", &row, EPOCH_UNIX_MS);
+        assert_eq!(again, Ok(crate::upstream::Applied::Before));
+        assert_eq!(pg.applied, [("client0".to_owned(), 1)]);
+        pg.start_replication();
+        let items = drain(&mut pg, &mut ingest);
+        let at = items
+            .iter()
+            .position(
+                |i| matches!(i, Ingested::Confirms(_, c) if *c == [("client0".to_owned(), 1)]),
+            )
+            .expect("a confirm");
+        assert!(
+            matches!(&items[at + 1], Ingested::Forward(DownstreamMessage::Commit(c)) if c.watermark == pg.wal[0].watermark()),
+            "{items:?}"
+        );
     }
 }

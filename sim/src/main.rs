@@ -78,6 +78,7 @@ fn main() -> ExitCode {
     };
     let (mut failed, mut steps, mut crashes, mut disconnects, mut txs) = (0u64, 0, 0, 0, 0);
     let (mut backfills, mut backfill_failures, mut backfill_crashes) = (0u64, 0u64, 0u64);
+    let (mut mutations, mut confirmed, mut applied_before) = (0u64, 0u64, 0u64);
     for &s in &list {
         let mut opts = Options::new(s);
         opts.full_trace = trace;
@@ -98,6 +99,9 @@ fn main() -> ExitCode {
         backfills += outcome.backfills;
         backfill_failures += outcome.backfill_failures;
         backfill_crashes += outcome.backfill_crashes;
+        mutations += outcome.mutations;
+        confirmed += outcome.confirmed;
+        applied_before += outcome.applied_before;
         if trace {
             for line in &outcome.trace {
                 println!("{line}");
@@ -129,6 +133,9 @@ fn main() -> ExitCode {
     let n = list.len() as u64;
     println!(
         "simulation: {n} seeds, {failed} failed, {steps} steps, {crashes} crashes, {disconnects} disconnects, {txs} transactions, {backfills} backfills ({backfill_failures} failed before their commit, {backfill_crashes} crashes during one)"
+    );
+    println!(
+        "writes: {mutations} client mutations, {confirmed} confirmed, {applied_before} sent again after being applied"
     );
     println!("# pass {}", n - failed);
     println!("# fail {failed}");

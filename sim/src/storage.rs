@@ -73,6 +73,9 @@ pub struct Durable {
     pub next_seq: i64,
     /// Seqs at or below this may have lost their exits to retention.
     pub exit_floor: Option<i64>,
+    /// Per sync client: the last mutation id whose transaction the replica holds (its
+    /// `highwater.confirm` messages, stored with the transaction).
+    pub confirmed: BTreeMap<String, u64>,
 }
 
 /// The open store transaction.
@@ -88,6 +91,7 @@ struct Open {
     /// Exits routed live but not journalled (a truncate's).
     live_exits: Vec<(String, Exit)>,
     updated_at: String,
+    confirms: Vec<(String, u64)>,
 }
 
 /// A storage defect to plant, so tests can show that the simulation catches it.
@@ -137,6 +141,7 @@ impl Storage {
                 tables,
                 next_seq,
                 exit_floor: None,
+                confirmed: BTreeMap::new(),
             },
             flushed: None,
             open: None,
@@ -204,6 +209,7 @@ impl Storage {
                     exits: Vec::new(),
                     live_exits: Vec::new(),
                     updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
+                    confirms: Vec::new(),
                 });
                 Ok(None)
             }
@@ -229,12 +235,18 @@ impl Storage {
                     // The copy a crash falls back to: everything before this commit.
                     self.flushed = Some(self.durable.clone());
                 }
+                let mut confirmed = std::mem::take(&mut self.durable.confirmed);
+                for (client, id) in open.confirms {
+                    let last = confirmed.entry(client).or_default();
+                    *last = (*last).max(id);
+                }
                 let mut next = Durable {
                     log: std::mem::take(&mut self.durable.log),
                     last_watermark: open.watermark.clone(),
                     tables: open.tables,
                     next_seq: open.next_seq,
                     exit_floor: self.durable.exit_floor,
+                    confirmed,
                 };
                 next.log.extend(open.log);
                 self.durable = next;
@@ -246,6 +258,22 @@ impl Storage {
                 Ok(None)
             }
         }
+    }
+
+    /// The open transaction applied these sync-client mutations: recorded with it.
+    pub fn confirm(&mut self, confirms: &[(String, u64)]) -> Result<(), String> {
+        match self.open.as_mut() {
+            Some(open) => {
+                open.confirms.extend_from_slice(confirms);
+                Ok(())
+            }
+            None => Err("expected an open store transaction for confirms".to_owned()),
+        }
+    }
+
+    /// The client's last mutation id the replica holds.
+    pub fn confirmed(&self, client_id: &str) -> Option<u64> {
+        self.durable.confirmed.get(client_id).copied()
     }
 
     fn open_for(&mut self, row: &StoredChange) -> Result<&mut Open, String> {

@@ -12,9 +12,11 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use highwater_engine::pgoutput::test_encoder::{keepalive_frame, xlog};
 use highwater_engine::pgoutput::{
-    Begin, Commit, Delete, Insert, OldTuple, PgTimestamp, PgoutputMessage, PrimaryKeepalive,
-    Relation, RelationColumn, ReplicaIdentity, Truncate, Tuple, TupleValue, Update,
+    Begin, Commit, Delete, Insert, LogicalMessage, OldTuple, PgTimestamp, PgoutputMessage,
+    PrimaryKeepalive, Relation, RelationColumn, ReplicaIdentity, Truncate, Tuple, TupleValue,
+    Update,
 };
+use highwater_engine::scope_sync::CONFIRM_MESSAGE_PREFIX;
 use highwater_engine::watermark::{Lsn, Watermark};
 use serde_json::{Map, Value};
 
@@ -92,6 +94,11 @@ pub enum WalOp {
         oid: u32,
         version: usize,
     },
+    /// A transactional logical decoding message (`pg_logical_emit_message(true, …)`).
+    Message {
+        prefix: String,
+        content: String,
+    },
 }
 
 /// A committed upstream transaction.
@@ -133,6 +140,20 @@ pub struct SimPg {
     next_lsn: u64,
     next_xid: u32,
     session: Option<Session>,
+    /// Writes of sync clients, exactly once: per client, the last mutation id applied (the
+    /// host writes it in the same transaction as the mutation).
+    pub last_applied: BTreeMap<String, u64>,
+    /// Every mutation ever applied, in order: (client id, mutation id).
+    pub applied: Vec<(String, u64)>,
+}
+
+/// What became of a mutation handed to [`SimPg::apply_mutation`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Applied {
+    /// Applied now, in its own transaction.
+    Now,
+    /// Applied before (its id is at or below the client's last applied id): not again.
+    Before,
 }
 
 fn column(name: &str, type_oid: u32, key: bool) -> RelationColumn {
@@ -155,6 +176,8 @@ impl SimPg {
             next_lsn: START_LSN + 0x100,
             next_xid: 700,
             session: None,
+            last_applied: BTreeMap::new(),
+            applied: Vec::new(),
         };
         for name in SCOPED_TABLES {
             pg.create_table(
@@ -394,6 +417,67 @@ impl SimPg {
                 }
             }
         }
+        self.commit(ops, digest, commit_time_ms);
+        self.wal.last().expect("just pushed")
+    }
+
+    /// Applies one sync-client insert of `row` (JSON: `id`, `owner`, other columns) into
+    /// `table` as its own transaction, with the `highwater.confirm` message in it, exactly once
+    /// per (client, mutation id): an id at or below the client's last applied one is not
+    /// applied again. `Err` when the write cannot apply (unknown table, taken key).
+    pub fn apply_mutation(
+        &mut self,
+        client_id: &str,
+        mutation_id: u64,
+        table: &str,
+        row: &Map<String, Value>,
+        commit_time_ms: i64,
+    ) -> Result<Applied, String> {
+        if self
+            .last_applied
+            .get(client_id)
+            .is_some_and(|last| mutation_id <= *last)
+        {
+            return Ok(Applied::Before);
+        }
+        let Some(t) = self.tables.get_mut(table) else {
+            return Err(format!("no table {table}"));
+        };
+        let relation = t.relation().clone();
+        let values: Vec<Option<String>> = relation
+            .columns
+            .iter()
+            .map(|c| match row.get(&c.name) {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) => Some(s.clone()),
+                Some(v) => Some(v.to_string()),
+            })
+            .collect();
+        let id = key_of(&values);
+        if t.rows.contains_key(&id) {
+            return Err(format!("{table} {id} exists"));
+        }
+        t.rows.insert(id, values.clone());
+        let content = serde_json::json!({"clientId": client_id, "mutationId": mutation_id});
+        let ops = vec![
+            WalOp::Insert {
+                oid: relation.oid,
+                version: t.versions.len() - 1,
+                values,
+            },
+            WalOp::Message {
+                prefix: CONFIRM_MESSAGE_PREFIX.to_owned(),
+                content: content.to_string(),
+            },
+        ];
+        self.last_applied.insert(client_id.to_owned(), mutation_id);
+        self.applied.push((client_id.to_owned(), mutation_id));
+        let digest = vec![format!("insert {table} {id}")];
+        self.commit(ops, digest, commit_time_ms);
+        Ok(Applied::Now)
+    }
+
+    fn commit(&mut self, ops: Vec<WalOp>, digest: Vec<String>, commit_time_ms: i64) {
         let commit_lsn = Lsn(self.next_lsn + 0x28 * ops.len() as u64 + 0x18);
         let end_lsn = Lsn(commit_lsn.0 + 0x30);
         self.next_lsn = end_lsn.0 + 0x08;
@@ -406,7 +490,6 @@ impl SimPg {
             ops,
             digest,
         });
-        self.wal.last().expect("just pushed")
     }
 
     /// The end of WAL: where a keepalive says the server is.
@@ -552,6 +635,15 @@ fn encode_tx(
             | WalOp::Update { oid, version, .. }
             | WalOp::Delete { oid, version, .. }
             | WalOp::Truncate { oid, version } => (*oid, *version),
+            WalOp::Message { prefix, content } => {
+                frames.push(xlog(&PgoutputMessage::Message(LogicalMessage {
+                    transactional: true,
+                    lsn: tx.commit_lsn,
+                    prefix,
+                    content: content.as_bytes(),
+                })));
+                continue;
+            }
         };
         let table = &tables[&oids[&oid]];
         let relation = &table.versions[version];
@@ -581,6 +673,7 @@ fn encode_tx(
                 options: 0,
                 relation_oids: vec![oid],
             })),
+            WalOp::Message { .. } => unreachable!("sent above"),
             WalOp::Delete { id, .. } => {
                 let mut key = vec![Some(id.to_string())];
                 key.resize(width, None);

@@ -24,7 +24,10 @@ use highwater_engine::scope::ChangesScope;
 use highwater_engine::scope_server::{
     Decision, Grant, ScopeServer, ServerConfig, ServerEffect, ServerInput,
 };
-use highwater_engine::scope_sync::{Conditions, ServerFrame, SubscribeParams};
+use highwater_engine::scope_sync::{
+    Conditions, InvalidMutation, Mutation, MutationOp, MutationResult, MutationStatus, ServerFrame,
+    SubscribeParams,
+};
 use highwater_engine::streamer::{
     CatchupRow, ChangeLogState, ConnId, Effect, LogOp, Streamer, StreamerConfig,
 };
@@ -37,7 +40,7 @@ use serde_json::{json, Map, Value};
 use crate::ingest::{Ingest, IngestBug, Ingested};
 use crate::rng::Rng;
 use crate::storage::{ReplicaRow, ReplicaTable, Storage, StorageBug, UNKNOWN_COMMIT_TIME};
-use crate::upstream::{SimPg, EPOCH_UNIX_MS, OWNER, OWNERS, SCOPED_TABLES, START_LSN};
+use crate::upstream::{Applied, SimPg, EPOCH_UNIX_MS, OWNER, OWNERS, SCOPED_TABLES, START_LSN};
 
 /// How one run is set up.
 #[derive(Debug, Clone)]
@@ -86,6 +89,11 @@ pub struct Outcome {
     pub backfill_failures: u64,
     /// Crashes while a backfill ran.
     pub backfill_crashes: u64,
+    /// Client mutations made, confirmed, and sent again after being applied (answered from
+    /// the exactly-once record).
+    pub mutations: u64,
+    pub confirmed: u64,
+    pub applied_before: u64,
     /// The event list (the last [`TRACE_TAIL`] lines unless a full trace was asked for).
     pub trace: Vec<String>,
 }
@@ -174,6 +182,8 @@ struct Server {
     upstream_paused: bool,
     /// Server conn id → link.
     conns: BTreeMap<u64, u64>,
+    /// Confirms of transactions handed to the streamer, by commit watermark, until stored.
+    confirms: BTreeMap<Watermark, Vec<(String, u64)>>,
     heard: BTreeMap<u64, u64>,
     next_conn: u64,
 }
@@ -207,6 +217,27 @@ struct Client {
     slow: bool,
     /// Per (link, subscription id): entries received, for the no-repeat check.
     seen: BTreeMap<(u64, String), BTreeSet<(String, i64)>>,
+    /// The page's outbox store (what `PersistOutbox` wrote); survives reloads.
+    outbox: OutboxStore,
+    /// Whether the running page has been given its outbox (it may mutate).
+    restored: bool,
+}
+
+/// A client's outbox as its store keeps it.
+#[derive(Debug, Clone, Default)]
+struct OutboxStore {
+    client_id: String,
+    last_id: u64,
+    pending: BTreeMap<u64, Mutation>,
+}
+
+/// A mutation a client made: its table, row, and the WAL index of the transaction that
+/// applied it (once applied).
+#[derive(Debug, Clone)]
+struct MadeWrite {
+    table: String,
+    row: Map<String, Value>,
+    tx: Option<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -270,6 +301,29 @@ enum Ev {
         gen: u64,
         table: String,
     },
+    /// A client writes.
+    ClientMutate(usize),
+    /// The host applies a socket's batch of mutations upstream.
+    ApplyMutations {
+        gen: u64,
+        conn: u64,
+        ticket: u64,
+        client_id: String,
+        mutations: Vec<Result<Mutation, InvalidMutation>>,
+    },
+    /// The host's answer to a batch reaches the scope server.
+    MutationsApplied {
+        gen: u64,
+        conn: u64,
+        ticket: u64,
+        client_id: String,
+        results: Vec<MutationResult>,
+    },
+    /// The host looked up a client's replicated writes.
+    Replicated {
+        gen: u64,
+        client_id: String,
+    },
     Quiet,
 }
 
@@ -312,6 +366,10 @@ struct World {
     catchup_due: bool,
     quiet: bool,
     done: bool,
+    /// Row ids of client inserts (globally unique, apart from upstream's own).
+    next_write_id: i64,
+    /// Every mutation a client made, by (client id, mutation id).
+    writes: BTreeMap<(String, u64), MadeWrite>,
     out: Outcome,
     trace: VecDeque<String>,
 }
@@ -406,7 +464,7 @@ impl World {
             .collect();
         let n_clients = rng.range(1, 4) as usize;
         let mut clients = Vec::new();
-        for _ in 0..n_clients {
+        for c in 0..n_clients {
             let mut scopes = BTreeMap::new();
             for key in 0..rng.range(1, 3) as u32 {
                 let table = rng.pick(&SCOPED_TABLES).expect("tables");
@@ -421,6 +479,11 @@ impl World {
                 timer_gen: 0,
                 slow: false,
                 seen: BTreeMap::new(),
+                outbox: OutboxStore {
+                    client_id: format!("client{c}"),
+                    ..OutboxStore::default()
+                },
+                restored: false,
             });
         }
         World {
@@ -452,6 +515,8 @@ impl World {
             catchup_due: false,
             quiet: false,
             done: false,
+            next_write_id: 1_000_000,
+            writes: BTreeMap::new(),
             out: Outcome {
                 seed: opts.seed,
                 ..Outcome::default()
@@ -526,6 +591,8 @@ impl World {
         for i in 0..self.clients.len() {
             let d = self.rng.range(1, 400);
             self.at(d, Ev::ClientReload(i));
+            let d = self.rng.range(200, 4000);
+            self.at(d, Ev::ClientMutate(i));
         }
         // Crashes at random points of the workload.
         for _ in 0..self.rng.range(0, 5) {
@@ -600,6 +667,45 @@ impl World {
             }
             Ev::BackfillStep { gen } => self.backfill_step(gen),
             Ev::BackfillRetry { gen, table } => self.backfill_retry(gen, &table),
+            Ev::ClientMutate(c) => self.client_mutate(c),
+            Ev::ApplyMutations {
+                gen,
+                conn,
+                ticket,
+                client_id,
+                mutations,
+            } => self.apply_mutations(gen, conn, ticket, client_id, mutations),
+            Ev::MutationsApplied {
+                gen,
+                conn,
+                ticket,
+                client_id,
+                results,
+            } => {
+                if self.server.as_ref().is_some_and(|s| s.gen == gen) {
+                    let replicated = self.storage.confirmed(&client_id);
+                    self.log(format!(
+                        "host answers conn {conn} ticket {ticket}: {} results, {client_id} replicated through {replicated:?}",
+                        results.len()
+                    ));
+                    self.scope_input(ServerInput::MutationsApplied {
+                        conn,
+                        ticket,
+                        results,
+                        replicated,
+                    });
+                } else {
+                    self.log(format!(
+                        "the answer for conn {conn} ticket {ticket} is lost with its server"
+                    ));
+                }
+            }
+            Ev::Replicated { gen, client_id } => {
+                if self.server.as_ref().is_some_and(|s| s.gen == gen) {
+                    let last = self.storage.confirmed(&client_id);
+                    self.scope_input(ServerInput::Replicated { client_id, last });
+                }
+            }
             Ev::Quiet => self.final_check(),
         }
     }
@@ -755,6 +861,11 @@ impl World {
                     self.streamer_effects(effects);
                 }
                 Ingested::Warn(message) => self.log(format!("upstream session: {message}")),
+                Ingested::Confirms(watermark, confirms) => {
+                    self.log(format!("upstream {watermark} confirms {confirms:?}"));
+                    let server = self.server.as_mut().expect("checked");
+                    server.confirms.insert(watermark, confirms);
+                }
             }
         }
         if !self.burst_continues {
@@ -1101,6 +1212,7 @@ impl World {
         );
         let mut scope_config = ServerConfig::new(rv().to_string());
         scope_config.outbound_budget_bytes = 8 * 1024;
+        scope_config.takes_writes = true;
         self.server = Some(Server {
             gen,
             streamer,
@@ -1117,6 +1229,7 @@ impl World {
             catchups: BTreeMap::new(),
             upstream_paused: false,
             conns: BTreeMap::new(),
+            confirms: BTreeMap::new(),
             heard: BTreeMap::new(),
             next_conn: 1,
         });
@@ -1208,6 +1321,14 @@ impl World {
                     LogOp::Abort => "store abort".to_owned(),
                 };
                 self.log(line);
+                let mut confirms = Vec::new();
+                if let LogOp::Commit(row) = &op {
+                    let server = self.server.as_mut().expect("checked");
+                    confirms = server.confirms.remove(row.watermark()).unwrap_or_default();
+                    if let Err(e) = self.storage.confirm(&confirms) {
+                        return self.fail(format!("storage refused confirms: {e}"));
+                    }
+                }
                 match self.storage.apply(&op) {
                     Err(e) => return self.fail(format!("storage refused a write: {e}")),
                     Ok(Some(entries)) => {
@@ -1239,10 +1360,7 @@ impl World {
                             let items = server.ingest.stored(w);
                             self.ingested(items);
                         }
-                        self.scope_input(ServerInput::Committed {
-                            entries,
-                            confirms: Vec::new(),
-                        });
+                        self.scope_input(ServerInput::Committed { entries, confirms });
                         self.maybe_prune();
                     }
                     Ok(None) => {}
@@ -1533,14 +1651,39 @@ impl World {
                     self.server_close(conn, reason);
                     self.scope_input(ServerInput::Closed { conn });
                 }
-                // The simulated server takes no writes (`takes_writes` is off): never asked.
-                ServerEffect::ApplyMutations { conn, .. } => {
-                    self.log(format!("scope server asks {conn}'s writes to be applied"));
+                // The host checks nothing (the simulation's rules allow every write) and
+                // applies the batch a little later.
+                ServerEffect::ApplyMutations {
+                    conn,
+                    ticket,
+                    client_id,
+                    mutations,
+                    ..
+                } => {
+                    let gen = server.gen;
+                    self.log(format!(
+                        "scope server asks {conn}'s {} writes of {client_id} to be applied (ticket {ticket})",
+                        mutations.len()
+                    ));
+                    let d = self.rng.range(1, 40);
+                    self.at(
+                        d,
+                        Ev::ApplyMutations {
+                            gen,
+                            conn,
+                            ticket,
+                            client_id,
+                            mutations,
+                        },
+                    );
                 }
                 ServerEffect::LookUpReplicated { client_id } => {
+                    let gen = server.gen;
                     self.log(format!(
                         "scope server asks for {client_id}'s replicated writes"
                     ));
+                    let d = self.rng.range(1, 20);
+                    self.at(d, Ev::Replicated { gen, client_id });
                 }
             }
         }
@@ -2125,8 +2268,18 @@ impl World {
         client.client = SyncClient::new(config, seed);
         client.sockets.clear();
         client.timer_gen += 1;
+        client.restored = true;
+        let outbox = client.outbox.clone();
         let scopes: Vec<(ScopeKey, ClientScope)> =
             client.scopes.iter().map(|(k, v)| (*k, v.clone())).collect();
+        self.client_input(
+            c,
+            ClientInput::RestoreOutbox {
+                client_id: outbox.client_id,
+                last_id: outbox.last_id,
+                pending: outbox.pending.into_values().collect(),
+            },
+        );
         for (key, (table, conditions)) in scopes {
             let stored = self.clients[c].store.get(&key).cloned().unwrap_or_default();
             let params = SubscribeParams {
@@ -2256,12 +2409,262 @@ impl World {
                 ));
             }
             ClientEffect::Changed { .. } | ClientEffect::Progress { .. } => {}
-            // The simulated clients make no mutations.
-            ClientEffect::PersistOutbox { .. }
-            | ClientEffect::Settled { .. }
-            | ClientEffect::Upload { .. } => {
-                self.fail(format!("client{c}: an outbox effect without a mutation"));
+            ClientEffect::PersistOutbox { write } => {
+                let store = &mut self.clients[c].outbox;
+                if write.client_id != store.client_id || write.last_id < store.last_id {
+                    let why = format!(
+                        "client{c} persisted outbox {}/{} over {}/{}",
+                        write.client_id, write.last_id, store.client_id, store.last_id
+                    );
+                    return self.fail(why);
+                }
+                store.last_id = write.last_id;
+                for id in &write.remove {
+                    store.pending.remove(id);
+                }
+                for m in write.put {
+                    store.pending.insert(m.id, m);
+                }
             }
+            ClientEffect::Settled { result } => self.settled(c, result),
+            // Writes go over the socket (`mutate`), never through the app's upload.
+            ClientEffect::Upload { .. } => {
+                self.fail(format!("client{c}: an upload effect without upload mode"));
+            }
+        }
+    }
+
+    /// Now and then (online or not) a client inserts a row into one of its scopes' tables,
+    /// with that scope's owner and a globally unique id.
+    fn client_mutate(&mut self, c: usize) {
+        if self.quiet {
+            return;
+        }
+        let d = self.rng.range(100, 2500);
+        self.at(d, Ev::ClientMutate(c));
+        if !self.clients[c].restored {
+            return;
+        }
+        let scopes: Vec<ClientScope> = self.clients[c].scopes.values().cloned().collect();
+        let (table, conditions) = self.rng.pick(&scopes).expect("scopes").clone();
+        let owner = match conditions.get(OWNER) {
+            Some(Value::String(o)) => o.clone(),
+            Some(Value::Array(list)) => list
+                .first()
+                .and_then(Value::as_str)
+                .unwrap_or(OWNERS[0])
+                .to_owned(),
+            _ => (*self.rng.pick(&OWNERS).expect("owners")).to_owned(),
+        };
+        let id = self.next_write_id;
+        self.next_write_id += 1;
+        let mut row = Map::new();
+        row.insert("id".to_owned(), json!(id));
+        row.insert(OWNER.to_owned(), json!(owner));
+        row.insert("title".to_owned(), json!(format!("w{c}")));
+        let client_id = self.clients[c].outbox.client_id.clone();
+        let (result, effects) = self.clients[c].client.mutate(
+            self.now,
+            table.clone(),
+            MutationOp::Insert,
+            row.clone(),
+            None,
+        );
+        let mid = match result {
+            Ok(mid) => mid,
+            Err(e) => return self.fail(format!("client{c} could not mutate: {e}")),
+        };
+        self.out.mutations += 1;
+        self.log(format!(
+            "client{c} mutation {mid}: insert {table} {id} owner {owner}"
+        ));
+        self.writes.insert(
+            (client_id, mid),
+            MadeWrite {
+                table,
+                row,
+                tx: None,
+            },
+        );
+        let mut inputs = VecDeque::new();
+        for effect in effects {
+            self.client_effect(c, effect, &mut inputs);
+            if self.out.failure.is_some() {
+                return;
+            }
+        }
+        while let Some(input) = inputs.pop_front() {
+            self.client_input(c, input);
+        }
+    }
+
+    /// The host applies a batch upstream, each mutation in its own transaction and at most
+    /// once, then answers (unless its process died meanwhile).
+    fn apply_mutations(
+        &mut self,
+        gen: u64,
+        conn: u64,
+        ticket: u64,
+        client_id: String,
+        mutations: Vec<Result<Mutation, InvalidMutation>>,
+    ) {
+        if self.server.as_ref().is_none_or(|s| s.gen != gen) {
+            self.log(format!(
+                "the batch of conn {conn} ticket {ticket} dies with its server"
+            ));
+            return;
+        }
+        let mut results = Vec::new();
+        for m in mutations {
+            let m = match m {
+                Ok(m) => m,
+                Err(e) => {
+                    return self.fail(format!("{client_id} sent an unreadable mutation: {e}"))
+                }
+            };
+            let time = EPOCH_UNIX_MS + self.now as i64;
+            match self
+                .pg
+                .apply_mutation(&client_id, m.id, &m.table, &m.row, time)
+            {
+                Ok(Applied::Now) => {
+                    let idx = self.pg.wal.len() - 1;
+                    let w = self.pg.wal[idx].watermark();
+                    self.wal_index.insert(w.clone(), idx);
+                    let n = self
+                        .pg
+                        .applied
+                        .iter()
+                        .filter(|(cl, id)| *cl == client_id && *id == m.id)
+                        .count();
+                    if n != 1 {
+                        return self.fail(format!(
+                            "{client_id} mutation {} applied {n} times upstream",
+                            m.id
+                        ));
+                    }
+                    match self.writes.get_mut(&(client_id.clone(), m.id)) {
+                        Some(made) if made.tx.is_none() && made.row == m.row => {
+                            made.tx = Some(idx);
+                        }
+                        other => {
+                            let why = format!(
+                                "{client_id} mutation {} applied as {:?}, the client made {other:?}",
+                                m.id, m.row
+                            );
+                            return self.fail(why);
+                        }
+                    }
+                    self.log(format!(
+                        "pg: commit {w}: {client_id} mutation {} (insert {} {})",
+                        m.id,
+                        m.table,
+                        m.row.get("id").cloned().unwrap_or(Value::Null)
+                    ));
+                    self.kick_pg();
+                }
+                Ok(Applied::Before) => {
+                    self.out.applied_before += 1;
+                    self.log(format!(
+                        "pg: {client_id} mutation {} was applied before",
+                        m.id
+                    ));
+                }
+                Err(e) => return self.fail(format!("{client_id} mutation {} failed: {e}", m.id)),
+            }
+            results.push(MutationResult::confirmed(m.id));
+        }
+        let d = self.rng.range(1, 40);
+        self.at(
+            d,
+            Ev::MutationsApplied {
+                gen,
+                conn,
+                ticket,
+                client_id,
+                results,
+            },
+        );
+    }
+
+    /// A client's mutation settled: confirmed ones were applied upstream exactly once, and
+    /// the client shows the row (read-your-writes) unless upstream changed it since.
+    fn settled(&mut self, c: usize, result: MutationResult) {
+        let client_id = self.clients[c].outbox.client_id.clone();
+        self.log(format!(
+            "client{c} mutation {} settled {:?}",
+            result.id, result.status
+        ));
+        if result.status != MutationStatus::Confirmed {
+            return self.fail(format!(
+                "client{c} mutation {} settled {:?} ({:?}: {:?}); the simulation refuses no write",
+                result.id, result.status, result.code, result.message
+            ));
+        }
+        self.out.confirmed += 1;
+        let n = self
+            .pg
+            .applied
+            .iter()
+            .filter(|(cl, id)| *cl == client_id && *id == result.id)
+            .count();
+        if n != 1 {
+            return self.fail(format!(
+                "client{c} mutation {} confirmed, applied upstream {n} times",
+                result.id
+            ));
+        }
+        let Some(made) = self.writes.get(&(client_id, result.id)).cloned() else {
+            return self.fail(format!(
+                "client{c} mutation {} confirmed, never made",
+                result.id
+            ));
+        };
+        let Some(tx) = made.tx else {
+            return self.fail(format!(
+                "client{c} mutation {} confirmed, its transaction unknown",
+                result.id
+            ));
+        };
+        let id = made.row.get("id").and_then(Value::as_i64).unwrap_or(0);
+        let table = made.table;
+        let touched = self.pg.wal[tx + 1..].iter().any(|later| {
+            later.digest.iter().any(|d| {
+                *d == format!("update {table} {id}")
+                    || *d == format!("delete {table} {id}")
+                    || *d == format!("truncate {table}")
+            })
+        });
+        if touched {
+            return;
+        }
+        let Some(upstream) = self.pg.rows_json(&table).remove(&id) else {
+            return;
+        };
+        let mut missing = Vec::new();
+        for (key, (t, conditions)) in &self.clients[c].scopes {
+            let query = Conditions::parse(conditions).expect("the simulation's conditions");
+            if *t != table || !query.matches(&upstream) {
+                continue;
+            }
+            let shown = self.clients[c]
+                .client
+                .rows(*key)
+                .into_iter()
+                .any(|r| r.get("id").and_then(Value::as_i64) == Some(id));
+            if !shown {
+                let live = self.clients[c].client.is_live(*key);
+                missing.push(format!(
+                    "{key} ({})",
+                    if live { "live" } else { "not live" }
+                ));
+            }
+        }
+        if !missing.is_empty() {
+            self.fail(format!(
+                "client{c} mutation {} confirmed, yet scopes {missing:?} do not show {table} {id}",
+                result.id
+            ));
         }
     }
 
@@ -2425,6 +2828,14 @@ impl World {
             }
         }
         for (c, client) in self.clients.iter().enumerate() {
+            let unsettled = client.client.pending_mutations();
+            if !unsettled.is_empty() || !client.outbox.pending.is_empty() {
+                problems.push(format!(
+                    "client{c} has unsettled mutations: {:?} (stored {:?})",
+                    unsettled.iter().map(|m| m.id).collect::<Vec<_>>(),
+                    client.outbox.pending.keys().collect::<Vec<_>>()
+                ));
+            }
             for (key, (table, conditions)) in &client.scopes {
                 let strict = self.backfilled.get(table);
                 // The scope's query, evaluated on what Postgres holds.
