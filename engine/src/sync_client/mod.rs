@@ -1108,6 +1108,7 @@ impl SyncClient {
         let Some(mut slot) = self.scopes.remove(&key) else {
             return;
         };
+        self.stop_lingering(key);
         let effects = slot
             .bridge
             .handle(BridgeInput::Unsubscribe)
@@ -1323,6 +1324,8 @@ impl SyncClient {
                 code: code.to_owned(),
                 message,
             });
+            // It will not be live again: nothing waits for its catch-up.
+            self.stop_lingering(key);
         }
     }
 
@@ -1433,12 +1436,15 @@ impl SyncClient {
                         };
                         slot.phase = Phase::Live;
                         slot.expired_in_a_row = 0;
+                        slot.replayed = slot.replaying;
+                        let replayed = slot.replayed;
                         // The server answered a subscription in full: this connection works.
                         self.backoff.reset();
-                        slot.replayed = slot.replaying;
+                        // Its catch-up brought the changes of writes confirmed meanwhile.
+                        self.scope_live(key, out);
                         out.push(ClientEffect::Ready {
                             scope: key,
-                            replayed: slot.replayed,
+                            replayed,
                         });
                     }
                 }

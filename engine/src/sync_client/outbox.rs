@@ -30,7 +30,8 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 
 use super::{
-    ChangedRow, ClientEffect, Link, RowChange, RowData, ScopeKey, ScopeSlot, SocketId, SyncClient,
+    ChangedRow, ClientEffect, Link, Phase, RowChange, RowData, ScopeKey, ScopeSlot, SocketId,
+    SyncClient,
 };
 use crate::scope_sync::{
     js_string_form, ClientFrame, Conditions, Echo, Mutation, MutationOp, MutationResult,
@@ -52,6 +53,10 @@ pub(super) struct Pending {
     echoed: BTreeSet<ScopeKey>,
     /// Uploaded by the app (`upload`), awaiting its change.
     uploaded: bool,
+    /// Confirmed while scopes of its table were not live (a re-subscribe after a lost socket
+    /// or an expired token): it stays laid over those scopes until each is live again, so a
+    /// confirmed write never leaves the rows shown. It is no longer pending otherwise.
+    lingers: Option<BTreeSet<ScopeKey>>,
 }
 
 /// The outbox and its sending state.
@@ -111,6 +116,7 @@ impl Outbox {
                 row_id,
                 echoed: BTreeSet::new(),
                 uploaded: false,
+                lingers: None,
             },
         );
     }
@@ -127,6 +133,15 @@ impl Outbox {
             }
         }
         Some(pending)
+    }
+
+    /// Rebuilds the row index after mutations were dropped from `pending` directly.
+    fn reindex(&mut self) {
+        let pending = &self.pending;
+        self.by_row.retain(|_, ids| {
+            ids.retain(|id| pending.contains_key(id));
+            !ids.is_empty()
+        });
     }
 
     /// The rows of `table` pending mutations are laid over.
@@ -271,7 +286,7 @@ impl SyncClient {
         let batch: Vec<Mutation> = outbox
             .pending
             .values()
-            .filter(|p| !p.uploaded)
+            .filter(|p| !p.uploaded && p.lingers.is_none())
             .take(MAX_MUTATIONS_PER_FRAME)
             .map(|p| p.mutation.clone())
             .collect();
@@ -327,7 +342,12 @@ impl SyncClient {
             match result.status {
                 MutationStatus::Retry => self.outbox.retry_due = true,
                 MutationStatus::Confirmed | MutationStatus::Rejected => {
-                    if self.outbox.pending.contains_key(&result.id) {
+                    if self
+                        .outbox
+                        .pending
+                        .get(&result.id)
+                        .is_some_and(|p| p.lingers.is_none())
+                    {
                         if result.status == MutationStatus::Confirmed {
                             self.outbox.retry_delay_ms = 0;
                         }
@@ -411,11 +431,31 @@ impl SyncClient {
         let mut rows: BTreeMap<String, Vec<String>> = BTreeMap::new();
         let mut remove = Vec::new();
         for result in &settled {
-            if let Some(pending) = self.outbox.remove(result.id) {
-                rows.entry(pending.mutation.table)
-                    .or_default()
-                    .extend(pending.row_id);
-                remove.push(result.id);
+            let Some(pending) = self.outbox.pending.get(&result.id) else {
+                continue;
+            };
+            let table = pending.mutation.table.clone();
+            rows.entry(table.clone())
+                .or_default()
+                .extend(pending.row_id.clone());
+            remove.push(result.id);
+            // Its change reached every live scope; one being subscribed again has not had it.
+            let waiting: BTreeSet<ScopeKey> = self
+                .scopes
+                .iter()
+                .filter(|(key, slot)| {
+                    slot.params.scope.resource_type.as_deref() == Some(table.as_str())
+                        && !matches!(slot.phase, Phase::Live | Phase::Failed)
+                        && !pending.echoed.contains(key)
+                })
+                .map(|(key, _)| *key)
+                .collect();
+            if result.status == MutationStatus::Confirmed && !waiting.is_empty() {
+                if let Some(pending) = self.outbox.pending.get_mut(&result.id) {
+                    pending.lingers = Some(waiting);
+                }
+            } else {
+                self.outbox.remove(result.id);
             }
         }
         out.push(ClientEffect::PersistOutbox {
@@ -448,9 +488,47 @@ impl SyncClient {
             if let Some(pending) = self.outbox.pending.get_mut(&id) {
                 pending.echoed.insert(key);
                 rows.extend(pending.row_id.clone());
+                if let Some(lingers) = &mut pending.lingers {
+                    lingers.remove(&key);
+                }
             }
         }
+        self.outbox
+            .pending
+            .retain(|_, p| p.lingers.as_ref().is_none_or(|scopes| !scopes.is_empty()));
+        self.outbox.reindex();
         rows
+    }
+
+    /// Scope `key` is live again (or gone): confirmed mutations that lingered over it for want
+    /// of their change stop; returns the rows to lay again.
+    pub(super) fn stop_lingering(&mut self, key: ScopeKey) -> Vec<String> {
+        let mut rows = Vec::new();
+        let mut done = Vec::new();
+        for (id, pending) in &mut self.outbox.pending {
+            let Some(lingers) = &mut pending.lingers else {
+                continue;
+            };
+            if lingers.remove(&key) {
+                rows.extend(pending.row_id.clone());
+            }
+            if lingers.is_empty() {
+                done.push(*id);
+            }
+        }
+        for id in done {
+            self.outbox.remove(id);
+        }
+        rows
+    }
+
+    /// Scope `key` is live again: the confirmed mutations that lingered over it give way to
+    /// the rows its catch-up brought.
+    pub(super) fn scope_live(&mut self, key: ScopeKey, out: &mut Vec<ClientEffect>) {
+        let rows = self.stop_lingering(key);
+        if !rows.is_empty() {
+            self.emit_change(key, false, RowChange::default(), &rows, out);
+        }
     }
 
     /// The rows of scope `key`'s table that pending mutations are laid over.
@@ -564,7 +642,12 @@ impl SyncClient {
             let Some(pending) = self.outbox.pending.get(mutation_id) else {
                 continue;
             };
-            if pending.echoed.contains(&key) {
+            if pending.echoed.contains(&key)
+                || pending
+                    .lingers
+                    .as_ref()
+                    .is_some_and(|scopes| !scopes.contains(&key))
+            {
                 continue;
             }
             let mutation = &pending.mutation;
@@ -607,11 +690,12 @@ impl SyncClient {
         rows.into_iter().collect()
     }
 
-    /// Pending mutations, oldest first.
+    /// Pending mutations (not settled), oldest first.
     pub fn pending_mutations(&self) -> Vec<Mutation> {
         self.outbox
             .pending
             .values()
+            .filter(|p| p.lingers.is_none())
             .map(|p| p.mutation.clone())
             .collect()
     }

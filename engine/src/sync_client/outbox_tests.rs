@@ -528,3 +528,47 @@ fn the_rows_shown_and_the_change_events_follow_the_overlay_rule_under_random_wri
         }
     }
 }
+
+#[test]
+fn a_write_confirmed_while_a_scope_subscribes_again_stays_shown_there_until_its_catch_up() {
+    let (mut client, sub) = writer();
+    let (id, _) = client.mutate(
+        0,
+        "todos".into(),
+        MutationOp::Insert,
+        todo("b", "mine"),
+        None,
+    );
+    let id = id.unwrap();
+    // The scope's token expired: it subscribes again, with a fresh id, and is not live.
+    let effects = frame(&mut client, 1, channel_error(&sub, "auth-expired"));
+    let request = token_request(&effects).expect("a fresh token is asked for");
+    let effects = client.handle(
+        2,
+        ClientInput::Token {
+            request,
+            result: Ok(None),
+        },
+    );
+    let again = subscribes(&effects)[0].0.clone();
+    // Confirmed meanwhile: settled, but still shown over the scope that has not caught up.
+    let effects = frame(&mut client, 3, result(&[(id, "confirmed")]));
+    assert_eq!(settled(&effects)[0].id, id);
+    assert!(client.pending_mutations().is_empty());
+    assert!(
+        changes(&effects).iter().all(|c| c.removed.is_empty()),
+        "the row never leaves"
+    );
+    assert_eq!(titles(&client), ["a=old", "b=mine"]);
+    // The catch-up brings the server's row; once the scope is live the overlay gives way.
+    let server_row = json!({"id": "b", "owner": "ada", "title": "mine", "done": false});
+    frame(
+        &mut client,
+        4,
+        message(&again, vec![entry(1, 2, "b", Some(server_row))]),
+    );
+    let effects = frame(&mut client, 5, subscribed(&again));
+    assert!(changes(&effects).iter().all(|c| c.removed.is_empty()));
+    assert_eq!(client.rows(1)[1]["done"], json!(false), "the server's row");
+    assert!(client.outbox.pending.is_empty(), "nothing lingers");
+}
