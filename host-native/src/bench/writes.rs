@@ -421,19 +421,11 @@ async fn flush(
     }
     let elapsed = started.elapsed();
     let _ = writer.socket.close(None).await;
-    let mut statements = if args.statement_stats {
+    let statements = if args.statement_stats {
         statement_stats(db, total).await?
     } else {
         String::new()
     };
-    let direct = total.min(2000);
-    let (each_time, once) = same_statements(db, direct, next_row).await?;
-    statements.push_str(&format!(
-        "The applier's statements for an insert, run by the bench on one connection \
-         ({direct} transactions, the server replicating them meanwhile):\n\
-         {:>62} {each_time:>9.0} us per mutation\n{:>62} {once:>9.0} us per mutation\n",
-        "as serve runs them (each statement prepared at every use)", "each statement prepared once",
-    ));
     let mut committed: Vec<(i64, i64)> = commit_times(db, "flush").await?.into_iter().collect();
     if committed.len() != total {
         bail!(
@@ -483,60 +475,6 @@ async fn flush(
         "the client between frames",
         share(between),
     ))
-}
-
-/// The write applier's statements for an insert, run by the bench on one connection, `n`
-/// times each way: prepared at every use as `serve` runs them (`query` with SQL text: a
-/// round trip to prepare, one to run), and prepared once. Microseconds per mutation.
-async fn same_statements(
-    db: &tokio_postgres::Client,
-    n: usize,
-    next_row: &AtomicI64,
-) -> anyhow::Result<(f64, f64)> {
-    let last = "SELECT last_mutation_id FROM highwater.client_mutations \
-                WHERE client_id = $1 FOR UPDATE";
-    let insert = format!(
-        "INSERT INTO public.{TABLE} AS t (id, owner, payload) SELECT r.id, r.owner, r.payload \
-         FROM jsonb_populate_record(NULL::public.{TABLE}, $1::text::jsonb) AS r \
-         RETURNING to_jsonb(t.*)::text"
-    );
-    let confirm = "SELECT highwater.confirm($1, $2)";
-    let mut timings = [0.0; 2];
-    for (prepared, timing) in timings.iter_mut().enumerate() {
-        let client_id = format!("direct-{prepared}");
-        let statements = if prepared == 1 {
-            Some((
-                db.prepare(last).await?,
-                db.prepare(&insert).await?,
-                db.prepare(confirm).await?,
-            ))
-        } else {
-            None
-        };
-        let started = Instant::now();
-        for k in 1..=i64::try_from(n)? {
-            let row = next_row.fetch_add(1, Ordering::Relaxed);
-            let json = json!({"id": row, "owner": "direct", "payload": format!("write {row}")})
-                .to_string();
-            // As `Client::transaction` sends them: simple queries.
-            db.batch_execute("BEGIN").await?;
-            match &statements {
-                Some((last, insert, confirm)) => {
-                    db.query_opt(last, &[&client_id]).await?;
-                    db.query_opt(insert, &[&json]).await?;
-                    db.execute(confirm, &[&client_id, &k]).await?;
-                }
-                None => {
-                    db.query_opt(last, &[&client_id]).await?;
-                    db.query_opt(insert.as_str(), &[&json]).await?;
-                    db.execute(confirm, &[&client_id, &k]).await?;
-                }
-            }
-            db.batch_execute("COMMIT").await?;
-        }
-        *timing = started.elapsed().as_secs_f64() * 1e6 / n.max(1) as f64;
-    }
-    Ok((timings[0], timings[1]))
 }
 
 /// What the flush's statements cost inside Postgres: each statement run about once per
