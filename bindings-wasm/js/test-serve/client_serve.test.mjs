@@ -275,9 +275,12 @@ test("a Node app writes through client.mutate, offline and across a restart: eac
   assert.equal(pg.query("SELECT count(*) FROM todos WHERE id >= 5000"), "0");
 
   // The app starts again on the same store and comes online.
+  // Started offline, so the restored outbox can be looked at before it drains.
   const second = new HighwaterClient({ url, token, store });
+  second.goOffline();
   const again = second.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
-  await until(() => second.pendingCount === 22, "the 22 stored mutations");
+  await until(() => second.pendingCount === 22 && again.rows().filter((r) => Number(r.id) >= 5000).length === 19, "the 22 stored mutations, shown");
+  second.goOnline();
   const extra = second.mutate("todos", "update", { id: 5001, v: 7 });
   await extra.confirmed;
   // Read-your-writes: when `confirmed` resolves, the row is in the rows as Postgres has it.

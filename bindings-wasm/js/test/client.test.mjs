@@ -409,9 +409,12 @@ test("offline mutations survive a restart of the client and are applied once whe
     await first.close();
     assert.equal(server.applied.length, 0);
 
+    // Started offline, so the restored outbox can be looked at before it drains.
     const second = new HighwaterClient({ url, store });
+    second.goOffline();
     const again = second.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
     await until(() => second.pendingCount === 50 && again.rows().length === 50, "the 50 pending mutations shown again");
+    second.goOnline();
     await until(() => second.pendingCount === 0, "the outbox to drain");
     assert.equal(new Set(server.applied).size, 50);
     assert.equal(server.applied.length, 50);
