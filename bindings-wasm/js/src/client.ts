@@ -499,12 +499,18 @@ export class HighwaterClient extends Emitter<ClientEvents> {
   #restoreOutbox(): void {
     const load = this.#store.loadOutbox?.() ?? Promise.resolve(null);
     const loading = load
-      .catch((error: unknown) => {
-        this.emit("error", { code: "store-failed", message: describe(error) });
-        return null;
-      })
+      .then(
+        (stored) => stored,
+        (error: unknown) => {
+          // Not read: a fresh client id now could send the stored mutations again under it.
+          // Writes wait (shown nowhere yet) and the store is read again.
+          this.emit("error", { code: "store-failed", message: `could not read the outbox: ${describe(error)}` });
+          if (!this.#closed) setTimeout(() => this.#restoreOutbox(), 2_000);
+          return undefined;
+        },
+      )
       .then((stored) => {
-        if (this.#closed) return;
+        if (this.#closed || stored === undefined) return;
         const clientId = stored?.clientId ?? newClientId();
         this.#clientId = clientId;
         try {

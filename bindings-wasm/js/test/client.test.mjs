@@ -477,3 +477,27 @@ test("with upload, the app's backend applies the batch and the client awaits eac
     assert.deepEqual(todos.rows().map((r) => r.id), ["u1"]);
     await client.close();
   }));
+
+test("an outbox the store cannot read is read again, never replaced by a fresh client id", () =>
+  withServer(async (server, url) => {
+    const store = new MemoryStore();
+    await store.writeOutbox({ clientId: "kept", lastId: 4, put: [{ id: 4, table: "todos", op: "insert", row: { id: "k", owner: "ada" } }], remove: [] });
+    let failures = 1;
+    const load = store.loadOutbox.bind(store);
+    store.loadOutbox = async () => {
+      if (failures-- > 0) throw new Error("the disk is busy");
+      return load();
+    };
+    const client = new HighwaterClient({ url, store });
+    const errors = [];
+    client.on("error", (problem) => errors.push(problem.code));
+    const todos = client.subscribe({ resourceType: "todos", conditions: { owner: "ada" } });
+    const later = client.mutate("todos", "insert", { id: "n", owner: "ada" });
+    await later.confirmed;
+    assert.deepEqual(errors, ["store-failed"]);
+    assert.equal(client.clientId, "kept");
+    assert.equal(later.id, 5, "numbered after the stored ones");
+    assert.deepEqual(server.applied, ["kept:4", "kept:5"]);
+    await until(() => todos.rows().length === 2, "both rows");
+    await client.close();
+  }));
