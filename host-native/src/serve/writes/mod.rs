@@ -47,6 +47,10 @@
 //! before it is committed to the replica. Only then is the replica's sequence of the row
 //! read. A fence not released within [`FENCE_TIMEOUT`] answers `retry`/`unavailable`.
 //!
+//! The rules check a row as `to_jsonb` gives it (timestamps as ISO text), not as the replica
+//! holds it (timestamps as milliseconds): a `where` comparing a timestamp column compares text
+//! here.
+//!
 //! Only a primary takes writes. A relay answers every mutation `retry`/`unavailable`, and as
 //! the change stream it follows carries no confirms, an `await-mutations` on a relay is never
 //! answered. With a `FOR ALL TABLES` publication the two `highwater` tables are replicated
