@@ -2406,3 +2406,50 @@ async fn kill_9_while_an_outbox_flushes_or_a_page_gone_before_its_answer_applies
     );
     primary.kill9();
 }
+
+/// The write rules compare the values a reader of the replica sees: a `where` on a timestamp
+/// column compares milliseconds on a write as on a read (Postgres' own JSON would give text).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_rules_compare_timestamps_and_numerics_as_reads_do() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    // `todos` too: `replica_caught_up` reads it.
+    db.batch_execute(TODOS_DDL).await.unwrap();
+    db.batch_execute(
+        "CREATE TABLE events (id int8 PRIMARY KEY, starts_at timestamptz NOT NULL, price numeric NOT NULL)",
+    )
+    .await
+    .unwrap();
+    // 2023-11-14T22:13:20Z, and a price of at most 100.
+    let files = SyncFiles::with_rules(
+        r#"{"tables":{"events":{"filterColumns":["id"],
+            "where":"starts_at >= 1700000000000 AND price <= 100",
+            "write":{"insert":true,"update":true,"delete":true}}}}"#,
+    );
+    let data = DataDir::new("scope-writes-typed");
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    replica_caught_up(&db, data.path()).await;
+    let batch = json!([
+        {"id": 1, "table": "events", "op": "insert", "row": {"id": 1, "starts_at": "2026-12-06T12:00:00Z", "price": "99.50"}},
+        {"id": 2, "table": "events", "op": "insert", "row": {"id": 2, "starts_at": "2020-01-01T00:00:00Z", "price": 10}},
+        {"id": 3, "table": "events", "op": "insert", "row": {"id": 3, "starts_at": "2026-12-06T12:00:00Z", "price": 100.01}},
+        {"id": 4, "table": "events", "op": "update", "row": {"id": 1, "price": 100}},
+    ]);
+    let mut client = Client::connect(server.addr).await;
+    let frames = client.mutate("typed", None, batch).await;
+    let rejected = ("rejected".to_owned(), Some("forbidden".to_owned()));
+    let confirmed = ("confirmed".to_owned(), None);
+    assert_eq!(
+        outcomes(&results_in(&frames)),
+        [confirmed.clone(), rejected.clone(), rejected, confirmed]
+    );
+    let ids: Vec<i64> = db
+        .query("SELECT id FROM events ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(ids, [1]);
+    server.stop().await;
+}

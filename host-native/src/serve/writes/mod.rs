@@ -47,9 +47,9 @@
 //! before it is committed to the replica. Only then is the replica's sequence of the row
 //! read. A fence not released within [`FENCE_TIMEOUT`] answers `retry`/`unavailable`.
 //!
-//! The rules check a row as `to_jsonb` gives it (timestamps as ISO text), not as the replica
-//! holds it (timestamps as milliseconds): a `where` comparing a timestamp column compares text
-//! here.
+//! The rules check a row with the values a reader of the replica sees (the statements return
+//! each column's text output, read as the replica reads pgoutput's), so a `where` compares the
+//! same values on a write as on a read.
 //!
 //! Only a primary takes writes. A relay answers every mutation `retry`/`unavailable`, and as
 //! the change stream it follows carries no confirms, an `await-mutations` on a relay is never
@@ -66,6 +66,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use highwater_engine::change_stream::JsonFormat;
+use highwater_engine::pgoutput::TextColumn;
 use highwater_engine::scope_rules::{DenialCode, SyncRules, WriteGrant};
 use highwater_engine::scope_sync::{
     rejection, InvalidMutation, Mutation, MutationOp, MutationResult,
@@ -77,7 +79,8 @@ use tokio::sync::oneshot;
 use tokio_postgres::Client;
 
 use crate::replica::feed;
-use crate::replica::schema::ReplicaTable;
+use crate::replica::schema::{ReplicaTable, ValueKind};
+use crate::replica::value;
 use crate::replica::{Replica, ReplicaError};
 use crate::replication::{PgConfig, PgErrorText};
 use crate::sync_auth::{unix_now_ms, SyncAuth};
@@ -486,7 +489,7 @@ impl Writes {
                         row: Some(Value::Null),
                     });
                 };
-                let old = row_of(&locked)?;
+                let old = row_of(table, &locked)?;
                 if !grant.admits(&old) {
                     return Err(Failure::refused(
                         rejection::FORBIDDEN,
@@ -508,7 +511,7 @@ impl Writes {
         };
         if mutation.op != MutationOp::Delete {
             let new = match &written {
-                Some(row) => Some(row_of(row)?),
+                Some(row) => Some(row_of(table, row)?),
                 // No row back: an update naming only the key, or a trigger that skipped it.
                 None => old,
             };
@@ -677,13 +680,47 @@ fn check<'t>(
 }
 
 /// A row Postgres answered as `to_jsonb(…)::text`.
-fn row_of(row: &tokio_postgres::Row) -> Result<Map<String, Value>, Failure> {
-    let text: String = row.try_get(0)?;
-    serde_json::from_str(&text).map_err(|error| {
-        Failure::Unavailable(format!(
-            "expected a row as a JSON object from Postgres: {error}"
-        ))
-    })
+/// A row a write statement returned (its columns' text output, in the replica's column order;
+/// see `statement`) with the values a reader of the replica sees: converted from the text as
+/// pgoutput's is, then stored and read back as the replica does (timestamps as milliseconds,
+/// `numeric` as a number, JSON parsed).
+fn row_of(table: &ReplicaTable, row: &tokio_postgres::Row) -> Result<Map<String, Value>, Failure> {
+    let texts: Vec<Option<String>> = row.try_get(0)?;
+    if texts.len() != table.columns.len() {
+        return Err(Failure::Unavailable(format!(
+            "expected {} columns of {} from Postgres, got {}",
+            table.columns.len(),
+            table.name,
+            texts.len()
+        )));
+    }
+    let mut values = Map::new();
+    for (column, text) in table.columns.iter().zip(texts) {
+        let value = match text {
+            None => Value::Null,
+            Some(text) => {
+                // As the initial sync reads COPY text: arrays of custom types are announced
+                // as arrays, a column of unknown type is text.
+                let announced_array = column.kind == ValueKind::Array && column.type_oid.is_some();
+                let converted = TextColumn::new(column.type_oid.unwrap_or(25), announced_array)
+                    .convert(text)
+                    .map_err(|expected| {
+                        Failure::Unavailable(format!(
+                            "column {:?} of {}: expected {expected} from Postgres",
+                            column.name, table.name
+                        ))
+                    })?;
+                let stored = value::into_sql(column, converted, JsonFormat::Stringified);
+                value::from_sql(
+                    column,
+                    rusqlite::types::ValueRef::from(&stored),
+                    JsonFormat::Parsed,
+                )
+            }
+        };
+        values.insert(column.name.clone(), value);
+    }
+    Ok(values)
 }
 
 /// A recorded rejection's code as one of the stable codes (an app may have recorded its own).
