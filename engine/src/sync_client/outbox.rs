@@ -135,15 +135,6 @@ impl Outbox {
         Some(pending)
     }
 
-    /// Rebuilds the row index after mutations were dropped from `pending` directly.
-    fn reindex(&mut self) {
-        let pending = &self.pending;
-        self.by_row.retain(|_, ids| {
-            ids.retain(|id| pending.contains_key(id));
-            !ids.is_empty()
-        });
-    }
-
     /// The rows of `table` pending mutations are laid over.
     fn rows_of(&self, table: &str) -> Vec<String> {
         self.by_row
@@ -484,19 +475,23 @@ impl SyncClient {
             return Vec::new();
         }
         let mut rows = Vec::new();
+        let mut done = Vec::new();
         for id in echo.mutation_ids {
             if let Some(pending) = self.outbox.pending.get_mut(&id) {
                 pending.echoed.insert(key);
                 rows.extend(pending.row_id.clone());
                 if let Some(lingers) = &mut pending.lingers {
                     lingers.remove(&key);
+                    if lingers.is_empty() {
+                        done.push(id);
+                    }
                 }
             }
         }
-        self.outbox
-            .pending
-            .retain(|_, p| p.lingers.as_ref().is_none_or(|scopes| !scopes.is_empty()));
-        self.outbox.reindex();
+        // Only the echoed mutations are looked at: an echo costs what it names.
+        for id in done {
+            self.outbox.remove(id);
+        }
         rows
     }
 
