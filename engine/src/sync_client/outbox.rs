@@ -259,16 +259,7 @@ impl SyncClient {
                 .filter(|p| p.uploaded)
                 .map(|p| p.mutation.id)
                 .collect();
-            for ids in awaited.chunks(MAX_MUTATIONS_PER_FRAME) {
-                out.push(ClientEffect::Send {
-                    socket,
-                    text: ClientFrame::AwaitMutations {
-                        client_id: client_id.clone(),
-                        ids: ids.to_vec(),
-                    }
-                    .to_json(),
-                });
-            }
+            send_awaits(socket, &client_id, &awaited, out);
         }
         if outbox.in_flight.is_some() || outbox.retry_at_ms.is_some_and(|at| now_ms < at) {
             return;
@@ -388,16 +379,7 @@ impl SyncClient {
         }
         if let (Link::Open { socket, .. }, Some(client_id)) = (self.link, &self.outbox.client_id) {
             if self.outbox.awaited_on == Some(socket) {
-                for ids in awaited.chunks(MAX_MUTATIONS_PER_FRAME) {
-                    out.push(ClientEffect::Send {
-                        socket,
-                        text: ClientFrame::AwaitMutations {
-                            client_id: client_id.clone(),
-                            ids: ids.to_vec(),
-                        }
-                        .to_json(),
-                    });
-                }
+                send_awaits(socket, client_id, &awaited, out);
             }
         }
         let settled = rejected
@@ -772,6 +754,20 @@ pub fn resource_id(row: &Map<String, Value>, key: &[String]) -> Option<String> {
             let values: Option<Vec<Value>> = key.iter().map(|k| row.get(k).cloned()).collect();
             Some(Value::Array(values?).to_string())
         }
+    }
+}
+
+/// `await-mutations` frames for `ids` on `socket`, at most a frame's worth each.
+fn send_awaits(socket: SocketId, client_id: &str, ids: &[u64], out: &mut Vec<ClientEffect>) {
+    for ids in ids.chunks(MAX_MUTATIONS_PER_FRAME) {
+        out.push(ClientEffect::Send {
+            socket,
+            text: ClientFrame::AwaitMutations {
+                client_id: client_id.to_owned(),
+                ids: ids.to_vec(),
+            }
+            .to_json(),
+        });
     }
 }
 
