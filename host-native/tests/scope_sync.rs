@@ -1895,28 +1895,53 @@ async fn pg_todos(db: &tokio_postgres::Client) -> BTreeMap<i64, Value> {
         .collect()
 }
 
-async fn start_writes_server(
-    pg: &highwater_host::private_pg::PrivatePg,
-    data: &Path,
-) -> (InProcess, SyncFiles) {
-    let files = SyncFiles::with_rules(WRITE_RULES);
-    let server = start_server(&pg.url(), data, &files).await;
-    (server, files)
+/// The writes tests' start: a private Postgres with `todos` (holding `rows`, SQL values) and
+/// `notes`, and `serve` with [`WRITE_RULES`] on a replica in `dir`.
+struct Writes {
+    pg: highwater_host::private_pg::PrivatePg,
+    db: tokio_postgres::Client,
+    server: InProcess,
+    _data: DataDir,
+    _files: SyncFiles,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mutations_apply_once_echo_to_the_writer_and_are_confirmed_after_their_envelope() {
+async fn writes_server(dir: &str, rows: &str) -> Writes {
     let pg = start_pg().await;
     let db = pg.connect().await.unwrap();
     db.batch_execute(TODOS_DDL).await.unwrap();
     db.batch_execute(NOTES_DDL).await.unwrap();
-    db.batch_execute(
-        "INSERT INTO todos (id, owner, title) VALUES (1, 'ada', 'one'), (2, 'ada', 'two'), (3, 'grace', 'three')",
+    if !rows.is_empty() {
+        db.batch_execute(&format!(
+            "INSERT INTO todos (id, owner, title, secret_note) VALUES {rows}"
+        ))
+        .await
+        .unwrap();
+    }
+    let data = DataDir::new(dir);
+    let files = SyncFiles::with_rules(WRITE_RULES);
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    Writes {
+        pg,
+        db,
+        server,
+        _data: data,
+        _files: files,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutations_apply_once_echo_to_the_writer_and_are_confirmed_after_their_envelope() {
+    let Writes {
+        pg: _pg,
+        db,
+        server,
+        _data,
+        _files,
+    } = writes_server(
+        "scope-writes",
+        "(1, 'ada', 'one', NULL), (2, 'ada', 'two', NULL), (3, 'grace', 'three', NULL)",
     )
-    .await
-    .unwrap();
-    let data = DataDir::new("scope-writes");
-    let (server, _files) = start_writes_server(&pg, data.path()).await;
+    .await;
     let ada = token("ada");
     let mut writer = Client::connect(server.addr).await;
     writer.subscribe("s1", "ada", Some(&ada), json!({})).await;
@@ -2004,17 +2029,17 @@ async fn mutations_apply_once_echo_to_the_writer_and_are_confirmed_after_their_e
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutations_the_rules_or_postgres_refuse_change_nothing_and_the_batch_goes_on() {
-    let pg = start_pg().await;
-    let db = pg.connect().await.unwrap();
-    db.batch_execute(TODOS_DDL).await.unwrap();
-    db.batch_execute(NOTES_DDL).await.unwrap();
-    db.batch_execute(
-        "INSERT INTO todos (id, owner, title, secret_note) VALUES (1, 'ada', 'one', 's'), (2, 'grace', 'two', 's')",
+    let Writes {
+        pg: _pg,
+        db,
+        server,
+        _data: data,
+        _files,
+    } = writes_server(
+        "scope-writes-refused",
+        "(1, 'ada', 'one', 's'), (2, 'grace', 'two', 's')",
     )
-    .await
-    .unwrap();
-    let data = DataDir::new("scope-writes-refused");
-    let (server, _files) = start_writes_server(&pg, data.path()).await;
+    .await;
     replica_caught_up(&db, data.path()).await;
     let before = pg_todos(&db).await;
     let ada = token("ada");
@@ -2117,17 +2142,17 @@ async fn mutations_the_rules_or_postgres_refuse_change_nothing_and_the_batch_goe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn if_version_refuses_a_write_to_a_row_changed_since_with_the_row_as_it_is() {
-    let pg = start_pg().await;
-    let db = pg.connect().await.unwrap();
-    db.batch_execute(TODOS_DDL).await.unwrap();
-    db.batch_execute(NOTES_DDL).await.unwrap();
-    db.batch_execute(
-        "INSERT INTO todos (id, owner, title, secret_note) VALUES (1, 'ada', 'one', 's'), (2, 'ada', 'two', 's')",
+    let Writes {
+        pg: _pg,
+        db,
+        server,
+        _data,
+        _files,
+    } = writes_server(
+        "scope-writes-if-version",
+        "(1, 'ada', 'one', 's'), (2, 'ada', 'two', 's')",
     )
-    .await
-    .unwrap();
-    let data = DataDir::new("scope-writes-if-version");
-    let (server, _files) = start_writes_server(&pg, data.path()).await;
+    .await;
     let ada = token("ada");
     let mut client = Client::connect(server.addr).await;
     client.subscribe("s1", "ada", Some(&ada), json!({})).await;
@@ -2207,12 +2232,13 @@ async fn if_version_refuses_a_write_to_a_row_changed_since_with_the_row_as_it_is
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_that_writes_with_highwater_confirm_answers_await_mutations() {
-    let pg = start_pg().await;
-    let db = pg.connect().await.unwrap();
-    db.batch_execute(TODOS_DDL).await.unwrap();
-    db.batch_execute(NOTES_DDL).await.unwrap();
-    let data = DataDir::new("scope-writes-backend");
-    let (server, _files) = start_writes_server(&pg, data.path()).await;
+    let Writes {
+        pg,
+        db: _db,
+        server,
+        _data,
+        _files,
+    } = writes_server("scope-writes-backend", "").await;
     let ada = token("ada");
     let mut client = Client::connect(server.addr).await;
     client.subscribe("s1", "ada", Some(&ada), json!({})).await;
