@@ -65,6 +65,10 @@ pub(super) async fn restore(
         "snapshot reserved; downloading"
     );
     let temp = data.join(RESTORE_FILE);
+    // A restore killed while seeding leaves the copy's WAL beside it: with a new copy under it,
+    // every read-only open would need to recover that WAL and fail ("attempt to write a
+    // readonly database"), restore after restore.
+    remove_sidecars(&temp)?;
     // The primary's token opens its snapshot as it opens its change stream.
     let download = async {
         download(
@@ -92,6 +96,25 @@ pub(super) async fn restore(
         upstream,
         watermark,
     })
+}
+
+/// Removes the `-wal` and `-shm` files SQLite keeps beside `path`, if any.
+fn remove_sidecars(path: &Path) -> Result<(), RelayError> {
+    for suffix in ["-wal", "-shm"] {
+        let mut sidecar = path.as_os_str().to_owned();
+        sidecar.push(suffix);
+        match std::fs::remove_file(&sidecar) {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => {
+                return Err(RelayError::Task(format!(
+                    "cannot remove {}: {error}",
+                    std::path::Path::new(&sidecar).display()
+                )))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Waits for the `reserved` answer, acking the primary's frames as they are read.
@@ -268,5 +291,28 @@ impl From<DownloadError> for RelayError {
                 reason: error.reason(),
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_killed_restores_wal_and_shm_are_removed_before_the_next_copy_and_none_is_no_error() {
+        let dir = std::env::temp_dir().join(format!("hw-restore-sidecars-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let copy = dir.join(RESTORE_FILE);
+        std::fs::write(&copy, b"copy").unwrap();
+        for suffix in ["-wal", "-shm"] {
+            std::fs::write(dir.join(format!("{RESTORE_FILE}{suffix}")), b"stale").unwrap();
+        }
+        remove_sidecars(&copy).unwrap();
+        assert!(copy.exists(), "the copy itself stays");
+        for suffix in ["-wal", "-shm"] {
+            assert!(!dir.join(format!("{RESTORE_FILE}{suffix}")).exists());
+        }
+        remove_sidecars(&copy).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
