@@ -10,11 +10,5 @@ const here = fileURLToPath(new URL(suite, import.meta.url));
 const files = readdirSync(here).filter((name) => name.endsWith(".test.mjs")).sort().map((name) => here + name);
 const major = Number(process.versions.node.split(".")[0]);
 const flags = major < 22 ? ["--experimental-websocket", "--no-warnings=ExperimentalWarning"] : [];
-// `--test-force-exit`: a test that fails half-way may leave a client's socket or timer behind,
-// which must not keep the run alive once every test has finished.
-const { status } = spawnSync(
-  process.execPath,
-  [...flags, "--test", "--test-force-exit", "--test-reporter=tap", "--test-concurrency=1", ...files],
-  { stdio: "inherit" },
-);
+const { status } = spawnSync(process.execPath, [...flags, "--test", "--test-reporter=tap", "--test-concurrency=1", ...files], { stdio: "inherit" });
 process.exit(status ?? 1);
