@@ -16,11 +16,14 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use highwater_engine::scope_rules::{DenialCode, RulesError, SyncRules};
+use highwater_engine::scope_rules::{DenialCode, SyncRules};
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde_json::{Map, Value};
 
 pub use highwater_engine::scope_rules::{Denial, Grant};
+pub use rules_file::{parse_rules, RulesFileError, RulesFormat};
+
+mod rules_file;
 
 /// The environment variable holding the token secret when no `--sync-secret-file` is given.
 pub const SYNC_SECRET_ENV: &str = "HIGHWATER_SYNC_SECRET";
@@ -206,7 +209,7 @@ pub enum AuthConfigError {
     Rules {
         path: PathBuf,
         #[source]
-        source: RulesError,
+        source: RulesFileError,
     },
     #[error("could not read the sync secret file {}", path.display())]
     ReadSecret {
@@ -220,6 +223,21 @@ pub enum AuthConfigError {
     SecretNotUnicode { var: String },
     #[error("expected a sync token secret of at least {MIN_SECRET_BYTES} bytes, got a shorter one (make one with `openssl rand -base64 48`)")]
     SecretTooShort,
+}
+
+/// Reads a sync rules file, JSON or YAML by its name or its first character (see
+/// [`RulesFormat::of`]).
+pub fn read_rules(path: &Path) -> Result<SyncRules, AuthConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| AuthConfigError::ReadRules {
+        path: path.to_owned(),
+        source,
+    })?;
+    // Some editors start a UTF-8 file with a byte order mark; JSON parsers refuse it.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+    parse_rules(text, RulesFormat::of(path, text)).map_err(|source| AuthConfigError::Rules {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// The claims of a verified token.
@@ -247,20 +265,12 @@ impl fmt::Debug for SyncAuth {
 }
 
 impl SyncAuth {
-    /// Reads the rules file (`serve --sync-rules FILE`) and the secret.
+    /// Reads the rules file (`serve --sync-rules FILE`, see [`read_rules`]) and the secret.
     pub fn load(
         rules_path: impl AsRef<Path>,
         secret: impl Into<SecretSource>,
     ) -> Result<Self, AuthConfigError> {
-        let path = rules_path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| AuthConfigError::ReadRules {
-            path: path.to_owned(),
-            source,
-        })?;
-        let rules = SyncRules::from_json(&text).map_err(|source| AuthConfigError::Rules {
-            path: path.to_owned(),
-            source,
-        })?;
+        let rules = read_rules(rules_path.as_ref())?;
         Ok(Self::new(rules, &secret.into().load()?))
     }
 

@@ -60,14 +60,7 @@ pub struct Table {
 pub fn run(args: TypegenArgs) -> anyhow::Result<()> {
     crate::runtime::init_tracing("warn");
     let rules = match &args.sync_rules {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read the sync rules {}", path.display()))?;
-            Some(
-                SyncRules::from_json(&text)
-                    .with_context(|| format!("the sync rules {} are not valid", path.display()))?,
-            )
-        }
+        Some(path) => Some(crate::sync_auth::read_rules(path)?),
         None => None,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()

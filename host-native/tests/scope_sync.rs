@@ -40,10 +40,15 @@ impl SyncFiles {
     }
 
     fn with_rules(rules_json: &str) -> SyncFiles {
+        SyncFiles::with_rules_file("rules.json", rules_json)
+    }
+
+    /// Rules in a file of this name (`rules.yaml` for YAML).
+    fn with_rules_file(name: &str, text: &str) -> SyncFiles {
         let dir = DataDir::new("sync-files");
-        let rules = dir.path().join("rules.json");
+        let rules = dir.path().join(name);
         let secret = dir.path().join("secret");
-        std::fs::write(&rules, rules_json).unwrap();
+        std::fs::write(&rules, text).unwrap();
         std::fs::write(&secret, SECRET).unwrap();
         SyncFiles {
             _dir: dir,
@@ -1788,29 +1793,85 @@ async fn rules_naming_a_table_or_column_the_replica_lacks_are_refused_at_start()
     let pg = start_pg().await;
     let db = pg.connect().await.unwrap();
     db.batch_execute(TODOS_DDL).await.unwrap();
-    let files = SyncFiles::with_rules(
-        r#"{"tables":{"todos":{"filterColumns":["owner","ownr"],"omitColumns":["secret_note"],"where":"done = false OR prio > 3"},"ghosts":{"filterColumns":["id"]}}}"#,
-    );
-    let data = DataDir::new("rules-misfit");
-    let mut args = serve_args(&pg.url(), data.path(), free_port());
-    files.apply(&mut args);
-    let (_stop, stop) = tokio::sync::watch::channel(false);
-    let error = tokio::time::timeout(PROMPT, highwater_host::serve::serve(args, stop))
-        .await
-        .expect("serve stops on its own")
-        .expect_err("rules that do not fit are refused");
-    assert!(
-        matches!(error, highwater_host::serve::ServeError::RulesDoNotFit(_)),
-        "{error}"
-    );
-    let text = error.to_string();
-    for miss in [
-        r#"tables.ghosts: the replica has no table "ghosts""#,
-        r#"tables.todos.filterColumns: todos has no column "ownr""#,
-        r#"tables.todos.where: todos has no column "prio""#,
+    // The same rules as JSON and as YAML.
+    let yaml = "\
+tables:
+  todos:
+    filterColumns: [owner, ownr]
+    omitColumns: [secret_note]
+    where: >-
+      done = false
+      OR prio > 3
+  ghosts:
+    filterColumns: [id]
+";
+    for (name, text) in [
+        (
+            "rules.json",
+            r#"{"tables":{"todos":{"filterColumns":["owner","ownr"],"omitColumns":["secret_note"],"where":"done = false OR prio > 3"},"ghosts":{"filterColumns":["id"]}}}"#,
+        ),
+        ("rules.yaml", yaml),
     ] {
-        assert!(text.contains(miss), "{miss} in {text}");
+        let files = SyncFiles::with_rules_file(name, text);
+        let data = DataDir::new("rules-misfit");
+        let mut args = serve_args(&pg.url(), data.path(), free_port());
+        files.apply(&mut args);
+        let (_stop, stop) = tokio::sync::watch::channel(false);
+        let error = tokio::time::timeout(PROMPT, highwater_host::serve::serve(args, stop))
+            .await
+            .expect("serve stops on its own")
+            .expect_err("rules that do not fit are refused");
+        assert!(
+            matches!(error, highwater_host::serve::ServeError::RulesDoNotFit(_)),
+            "{name}: {error}"
+        );
+        let text = error.to_string();
+        for miss in [
+            r#"tables.ghosts: the replica has no table "ghosts""#,
+            r#"tables.todos.filterColumns: todos has no column "ownr""#,
+            r#"tables.todos.where: todos has no column "prio""#,
+        ] {
+            assert!(text.contains(miss), "{name}: {miss} in {text}");
+        }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn yaml_rules_serve_the_rows_their_row_filter_allows() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(&format!(
+        "{TODOS_DDL}; ALTER TABLE todos ADD COLUMN shared bool NOT NULL DEFAULT false;
+         INSERT INTO todos (id, owner, title, shared) VALUES
+           (1, 'ada', 'mine', false), (2, 'grace', 'hers', false), (3, 'grace', 'ours', true)"
+    ))
+    .await
+    .unwrap();
+    let files = SyncFiles::with_rules_file(
+        "rules.yaml",
+        "\
+# Each user sees their own todos and the shared ones.
+tables:
+  todos:
+    filterColumns: [done]
+    omitColumns:
+      - secret_note
+    where: owner = auth.sub
+      OR shared
+",
+    );
+    let data = DataDir::new("yaml-rules");
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    let mut client = Client::connect(server.addr).await;
+    client.scopes.insert("s1".to_owned(), Scope::default());
+    client
+        .send(json!({"type": "channel-subscribe", "subscriptionId": "s1", "channelType": "velocious-sync",
+            "params": {"resourceType": "todos", "conditions": {}, "authenticationToken": token("ada")}}))
+        .await;
+    client.until_subscribed("s1").await;
+    let ids: Vec<&String> = client.scopes["s1"].rows.keys().collect();
+    assert_eq!(ids, ["1", "3"]);
+    server.stop().await;
 }
 
 // ---- writes through the socket ----

@@ -152,9 +152,9 @@ pub struct ServeArgs {
     /// a page range per reader (Postgres 14+).
     #[arg(long, default_value_t = crate::replica::initial_sync::DEFAULT_SYNC_WORKERS, env = "HIGHWATER_SYNC_WORKERS")]
     pub sync_workers: usize,
-    /// Turns on scope sync (`GET /sync`): the JSON rules saying which tables apps may read,
-    /// which columns a scope may filter on, which are never sent, and which conditions must
-    /// equal a token claim. Without it `/sync` answers 404.
+    /// Turns on scope sync (`GET /sync`): the rules (JSON or YAML) saying which tables apps may
+    /// read, which columns a scope may filter on, which are never sent, and which conditions
+    /// must equal a token claim. Without it `/sync` answers 404.
     #[arg(long, value_name = "FILE", env = "HIGHWATER_SYNC_RULES")]
     pub sync_rules: Option<PathBuf>,
     #[command(flatten)]
