@@ -248,6 +248,29 @@ impl RemoteChange {
     }
 }
 
+/// Rows of a scope an envelope takes out as access changed: every row whose `column` equals
+/// one of `values` (compared as conditions compare for equality).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct MovedOut {
+    pub column: String,
+    pub values: Vec<Value>,
+}
+
+/// The envelope's moves (its [`MOVES_KEY`](crate::scope_sync::MOVES_KEY)), if any.
+fn moved_out(envelope: &SyncEnvelope) -> Result<Vec<MovedOut>, MessageError> {
+    let Some(moves) = envelope.extra.get(crate::scope_sync::MOVES_KEY) else {
+        return Ok(Vec::new());
+    };
+    let bad = || MessageError::BadMoves {
+        found: crate::scope_sync::coercion::describe(moves).to_string(),
+    };
+    let out = match moves.get("out") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(out) => out,
+    };
+    serde_json::from_value(out.clone()).map_err(|_| bad())
+}
+
 /// Serialized with the whole entry as received ([`RemoteChange::received`]).
 impl Serialize for RemoteChange {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
@@ -318,6 +341,10 @@ pub enum BridgeEffect {
         /// envelope's `echoOrigin` in its object form).
         #[serde(skip_serializing_if = "Option::is_none")]
         echo: Option<Echo>,
+        /// Rows to take out of the scope first, as access changed (the envelope's moves); the
+        /// changes then apply.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        moved_out: Vec<MovedOut>,
     },
     /// Persist `cursor` as the scope's cursor (its JSON text in `cursor_json`). Emitted only
     /// when the cursor moves forwards, and only for confirmed, caught-up subscriptions.
@@ -398,6 +425,8 @@ pub enum MessageError {
     UnknownResourceType { index: usize, resource_type: String },
     #[error("sync entry {index} has unusable data: {source}")]
     BadData { index: usize, source: EnvelopeError },
+    #[error("expected the envelope's moves to be {{\"out\": [{{\"column\": name, \"values\": [...]}}]}}, got {found}")]
+    BadMoves { found: String },
 }
 
 impl MessageError {
@@ -408,6 +437,7 @@ impl MessageError {
             MessageError::MissingResourceType { .. } => "missing-resource-type",
             MessageError::UnknownResourceType { .. } => "unknown-resource-type",
             MessageError::BadData { .. } => "bad-data",
+            MessageError::BadMoves { .. } => "bad-moves",
         }
     }
 }
@@ -535,6 +565,7 @@ enum Prepared {
         cursor: Option<SyncCursor>,
         progress: Option<ReplayProgress>,
         echo: Option<Echo>,
+        moved_out: Vec<MovedOut>,
     },
 }
 
@@ -945,6 +976,7 @@ impl ScopeBridge {
                             cursor,
                             progress,
                             echo,
+                            moved_out,
                         }) => {
                             self.tickets_issued += 1;
                             let ticket = self.tickets_issued;
@@ -965,6 +997,7 @@ impl ScopeBridge {
                                 changes,
                                 progress,
                                 echo,
+                                moved_out,
                             });
                         }
                     }
@@ -1025,6 +1058,7 @@ impl ScopeBridge {
         let reset = is_reset(&envelope);
         let cursor = envelope.advanced_cursor(None);
         let progress = replay_progress(&envelope);
+        let moved_out = moved_out(&envelope)?;
         let changes = envelope
             .syncs
             .into_iter()
@@ -1038,6 +1072,7 @@ impl ScopeBridge {
             cursor,
             progress,
             echo: envelope.echo,
+            moved_out,
         })
     }
 

@@ -260,6 +260,33 @@ impl SyncRules {
             for column in rules.write.columns() {
                 check("write.update", column);
             }
+            let mut subqueries: Vec<_> = rules
+                .row_filter
+                .iter()
+                .flat_map(RuleFilter::subqueries)
+                .collect();
+            while let Some(subquery) = subqueries.pop() {
+                let table = &subquery.table;
+                let Some(columns) = columns_of(table) else {
+                    problems.push(format!(
+                        "tables.{name}.where: its subquery reads table {table:?}, which the \
+                         replica does not have (is it in the publication?)"
+                    ));
+                    continue;
+                };
+                let read =
+                    std::iter::once(subquery.column.clone()).chain(subquery.filter.columns());
+                for column in read {
+                    if !columns.contains(&column) {
+                        problems.push(format!(
+                            "tables.{name}.where: its subquery reads column {column:?} of \
+                             {table}, which has none (it has {})",
+                            columns.join(", ")
+                        ));
+                    }
+                }
+                subqueries.extend(subquery.filter.subqueries());
+            }
         }
         problems
     }
@@ -267,19 +294,39 @@ impl SyncRules {
     /// The columns a scope's membership depends on, per table: its filter columns, then the
     /// columns its row filter reads. The server indexes these and keeps their old values in
     /// exits, so a row leaving a scope by a change of any of them is seen.
+    ///
+    /// The tables row filters' subqueries read are here too (readable or not), with the column
+    /// each subquery selects and the columns its filter reads: the scope server keeps their
+    /// sets from the feed, so their rows must be in it.
     pub fn filter_columns(&self) -> BTreeMap<String, Vec<String>> {
-        self.tables
-            .iter()
-            .map(|(name, rules)| {
-                let mut columns = rules.filter_columns.clone();
-                for column in rules.row_filter.iter().flat_map(RuleFilter::columns) {
-                    if !columns.contains(&column) {
-                        columns.push(column);
-                    }
+        let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let mut add = |table: &str, columns: Vec<String>| {
+            let entry = out.entry(table.to_owned()).or_default();
+            for column in columns {
+                if !entry.contains(&column) {
+                    entry.push(column);
                 }
-                (name.clone(), columns)
-            })
-            .collect()
+            }
+        };
+        for (name, rules) in &self.tables {
+            let mut columns = rules.filter_columns.clone();
+            columns.extend(rules.row_filter.iter().flat_map(RuleFilter::columns));
+            add(name, columns);
+        }
+        for rules in self.tables.values() {
+            let mut subqueries: Vec<_> = rules
+                .row_filter
+                .iter()
+                .flat_map(RuleFilter::subqueries)
+                .collect();
+            while let Some(subquery) = subqueries.pop() {
+                let mut columns = vec![subquery.column.clone()];
+                columns.extend(subquery.filter.columns());
+                add(&subquery.table, columns);
+                subqueries.extend(subquery.filter.subqueries());
+            }
+        }
+        out
     }
 
     /// Decides a subscription to `resource_type` where `conditions`, for a caller holding

@@ -146,6 +146,7 @@ pub fn scope_sync_client(data: &[u8]) {
                             rows: Vec::new(),
                             total: Some(0),
                             floor: None,
+                            access_changed: false,
                         },
                     }),
                     ServerEffect::Send { conn, text } => {
@@ -187,7 +188,10 @@ pub fn scope_sync_client(data: &[u8]) {
                             last: None,
                         });
                     }
-                    ServerEffect::Close { .. } => {}
+                    // Grants carry no row filter, so no set is ever read.
+                    ServerEffect::Close { .. }
+                    | ServerEffect::ReadSet { .. }
+                    | ServerEffect::ReadMoves { .. } => {}
                 }
             }
         }

@@ -391,6 +391,7 @@ impl Storage {
             rows,
             total,
             floor: self.durable.exit_floor,
+            access_changed: false,
         }
     }
 }

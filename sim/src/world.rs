@@ -1577,7 +1577,9 @@ impl World {
             | ServerEffect::FetchPage { conn, .. }
             | ServerEffect::ApplyMutations { conn, .. }
             | ServerEffect::Close { conn, .. } => *conn,
-            ServerEffect::LookUpReplicated { .. } => u64::MAX,
+            ServerEffect::LookUpReplicated { .. }
+            | ServerEffect::ReadSet { .. }
+            | ServerEffect::ReadMoves { .. } => u64::MAX,
         });
         for effect in effects {
             let Some(server) = self.server.as_mut() else {
@@ -1629,6 +1631,7 @@ impl World {
                     up_to,
                     limit,
                     count_total,
+                    access: _,
                 } => {
                     // The simulation's rules have no row filter. Read when the page is due, from what is durable then.
                     let gen = server.gen;
@@ -1645,6 +1648,9 @@ impl World {
                         count_total,
                     });
                     self.at(d, Ev::Page { gen, req });
+                }
+                ServerEffect::ReadSet { .. } | ServerEffect::ReadMoves { .. } => {
+                    unreachable!("the simulation's rules have no subqueries")
                 }
                 ServerEffect::Close { conn, code, reason } => {
                     self.log(format!("scope server closes {conn}: {code} {reason}"));

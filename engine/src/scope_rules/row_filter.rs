@@ -15,13 +15,24 @@
 //! subscription is served by: the scope server matches live rows with it and the replica's
 //! replay reads render it as SQL, so both say the same.
 //!
-//! Not supported yet: a filter reads the table's own columns only, so rows reached through
-//! another table (a membership table, with rows moving in when it changes) cannot be filtered
-//! for; subqueries are refused at load. A column the filter names that the table lacks stops
-//! the server at its start ([`SyncRules::schema_problems`](crate::scope_rules::SyncRules::schema_problems)).
+//! Rows reached through another table: `col IN (SELECT c FROM t WHERE …)`, where the
+//! subquery's `WHERE` is a row filter of `t` (claims, literals and further subqueries, nested
+//! to any depth). A subquery is one column of one table: no joins, `DISTINCT`, `LIMIT`,
+//! grouping, aliases or qualified names. It may only widen what a row can see: `NOT IN
+//! (SELECT …)`, or a subquery under `NOT`, is refused, so a membership added can only bring rows
+//! in and one removed can only take rows out (the scope server's move-ins and move-outs rely on
+//! it). Bound, a subquery becomes a [`SetQuery`]: the values of `c` over the rows of `t` its
+//! filter holds for. NULLs are never in it, and a NULL column is never in a set.
+//!
+//! A column the filter names that the table (or a subquery's table) lacks stops the server at
+//! its start ([`SyncRules::schema_problems`](crate::scope_rules::SyncRules::schema_problems)).
+
+use std::fmt;
 
 use serde_json::{Map, Number, Value};
-use sqlparser::ast::{BinaryOperator, Expr, UnaryOperator, Value as Literal};
+use sqlparser::ast::{
+    BinaryOperator, Expr, Query, SelectItem, SetExpr, TableFactor, UnaryOperator, Value as Literal,
+};
 use sqlparser::dialect::PostgreSqlDialect;
 use sqlparser::parser::Parser;
 use sqlparser::tokenizer::Token;
@@ -67,7 +78,21 @@ pub enum RuleFilter {
     Or(Vec<RuleFilter>),
     Not(Box<RuleFilter>),
     Test(String, RuleTest),
+    /// `column IN (SELECT …)`.
+    InSubquery(String, Box<Subquery<RuleFilter>>),
 }
+
+/// `SELECT column FROM table WHERE filter` (no `WHERE` is `true`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Subquery<F> {
+    pub table: String,
+    pub column: String,
+    pub filter: F,
+}
+
+/// A bound subquery: the set of values of `column` over the rows of `table` that `filter`
+/// holds for (NULLs left out).
+pub type SetQuery = Subquery<RowFilter>;
 
 /// A row filter with a token's claims in place.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,6 +103,8 @@ pub enum RowFilter {
     Or(Vec<RowFilter>),
     Not(Box<RowFilter>),
     Test(String, Test),
+    /// The column's value is in the set (a NULL column is unknown).
+    InSet(String, Box<SetQuery>),
 }
 
 impl RuleFilter {
@@ -101,47 +128,107 @@ impl RuleFilter {
                 next.token, next.span.start
             ));
         }
-        filter(&expr)
+        let parsed = filter(&expr)?;
+        parsed.refuse_negated_subqueries(false)?;
+        Ok(parsed)
     }
 
-    /// The columns the filter reads, in order, without repeats.
-    pub fn columns(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        self.visit(&mut |column, _| {
-            if !out.iter().any(|c| c == column) {
-                out.push(column.to_owned());
+    /// Refuses a subquery under `NOT`: a subquery may only let rows in.
+    fn refuse_negated_subqueries(&self, negated: bool) -> Result<(), String> {
+        match self {
+            RuleFilter::And(items) | RuleFilter::Or(items) => items
+                .iter()
+                .try_for_each(|item| item.refuse_negated_subqueries(negated)),
+            RuleFilter::Not(item) => item.refuse_negated_subqueries(!negated),
+            RuleFilter::Test(..) => Ok(()),
+            RuleFilter::InSubquery(column, subquery) => {
+                if negated {
+                    return Err(format!(
+                        "`{column} IN (SELECT {} FROM {} …)` is under NOT: a subquery may only \
+                         let rows in, not keep them out",
+                        subquery.column, subquery.table
+                    ));
+                }
+                subquery.filter.refuse_negated_subqueries(false)
             }
-        });
+        }
+    }
+
+    /// The columns of the table the filter reads (not those of its subqueries' tables), in
+    /// order, without repeats.
+    pub fn columns(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for column in self.own_columns_in_order() {
+            if !out.contains(&column) {
+                out.push(column);
+            }
+        }
         out
     }
 
-    /// The claims the filter reads, in order, without repeats.
-    pub fn claims(&self) -> Vec<String> {
+    fn own_columns_in_order(&self) -> Vec<String> {
+        match self {
+            RuleFilter::And(items) | RuleFilter::Or(items) => items
+                .iter()
+                .flat_map(RuleFilter::own_columns_in_order)
+                .collect(),
+            RuleFilter::Not(item) => item.own_columns_in_order(),
+            RuleFilter::Test(column, _) | RuleFilter::InSubquery(column, _) => {
+                vec![column.clone()]
+            }
+        }
+    }
+
+    /// The subqueries the filter holds directly (theirs are in their own filters).
+    pub fn subqueries(&self) -> Vec<&Subquery<RuleFilter>> {
         let mut out = Vec::new();
-        self.visit(&mut |_, test| {
-            let operands: &[Operand] = match test {
-                RuleTest::Compare(_, operand) => std::slice::from_ref(operand),
-                RuleTest::In(operands) | RuleTest::NotIn(operands) => operands,
-                RuleTest::IsNull(_) => &[],
-            };
-            for operand in operands {
-                if let Operand::Claim(claim) = operand {
-                    if !out.contains(claim) {
-                        out.push(claim.clone());
+        self.visit_own(&mut |_, _| {}, &mut |_, subquery| out.push(subquery));
+        out
+    }
+
+    /// The claims the filter reads, its subqueries' included, in order, without repeats.
+    pub fn claims(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        let mut nested = Vec::new();
+        self.visit_own(
+            &mut |_, test| {
+                let operands: &[Operand] = match test {
+                    RuleTest::Compare(_, operand) => std::slice::from_ref(operand),
+                    RuleTest::In(operands) | RuleTest::NotIn(operands) => operands,
+                    RuleTest::IsNull(_) => &[],
+                };
+                for operand in operands {
+                    if let Operand::Claim(claim) = operand {
+                        if !out.contains(claim) {
+                            out.push(claim.clone());
+                        }
                     }
                 }
+            },
+            &mut |_, subquery| nested.push(subquery.filter.claims()),
+        );
+        for claim in nested.into_iter().flatten() {
+            if !out.contains(&claim) {
+                out.push(claim);
             }
-        });
+        }
         out
     }
 
-    fn visit(&self, f: &mut impl FnMut(&str, &RuleTest)) {
+    /// Calls `test` for each test of the table's columns and `subquery` for each subquery
+    /// (with the column it tests), not descending into subqueries.
+    fn visit_own<'a>(
+        &'a self,
+        test: &mut impl FnMut(&'a str, &'a RuleTest),
+        subquery: &mut impl FnMut(&'a str, &'a Subquery<RuleFilter>),
+    ) {
         match self {
             RuleFilter::And(items) | RuleFilter::Or(items) => {
-                items.iter().for_each(|item| item.visit(f));
+                items.iter().for_each(|item| item.visit_own(test, subquery));
             }
-            RuleFilter::Not(item) => item.visit(f),
-            RuleFilter::Test(column, test) => f(column, test),
+            RuleFilter::Not(item) => item.visit_own(test, subquery),
+            RuleFilter::Test(column, t) => test(column, t),
+            RuleFilter::InSubquery(column, s) => subquery(column, s),
         }
     }
 
@@ -174,6 +261,14 @@ impl RuleFilter {
                     .collect::<Result<_, _>>()?,
             ),
             RuleFilter::Not(item) => RowFilter::Not(Box::new(item.bind(claims)?)),
+            RuleFilter::InSubquery(column, subquery) => RowFilter::InSet(
+                column.clone(),
+                Box::new(SetQuery {
+                    table: subquery.table.clone(),
+                    column: subquery.column.clone(),
+                    filter: subquery.filter.bind(claims)?,
+                }),
+            ),
             RuleFilter::Test(column, test) => {
                 let test = match test {
                     RuleTest::Compare(cmp, operand) => {
@@ -201,34 +296,34 @@ impl RuleFilter {
     }
 }
 
+/// Whether a value is in a subquery's set; `None` when the set is not known.
+pub trait Sets {
+    fn contains(&self, set: &SetQuery, value: &Value) -> Option<bool>;
+}
+
+/// No set is known: a subquery's test is unknown.
+pub struct NoSets;
+
+impl Sets for NoSets {
+    fn contains(&self, _: &SetQuery, _: &Value) -> Option<bool> {
+        None
+    }
+}
+
 impl RowFilter {
     /// SQL's three-valued answer for a row (its column values; a missing column is NULL):
-    /// `None` is unknown.
+    /// `None` is unknown. A subquery's test is unknown here: see [`RowFilter::eval_with`].
     pub fn eval(&self, row: &Map<String, Value>) -> Option<bool> {
-        match self {
-            RowFilter::And(items) => {
-                let mut answer = Some(true);
-                for item in items {
-                    match item.eval(row) {
-                        Some(false) => return Some(false),
-                        None => answer = None,
-                        Some(true) => {}
-                    }
-                }
-                answer
-            }
-            RowFilter::Or(items) => {
-                let mut answer = Some(false);
-                for item in items {
-                    match item.eval(row) {
-                        Some(true) => return Some(true),
-                        None => answer = None,
-                        Some(false) => {}
-                    }
-                }
-                answer
-            }
-            RowFilter::Not(item) => item.eval(row).map(|answer| !answer),
+        self.eval_with(row, &NoSets)
+    }
+
+    /// [`RowFilter::eval`], with subqueries' sets answered by `sets`.
+    pub fn eval_with(&self, row: &Map<String, Value>, sets: &dyn Sets) -> Option<bool> {
+        self.eval_leaves(&mut |leaf| match leaf {
+            RowFilter::InSet(column, set) => match row.get(column) {
+                None | Some(Value::Null) => None,
+                Some(value) => sets.contains(set, value),
+            },
             RowFilter::Test(column, test) => {
                 let value = row.get(column).filter(|value| !value.is_null());
                 match (test, value) {
@@ -237,12 +332,138 @@ impl RowFilter {
                     (_, Some(_)) => Some(test.passes(value)),
                 }
             }
+            _ => unreachable!("only leaves are passed"),
+        })
+    }
+
+    /// SQL's three-valued logic over the leaves' answers (`Test` and `InSet`, each asked once,
+    /// in the order they are written, with no short cut: the n-th call is the n-th leaf).
+    pub fn eval_leaves(&self, leaf: &mut dyn FnMut(&RowFilter) -> Option<bool>) -> Option<bool> {
+        match self {
+            RowFilter::And(items) => {
+                let mut answer = Some(true);
+                for item in items {
+                    match item.eval_leaves(leaf) {
+                        Some(false) => answer = Some(false),
+                        None if answer != Some(false) => answer = None,
+                        _ => {}
+                    }
+                }
+                answer
+            }
+            RowFilter::Or(items) => {
+                let mut answer = Some(false);
+                for item in items {
+                    match item.eval_leaves(leaf) {
+                        Some(true) => answer = Some(true),
+                        None if answer != Some(true) => answer = None,
+                        _ => {}
+                    }
+                }
+                answer
+            }
+            RowFilter::Not(item) => item.eval_leaves(leaf).map(|answer| !answer),
+            RowFilter::Test(..) | RowFilter::InSet(..) => leaf(self),
         }
     }
 
     /// Whether the row is in: the filter is true for it.
     pub fn matches(&self, row: &Map<String, Value>) -> bool {
         self.eval(row) == Some(true)
+    }
+
+    /// Whether the filter holds a subquery.
+    pub fn has_sets(&self) -> bool {
+        match self {
+            RowFilter::And(items) | RowFilter::Or(items) => items.iter().any(RowFilter::has_sets),
+            RowFilter::Not(item) => item.has_sets(),
+            RowFilter::Test(..) => false,
+            RowFilter::InSet(..) => true,
+        }
+    }
+
+    /// The subqueries the filter holds directly, with the column each tests, and whether the
+    /// test is one of the filter's top-level conjuncts (then a value leaving the set takes every
+    /// row with that value out, whatever the rest of the filter says).
+    pub fn sets(&self) -> Vec<(&str, &SetQuery, bool)> {
+        fn walk<'a>(
+            filter: &'a RowFilter,
+            top: bool,
+            out: &mut Vec<(&'a str, &'a SetQuery, bool)>,
+        ) {
+            match filter {
+                RowFilter::And(items) => items.iter().for_each(|item| walk(item, top, out)),
+                RowFilter::Or(items) if items.len() == 1 => walk(&items[0], top, out),
+                RowFilter::Or(items) => items.iter().for_each(|item| walk(item, false, out)),
+                RowFilter::Not(item) => walk(item, false, out),
+                RowFilter::Test(..) => {}
+                RowFilter::InSet(column, set) => out.push((column, set, top)),
+            }
+        }
+        let mut out = Vec::new();
+        walk(self, true, &mut out);
+        out
+    }
+
+    /// The tables the filter's subqueries read, nested ones included, without repeats.
+    pub fn set_tables(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for (_, set, _) in self.sets() {
+            if !out.contains(&set.table) {
+                out.push(set.table.clone());
+            }
+            for table in set.filter.set_tables() {
+                if !out.contains(&table) {
+                    out.push(table);
+                }
+            }
+        }
+        out
+    }
+
+    /// The filter with every row also needing `column` in `values` (a move's read).
+    pub fn and_in(&self, column: &str, values: Vec<Value>) -> RowFilter {
+        RowFilter::And(vec![
+            self.clone(),
+            RowFilter::Test(column.to_owned(), Test::In(values)),
+        ])
+    }
+}
+
+/// Canonical text, claims in place: two filters that print the same select the same rows (the
+/// scope server shares one set among the subscriptions whose subqueries print alike).
+impl fmt::Display for RowFilter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let list = |f: &mut fmt::Formatter<'_>, items: &[RowFilter], op: &str, empty: &str| {
+            if items.is_empty() {
+                return f.write_str(empty);
+            }
+            f.write_str("(")?;
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    f.write_str(op)?;
+                }
+                write!(f, "{item}")?;
+            }
+            f.write_str(")")
+        };
+        match self {
+            RowFilter::And(items) => list(f, items, " AND ", "true"),
+            RowFilter::Or(items) => list(f, items, " OR ", "false"),
+            RowFilter::Not(item) => write!(f, "(NOT {item})"),
+            RowFilter::Test(column, test) => write!(f, "({column:?} {test:?})"),
+            RowFilter::InSet(column, set) => write!(f, "({column:?} IN {set})"),
+        }
+    }
+}
+
+impl fmt::Display for SetQuery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "(SELECT {:?} FROM {:?} WHERE {})",
+            self.column, self.table, self.filter
+        )
     }
 }
 
@@ -357,8 +578,28 @@ fn filter(expr: &Expr) -> Result<RuleFilter, String> {
             Literal::Boolean(false) => Ok(RuleFilter::Or(Vec::new())),
             _ => Err(format!("`{expr}` is not a condition")),
         },
-        Expr::InSubquery { .. } | Expr::Subquery(_) | Expr::Exists { .. } => Err(format!(
-            "`{expr}`: subqueries (rows reached through another table) are not supported yet"
+        Expr::InSubquery {
+            expr: inner,
+            subquery,
+            negated,
+        } => {
+            let Some(column) = column(inner) else {
+                return Err(format!("`{expr}` must test a column of the table"));
+            };
+            if *negated {
+                return Err(format!(
+                    "`{expr}`: NOT IN (SELECT …) is not allowed: a subquery may only let rows \
+                     in (write `col IN (SELECT …)`)"
+                ));
+            }
+            Ok(RuleFilter::InSubquery(
+                column,
+                Box::new(subquery_of(subquery)?),
+            ))
+        }
+        Expr::Subquery(_) | Expr::Exists { .. } => Err(format!(
+            "`{expr}`: a subquery may only be the list of `column IN (SELECT column FROM \
+             table WHERE …)`"
         )),
         Expr::Function(function) => Err(format!(
             "`{expr}`: functions ({}) are not allowed",
@@ -388,7 +629,8 @@ fn unsupported(expr: &Expr) -> Option<String> {
             function.name
         )),
         Expr::Subquery(_) => Some(format!(
-            "`{expr}`: subqueries (rows reached through another table) are not supported yet"
+            "`{expr}`: a subquery may only be the list of `column IN (SELECT column FROM \
+             table WHERE …)`"
         )),
         Expr::CompoundIdentifier(parts)
             if !(parts.len() == 2 && parts[0].value.eq_ignore_ascii_case("auth")) =>
@@ -400,6 +642,69 @@ fn unsupported(expr: &Expr) -> Option<String> {
         }
         _ => None,
     }
+}
+
+/// `SELECT column FROM table [WHERE filter]`, and nothing else.
+fn subquery_of(query: &Query) -> Result<Subquery<RuleFilter>, String> {
+    let shape = || {
+        format!(
+            "`{query}`: a subquery must be `SELECT column FROM table [WHERE …]`, with no \
+             joins, aliases, DISTINCT, grouping, ordering or limit"
+        )
+    };
+    let SetExpr::Select(select) = query.body.as_ref() else {
+        return Err(shape());
+    };
+    let [from] = select.from.as_slice() else {
+        return Err(shape());
+    };
+    let [SelectItem::UnnamedExpr(projected)] = select.projection.as_slice() else {
+        return Err(shape());
+    };
+    let TableFactor::Table {
+        name, alias: None, ..
+    } = &from.relation
+    else {
+        return Err(shape());
+    };
+    let [part] = name.0.as_slice() else {
+        return Err(format!(
+            "`{query}`: name the table as the rules do, without a schema"
+        ));
+    };
+    let table = part
+        .as_ident()
+        .map(|ident| {
+            if ident.quote_style.is_some() {
+                ident.value.clone()
+            } else {
+                ident.value.to_lowercase()
+            }
+        })
+        .ok_or_else(shape)?;
+    let Some(selected) = column(projected) else {
+        return Err(format!(
+            "`{query}`: a subquery selects one column of its table"
+        ));
+    };
+    // Anything the parts above do not account for (joins, DISTINCT, GROUP BY, ORDER BY,
+    // LIMIT, WITH, …) prints differently.
+    let rebuilt = match &select.selection {
+        Some(selection) => format!("SELECT {projected} FROM {name} WHERE {selection}"),
+        None => format!("SELECT {projected} FROM {name}"),
+    };
+    if query.to_string() != rebuilt || !from.joins.is_empty() {
+        return Err(shape());
+    }
+    let filter = match &select.selection {
+        Some(selection) => filter(selection)?,
+        None => RuleFilter::And(Vec::new()),
+    };
+    Ok(Subquery {
+        table,
+        column: selected,
+        filter,
+    })
 }
 
 /// Merges nested `AND`s (or `OR`s) into one list.
@@ -542,8 +847,53 @@ mod tests {
         for (text, reason) in [
             ("lower(owner) = 'ada'", "functions (lower) are not allowed"),
             (
-                "project_id IN (SELECT project_id FROM members)",
-                "subqueries",
+                "project_id NOT IN (SELECT project_id FROM members)",
+                "may only let rows in",
+            ),
+            (
+                "NOT (project_id IN (SELECT project_id FROM members))",
+                "under NOT",
+            ),
+            (
+                "p IN (SELECT project_id FROM members m)",
+                "a subquery must be",
+            ),
+            (
+                "p IN (SELECT DISTINCT project_id FROM members)",
+                "a subquery must be",
+            ),
+            (
+                "p IN (SELECT project_id FROM members LIMIT 3)",
+                "a subquery must be",
+            ),
+            (
+                "p IN (SELECT project_id FROM members JOIN x ON true)",
+                "a subquery must be",
+            ),
+            (
+                "p IN (SELECT project_id FROM members GROUP BY project_id)",
+                "a subquery must be",
+            ),
+            (
+                "p IN (SELECT project_id, user_id FROM members)",
+                "a subquery must be",
+            ),
+            (
+                "p IN (SELECT project_id FROM public.members)",
+                "without a schema",
+            ),
+            (
+                "p IN (SELECT project_id FROM members WHERE todos.x = 1)",
+                "only auth.<claim> may be qualified",
+            ),
+            (
+                "p IN (SELECT lower(project_id) FROM members)",
+                "selects one column",
+            ),
+            ("EXISTS (SELECT 1 FROM members)", "a subquery may only be"),
+            (
+                "p = (SELECT 1 FROM members)",
+                "must be a literal or auth.<claim>",
             ),
             ("todos.owner = 'ada'", "only auth.<claim> may be qualified"),
             ("owner = NULL", "use IS NULL"),
@@ -594,6 +944,54 @@ mod tests {
             holds("admin = auth.admin", json!({"admin": false})),
             Some(true)
         );
+    }
+
+    #[test]
+    fn subqueries_nest_bind_their_claims_and_answer_through_the_sets() {
+        let parsed = RuleFilter::parse(
+            "todo_id IN (SELECT id FROM Todos WHERE project_id IN \
+             (SELECT project_id FROM members WHERE user_id = auth.sub AND role <> 'gone')) \
+             AND NOT hidden",
+        )
+        .expect("parses");
+        assert_eq!(parsed.columns(), ["todo_id", "hidden"]);
+        assert_eq!(parsed.claims(), ["sub"]);
+        let [todos] = parsed.subqueries()[..] else {
+            panic!("one subquery")
+        };
+        assert_eq!(
+            (todos.table.as_str(), todos.column.as_str()),
+            ("todos", "id")
+        );
+        let [members] = todos.filter.subqueries()[..] else {
+            panic!("one nested subquery")
+        };
+        assert_eq!(members.filter.columns(), ["user_id", "role"]);
+        assert!(RuleFilter::parse("p IN (SELECT project_id FROM members)").is_ok());
+
+        let bound = parsed.bind(&claims()).expect("binds");
+        assert!(bound.has_sets());
+        assert_eq!(bound.set_tables(), ["todos", "members"]);
+        let [(column, set, top)] = bound.sets()[..] else {
+            panic!("one set")
+        };
+        assert_eq!((column, top), ("todo_id", true));
+        // The sets answer: todo 7 is in, 8 is not; NULL is unknown, as SQL has it.
+        struct Todos;
+        impl Sets for Todos {
+            fn contains(&self, set: &SetQuery, value: &Value) -> Option<bool> {
+                assert_eq!(set.table, "todos");
+                Some(value == &json!(7))
+            }
+        }
+        let eval = |row: Value| bound.eval_with(&super::tests::row(row), &Todos);
+        assert_eq!(eval(json!({"todo_id": 7, "hidden": false})), Some(true));
+        assert_eq!(eval(json!({"todo_id": 8, "hidden": false})), Some(false));
+        assert_eq!(eval(json!({"todo_id": null, "hidden": false})), None);
+        assert_eq!(eval(json!({"todo_id": 7, "hidden": true})), Some(false));
+        assert_eq!(set.to_string().matches("SELECT").count(), 2, "{set}");
+        // A claim the token lacks inside a subquery fails to bind, as outside one.
+        assert_eq!(parsed.bind(&row(json!({"org": 1}))), Err("sub".to_owned()));
     }
 
     #[test]

@@ -49,7 +49,7 @@
 //! table's table-wide list, and every change to that table is matched against each scope in
 //! that list; there is no index for ranges.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 use serde_json::{json, Map, Value};
 
@@ -58,15 +58,22 @@ use crate::replay::{
     reset_envelope, FetchedPage, PageRequest, ReplayEffect, ReplayInput, ReplayKind, ReplayPlanner,
     RESET_KEY,
 };
-use crate::scope_rules::row_filter::RowFilter;
+use crate::scope_rules::row_filter::{RowFilter, SetQuery};
 use crate::scope_sync::{
     js_string_form, operand_number, ClientFrame, Conditions, Echo, InvalidMutation, Mutation,
-    MutationResult, ServerFrame, SubscribeParams, SyncEntry, SyncEnvelope, SYNC_CHANNEL_TYPE,
+    MutationResult, ServerFrame, SubscribeParams, SyncEntry, SyncEnvelope, CURSOR_KEY, MOVES_KEY,
+    SYNC_CHANNEL_TYPE,
 };
 
 #[cfg(test)]
+mod membership_tests;
+mod sets;
+#[cfg(test)]
 mod tests;
 mod writes;
+
+use sets::{SetDiff, SetRead, SetStore};
+pub use sets::{SetId, MAX_SET_ROWS};
 
 pub use writes::{write_codes, MAX_AWAITED};
 
@@ -176,6 +183,9 @@ pub enum PageResult {
         /// may have lost their exits): read with the rows, so a prune committed before the
         /// read is known here even if [`ServerInput::RetentionFloor`] has not arrived yet.
         floor: Option<i64>,
+        /// Whether a set the page was asked about ([`ServerEffect::FetchPage`]'s `access`)
+        /// may have changed after its `after`, up to the page's high-water.
+        access_changed: bool,
     },
     /// The table was truncated after the cursor: the scope starts over.
     Truncated,
@@ -224,6 +234,10 @@ pub enum ServerInput {
         results: Vec<MutationResult>,
         replicated: Option<u64>,
     },
+    /// The answer to [`ServerEffect::ReadSet`].
+    SetRead { set: SetId, result: PageResult },
+    /// The answer to [`ServerEffect::ReadMoves`].
+    MovesRead { read: u64, result: PageResult },
     /// `bytes` of frames sent to `conn` were flushed to its socket.
     Written { conn: ConnId, bytes: usize },
     /// The socket is gone.
@@ -260,6 +274,31 @@ pub enum ServerEffect {
         up_to: Option<i64>,
         limit: u32,
         count_total: bool,
+        /// On a resumed subscription's first page: the sets of its row filter's subqueries.
+        /// Answer whether any may have changed after `after` (a row of its table that passes
+        /// its filter now, or passed it before an exit, written since; or one of its own
+        /// subqueries' sets so changed), in the page's read transaction.
+        access: Vec<SetQuery>,
+    },
+    /// Read every row of `table` that `row_filter` holds for (a subquery's set), at most
+    /// `limit`, in one read transaction, and answer [`ServerInput::SetRead`] with the rows
+    /// (as upserts) and the transaction's high-water.
+    ReadSet {
+        set: SetId,
+        table: String,
+        row_filter: RowFilter,
+        limit: u32,
+    },
+    /// Read the rows a change of access let into a live subscription's scope: every row of
+    /// `table` matching `conditions` and `row_filter` (narrowed to the values that moved), at
+    /// most `limit`; answer [`ServerInput::MovesRead`]. Read it before routing the next
+    /// commit if you can: the server holds later commits until it has the answer.
+    ReadMoves {
+        read: u64,
+        table: String,
+        conditions: Conditions,
+        row_filter: RowFilter,
+        limit: u32,
     },
     /// Check the token and the write rules and apply these mutations upstream, in order, each
     /// in its own transaction and at most once (see the module docs); answer
@@ -331,6 +370,18 @@ struct Subscription {
     told: i64,
     /// When a live checkpoint was last due (set on the first tick after the replay).
     checkpointed_ms: Option<u64>,
+    /// The sets of the row filter's own subqueries, in the order its leaves are evaluated.
+    sets: Vec<SetId>,
+    /// The set (and the column tested against it) the subscription is routed by, when it
+    /// has no equality condition and the set's test is a top-level conjunct of its filter.
+    set_route: Option<(SetId, String)>,
+    /// Waiting for its sets' first reads before its replay starts.
+    waiting_sets: bool,
+    /// A set changed while it replayed: the replay starts over at its next page.
+    restart: bool,
+    /// Rows a move sent newer than the commit that moved them: live entries of them at or
+    /// below these seqs are older than what the client has.
+    newer: HashMap<String, i64>,
 }
 
 #[derive(Debug, Default)]
@@ -349,12 +400,13 @@ type SubRef = (ConnId, String);
 pub struct ScopeServer {
     config: ServerConfig,
     connections: HashMap<ConnId, Connection>,
-    /// `(table, column, value)` → subscriptions indexed under that condition.
-    index: HashMap<(String, String, String), HashSet<SubRef>>,
+    /// `(table, column, value)` → subscriptions indexed under that condition (or under that
+    /// value of a set they are routed by).
+    index: RoutingIndex,
     /// Per table: subscriptions without conditions.
     whole_table: HashMap<String, HashSet<SubRef>>,
-    /// Per table: the columns subscriptions are indexed under, with counts.
-    indexed_columns: HashMap<String, BTreeMap<String, usize>>,
+    /// Per table: the columns subscriptions are indexed under, with counts of entries.
+    indexed_columns: IndexedColumns,
     retention_floor: Option<i64>,
     /// The newest feed entry routed (seq, commit time): every live subscription has each
     /// change of its scope up to it.
@@ -363,6 +415,46 @@ pub struct ScopeServer {
     counted: ServerCounts,
     /// Per client with an open socket that writes: its last mutation id the replica holds.
     replicated: HashMap<String, u64>,
+    /// The sets of row filters' subqueries.
+    sets: SetStore,
+    /// Per set: the subscriptions testing it directly, the column tested, and whether the
+    /// test is a top-level conjunct of their filter.
+    set_subs: HashMap<SetId, Vec<(SubRef, String, bool)>>,
+    /// Subscriptions waiting for their sets' first reads.
+    waiting: BTreeSet<SubRef>,
+    /// The commit being resolved: its sets re-read and its subscriptions' moves read before
+    /// it is routed.
+    resolving: Option<Resolving>,
+    /// Commits that came while one was being resolved, in order.
+    queued: VecDeque<Commit>,
+}
+
+/// One commit's feed entries and the mutations it confirmed (client id, mutation id).
+type Commit = (Vec<FeedEntry>, Vec<(String, u64)>);
+
+/// A commit whose routing waits for reads: the sets above the ones it changed, then the
+/// rows it moved into subscriptions' scopes.
+#[derive(Debug)]
+struct Resolving {
+    entries: Vec<FeedEntry>,
+    confirms: Vec<(String, u64)>,
+    diffs: BTreeMap<SetId, SetDiff>,
+    set_reads: BTreeSet<SetId>,
+    move_reads: HashMap<u64, SubRef>,
+    planned: bool,
+    moves: BTreeMap<SubRef, Moves>,
+}
+
+/// What a change of access does to one live subscription, sent with the commit that caused
+/// it.
+#[derive(Debug, Default)]
+struct Moves {
+    /// Column → values: the client drops its rows of the scope with these values.
+    out: Vec<(String, Vec<Value>)>,
+    /// Rows let in (or kept in by another path), read after the commit.
+    rows: Vec<FeedEntry>,
+    /// A read failed or was too large: the subscription replays instead.
+    failed: bool,
 }
 
 /// What the scope server has counted since it started: the values behind the host's metrics
@@ -385,6 +477,8 @@ pub struct ServerCounts {
     pub resets: u64,
     /// Checkpoints sent to quiet live subscriptions.
     pub checkpoints: u64,
+    /// Live envelopes that moved rows in or out of a scope as access changed.
+    pub moves: u64,
     /// Mutations received in `mutate` frames, and what became of them.
     pub mutations_received: u64,
     pub mutations_applied: u64,
@@ -401,6 +495,8 @@ pub struct ServerMetrics {
     pub subscriptions: BTreeMap<&'static str, usize>,
     /// The newest feed seq routed to live subscriptions.
     pub routed_seq: Option<i64>,
+    /// Sets of row filters' subqueries held for subscriptions.
+    pub sets: usize,
 }
 
 impl ScopeServer {
@@ -416,6 +512,11 @@ impl ScopeServer {
             tickets: 0,
             counted: ServerCounts::default(),
             replicated: HashMap::new(),
+            sets: SetStore::default(),
+            set_subs: HashMap::new(),
+            waiting: BTreeSet::new(),
+            resolving: None,
+            queued: VecDeque::new(),
         }
     }
 
@@ -437,6 +538,7 @@ impl ScopeServer {
             connections: self.connections.len(),
             subscriptions,
             routed_seq: self.routed.as_ref().map(|(seq, _)| *seq),
+            sets: self.sets.len(),
         }
     }
 
@@ -495,8 +597,10 @@ impl ScopeServer {
                 result,
             } => self.page_fetched(conn, ticket, pass, result, &mut out),
             ServerInput::Committed { entries, confirms } => {
-                self.committed(&entries, &confirms, &mut out)
+                self.committed(entries, confirms, &mut out)
             }
+            ServerInput::SetRead { set, result } => self.set_read(set, result, &mut out),
+            ServerInput::MovesRead { read, result } => self.moves_read(read, result, &mut out),
             ServerInput::MutationsApplied {
                 conn,
                 ticket,
@@ -663,6 +767,11 @@ impl ScopeServer {
             indexed: false,
             told: 0,
             checkpointed_ms: None,
+            sets: Vec::new(),
+            set_route: None,
+            waiting_sets: false,
+            restart: false,
+            newer: HashMap::new(),
         };
         if let Some(connection) = self.connections.get_mut(&conn) {
             connection
@@ -739,11 +848,183 @@ impl ScopeServer {
         };
         sub.start_seq = start.as_ref().and_then(|c| c.server_sequence);
         sub.planner = ReplayPlanner::new(start, limit);
+        let filter = sub.row_filter.clone();
+        let waiting = self.acquire_sets(conn, &id, filter.as_ref(), out);
         self.index_subscription(conn, &id);
         if let Some(reason) = reset {
             self.send_reset(conn, &id, reason, None, out);
         }
+        if waiting {
+            // The replay starts once its sets are read (`set_read`).
+            self.waiting.insert((conn, id));
+            return;
+        }
         self.begin_pass(conn, &id, floor, out);
+    }
+
+    /// Holds the sets of a subscription's row filter (reading new ones); returns whether it
+    /// must wait for some to be read.
+    fn acquire_sets(
+        &mut self,
+        conn: ConnId,
+        id: &str,
+        filter: Option<&RowFilter>,
+        out: &mut Vec<ServerEffect>,
+    ) -> bool {
+        let Some(filter) = filter.filter(|filter| filter.has_sets()) else {
+            return false;
+        };
+        let mut reads = Vec::new();
+        let mut held = Vec::new();
+        for (column, query, top) in filter.sets() {
+            let set = self.sets.acquire(query, &mut reads);
+            held.push(set);
+            self.set_subs.entry(set).or_default().push((
+                (conn, id.to_owned()),
+                column.to_owned(),
+                top,
+            ));
+        }
+        self.push_set_reads(reads, out);
+        let waiting = !held.iter().all(|set| self.sets.ready(*set));
+        if let Some(sub) = self.subscription_mut(conn, id) {
+            sub.sets = held;
+            sub.waiting_sets = waiting;
+        }
+        waiting
+    }
+
+    fn push_set_reads(&mut self, reads: Vec<SetRead>, out: &mut Vec<ServerEffect>) {
+        for read in reads {
+            out.push(ServerEffect::ReadSet {
+                set: read.set,
+                table: read.table,
+                row_filter: read.filter,
+                limit: MAX_SET_ROWS + 1,
+            });
+        }
+    }
+
+    /// A set's whole read came back.
+    fn set_read(&mut self, set: SetId, result: PageResult, out: &mut Vec<ServerEffect>) {
+        if let Some(resolving) = &mut self.resolving {
+            resolving.set_reads.remove(&set);
+        }
+        let rows = match result {
+            PageResult::Rows { up_to, rows, .. } if rows.len() <= MAX_SET_ROWS as usize => {
+                Some((up_to, rows))
+            }
+            PageResult::Rows { .. } => {
+                let message = format!(
+                    "a subquery of the sync rules selects over {MAX_SET_ROWS} rows for this \
+                     token; narrow its WHERE"
+                );
+                self.fail_holders(set, message, out);
+                None
+            }
+            PageResult::Failed { message } => {
+                self.fail_holders(set, message, out);
+                None
+            }
+            PageResult::Truncated => None,
+        };
+        if let Some((up_to, rows)) = rows {
+            let mut reads = Vec::new();
+            if let Some((diff, first)) = self.sets.read(set, up_to, &rows, &mut reads) {
+                self.route_set_values(set, &diff);
+                if !first {
+                    if let Some(resolving) = &mut self.resolving {
+                        resolving.diffs.entry(set).or_default().then(diff);
+                    }
+                }
+            }
+            self.push_set_reads(reads, out);
+            self.start_waiting(out);
+        }
+        self.advance(out);
+    }
+
+    /// Ends every subscription that holds a set, directly or through the sets above it.
+    fn fail_holders(&mut self, set: SetId, message: String, out: &mut Vec<ServerEffect>) {
+        let mut sets = self.sets.ancestors([set]);
+        sets.insert(set);
+        let holders: BTreeSet<SubRef> = sets
+            .iter()
+            .flat_map(|set| self.set_subs.get(set).into_iter().flatten())
+            .map(|(sub, _, _)| sub.clone())
+            .collect();
+        for (conn, id) in holders {
+            self.fail(conn, &id, codes::INTERNAL, message.clone(), out);
+        }
+    }
+
+    /// Starts the replays of waiting subscriptions whose sets are all read.
+    fn start_waiting(&mut self, out: &mut Vec<ServerEffect>) {
+        let ready: Vec<SubRef> = self
+            .waiting
+            .iter()
+            .filter(|(conn, id)| {
+                self.connections
+                    .get(conn)
+                    .and_then(|c| c.subscriptions.get(id))
+                    .is_none_or(|sub| sub.sets.iter().all(|set| self.sets.ready(*set)))
+            })
+            .cloned()
+            .collect();
+        for (conn, id) in ready {
+            self.waiting.remove(&(conn, id.clone()));
+            let floor = self
+                .retention_floor
+                .map(|seq| feed_cursor(&self.config.epoch, seq, None));
+            let Some(sub) = self.subscription_mut(conn, &id) else {
+                continue;
+            };
+            sub.waiting_sets = false;
+            self.begin_pass(conn, &id, floor, out);
+        }
+    }
+
+    /// Keeps the routing index of subscriptions routed by a set in step with its values.
+    fn route_set_values(&mut self, set: SetId, diff: &SetDiff) {
+        if diff.is_empty() {
+            return;
+        }
+        let Some(holders) = self.set_subs.get(&set) else {
+            return;
+        };
+        for ((conn, id), column, _) in holders {
+            let Some(sub) = self
+                .connections
+                .get(conn)
+                .and_then(|c| c.subscriptions.get(id))
+            else {
+                continue;
+            };
+            if !sub.indexed || sub.set_route.as_ref() != Some(&(set, column.clone())) {
+                continue;
+            }
+            let target = (*conn, id.clone());
+            for form in diff.gained.keys() {
+                index_add(
+                    &mut self.index,
+                    &mut self.indexed_columns,
+                    &sub.table,
+                    column,
+                    form.clone(),
+                    target.clone(),
+                );
+            }
+            for form in diff.lost.keys() {
+                index_remove(
+                    &mut self.index,
+                    &mut self.indexed_columns,
+                    &sub.table,
+                    column,
+                    form.clone(),
+                    &target,
+                );
+            }
+        }
     }
 
     /// Starts the subscribe pass and carries out its first effects.
@@ -889,6 +1170,14 @@ impl ScopeServer {
                 up_to: request.up_to.as_ref().and_then(|c| c.server_sequence),
                 limit: request.limit,
                 count_total: request.up_to.is_none() && sub.pinned.is_none(),
+                access: match (&sub.row_filter, sub.start_seq, sub.pinned) {
+                    (Some(filter), Some(_), None) => filter
+                        .sets()
+                        .into_iter()
+                        .map(|(_, set, _)| set.clone())
+                        .collect(),
+                    _ => Vec::new(),
+                },
             });
         }
     }
@@ -928,13 +1217,35 @@ impl ScopeServer {
         if past_floor && matches!(result, PageResult::Rows { .. }) {
             return self.replay_from_scratch(conn, &id, "cursor-before-retention", out);
         }
+        // Which rows the token may see changed since the cursor (a membership, a moved
+        // parent row), or while this replay ran: rows that moved in have older seqs than the
+        // cursor, and rows that moved out left no exit. The replay starts over, and the
+        // client keeps its rows until it ends.
+        let access_changed = matches!(
+            result,
+            PageResult::Rows {
+                access_changed: true,
+                ..
+            }
+        );
+        let restart = self
+            .subscription_mut(conn, &id)
+            .is_some_and(|sub| std::mem::take(&mut sub.restart));
+        if (access_changed || restart) && matches!(result, PageResult::Rows { .. }) {
+            return self.replay_from_scratch(conn, &id, "access-changed", out);
+        }
         match result {
             PageResult::Failed { message } => self.fail(conn, &id, codes::INTERNAL, message, out),
             PageResult::Truncated => self.replay_from_scratch(conn, &id, "table-truncated", out),
             PageResult::Rows {
                 up_to, rows, total, ..
             } => {
-                let Some(sub) = self.subscription_mut(conn, &id) else {
+                let sets = &self.sets;
+                let Some(sub) = self
+                    .connections
+                    .get_mut(&conn)
+                    .and_then(|c| c.subscriptions.get_mut(&id))
+                else {
                     return;
                 };
                 let first = sub.pinned.is_none();
@@ -944,7 +1255,7 @@ impl ScopeServer {
                 }
                 let entries = rows
                     .iter()
-                    .filter_map(|row| entry_for(&epoch, sub, row))
+                    .filter_map(|row| entry_for(&epoch, sub, sets, row))
                     .collect();
                 let page = FetchedPage {
                     pass,
@@ -959,7 +1270,7 @@ impl ScopeServer {
                 };
                 self.replay_effects(conn, &id, effects, out);
                 for entries in buffered {
-                    self.deliver_live(conn, &id, &entries, None, out);
+                    self.deliver_live(conn, &id, &entries, None, None, out);
                 }
             }
         }
@@ -990,11 +1301,195 @@ impl ScopeServer {
         self.begin_pass(conn, id, None, out);
     }
 
-    /// Routes one committed transaction to the subscriptions it reaches.
+    /// Routes one committed transaction to the subscriptions it reaches, once the sets it
+    /// changed and the rows it moved have been read; a commit that comes meanwhile waits its
+    /// turn.
     fn committed(
+        &mut self,
+        entries: Vec<FeedEntry>,
+        confirms: Vec<(String, u64)>,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        if self.resolving.is_some() || !self.queued.is_empty() {
+            self.queued.push_back((entries, confirms));
+            return;
+        }
+        self.resolve(entries, confirms, out);
+        self.advance(out);
+    }
+
+    /// Applies a commit to the sets and asks to read the sets above the ones it changed.
+    fn resolve(
+        &mut self,
+        entries: Vec<FeedEntry>,
+        confirms: Vec<(String, u64)>,
+        out: &mut Vec<ServerEffect>,
+    ) {
+        let diffs = self.sets.apply(&entries);
+        for (set, diff) in &diffs {
+            self.route_set_values(*set, diff);
+        }
+        let mut reads = Vec::new();
+        let mut set_reads = BTreeSet::new();
+        for set in self.sets.ancestors(diffs.keys().copied()) {
+            if self.sets.reread(set, &mut reads) {
+                set_reads.insert(set);
+            }
+        }
+        self.push_set_reads(reads, out);
+        self.resolving = Some(Resolving {
+            entries,
+            confirms,
+            diffs,
+            set_reads,
+            move_reads: HashMap::new(),
+            planned: false,
+            moves: BTreeMap::new(),
+        });
+    }
+
+    /// Moves the commit being resolved on as far as its answers allow: plans its moves once
+    /// its sets are read, routes it once its moves are read, then takes the next commit.
+    fn advance(&mut self, out: &mut Vec<ServerEffect>) {
+        loop {
+            let Some(resolving) = &mut self.resolving else {
+                return;
+            };
+            if !resolving.set_reads.is_empty() || !resolving.move_reads.is_empty() {
+                return;
+            }
+            if !resolving.planned {
+                resolving.planned = true;
+                self.plan_moves(out);
+                continue;
+            }
+            let Some(resolving) = self.resolving.take() else {
+                return;
+            };
+            self.route(
+                &resolving.entries,
+                &resolving.confirms,
+                resolving.moves,
+                out,
+            );
+            match self.queued.pop_front() {
+                Some((entries, confirms)) => self.resolve(entries, confirms, out),
+                None => return,
+            }
+        }
+    }
+
+    /// What the commit's set changes do to each subscription testing those sets: a live one
+    /// drops the rows of values that left (and is sent the rows of values that came, read
+    /// now); a replaying one starts its replay over.
+    fn plan_moves(&mut self, out: &mut Vec<ServerEffect>) {
+        let Some(resolving) = &self.resolving else {
+            return;
+        };
+        let mut wanted: BTreeMap<SubRef, Vec<(String, Vec<Value>)>> = BTreeMap::new();
+        let mut outs: BTreeMap<SubRef, Vec<(String, Vec<Value>)>> = BTreeMap::new();
+        for (set, diff) in &resolving.diffs {
+            for (sub, column, top) in self.set_subs.get(set).into_iter().flatten() {
+                let lost: Vec<Value> = diff.lost.values().cloned().collect();
+                let mut read: Vec<Value> = diff.gained.values().cloned().collect();
+                if !top {
+                    // Another path of the filter may keep a row of a lost value in.
+                    read.extend(lost.iter().cloned());
+                }
+                if !lost.is_empty() {
+                    outs.entry(sub.clone())
+                        .or_default()
+                        .push((column.clone(), lost));
+                }
+                if !read.is_empty() {
+                    wanted
+                        .entry(sub.clone())
+                        .or_default()
+                        .push((column.clone(), read));
+                }
+            }
+        }
+        let subs: BTreeSet<SubRef> = wanted.keys().chain(outs.keys()).cloned().collect();
+        for (conn, id) in subs {
+            let Some(sub) = self
+                .connections
+                .get_mut(&conn)
+                .and_then(|c| c.subscriptions.get_mut(&id))
+            else {
+                continue;
+            };
+            match sub.stage {
+                Stage::Live => {}
+                Stage::Replaying if !sub.waiting_sets => {
+                    sub.restart = true;
+                    continue;
+                }
+                // Its replay has not started: it reads the sets as they are now.
+                _ => continue,
+            }
+            let moves = Moves {
+                out: outs.remove(&(conn, id.clone())).unwrap_or_default(),
+                ..Moves::default()
+            };
+            let mut reads = Vec::new();
+            for (column, values) in wanted.remove(&(conn, id.clone())).unwrap_or_default() {
+                let Some(filter) = &sub.row_filter else {
+                    continue;
+                };
+                reads.push(ServerEffect::ReadMoves {
+                    read: 0,
+                    table: sub.table.clone(),
+                    conditions: sub.conditions.clone(),
+                    row_filter: filter.and_in(&column, values),
+                    limit: MAX_SET_ROWS + 1,
+                });
+            }
+            if reads.is_empty() && moves.out.is_empty() {
+                continue;
+            }
+            let Some(resolving) = &mut self.resolving else {
+                return;
+            };
+            for mut read in reads {
+                self.tickets += 1;
+                if let ServerEffect::ReadMoves { read: ticket, .. } = &mut read {
+                    *ticket = self.tickets;
+                }
+                resolving
+                    .move_reads
+                    .insert(self.tickets, (conn, id.clone()));
+                out.push(read);
+            }
+            resolving.moves.insert((conn, id), moves);
+        }
+    }
+
+    /// A move's read came back.
+    fn moves_read(&mut self, read: u64, result: PageResult, out: &mut Vec<ServerEffect>) {
+        let Some(resolving) = &mut self.resolving else {
+            return;
+        };
+        let Some(sub) = resolving.move_reads.remove(&read) else {
+            return;
+        };
+        if let Some(moves) = resolving.moves.get_mut(&sub) {
+            match result {
+                PageResult::Rows { rows, .. } if rows.len() <= MAX_SET_ROWS as usize => {
+                    moves.rows.extend(rows);
+                }
+                _ => moves.failed = true,
+            }
+        }
+        self.advance(out);
+    }
+
+    /// Sends a resolved commit: its entries to the subscriptions they reach, with each
+    /// subscription's moves.
+    fn route(
         &mut self,
         entries: &[FeedEntry],
         confirms: &[(String, u64)],
+        mut moves: BTreeMap<SubRef, Moves>,
         out: &mut Vec<ServerEffect>,
     ) {
         let echoes = self.note_confirms(confirms);
@@ -1009,16 +1504,34 @@ impl ScopeServer {
                 reached.entry(target).or_default().push(entry.clone());
             }
         }
+        for target in moves.keys() {
+            reached.entry(target.clone()).or_default();
+        }
         for ((conn, id), entries) in reached {
             let echo = echoes
                 .iter()
                 .find(|(c, _)| *c == conn)
                 .map(|(_, echo)| echo.clone());
-            self.deliver_live(conn, &id, &entries, echo, out);
+            let moved = moves.remove(&(conn, id.clone()));
+            if moved.as_ref().is_some_and(|moved| moved.failed) {
+                self.deliver_live(conn, &id, &entries, echo, None, out);
+                self.replay_live_again(conn, &id, out);
+                continue;
+            }
+            self.deliver_live(conn, &id, &entries, echo, moved, out);
         }
         for (conn, _) in echoes {
             self.flush_results(conn, out);
         }
+    }
+
+    /// A live subscription whose move could not be read replays its scope from scratch.
+    fn replay_live_again(&mut self, conn: ConnId, id: &str, out: &mut Vec<ServerEffect>) {
+        let Some(sub) = self.subscription_mut(conn, id) else {
+            return;
+        };
+        sub.stage = Stage::Replaying;
+        self.replay_from_scratch(conn, id, "access-changed", out);
     }
 
     /// Subscriptions an entry may reach: looked up by its routing values, one index probe per
@@ -1047,24 +1560,35 @@ impl ScopeServer {
     }
 
     /// Sends the entries of one transaction that belong to a subscription's scope as one live
-    /// envelope, unless its replay covers them.
+    /// envelope, unless its replay covers them; with its moves, if the transaction moved rows
+    /// in or out of the scope.
     fn deliver_live(
         &mut self,
         conn: ConnId,
         id: &str,
         entries: &[FeedEntry],
         echo: Option<Echo>,
+        moves: Option<Moves>,
         out: &mut Vec<ServerEffect>,
     ) {
         let epoch = self.config.epoch.clone();
         let max_buffered = self.config.max_buffered_live;
-        let Some(sub) = self.subscription_mut(conn, id) else {
+        let routed = self.routed.clone();
+        let sets = &self.sets;
+        let Some(sub) = self
+            .connections
+            .get_mut(&conn)
+            .and_then(|c| c.subscriptions.get_mut(id))
+        else {
             return;
         };
         if matches!(sub.stage, Stage::Authorizing { .. }) {
             return;
         }
         let Some(pinned) = sub.pinned else {
+            if entries.is_empty() {
+                return;
+            }
             if sub.buffered.len() >= max_buffered {
                 return self.close(conn, SLOW_CONSUMER_CLOSE_CODE, SLOW_CONSUMER_REASON, out);
             }
@@ -1072,12 +1596,65 @@ impl ScopeServer {
             return;
         };
         let floor = pinned.max(sub.start_seq.unwrap_or(0));
-        let syncs: Vec<SyncEntry> = entries
+        // Entries of later commits are newer than what a move sent of their rows.
+        if let Some((seq, _)) = &routed {
+            sub.newer.retain(|_, newer| *newer >= *seq);
+        }
+        let newer = &sub.newer;
+        let mut syncs: Vec<SyncEntry> = entries
             .iter()
             .filter(|entry| entry.seq > floor)
-            .filter_map(|entry| entry_for(&epoch, sub, entry))
+            .filter(|entry| {
+                newer
+                    .get(&entry.resource_id)
+                    .is_none_or(|newer| entry.seq > *newer)
+            })
+            .filter_map(|entry| entry_for(&epoch, sub, sets, entry))
             .collect();
-        if syncs.is_empty() {
+        let mut extra = Map::new();
+        if let Some(moves) = moves {
+            // Rows let in carry their own seqs, which may be older or newer than the commit:
+            // the envelope's cursor is the commit's, and the client's cursor moves to it.
+            let sent: HashMap<String, i64> = syncs
+                .iter()
+                .filter_map(|entry| Some((entry.resource_id.clone()?, entry.server_sequence?)))
+                .collect();
+            for row in &moves.rows {
+                // The commit's own entry of the row is as new (the read came after it).
+                if sent
+                    .get(&row.resource_id)
+                    .is_some_and(|seq| *seq >= row.seq)
+                {
+                    continue;
+                }
+                if let FeedChange::Upsert { data } = &row.change {
+                    if let Some(entry) = upsert_entry(&epoch, sub, row, data) {
+                        syncs.push(entry);
+                    }
+                }
+                if let Some((seq, _)) = &routed {
+                    if row.seq > *seq {
+                        sub.newer.insert(row.resource_id.clone(), row.seq);
+                    }
+                }
+            }
+            let out_list: Vec<Value> = moves
+                .out
+                .iter()
+                .map(|(column, values)| json!({"column": column, "values": values}))
+                .collect();
+            if syncs.is_empty() && out_list.is_empty() {
+                return;
+            }
+            extra.insert(MOVES_KEY.to_owned(), json!({"out": out_list}));
+            if let Some((seq, at)) = &routed {
+                let cursor = feed_cursor(&epoch, *seq, Some(at.clone()));
+                extra.insert(CURSOR_KEY.to_owned(), json!(cursor));
+                sub.told = sub.told.max(*seq);
+            }
+            self.counted.moves += 1;
+        }
+        if syncs.is_empty() && extra.is_empty() {
             return;
         }
         if matches!(sub.stage, Stage::Replaying) {
@@ -1088,16 +1665,20 @@ impl ScopeServer {
                 }
             }
         }
-        if let Some(seq) = syncs.iter().filter_map(|e| e.server_sequence).max() {
-            sub.told = sub.told.max(seq);
+        if extra.is_empty() {
+            if let Some(seq) = syncs.iter().filter_map(|e| e.server_sequence).max() {
+                sub.told = sub.told.max(seq);
+            }
         }
         let removals = syncs.iter().filter(|entry| entry.is_delete()).count() as u64;
-        let envelope = SyncEnvelope::new(None, syncs).with_echo(echo);
+        let rows = syncs.len() as u64;
+        let mut envelope = SyncEnvelope::new(None, syncs).with_echo(echo);
+        envelope.extra.extend(extra);
         let _ = sub.planner.handle(ReplayInput::Delivered {
             envelope: envelope.clone(),
         });
         self.counted.live_envelopes += 1;
-        self.counted.live_rows += envelope.syncs.len() as u64;
+        self.counted.live_rows += rows;
         self.counted.live_removals += removals;
         let text = message_text(id, &envelope);
         self.send_text(conn, text, out);
@@ -1270,32 +1851,55 @@ impl ScopeServer {
         self.connections.get_mut(&conn)?.subscriptions.get_mut(id)
     }
 
+    /// Routes a subscription by its equality condition, else by the values of a set its
+    /// filter must pass, else with every change to its table.
     fn index_subscription(&mut self, conn: ConnId, id: &str) {
-        let Some(sub) = self.subscription_mut(conn, id) else {
+        let Some(sub) = self
+            .connections
+            .get_mut(&conn)
+            .and_then(|c| c.subscriptions.get_mut(id))
+        else {
             return;
         };
         sub.indexed = true;
         let table = sub.table.clone();
-        let key = sub
-            .conditions
-            .routing_key()
-            .map(|(column, value)| (column.to_owned(), routing_form(value)));
         let target = (conn, id.to_owned());
-        match key {
+        if let Some((column, value)) = sub.conditions.routing_key() {
+            let (column, form) = (column.to_owned(), routing_form(value));
+            index_add(
+                &mut self.index,
+                &mut self.indexed_columns,
+                &table,
+                &column,
+                form,
+                target,
+            );
+            return;
+        }
+        let route = sub.row_filter.as_ref().and_then(|filter| {
+            filter
+                .sets()
+                .into_iter()
+                .zip(&sub.sets)
+                .find(|((_, _, top), _)| *top)
+                .map(|((column, _, _), set)| (*set, column.to_owned()))
+        });
+        sub.set_route = route.clone();
+        match route {
             None => {
                 self.whole_table.entry(table).or_default().insert(target);
             }
-            Some((column, value)) => {
-                *self
-                    .indexed_columns
-                    .entry(table.clone())
-                    .or_default()
-                    .entry(column.clone())
-                    .or_default() += 1;
-                self.index
-                    .entry((table, column, value))
-                    .or_default()
-                    .insert(target);
+            Some((set, column)) => {
+                for value in self.sets.values(set) {
+                    index_add(
+                        &mut self.index,
+                        &mut self.indexed_columns,
+                        &table,
+                        &column,
+                        routing_form(&value),
+                        target.clone(),
+                    );
+                }
             }
         }
     }
@@ -1308,45 +1912,53 @@ impl ScopeServer {
         else {
             return;
         };
-        if !sub.indexed {
-            return;
-        }
         let target = (conn, id.to_owned());
-        let key = sub
-            .conditions
-            .routing_key()
-            .map(|(column, value)| (column.to_owned(), routing_form(value)));
-        match key {
-            None => {
-                if let Some(set) = self.whole_table.get_mut(&sub.table) {
-                    set.remove(&target);
-                    shrink_set_when_sparse(set);
-                    if set.is_empty() {
-                        self.whole_table.remove(&sub.table);
+        self.waiting.remove(&target);
+        if sub.indexed {
+            let key = sub
+                .conditions
+                .routing_key()
+                .map(|(column, value)| (column.to_owned(), routing_form(value)));
+            match (key, &sub.set_route) {
+                (Some((column, form)), _) => index_remove(
+                    &mut self.index,
+                    &mut self.indexed_columns,
+                    &sub.table,
+                    &column,
+                    form,
+                    &target,
+                ),
+                (None, Some((set, column))) => {
+                    for value in self.sets.values(*set) {
+                        index_remove(
+                            &mut self.index,
+                            &mut self.indexed_columns,
+                            &sub.table,
+                            column,
+                            routing_form(&value),
+                            &target,
+                        );
                     }
                 }
-            }
-            Some((column, value)) => {
-                let index_key = (sub.table.clone(), column.clone(), value);
-                if let Some(set) = self.index.get_mut(&index_key) {
-                    set.remove(&target);
-                    shrink_set_when_sparse(set);
-                    if set.is_empty() {
-                        self.index.remove(&index_key);
-                    }
-                }
-                if let Some(columns) = self.indexed_columns.get_mut(&sub.table) {
-                    if let Some(count) = columns.get_mut(&column) {
-                        *count -= 1;
-                        if *count == 0 {
-                            columns.remove(&column);
+                (None, None) => {
+                    if let Some(set) = self.whole_table.get_mut(&sub.table) {
+                        set.remove(&target);
+                        shrink_set_when_sparse(set);
+                        if set.is_empty() {
+                            self.whole_table.remove(&sub.table);
                         }
                     }
-                    if columns.is_empty() {
-                        self.indexed_columns.remove(&sub.table);
-                    }
                 }
             }
+        }
+        for set in &sub.sets {
+            if let Some(holders) = self.set_subs.get_mut(set) {
+                holders.retain(|(held_by, _, _)| *held_by != target);
+                if holders.is_empty() {
+                    self.set_subs.remove(set);
+                }
+            }
+            self.sets.release(*set);
         }
     }
 
@@ -1404,7 +2016,7 @@ fn cursor_seq(epoch: &str, cursor: &SyncCursor) -> Result<i64, &'static str> {
 /// The text a routing value is indexed and looked up by (`scope-sync.md`, "Conditions"). Values that [`Conditions`] finds
 /// equal have equal forms (`5`, `5.0` and `"5"`; an ISO timestamp and its milliseconds), so
 /// the index never misses a subscription; the few it finds in excess are matched away.
-fn routing_form(value: &Value) -> String {
+pub fn routing_form(value: &Value) -> String {
     match value {
         Value::String(text) => operand_number(value).map_or_else(
             || text.clone(),
@@ -1416,27 +2028,52 @@ fn routing_form(value: &Value) -> String {
 
 /// The wire entry of a feed entry for one subscription, if it belongs to its scope: an upsert
 /// matching the conditions, or an exit from them. Omitted columns are left out of `data`.
-fn entry_for(epoch: &str, sub: &Subscription, entry: &FeedEntry) -> Option<SyncEntry> {
+fn entry_for(
+    epoch: &str,
+    sub: &Subscription,
+    sets: &SetStore,
+    entry: &FeedEntry,
+) -> Option<SyncEntry> {
     if entry.table != sub.table {
         return None;
     }
-    let (sync_type, data, scope_values) = match &entry.change {
+    match &entry.change {
         FeedChange::Upsert { data } => {
-            if !sub.belongs(data) {
+            if !sub.belongs(data, sets) {
                 return None;
             }
-            let mut sent = data.clone();
-            sent.retain(|key, _| !sub.omit_columns.contains(key));
-            ("update", Value::Object(sent), data)
+            upsert_entry(epoch, sub, entry, data)
         }
         FeedChange::Exit { old, new } => {
-            let still_in = new.as_ref().is_some_and(|new| sub.belongs(new));
-            if !sub.belongs(old) || still_in {
+            let still_in = new.as_ref().is_some_and(|new| sub.belongs(new, sets));
+            if !sub.belongs(old, sets) || still_in {
                 return None;
             }
-            ("delete", Value::Null, old)
+            wire_entry(epoch, sub, entry, "delete", Value::Null, old)
         }
-    };
+    }
+}
+
+/// The wire entry of a row as it now is, omitted columns left out.
+fn upsert_entry(
+    epoch: &str,
+    sub: &Subscription,
+    entry: &FeedEntry,
+    data: &Map<String, Value>,
+) -> Option<SyncEntry> {
+    let mut sent = data.clone();
+    sent.retain(|key, _| !sub.omit_columns.contains(key));
+    wire_entry(epoch, sub, entry, "update", Value::Object(sent), data)
+}
+
+fn wire_entry(
+    epoch: &str,
+    sub: &Subscription,
+    entry: &FeedEntry,
+    sync_type: &str,
+    data: Value,
+    scope_values: &Map<String, Value>,
+) -> Option<SyncEntry> {
     let mut object = Map::new();
     object.insert(
         "id".to_owned(),
@@ -1470,13 +2107,16 @@ fn entry_for(epoch: &str, sub: &Subscription, entry: &FeedEntry) -> Option<SyncE
 
 impl Subscription {
     /// Whether a row (or an exit's scope values) belongs to the subscription: its conditions
-    /// and the table's row filter both hold.
-    fn belongs(&self, values: &Map<String, Value>) -> bool {
+    /// and the table's row filter (its subqueries answered by their sets) both hold.
+    fn belongs(&self, values: &Map<String, Value>, sets: &SetStore) -> bool {
         self.conditions.matches(values)
-            && self
-                .row_filter
-                .as_ref()
-                .is_none_or(|filter| filter.matches(values))
+            && self.row_filter.as_ref().is_none_or(|filter| {
+                if self.sets.is_empty() {
+                    filter.matches(values)
+                } else {
+                    sets.matches(filter, &self.sets, values)
+                }
+            })
     }
 }
 
@@ -1494,5 +2134,63 @@ fn shrink_when_sparse<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
 fn shrink_set_when_sparse<T: Eq + std::hash::Hash>(set: &mut HashSet<T>) {
     if set.capacity() > 64 && set.len() * 4 < set.capacity() {
         set.shrink_to(set.len() * 2);
+    }
+}
+
+type RoutingIndex = HashMap<(String, String, String), HashSet<SubRef>>;
+type IndexedColumns = HashMap<String, BTreeMap<String, usize>>;
+
+/// Indexes a subscription under one value of a column.
+fn index_add(
+    index: &mut RoutingIndex,
+    columns: &mut IndexedColumns,
+    table: &str,
+    column: &str,
+    form: String,
+    target: SubRef,
+) {
+    let added = index
+        .entry((table.to_owned(), column.to_owned(), form))
+        .or_default()
+        .insert(target);
+    if added {
+        *columns
+            .entry(table.to_owned())
+            .or_default()
+            .entry(column.to_owned())
+            .or_default() += 1;
+    }
+}
+
+/// Takes a subscription out of the index under one value of a column.
+fn index_remove(
+    index: &mut RoutingIndex,
+    columns: &mut IndexedColumns,
+    table: &str,
+    column: &str,
+    form: String,
+    target: &SubRef,
+) {
+    let key = (table.to_owned(), column.to_owned(), form);
+    let Some(set) = index.get_mut(&key) else {
+        return;
+    };
+    if !set.remove(target) {
+        return;
+    }
+    shrink_set_when_sparse(set);
+    if set.is_empty() {
+        index.remove(&key);
+    }
+    if let Some(counts) = columns.get_mut(table) {
+        if let Some(count) = counts.get_mut(column) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(column);
+            }
+        }
+        if counts.is_empty() {
+            columns.remove(table);
+        }
     }
 }

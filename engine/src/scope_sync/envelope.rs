@@ -20,6 +20,13 @@ use crate::cursor::{parse_cursor_payload, sequence_from_value, CursorError, Sync
 /// Velocious peers ignore the key and apply the empty `syncs`.
 pub const CURSOR_KEY: &str = "cursor";
 
+/// Key of an envelope that moves rows in or out of its scope as access changed (a membership
+/// added or removed): `{"out": [{"column": c, "values": [...]}]}`. The client first drops its
+/// rows of the scope whose `c` is one of `values`, then applies the entries; the entries
+/// (rows let in) carry their own seqs, older or newer than the commit, so only the envelope's
+/// [`CURSOR_KEY`] moves the cursor.
+pub const MOVES_KEY: &str = "moves";
+
 /// The body of a scope-sync `channel-message`.
 ///
 /// Velocious peers also accept a bare entry as the whole body (the legacy form); `bare` records
@@ -234,7 +241,12 @@ impl SyncEnvelope {
     /// scope watermark moves once this envelope is applied or delivered.
     pub fn advanced_cursor(&self, current: Option<&SyncCursor>) -> Option<SyncCursor> {
         let mut best: Option<SyncCursor> = None;
-        let entries = self.syncs.iter().filter_map(SyncEntry::cursor);
+        let moves = self.extra.contains_key(MOVES_KEY);
+        let entries = self
+            .syncs
+            .iter()
+            .filter(|_| !moves)
+            .filter_map(SyncEntry::cursor);
         for cursor in entries.chain(self.checkpoint_cursor()) {
             if cursor.is_after(best.as_ref().or(current)) {
                 best = Some(cursor);

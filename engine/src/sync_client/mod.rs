@@ -68,7 +68,9 @@
 //! A token that is not a JWT stating `iat` and `exp` (an opaque one) is not renewed ahead of
 //! time: only the server's `auth-expired` asks for a fresh one.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use crate::scope_server::routing_form;
+use crate::scope_sync::SyncEntry;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -77,7 +79,7 @@ use serde_json::{Map, Value};
 use crate::backoff::{Backoff, BackoffPolicy};
 use crate::cursor::{is_cursor_after, SyncCursor};
 use crate::realtime_bridge::{
-    BridgeConfig, BridgeEffect, BridgeError, BridgeInput, MessageBody, RemoteChange,
+    BridgeConfig, BridgeEffect, BridgeError, BridgeInput, MessageBody, MovedOut, RemoteChange,
     ReplayProgress, ScopeBridge, ScopeChannel,
 };
 use crate::scope::{Scope, ScopeDigest};
@@ -1369,6 +1371,7 @@ impl SyncClient {
                     changes,
                     progress,
                     echo,
+                    moved_out,
                     ..
                 } => {
                     flush(key, pending.take(), out);
@@ -1379,7 +1382,7 @@ impl SyncClient {
                     if slot.phase == Phase::Subscribing {
                         slot.replaying += changes.len() as u64;
                     }
-                    let (change, mut write) = slot.apply(reset, changes);
+                    let (change, mut write) = slot.apply(reset, &moved_out, changes);
                     self.emit_change(key, reset, change, &echoed, out);
                     let Some(slot) = self.scopes.get_mut(&key) else {
                         return;
@@ -1523,7 +1526,30 @@ impl SyncClient {
 
 impl ScopeSlot {
     /// Applies one batch to the rows: the net change per row and the write that stores it.
-    fn apply(&mut self, reset: bool, changes: Vec<RemoteChange>) -> (RowChange, PersistWrite) {
+    fn apply(
+        &mut self,
+        reset: bool,
+        moved_out: &[MovedOut],
+        mut changes: Vec<RemoteChange>,
+    ) -> (RowChange, PersistWrite) {
+        if !moved_out.is_empty() {
+            // Rows that left as access changed go first, as removals without a seq (their
+            // version says nothing about the move); the envelope's rows then apply.
+            let mut gone: Vec<RemoteChange> = Vec::new();
+            for moved in moved_out {
+                let forms: HashSet<String> = moved.values.iter().map(routing_form).collect();
+                for (id, row) in &self.rows {
+                    let hit = row.data.get(&moved.column).is_some_and(|value| {
+                        !value.is_null() && forms.contains(&routing_form(&value))
+                    });
+                    if hit && !gone.iter().any(|g| g.resource_id.as_deref() == Some(id)) {
+                        gone.push(moved_out_change(id));
+                    }
+                }
+            }
+            gone.extend(changes);
+            changes = gone;
+        }
         let mut change = RowChange::default();
         let mut write = PersistWrite {
             forget_cursor: reset,
@@ -1721,4 +1747,26 @@ fn jwt_lifetime_ms(token: &str) -> Option<u64> {
         .ok()
         .filter(|seconds| *seconds > 0)?
         .checked_mul(1000)
+}
+
+/// A removal of a row that left its scope as access changed: no seq, so no version of the row
+/// held can outrank it.
+fn moved_out_change(id: &str) -> RemoteChange {
+    let entry = SyncEntry {
+        id: None,
+        resource_id: Some(id.to_owned()),
+        resource_type: None,
+        sync_type: "delete".to_owned(),
+        server_sequence: None,
+        updated_at: None,
+        data: None,
+        extra: Map::new(),
+    };
+    RemoteChange {
+        resource_type: String::new(),
+        resource_id: Some(id.to_owned()),
+        sync_type: "delete".to_owned(),
+        data: None,
+        entry,
+    }
 }

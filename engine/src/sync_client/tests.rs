@@ -1771,3 +1771,65 @@ fn a_key_subscribed_again_on_the_same_socket_ignores_the_old_subscriptions_frame
 
 #[path = "outbox_tests.rs"]
 mod outbox_tests;
+
+#[test]
+fn moves_drop_rows_by_value_then_apply_rows_let_in_and_only_the_envelope_cursor_counts() {
+    let (mut client, sub) = connected(None);
+    let in_project =
+        |id: &str, project: Value| json!({"id": id, "owner": "ada", "project_id": project});
+    frame(
+        &mut client,
+        1,
+        message(
+            &sub,
+            vec![
+                entry(1, 5, "1", Some(in_project("1", json!(1)))),
+                entry(1, 6, "2", Some(in_project("2", json!("1")))),
+                entry(1, 7, "3", Some(in_project("3", json!(2)))),
+            ],
+        ),
+    );
+    frame(&mut client, 2, subscribed(&sub));
+    assert_eq!(client.rows(1).len(), 3);
+    // Project 1 leaves (both its rows, whatever form their value has); project 4's row comes
+    // in with its own seq, older than the commit; row 3 is also read again by another path.
+    let moved = json!({"type": "channel-message", "subscriptionId": sub,
+        "body": {"echoOrigin": null,
+                 "syncs": [entry(1, 3, "9", Some(in_project("9", json!(4)))),
+                           entry(1, 7, "3", Some(in_project("3", json!(2))))],
+                 "moves": {"out": [{"column": "project_id", "values": [1]}]},
+                 "cursor": {"id": "1:20", "serverSequence": 20, "updatedAt": T}}})
+    .to_string();
+    let effects = frame(&mut client, 3, moved);
+    let mut ids: Vec<String> = client
+        .rows(1)
+        .iter()
+        .map(|row| row["id"].as_str().unwrap().to_owned())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["3", "9"]);
+    assert_eq!(client.cursor(1).unwrap().server_sequence, Some(20));
+    let write = persists(&effects)[0];
+    assert_eq!(write.deletes.len(), 2, "{write:?}");
+    // A row moved out comes back when moved in again, whatever its seq.
+    let back = json!({"type": "channel-message", "subscriptionId": sub,
+        "body": {"echoOrigin": null, "syncs": [entry(1, 5, "1", Some(in_project("1", json!(1))))],
+                 "moves": {"out": []},
+                 "cursor": {"id": "1:21", "serverSequence": 21, "updatedAt": T}}})
+    .to_string();
+    frame(&mut client, 4, back);
+    assert_eq!(client.rows(1).len(), 3);
+    assert_eq!(client.cursor(1).unwrap().server_sequence, Some(21));
+    // Moves of another shape are refused, not half applied.
+    let bad = json!({"type": "channel-message", "subscriptionId": sub,
+        "body": {"echoOrigin": null, "syncs": [], "moves": {"out": [{"column": 1}]}}})
+    .to_string();
+    let effects = frame(&mut client, 5, bad);
+    assert!(
+        effects
+            .iter()
+            .any(|e| matches!(e, ClientEffect::Error { .. })),
+        "{effects:?}"
+    );
+    assert_eq!(client.rows(1).len(), 3);
+}

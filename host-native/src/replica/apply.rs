@@ -3124,6 +3124,7 @@ mod tests {
                     up_to,
                     limit,
                     count_total: up_to.is_none(),
+                    access: &[],
                 },
             )
             .unwrap();
@@ -3273,6 +3274,7 @@ mod tests {
                 up_to: None,
                 limit: 10,
                 count_total: false,
+                access: &[],
             },
         )
         .unwrap();

@@ -28,7 +28,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use highwater_engine::change_stream::{Change, JsonFormat};
-use highwater_engine::scope_rules::row_filter::RowFilter;
+use highwater_engine::scope_rules::row_filter::{RowFilter, SetQuery};
 use highwater_engine::scope_sync::{
     js_string_form, operand_bool, operand_number, operand_text, Conditions, Test,
 };
@@ -780,6 +780,9 @@ pub struct ScopeQuery<'a> {
     pub limit: u32,
     /// Count the scope's rows in `(after, up_to]` (the first page's progress total).
     pub count_total: bool,
+    /// Sets (a row filter's subqueries) to answer for: whether any may have changed in
+    /// `(after, up_to]` ([`ScopePage::Rows::access_changed`]).
+    pub access: &'a [SetQuery],
 }
 
 /// The answer to a [`ScopeQuery`].
@@ -792,6 +795,10 @@ pub enum ScopePage {
         total: Option<u64>,
         /// The retention floor in the same read transaction as the rows.
         floor: Option<i64>,
+        /// Whether a set of [`ScopeQuery::access`] may have changed after the cursor: a row
+        /// of its table that passes its filter now, or passed it before an exit, written in
+        /// `(after, up_to]`, a truncate of its table since, or the same of a set below it.
+        access_changed: bool,
     },
     /// The cursor cannot be resumed: the table was truncated after it.
     Truncated,
@@ -815,12 +822,12 @@ pub fn read_scope_page(
         return Ok(ScopePage::UnknownTable);
     };
     // Placeholders ?1-?3 are the seq range and the limit.
-    let bound = match BoundConditions::new(table, query.conditions, query.row_filter, 4) {
+    let bound = match BoundConditions::new(tables, table, query.conditions, query.row_filter, 4) {
         Ok(bound) => bound,
         Err(refused) => return Ok(refused),
     };
     conn.execute_batch("BEGIN DEFERRED")?;
-    let result = read_in_transaction(conn, table, &bound, query);
+    let result = read_in_transaction(conn, tables, table, &bound, query);
     let end = conn.execute_batch("COMMIT");
     let page = result?;
     end?;
@@ -829,6 +836,7 @@ pub fn read_scope_page(
 
 fn read_in_transaction(
     conn: &Connection,
+    tables: &HashMap<String, ReplicaTable>,
     table: &ReplicaTable,
     bound: &BoundConditions<'_>,
     query: &ScopeQuery<'_>,
@@ -951,12 +959,84 @@ fn read_in_transaction(
     // In the same transaction as the rows: a prune is the exits' deletion and the floor's
     // rise in one commit, so the page sees both or neither.
     let floor = retention_floor(conn)?;
+    let access_changed = match query.after {
+        Some(after) if !query.access.is_empty() => {
+            match sets_changed(conn, tables, query.access, after, up_to)? {
+                Ok(changed) => changed,
+                Err(refused) => return Ok(refused),
+            }
+        }
+        _ => false,
+    };
     Ok(ScopePage::Rows {
         up_to,
         rows,
         total,
         floor,
+        access_changed,
     })
+}
+
+/// Whether any of these sets may have changed in `(after, up_to]`: a row of its table written
+/// then that passes its filter now, an exit then whose old values passed it, a truncate of its
+/// table after `after`, or the same of a set its filter reads. It may say so of a set that did
+/// not change (a row that stayed in it), never the other way.
+fn sets_changed(
+    conn: &Connection,
+    tables: &HashMap<String, ReplicaTable>,
+    sets: &[SetQuery],
+    after: i64,
+    up_to: i64,
+) -> Result<Result<bool, ScopePage>, ReplicaError> {
+    for set in sets {
+        let Some(table) = tables.get(&set.table) else {
+            return Ok(Err(ScopePage::UnknownTable));
+        };
+        if truncate_seq(conn, &table.name)?.is_some_and(|truncated| truncated > after) {
+            return Ok(Ok(true));
+        }
+        // Placeholders ?1-?3: the seq range and the table's name.
+        let bound =
+            match BoundConditions::new(tables, table, &Conditions::default(), Some(&set.filter), 4)
+            {
+                Ok(bound) => bound,
+                Err(refused) => return Ok(Err(refused)),
+            };
+        let mut params: Vec<SqlValue> = vec![
+            SqlValue::Integer(after),
+            SqlValue::Integer(up_to),
+            SqlValue::Text(table.name.clone()),
+        ];
+        params.extend(bound.values.iter().cloned());
+        let now = bound.render(|col| quote_ident(&col.name)).join(" AND ");
+        let old = bound
+            .render(|col| json_path_expr("old_values", &col.name))
+            .join(" AND ");
+        let sql = format!(
+            r#"SELECT EXISTS (SELECT 1 FROM {} WHERE "_hw_seq" > ?1 AND "_hw_seq" <= ?2 AND ?3 IS NOT NULL AND ({now}))
+                OR EXISTS (SELECT 1 FROM "_hw_exits" WHERE "table_name" = ?3 AND "seq" > ?1 AND "seq" <= ?2 AND ({old}))"#,
+            quote_ident(&table.name),
+        );
+        let changed: bool = conn
+            .prepare_cached(&sql)?
+            .query_row(params_from_iter(params), |r| r.get(0))?;
+        if changed {
+            return Ok(Ok(true));
+        }
+        let below: Vec<SetQuery> = set
+            .filter
+            .sets()
+            .into_iter()
+            .map(|(_, set, _)| set.clone())
+            .collect();
+        if !below.is_empty() {
+            match sets_changed(conn, tables, &below, after, up_to)? {
+                Ok(false) => {}
+                other => return Ok(other),
+            }
+        }
+    }
+    Ok(Ok(false))
 }
 
 fn object(text: &str) -> Result<Map<String, Value>, ReplicaError> {
@@ -971,6 +1051,7 @@ fn object(text: &str) -> Result<Map<String, Value>, ReplicaError> {
 /// [`Conditions`] matches a row: an operand the column's type cannot hold matches nothing,
 /// NULL passes only `isNull`, text compares by code point (SQLite's `BINARY`).
 struct BoundConditions<'a> {
+    tables: &'a HashMap<String, ReplicaTable>,
     tests: Vec<(&'a ReplicaColumn, SqlTest)>,
     /// The row filter, ANDed with the tests.
     filter: Option<SqlFilter<'a>>,
@@ -984,6 +1065,14 @@ enum SqlFilter<'a> {
     Or(Vec<SqlFilter<'a>>),
     Not(Box<SqlFilter<'a>>),
     Test(&'a ReplicaColumn, SqlTest),
+    /// `column IN (SELECT …)`: the subquery's table, selected column and filter.
+    InSet(&'a ReplicaColumn, Box<SqlSubquery<'a>>),
+}
+
+struct SqlSubquery<'a> {
+    table: &'a ReplicaTable,
+    column: &'a ReplicaColumn,
+    filter: SqlFilter<'a>,
 }
 
 /// One test, its operands as placeholder numbers.
@@ -1000,12 +1089,14 @@ impl<'a> BoundConditions<'a> {
     /// Binds `conditions` and the row filter from placeholder `?first` on; `Err` is the
     /// page's answer when a column is missing or cannot be compared.
     fn new(
+        tables: &'a HashMap<String, ReplicaTable>,
         table: &'a ReplicaTable,
         conditions: &Conditions,
         row_filter: Option<&RowFilter>,
         first: usize,
     ) -> Result<Self, ScopePage> {
         let mut bound = Self {
+            tables,
             tests: Vec::new(),
             filter: None,
             values: Vec::new(),
@@ -1039,6 +1130,26 @@ impl<'a> BoundConditions<'a> {
             RowFilter::Test(name, test) => {
                 let (column, test) = self.bind_test(table, name, test, first)?;
                 SqlFilter::Test(column, test)
+            }
+            RowFilter::InSet(name, set) => {
+                let Some(column) = table.column(name) else {
+                    return Err(ScopePage::UnknownColumn(name.to_owned()));
+                };
+                let Some(inner) = self.tables.get(&set.table) else {
+                    return Err(ScopePage::UnknownTable);
+                };
+                let Some(selected) = inner.column(&set.column) else {
+                    return Err(ScopePage::UnknownColumn(set.column.clone()));
+                };
+                let filter = self.bind_filter(inner, &set.filter, first)?;
+                SqlFilter::InSet(
+                    column,
+                    Box::new(SqlSubquery {
+                        table: inner,
+                        column: selected,
+                        filter,
+                    }),
+                )
             }
         })
     }
@@ -1103,25 +1214,51 @@ impl<'a> BoundConditions<'a> {
             .map(|(column, test)| render_test(&expr(column), test))
             .collect();
         if let Some(filter) = &self.filter {
-            out.push(render_filter(filter, &expr));
+            out.push(render_filter(filter, &expr, 0));
         }
         out
     }
 }
 
-fn render_filter(filter: &SqlFilter<'_>, expr: &impl Fn(&ReplicaColumn) -> String) -> String {
+/// A filter as SQL over `expr(column)`; a subquery's own columns are read through an alias of
+/// its table (`_hw_s1`, `_hw_s2`, … by depth), so a name never resolves to an outer table's
+/// column and a table may read itself.
+fn render_filter(
+    filter: &SqlFilter<'_>,
+    expr: &dyn Fn(&ReplicaColumn) -> String,
+    depth: usize,
+) -> String {
     let join = |items: &[SqlFilter<'_>], op: &str, empty: &str| {
         if items.is_empty() {
             return empty.to_owned();
         }
-        let parts: Vec<String> = items.iter().map(|item| render_filter(item, expr)).collect();
+        let parts: Vec<String> = items
+            .iter()
+            .map(|item| render_filter(item, expr, depth))
+            .collect();
         format!("({})", parts.join(op))
     };
     match filter {
         SqlFilter::And(items) => join(items, " AND ", "1"),
         SqlFilter::Or(items) => join(items, " OR ", "0"),
-        SqlFilter::Not(item) => format!("(NOT {})", render_filter(item, expr)),
+        SqlFilter::Not(item) => format!("(NOT {})", render_filter(item, expr, depth)),
         SqlFilter::Test(column, test) => format!("({})", render_test(&expr(column), test)),
+        SqlFilter::InSet(column, set) => {
+            let alias = format!("_hw_s{}", depth + 1);
+            let inner_alias = alias.clone();
+            let inner = move |col: &ReplicaColumn| {
+                format!("{}.{}", quote_ident(&inner_alias), quote_ident(&col.name))
+            };
+            format!(
+                "({} IN (SELECT {}.{} FROM {} AS {} WHERE {}))",
+                expr(column),
+                quote_ident(&alias),
+                quote_ident(&set.column.name),
+                quote_ident(&set.table.name),
+                quote_ident(&alias),
+                render_filter(&set.filter, &inner, depth + 1),
+            )
+        }
     }
 }
 

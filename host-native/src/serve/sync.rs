@@ -34,7 +34,7 @@ use highwater_engine::scope_server::{
     codes, ConnId, Decision, FeedChange, FeedEntry, PageResult, ScopeServer, ServerConfig,
     ServerEffect, ServerInput, SLOW_CONSUMER_CLOSE_CODE, SLOW_CONSUMER_REASON,
 };
-use highwater_engine::scope_sync::{rejection, MutationResult, ServerFrame};
+use highwater_engine::scope_sync::{rejection, Conditions, MutationResult, ServerFrame};
 use highwater_engine::watermark::Watermark;
 use tokio::sync::{mpsc, watch};
 
@@ -206,38 +206,62 @@ impl SyncHub {
                         up_to,
                         limit,
                         count_total,
-                    } => {
-                        let hub = self.clone();
-                        let handle = self.handle.clone();
-                        // At most `READER_POOL` pages are read at once, each by a pooled reader:
-                        // a burst of subscribes queues here rather than opening a reader and a
-                        // thread apiece (a thousand of them held 80 MB at their peak).
-                        let reading = self.reading.clone();
-                        self.handle.spawn(async move {
-                            let Ok(_permit) = reading.acquire_owned().await else {
-                                return;
-                            };
-                            let _ = handle
-                                .spawn_blocking(move || {
-                                    let result = hub.read_page(&ScopeQuery {
-                                        table: &table,
-                                        conditions: &conditions,
-                                        row_filter: row_filter.as_ref(),
-                                        after,
-                                        up_to,
-                                        limit,
-                                        count_total,
-                                    });
-                                    hub.call(ServerInput::PageFetched {
-                                        conn,
-                                        ticket,
-                                        pass,
-                                        result,
-                                    });
-                                })
-                                .await;
+                        access,
+                    } => self.read_async(move |hub| {
+                        let result = hub.read_page(&ScopeQuery {
+                            table: &table,
+                            conditions: &conditions,
+                            row_filter: row_filter.as_ref(),
+                            after,
+                            up_to,
+                            limit,
+                            count_total,
+                            access: &access,
                         });
-                    }
+                        ServerInput::PageFetched {
+                            conn,
+                            ticket,
+                            pass,
+                            result,
+                        }
+                    }),
+                    ServerEffect::ReadSet {
+                        set,
+                        table,
+                        row_filter,
+                        limit,
+                    } => self.read_async(move |hub| {
+                        let result = hub.read_page(&ScopeQuery {
+                            table: &table,
+                            conditions: &Conditions::default(),
+                            row_filter: Some(&row_filter),
+                            after: None,
+                            up_to: None,
+                            limit,
+                            count_total: false,
+                            access: &[],
+                        });
+                        ServerInput::SetRead { set, result }
+                    }),
+                    ServerEffect::ReadMoves {
+                        read,
+                        table,
+                        conditions,
+                        row_filter,
+                        limit,
+                    } => self.read_async(move |hub| {
+                        let result = hub.read_page(&ScopeQuery {
+                            table: &table,
+                            conditions: &conditions,
+                            row_filter: Some(&row_filter),
+                            after: None,
+                            up_to: None,
+                            limit,
+                            count_total: false,
+                            access: &[],
+                        });
+                        ServerInput::MovesRead { read, result }
+                    }),
                     ServerEffect::ApplyMutations {
                         conn,
                         ticket,
@@ -302,6 +326,30 @@ impl SyncHub {
         }
     }
 
+    /// Reads from the replica on a blocking thread and feeds the answer back. At most
+    /// `READER_POOL` reads run at once, each with a pooled reader: a burst of subscribes
+    /// queues here rather than opening a reader and a thread apiece (a thousand of them held
+    /// 80 MB at their peak).
+    fn read_async(
+        self: &Arc<Self>,
+        read: impl FnOnce(&Arc<SyncHub>) -> ServerInput + Send + 'static,
+    ) {
+        let hub = self.clone();
+        let handle = self.handle.clone();
+        let reading = self.reading.clone();
+        self.handle.spawn(async move {
+            let Ok(_permit) = reading.acquire_owned().await else {
+                return;
+            };
+            let _ = handle
+                .spawn_blocking(move || {
+                    let answer = read(&hub);
+                    hub.call(answer);
+                })
+                .await;
+        });
+    }
+
     /// Reads one replay page with a pooled read-only connection. Blocking.
     fn read_page(&self, query: &ScopeQuery<'_>) -> PageResult {
         let pooled = self.fault.lock(&self.readers, "scope-sync readers").pop();
@@ -331,11 +379,13 @@ impl SyncHub {
                 rows,
                 total,
                 floor,
+                access_changed,
             }) => PageResult::Rows {
                 up_to,
                 rows: rows.into_iter().map(feed_entry).collect(),
                 total,
                 floor,
+                access_changed,
             },
             Ok(ScopePage::Truncated) => PageResult::Truncated,
             Ok(ScopePage::UnknownTable) => PageResult::Failed {
