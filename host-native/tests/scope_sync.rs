@@ -81,6 +81,8 @@ struct Scope {
     resets: usize,
     /// Every (resourceId, serverSequence) applied since the last reset: each change once.
     seen: std::collections::BTreeSet<(String, i64)>,
+    /// Envelopes that moved rows in or out as access changed.
+    moves: usize,
 }
 
 impl Scope {
@@ -91,7 +93,35 @@ impl Scope {
             self.resets += 1;
             self.seen.clear();
         }
-        for entry in body["syncs"].as_array().unwrap() {
+        // A move: rows of values that left go first; the rows let in carry their own seqs
+        // (one may come again after a move out), and only the envelope's cursor counts.
+        let moves = body.get("moves").filter(|m| !m.is_null());
+        if let Some(moves) = moves {
+            self.moves += 1;
+            for out in moves["out"].as_array().unwrap() {
+                let column = out["column"].as_str().unwrap();
+                let values: Vec<String> = out["values"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_string().trim_matches('"').to_owned())
+                    .collect();
+                self.rows.retain(|_, row| {
+                    !values.contains(&row[column].to_string().trim_matches('"').to_owned())
+                });
+            }
+            for entry in body["syncs"].as_array().unwrap() {
+                let id = entry["resourceId"].as_str().unwrap().to_owned();
+                assert_ne!(entry["syncType"], "delete", "a move sends rows in: {entry}");
+                self.rows.insert(id, entry["data"].clone());
+            }
+        }
+        for entry in body["syncs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|_| moves.is_none())
+        {
             let id = entry["resourceId"].as_str().unwrap().to_owned();
             if entry["syncType"] == "delete" {
                 self.rows.remove(&id);
@@ -2539,4 +2569,249 @@ async fn write_rules_compare_timestamps_and_numerics_as_reads_do() {
         .collect();
     assert_eq!(ids, [1]);
     server.stop().await;
+}
+
+const MEMBERSHIP_DDL: &str = "
+CREATE TABLE projects (id int8 PRIMARY KEY, name text);
+CREATE TABLE members (id int8 PRIMARY KEY, project_id int8, user_id text);
+CREATE TABLE todos (id int8 PRIMARY KEY, project_id int8, title text, done bool NOT NULL DEFAULT false);
+CREATE TABLE comments (id int8 PRIMARY KEY, todo_id int8, author text, body text);
+";
+
+/// Projects through memberships, their todos, and the comments on those todos (or written by
+/// the user: a second path to a comment).
+const MEMBERSHIP_RULES: &str = r#"
+tables:
+  projects: { where: "id IN (SELECT project_id FROM members WHERE user_id = auth.sub)" }
+  members:  { where: "user_id = auth.sub" }
+  todos:
+    filterColumns: [done]
+    where: "project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub)"
+  comments:
+    omitColumns: [body]
+    where: >-
+      todo_id IN (SELECT id FROM todos WHERE project_id IN
+        (SELECT project_id FROM members WHERE user_id = auth.sub))
+      OR author = auth.sub
+"#;
+
+/// What `user` may see of `table`, as Postgres says it.
+fn member_predicate(table: &str, user: &str) -> String {
+    let projects = format!("(SELECT project_id FROM members WHERE user_id = '{user}')");
+    match table {
+        "projects" => format!("id IN {projects}"),
+        "members" => format!("user_id = '{user}'"),
+        "todos" => format!("project_id IN {projects}"),
+        "comments" => format!(
+            "todo_id IN (SELECT id FROM todos WHERE project_id IN {projects}) OR author = '{user}'"
+        ),
+        _ => unreachable!(),
+    }
+}
+
+const MEMBER_USERS: [&str; 3] = ["ada", "bob", "cy"];
+const MEMBER_TABLES: [&str; 4] = ["projects", "members", "todos", "comments"];
+
+/// One random write of the membership schema: memberships come and go, todos move between
+/// projects, comments move between todos, a project is deleted with its memberships.
+async fn membership_write(db: &tokio_postgres::Client, g: &mut Gen) {
+    let project = 1 + g.below(6) as i64;
+    let user = g.pick(&MEMBER_USERS);
+    let sql = match g.below(10) {
+        0 | 1 => format!(
+            "INSERT INTO members (id, project_id, user_id) VALUES ({}, {project}, '{user}') \
+             ON CONFLICT (id) DO UPDATE SET project_id = EXCLUDED.project_id, user_id = EXCLUDED.user_id",
+            1 + g.below(30)
+        ),
+        2 => format!("DELETE FROM members WHERE id = {}", 1 + g.below(30)),
+        3 | 4 => format!(
+            "INSERT INTO todos (id, project_id, title) VALUES ({}, {project}, 't') \
+             ON CONFLICT (id) DO UPDATE SET project_id = EXCLUDED.project_id, done = NOT todos.done",
+            1 + g.below(60)
+        ),
+        5 => format!("DELETE FROM todos WHERE id = {}", 1 + g.below(60)),
+        6 | 7 => format!(
+            "INSERT INTO comments (id, todo_id, author, body) VALUES ({}, {}, '{user}', 'b') \
+             ON CONFLICT (id) DO UPDATE SET todo_id = EXCLUDED.todo_id",
+            1 + g.below(120),
+            1 + g.below(60)
+        ),
+        8 => format!("DELETE FROM comments WHERE id = {}", 1 + g.below(120)),
+        _ => format!(
+            "BEGIN; DELETE FROM members WHERE project_id = {project}; DELETE FROM projects WHERE id = {project}; \
+             INSERT INTO projects (id, name) VALUES ({project}, 'again'); COMMIT;"
+        ),
+    };
+    db.batch_execute(&sql).await.unwrap();
+}
+
+/// Subscribes to every table as `user` sees it, from the scopes' cursors.
+async fn subscribe_member_tables(client: &mut Client, user: &str) {
+    for table in MEMBER_TABLES {
+        let id = format!("{user}-{table}");
+        let scope = client.scopes.entry(id.clone()).or_default();
+        scope.subscribed = false;
+        let mut params =
+            json!({"resourceType": table, "conditions": {}, "authenticationToken": token(user)});
+        for (k, v) in scope.cursor_params().as_object().unwrap() {
+            params[k] = v.clone();
+        }
+        client
+            .send(json!({"type": "channel-subscribe", "subscriptionId": id, "channelType": "velocious-sync", "params": params}))
+            .await;
+    }
+    for table in MEMBER_TABLES {
+        client.until_subscribed(&format!("{user}-{table}")).await;
+    }
+}
+
+/// Reads until every scope of `user` equals Postgres' answer for it.
+async fn until_members_equal(
+    client: &mut Client,
+    db: &tokio_postgres::Client,
+    user: &str,
+    what: &str,
+) {
+    for table in MEMBER_TABLES {
+        let id = format!("{user}-{table}");
+        let want = pg_ids(db, table, &member_predicate(table, user)).await;
+        let deadline = tokio::time::Instant::now() + PROMPT;
+        loop {
+            let got: std::collections::BTreeSet<String> =
+                client.scopes[&id].rows.keys().cloned().collect();
+            if got == want {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what}: {id} holds {got:?}, Postgres says {want:?}"
+            );
+            let _ = tokio::time::timeout(Duration::from_millis(100), client.next()).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_reached_through_memberships_move_in_and_out_live_on_resume_and_across_a_restart() {
+    let seed = std::env::var("HIGHWATER_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x3E3B_u64);
+    let mut g = Gen(seed);
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(MEMBERSHIP_DDL).await.unwrap();
+    db.batch_execute(
+        "INSERT INTO projects SELECT g, 'p' || g FROM generate_series(1, 6) g;
+         INSERT INTO members VALUES (1, 1, 'ada'), (2, 2, 'ada'), (3, 2, 'bob'), (4, 3, 'cy');
+         INSERT INTO todos SELECT g, 1 + g % 6, 't' || g FROM generate_series(1, 40) g;
+         INSERT INTO comments SELECT g, 1 + g % 40, (ARRAY['ada','bob','cy'])[1 + g % 3], 'b' FROM generate_series(1, 80) g;",
+    )
+    .await
+    .unwrap();
+    let files = SyncFiles::with_rules_file("rules.yaml", MEMBERSHIP_RULES);
+    let data = DataDir::new("scope-membership");
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    let mut clients = Vec::new();
+    for user in MEMBER_USERS {
+        let mut client = Client::connect(server.addr).await;
+        subscribe_member_tables(&mut client, user).await;
+        until_members_equal(&mut client, &db, user, &format!("replay, seed {seed}")).await;
+        clients.push(client);
+    }
+
+    // Bob joins project 1 while subscribed: its todos and their comments arrive as moves.
+    db.batch_execute("INSERT INTO members VALUES (100, 1, 'bob')")
+        .await
+        .unwrap();
+    until_members_equal(&mut clients[1], &db, "bob", "bob joined project 1").await;
+    assert!(
+        clients[1].scopes["bob-todos"].moves > 0,
+        "bob's todos moved in"
+    );
+    // And leaves it again: they go, but his own comments stay.
+    db.batch_execute("DELETE FROM members WHERE id = 100")
+        .await
+        .unwrap();
+    until_members_equal(&mut clients[1], &db, "bob", "bob left project 1").await;
+
+    // Live through random writes of every kind.
+    for round in 0..4 {
+        for _ in 0..40 {
+            membership_write(&db, &mut g).await;
+        }
+        for (client, user) in clients.iter_mut().zip(MEMBER_USERS) {
+            until_members_equal(
+                client,
+                &db,
+                user,
+                &format!("live round {round}, seed {seed}"),
+            )
+            .await;
+        }
+    }
+
+    // Offline through more, then a resume from each cursor.
+    let saved: Vec<_> = clients.into_iter().map(|c| c.scopes).collect();
+    for _ in 0..60 {
+        membership_write(&db, &mut g).await;
+    }
+    db.batch_execute("INSERT INTO projects VALUES (1000, 'last')")
+        .await
+        .unwrap();
+    until_replicated(data.path(), "projects", 1000).await;
+    let mut clients = Vec::new();
+    for (scopes, user) in saved.into_iter().zip(MEMBER_USERS) {
+        let mut client = Client::connect(server.addr).await;
+        client.scopes = scopes;
+        subscribe_member_tables(&mut client, user).await;
+        until_members_equal(&mut client, &db, user, &format!("resume, seed {seed}")).await;
+        clients.push(client);
+    }
+
+    // A restart, writes while it is down, and a resume from the cursors again.
+    let saved: Vec<_> = clients.into_iter().map(|c| c.scopes).collect();
+    server.stop().await;
+    for _ in 0..40 {
+        membership_write(&db, &mut g).await;
+    }
+    db.batch_execute("INSERT INTO projects VALUES (1001, 'after the restart')")
+        .await
+        .unwrap();
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    until_replicated(data.path(), "projects", 1001).await;
+    for (scopes, user) in saved.into_iter().zip(MEMBER_USERS) {
+        let mut client = Client::connect(server.addr).await;
+        client.scopes = scopes;
+        subscribe_member_tables(&mut client, user).await;
+        until_members_equal(
+            &mut client,
+            &db,
+            user,
+            &format!("after a restart, seed {seed}"),
+        )
+        .await;
+        for table in MEMBER_TABLES {
+            assert!(
+                client.scopes[&format!("{user}-{table}")]
+                    .rows
+                    .values()
+                    .all(|row| row.get("body").is_none()),
+                "omitted columns stay omitted"
+            );
+        }
+    }
+
+    // A scope asking for another user's project gets nothing of it.
+    let mut client = Client::connect(server.addr).await;
+    client.scopes.entry("peek".into()).or_default();
+    client
+        .send(json!({"type": "channel-subscribe", "subscriptionId": "peek", "channelType": "velocious-sync",
+            "params": {"resourceType": "todos", "conditions": {"done": false}, "authenticationToken": token("nobody")}}))
+        .await;
+    client.until_subscribed("peek").await;
+    assert!(
+        client.scopes["peek"].rows.is_empty(),
+        "a user of no project sees no todo"
+    );
 }
