@@ -101,6 +101,12 @@ enum BridgeEffect {
         /// A replay page's `{done, total}` entries; `null` outside a replay.
         #[tsify(type = "ReplayProgress | null")]
         progress: Option<ReplayProgress>,
+        /// Rows to take out of the scope before the changes apply, as access changed (a
+        /// membership removed): each row whose `column` equals one of `values`. Absent when
+        /// none.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        #[tsify(optional)]
+        moved_out: Vec<MovedOut>,
     },
     /// Persist `cursor` as the scope's cursor.
     #[serde(rename_all = "camelCase")]
@@ -168,13 +174,23 @@ struct RemoteChange {
     entry: Map<String, Value>,
 }
 
+/// Rows an envelope takes out of its scope as access changed.
+#[derive(Tsify, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+struct MovedOut {
+    column: String,
+    #[tsify(type = "JsonValue[]")]
+    values: Vec<Value>,
+}
+
 /// Why a message was rejected.
 #[derive(Tsify, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 struct MessageRejection {
     #[tsify(
-        type = r#""invalid-envelope" | "missing-resource-type" | "unknown-resource-type" | "bad-data""#
+        type = r#""invalid-envelope" | "missing-resource-type" | "unknown-resource-type" | "bad-data" | "bad-moves""#
     )]
     code: String,
     message: String,
