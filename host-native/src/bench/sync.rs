@@ -21,6 +21,20 @@
 //!   subscription on each, and a few seconds after they all closed.
 //! - The change log is not purged during the run (as in `bench fanout`), and the private
 //!   Postgres runs without autovacuum or checkpoints.
+//!
+//! With `--membership`, the scopes are reached through a membership table instead of an owner
+//! column: the rules give the table `where: project_id IN (SELECT project_id FROM <members>
+//! WHERE user_id = auth.sub)`, and each connection subscribes to the whole table with its
+//! user's token (a project of its own). The latency levels run the same way, each row written
+//! into one user's project. Then:
+//! - Move-in: `--move-in-rows` rows are committed into a project nobody is in; one client
+//!   subscribes, then its user is made a member. Timed from that membership's commit (its
+//!   `updatedAt`) to the last of the project's rows read by the client (the wall clock).
+//! - Routing: the engine's scope server alone, in this process: `--routing-subscriptions`
+//!   subscriptions over `--routing-projects` projects (one user each, in one project), then
+//!   single-row commits into random projects; the time per commit routed, with the
+//!   subscriptions it reached, next to the same with every subscription matched one by one
+//!   (a filter that cannot be routed by its set).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -39,6 +53,9 @@ use crate::private_pg::{PgOptions, PrivatePg};
 use crate::sync_auth::{mint_token, SyncSecret};
 
 const TABLE: &str = "highwater_bench_sync";
+const MEMBERS: &str = "highwater_bench_members";
+/// Projects of the latency level with `n` connections start at `n * LEVEL_PROJECTS`.
+const LEVEL_PROJECTS: i64 = 1_000_000;
 const WAIT: Duration = Duration::from_secs(10 * 60);
 const SECRET: &str = "a benchmark secret that is long enough for HS256";
 
@@ -73,6 +90,19 @@ pub struct SyncArgs {
     /// servers under the same clients in one sitting.
     #[arg(long)]
     pub server_binary: Option<PathBuf>,
+    /// Scopes reached through a membership table (see the module docs): latency levels, a
+    /// move-in and the routing cost, instead of the owner scopes' runs.
+    #[arg(long)]
+    pub membership: bool,
+    /// Rows of the project moved into one client's scope (with `--membership`).
+    #[arg(long, default_value_t = 10_000)]
+    pub move_in_rows: u64,
+    /// Subscriptions of the routing run (with `--membership`).
+    #[arg(long, default_value_t = 10_000)]
+    pub routing_subscriptions: usize,
+    /// Projects the routing run's subscriptions are spread over.
+    #[arg(long, default_value_t = 1_000)]
+    pub routing_projects: usize,
 }
 
 /// Runs the benchmark and prints its table.
@@ -119,6 +149,16 @@ async fn subscribe(socket: &mut Socket, id: &str, owner: &str) -> anyhow::Result
         "channelType": "velocious-sync",
         "params": {"resourceType": TABLE, "conditions": {"owner": owner},
                    "authenticationToken": token(owner)?}});
+    socket.send(Message::Text(frame.to_string().into())).await?;
+    Ok(())
+}
+
+/// Subscribes to every row of the table `user`'s memberships let in.
+async fn subscribe_member(socket: &mut Socket, id: &str, user: &str) -> anyhow::Result<()> {
+    let frame = json!({"type": "channel-subscribe", "subscriptionId": id,
+        "channelType": "velocious-sync",
+        "params": {"resourceType": TABLE, "conditions": {},
+                   "authenticationToken": token(user)?}});
     socket.send(Message::Text(frame.to_string().into())).await?;
     Ok(())
 }
@@ -173,7 +213,8 @@ async fn bench(args: &SyncArgs) -> anyhow::Result<String> {
     .await?;
     let db = pg.connect().await?;
     db.batch_execute(&format!(
-        "CREATE TABLE public.{TABLE} (id bigint PRIMARY KEY, owner text NOT NULL, payload text NOT NULL)"
+        "CREATE TABLE public.{TABLE} (id bigint PRIMARY KEY, owner text NOT NULL, payload text NOT NULL, project_id bigint);
+         CREATE TABLE public.{MEMBERS} (id bigint PRIMARY KEY, project_id bigint NOT NULL, user_id text NOT NULL)"
     ))
     .await?;
     let work = args
@@ -195,10 +236,21 @@ pub(super) struct Server {
 }
 
 impl Server {
-    async fn start(pg: &PrivatePg, work: &Path, binary: &Path) -> anyhow::Result<Server> {
-        let rules = format!(
-            r#"{{"tables":{{"{TABLE}":{{"filterColumns":["owner"],"require":{{"owner":"sub"}}}}}}}}"#
-        );
+    async fn start(
+        pg: &PrivatePg,
+        work: &Path,
+        binary: &Path,
+        membership: bool,
+    ) -> anyhow::Result<Server> {
+        let rules = if membership {
+            format!(
+                r#"{{"tables":{{"{TABLE}":{{"where":"project_id IN (SELECT project_id FROM {MEMBERS} WHERE user_id = auth.sub)"}}}}}}"#
+            )
+        } else {
+            format!(
+                r#"{{"tables":{{"{TABLE}":{{"filterColumns":["owner"],"require":{{"owner":"sub"}}}}}}}}"#
+            )
+        };
         Server::start_with_rules(pg, work, binary, &rules).await
     }
 
@@ -273,8 +325,12 @@ async fn with_server(
         Some(path) => path.clone(),
         None => std::env::current_exe()?,
     };
-    let server = Server::start(pg, work, &binary).await?;
-    let result = measure(args, pg, db, &server).await;
+    let server = Server::start(pg, work, &binary, args.membership).await?;
+    let result = if args.membership {
+        measure_membership(args, pg, db, &server).await
+    } else {
+        measure(args, pg, db, &server).await
+    };
     server.stop().await;
     result
 }
@@ -354,7 +410,7 @@ async fn measure(
         args.rate, args.seconds, "connections", "sent", "received", "p50", "p99", "max"
     ));
     for &n in &args.connections {
-        out.push_str(&latency_level(args, pg, addr, n, &mut next_id).await?);
+        out.push_str(&latency_level(args, pg, addr, n, &mut next_id, false).await?);
     }
     // What the server kept of the replay and the latency levels once every client left.
     tokio::time::sleep(Duration::from_secs(10)).await;
@@ -366,18 +422,252 @@ async fn measure(
     Ok(out)
 }
 
-/// One latency level: `n` sockets, a paced writer, the latency of every row received.
+/// The `--membership` runs: latency levels, a move-in, and the routing cost.
+async fn measure_membership(
+    args: &SyncArgs,
+    pg: &PrivatePg,
+    db: &tokio_postgres::Client,
+    server: &Server,
+) -> anyhow::Result<String> {
+    let addr = server.addr;
+    let mut out = String::new();
+    if let Some(binary) = &args.server_binary {
+        out.push_str(&format!("Server: {}\n", binary.display()));
+    }
+    let mut next_id: i64 = 1;
+    out.push_str(&format!(
+        "Latency: commit -> client through a membership row filter, {} tx/s for {} s per level, one user (one project) per connection\n{:>11} {:>9} {:>9} {:>8} {:>8} {:>8}\n",
+        args.rate, args.seconds, "connections", "sent", "received", "p50", "p99", "max"
+    ));
+    for &n in &args.connections {
+        out.push_str(&latency_level(args, pg, addr, n, &mut next_id, true).await?);
+    }
+    if args.move_in_rows > 0 {
+        out.push('\n');
+        out.push_str(&move_in(db, addr, args.move_in_rows, &mut next_id).await?);
+    }
+    if args.routing_subscriptions > 0 {
+        out.push('\n');
+        out.push_str(&routing(
+            args.routing_subscriptions,
+            args.routing_projects.max(1),
+        ));
+    }
+    Ok(out)
+}
+
+/// A project of `rows` rows moved into one client's scope by a membership.
+async fn move_in(
+    db: &tokio_postgres::Client,
+    addr: SocketAddr,
+    rows: u64,
+    next_id: &mut i64,
+) -> anyhow::Result<String> {
+    let project: i64 = -1;
+    let rows_i = i64::try_from(rows)?;
+    db.execute(
+        &format!(
+            "INSERT INTO public.{TABLE} SELECT i, 'mover', md5(i::text) || md5((i + 1)::text), $3::int8 \
+             FROM generate_series($1::int8, $2::int8) AS i"
+        ),
+        &[&*next_id, &(*next_id + rows_i - 1), &project],
+    )
+    .await?;
+    *next_id += rows_i;
+    let mut socket = connect(addr).await?;
+    subscribe_member(&mut socket, "m", "mover").await?;
+    until_subscribed(&mut socket, 1).await?;
+    let started = Instant::now();
+    db.execute(
+        &format!("INSERT INTO public.{MEMBERS} VALUES (-1, $1, 'mover')"),
+        &[&project],
+    )
+    .await?;
+    let mut received = 0_u64;
+    let mut envelopes = 0_u64;
+    while received < rows {
+        let message = tokio::time::timeout(WAIT, socket.next())
+            .await
+            .context("the move-in did not arrive in time")?
+            .context("the socket closed")??;
+        let Message::Text(text) = message else {
+            continue;
+        };
+        let frame: Value = serde_json::from_str(text.as_str())?;
+        if let Some(syncs) = frame["body"]["syncs"].as_array() {
+            received += syncs.len() as u64;
+            envelopes += 1;
+        }
+    }
+    let elapsed = started.elapsed();
+    Ok(format!(
+        "Move-in: a membership lets a project of {rows} rows into one client's scope\n{:>10} {:>10} {:>14}\n{:>10} {:>10} {:>14}\n",
+        "rows", "envelopes", "to last row",
+        received,
+        envelopes,
+        format!("{} ms", elapsed.as_millis()),
+    ))
+}
+
+/// The engine's routing alone: `subscriptions` users over `projects` projects, each routed by
+/// its set or, for comparison, matched one by one.
+fn routing(subscriptions: usize, projects: usize) -> String {
+    use highwater_engine::scope_rules::row_filter::RuleFilter;
+    use highwater_engine::scope_server::{
+        Decision, FeedChange, FeedEntry, Grant, PageResult, ScopeServer, ServerConfig,
+        ServerEffect, ServerInput,
+    };
+    let run = |filter_text: &str| -> (f64, f64) {
+        let mut server = ScopeServer::new(ServerConfig::new("v1"));
+        let rule = RuleFilter::parse(filter_text).expect("the benchmark's filter parses");
+        let entry = |table: &str, seq: i64, id: i64, data: Value| FeedEntry {
+            table: table.to_owned(),
+            resource_id: id.to_string(),
+            seq,
+            updated_at: "2026-12-01T12:00:00.000Z".to_owned(),
+            change: FeedChange::Upsert {
+                data: data.as_object().cloned().unwrap_or_default(),
+            },
+        };
+        let rows = |up_to: i64, rows: Vec<FeedEntry>| PageResult::Rows {
+            up_to,
+            rows,
+            total: Some(0),
+            floor: None,
+            access_changed: false,
+        };
+        for i in 0..subscriptions {
+            let conn = i as u64;
+            let user = format!("u{i}");
+            let project = (i % projects) as i64;
+            let mut effects = server.handle(
+                ServerInput::Opened {
+                    conn,
+                    session_id: user.clone(),
+                },
+                0,
+            );
+            let text = json!({"type": "channel-subscribe", "subscriptionId": "s",
+                "channelType": "velocious-sync", "params": {"resourceType": "items", "conditions": {}}})
+            .to_string();
+            effects.extend(server.handle(ServerInput::Frame { conn, text }, 0));
+            let claims = json!({"sub": user});
+            let filter = rule
+                .bind(claims.as_object().expect("an object"))
+                .expect("binds");
+            let mut pending: Vec<ServerEffect> = effects;
+            let mut authorized = false;
+            while !pending.is_empty() {
+                let mut next = Vec::new();
+                for effect in pending {
+                    let input = match effect {
+                        ServerEffect::Authorize { ticket, .. } if !authorized => {
+                            authorized = true;
+                            ServerInput::Authorized {
+                                conn,
+                                ticket,
+                                decision: Decision::Granted(Grant {
+                                    table: "items".to_owned(),
+                                    omit_columns: Vec::new(),
+                                    expires_at_ms: None,
+                                    row_filter: Some(filter.clone()),
+                                }),
+                            }
+                        }
+                        ServerEffect::ReadSet { set, .. } => ServerInput::SetRead {
+                            set,
+                            result: rows(
+                                1,
+                                vec![entry(
+                                    "members",
+                                    1,
+                                    i as i64,
+                                    json!({"user_id": user, "project_id": project}),
+                                )],
+                            ),
+                        },
+                        ServerEffect::FetchPage { ticket, pass, .. } => ServerInput::PageFetched {
+                            conn,
+                            ticket,
+                            pass,
+                            result: rows(1, Vec::new()),
+                        },
+                        _ => continue,
+                    };
+                    next.extend(server.handle(input, 0));
+                }
+                pending = next;
+            }
+        }
+        let commits = 2_000_i64;
+        let mut reached = 0_u64;
+        let started = Instant::now();
+        for k in 0..commits {
+            let project = (k * 7919) % projects as i64;
+            let effects = server.handle(
+                ServerInput::Committed {
+                    entries: vec![entry(
+                        "items",
+                        10 + k,
+                        k,
+                        json!({"id": k, "project_id": project, "owner": "x"}),
+                    )],
+                    confirms: Vec::new(),
+                },
+                0,
+            );
+            reached += effects
+                .iter()
+                .filter(|e| matches!(e, ServerEffect::Send { .. }))
+                .count() as u64;
+        }
+        let per_commit = started.elapsed().as_secs_f64() * 1e6 / commits as f64;
+        (per_commit, reached as f64 / commits as f64)
+    };
+    let routed = run("project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub)");
+    let matched = run(
+        "project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub) OR owner = 'nobody'",
+    );
+    format!(
+        "Routing: the scope server alone, {subscriptions} subscriptions over {projects} projects, single-row commits\n{:>44} {:>14} {:>18}\n{:>44} {:>11.1} us {:>18.1}\n{:>44} {:>11.1} us {:>18.1}\n",
+        "filter", "per commit", "subscriptions sent",
+        "routed by its set (a top-level conjunct)", routed.0, routed.1,
+        "matched one by one (under OR)", matched.0, matched.1,
+    )
+}
+
+/// One latency level: `n` sockets, a paced writer, the latency of every row received. With
+/// `membership`, user `c{n}-{i}` is made a member of project `n * LEVEL_PROJECTS + i` first and
+/// subscribes to the whole table, and each row goes to one of those projects.
 async fn latency_level(
     args: &SyncArgs,
     pg: &PrivatePg,
     addr: SocketAddr,
     n: usize,
     next_id: &mut i64,
+    membership: bool,
 ) -> anyhow::Result<String> {
+    let level = n as i64 * LEVEL_PROJECTS;
+    if membership {
+        pg.connect()
+            .await?
+            .execute(
+                &format!(
+                    "INSERT INTO public.{MEMBERS} SELECT $1::int8 + i, $1::int8 + i, 'c' || $2::int8 || '-' || i \
+                     FROM generate_series(0, $2::int8 - 1) AS i"
+                ),
+                &[&level, &(n as i64)],
+            )
+            .await?;
+    }
     let mut sockets = Vec::with_capacity(n);
     for i in 0..n {
         let mut socket = connect(addr).await?;
-        subscribe(&mut socket, "s", &format!("c{n}-{i}")).await?;
+        if membership {
+            subscribe_member(&mut socket, "s", &format!("c{n}-{i}")).await?;
+        } else {
+            subscribe(&mut socket, "s", &format!("c{n}-{i}")).await?;
+        }
         sockets.push(socket);
     }
     for socket in &mut sockets {
@@ -455,10 +745,11 @@ async fn latency_level(
                 tick.tick().await;
                 let id = first + k * writers as i64 + w as i64;
                 let owner = format!("c{n}-{}", id % n);
+                let project = level + id % n;
                 let payload = if (k as u64) < warm { "warm-up" } else { "live" };
                 conn.execute(
-                    &format!("INSERT INTO public.{TABLE} VALUES ($1, $2, $3)"),
-                    &[&id, &owner, &payload],
+                    &format!("INSERT INTO public.{TABLE} VALUES ($1, $2, $3, $4)"),
+                    &[&id, &owner, &payload, &project],
                 )
                 .await?;
             }
