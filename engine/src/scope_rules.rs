@@ -9,7 +9,10 @@
 //!   with `auth-expired` once `grant.expires_at_ms` has passed;
 //! - on [`Denial`], answer `channel-error` with `denial.code.as_str()` and the message, and send
 //!   no rows;
-//! - build its scope indexes from [`SyncRules::filter_columns`].
+//! - build its scope indexes from [`SyncRules::filter_columns`];
+//! - on a write, decide each row with [`WriteGrant::admission`]: on
+//!   [`Admission::ReadSets`], evaluate the filter over the row with its subqueries read from the
+//!   tables they name (the host's replica), and admit the row only when that is true.
 //!
 //! The rules file (JSON):
 //! ```json
@@ -83,17 +86,46 @@ pub struct WriteGrant {
     pub omit_columns: Vec<String>,
 }
 
+/// What decides whether a writer may have a row ([`WriteGrant::admission`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission<'a> {
+    /// The row alone decides it.
+    Decided(bool),
+    /// The row passes `require`, and the row filter's answer hangs on its subqueries: the row
+    /// is admitted only when this filter is true for it with the sets read from their tables
+    /// (unknown is not admitted).
+    ReadSets(&'a RowFilter),
+}
+
 impl WriteGrant {
-    /// Whether the writer may read `row` (so may have it before or after a write).
+    /// Whether the writer may read `row` (so may have it before or after a write), from the
+    /// row alone: a row filter whose answer hangs on a subquery is not true here (see
+    /// [`WriteGrant::admission`]).
     pub fn admits(&self, row: &Map<String, Value>) -> bool {
-        self.require.iter().all(|(column, claim)| {
+        self.admission(row) == Admission::Decided(true)
+    }
+
+    /// Whether the writer may read `row`, or what must be read to know. The `require` columns
+    /// and the row filter's own tests are decided here; only a filter still unknown with its
+    /// subqueries unknown needs them read. That is exact: an answer reached with some tests
+    /// unknown is the same whatever they turn out to be (three-valued logic).
+    pub fn admission(&self, row: &Map<String, Value>) -> Admission<'_> {
+        let required = self.require.iter().all(|(column, claim)| {
             row.get(column).is_some_and(|value| {
                 !value.is_null() && js_string_form(value) == js_string_form(claim)
             })
-        }) && self
-            .row_filter
-            .as_ref()
-            .is_none_or(|filter| filter.matches(row))
+        });
+        if !required {
+            return Admission::Decided(false);
+        }
+        match &self.row_filter {
+            None => Admission::Decided(true),
+            Some(filter) => match filter.eval(row) {
+                Some(answer) => Admission::Decided(answer),
+                None if filter.has_sets() => Admission::ReadSets(filter),
+                None => Admission::Decided(false),
+            },
+        }
     }
 
     /// `row` with the columns the writer may not read taken out.
@@ -410,7 +442,7 @@ impl SyncRules {
     ///
     /// A table without `write` rules is read-only; an operation its rules do not list, or an
     /// update of a column outside its `update` list, is `forbidden`. The grant then checks the
-    /// rows themselves ([`WriteGrant::admits`]).
+    /// rows themselves ([`WriteGrant::admission`]).
     pub fn decide_write<'a>(
         &self,
         claims: &Map<String, Value>,

@@ -2815,3 +2815,140 @@ async fn rows_reached_through_memberships_move_in_and_out_live_on_resume_and_acr
         "a user of no project sees no todo"
     );
 }
+
+/// A member of a project writes its todos: the write rules' subquery reads `members` from the
+/// replica, once it has caught up with the upstream, so a membership granted or revoked just
+/// before a write counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_through_a_membership_subquery_are_allowed_to_members_only() {
+    let pg = start_pg().await;
+    let db = pg.connect().await.unwrap();
+    db.batch_execute(MEMBERSHIP_DDL).await.unwrap();
+    db.batch_execute(
+        "INSERT INTO members VALUES (1, 1, 'ada'), (2, 2, 'bob');
+         INSERT INTO todos (id, project_id, title) VALUES (1, 1, 'a1'), (2, 2, 'b1');",
+    )
+    .await
+    .unwrap();
+    let files = SyncFiles::with_rules(
+        r#"{"tables":{"todos":{
+            "where":"project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub)",
+            "write":{"insert":true,"update":true,"delete":true}}}}"#,
+    );
+    let data = DataDir::new("scope-writes-membership");
+    let server = start_server(&pg.url(), data.path(), &files).await;
+    let before = pg_todos(&db).await;
+    let confirmed = ("confirmed".to_owned(), None);
+    let forbidden = ("rejected".to_owned(), Some("forbidden".to_owned()));
+
+    let ada = token("ada");
+    let mut client = Client::connect(server.addr).await;
+    let frames = client
+        .mutate(
+            "member",
+            Some(&ada),
+            json!([
+                {"id": 1, "table": "todos", "op": "insert", "row": {"id": 10, "project_id": 1, "title": "mine"}},
+                {"id": 2, "table": "todos", "op": "update", "row": {"id": 1, "title": "a1!"}},
+                // Into a project she is not a member of, moved into one, and bob's rows.
+                {"id": 3, "table": "todos", "op": "insert", "row": {"id": 11, "project_id": 2, "title": "x"}},
+                {"id": 4, "table": "todos", "op": "update", "row": {"id": 1, "project_id": 2}},
+                {"id": 5, "table": "todos", "op": "update", "row": {"id": 2, "title": "x"}},
+                {"id": 6, "table": "todos", "op": "delete", "row": {"id": 2}},
+                {"id": 7, "table": "todos", "op": "insert", "row": {"id": 12, "project_id": 1}},
+                {"id": 8, "table": "todos", "op": "delete", "row": {"id": 12}},
+            ]),
+        )
+        .await;
+    let results = results_in(&frames);
+    assert_eq!(
+        outcomes(&results),
+        [
+            confirmed.clone(),
+            confirmed.clone(),
+            forbidden.clone(),
+            forbidden.clone(),
+            forbidden.clone(),
+            forbidden.clone(),
+            confirmed.clone(),
+            confirmed.clone(),
+        ],
+        "{results:?}"
+    );
+    let mut after = pg_todos(&db).await;
+    let mine = after.remove(&10).expect("her insert is in Postgres");
+    assert_eq!(
+        (&mine["project_id"], &mine["title"]),
+        (&json!(1), &json!("mine"))
+    );
+    let first = after.get_mut(&1).unwrap();
+    assert_eq!(
+        (&first["project_id"], &first["title"]),
+        (&json!(1), &json!("a1!"))
+    );
+    first["title"] = json!("a1");
+    assert_eq!(after, before, "nothing refused was written");
+
+    // A user of no project, and no token at all, write nothing.
+    let cy = token("cy");
+    let mut stranger = Client::connect(server.addr).await;
+    let frames = stranger
+        .mutate(
+            "stranger",
+            Some(&cy),
+            json!([{"id": 1, "table": "todos", "op": "insert", "row": {"id": 20, "project_id": 1}}]),
+        )
+        .await;
+    assert_eq!(
+        outcomes(&results_in(&frames)),
+        std::slice::from_ref(&forbidden)
+    );
+    let mut anonymous = Client::connect(server.addr).await;
+    let frames = anonymous
+        .mutate(
+            "anonymous",
+            None,
+            json!([{"id": 1, "table": "todos", "op": "insert", "row": {"id": 21, "project_id": 1}}]),
+        )
+        .await;
+    assert_eq!(
+        outcomes(&results_in(&frames)),
+        std::slice::from_ref(&forbidden)
+    );
+    let todos = pg_todos(&db).await;
+    assert!(!todos.contains_key(&20) && !todos.contains_key(&21));
+
+    // A membership granted upstream counts for the very next write, and one revoked too.
+    db.batch_execute("INSERT INTO members VALUES (3, 2, 'ada')")
+        .await
+        .unwrap();
+    let frames = client
+        .mutate(
+            "member",
+            Some(&ada),
+            json!([
+                {"id": 9, "table": "todos", "op": "insert", "row": {"id": 13, "project_id": 2}},
+                {"id": 10, "table": "todos", "op": "update", "row": {"id": 1, "project_id": 2}},
+            ]),
+        )
+        .await;
+    assert_eq!(
+        outcomes(&results_in(&frames)),
+        [confirmed.clone(), confirmed.clone()]
+    );
+    db.batch_execute("DELETE FROM members WHERE id = 3")
+        .await
+        .unwrap();
+    let frames = client
+        .mutate(
+            "member",
+            Some(&ada),
+            json!([{"id": 11, "table": "todos", "op": "update", "row": {"id": 13, "title": "still mine?"}}]),
+        )
+        .await;
+    assert_eq!(outcomes(&results_in(&frames)), [forbidden]);
+    let todos = pg_todos(&db).await;
+    assert_eq!(todos[&13]["title"], Value::Null);
+    assert_eq!(todos[&1]["project_id"], 2);
+    server.stop().await;
+}

@@ -470,6 +470,68 @@ fn a_write_grant_admits_only_rows_the_writer_may_read() {
 }
 
 #[test]
+fn a_write_grant_with_a_subquery_asks_for_the_sets_only_when_the_row_leaves_it_open() {
+    let rules = SyncRules::from_value(&json!({"tables": {
+        "todos": {
+            "filterColumns": ["org"],
+            "require": {"org": "org"},
+            "where": "(project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub) \
+                      OR owner = auth.sub) AND NOT archived",
+            "write": {"insert": true, "update": true},
+        },
+    }}))
+    .expect("loads");
+    let ada = map(json!({"sub": "ada", "org": 7}));
+    let grant = rules
+        .decide_write(
+            &ada,
+            "todos",
+            MutationOp::Insert,
+            ["id"],
+            &["id".to_owned()],
+        )
+        .expect("granted");
+    let admission = |row: Value| grant.admission(&map(row));
+    // Decided by the row: her own todo, an archived one, another org's.
+    assert_eq!(
+        admission(json!({"org": 7, "owner": "ada", "project_id": 1, "archived": false})),
+        Admission::Decided(true)
+    );
+    assert_eq!(
+        admission(json!({"org": 7, "owner": "bob", "project_id": 1, "archived": true})),
+        Admission::Decided(false)
+    );
+    assert_eq!(
+        admission(json!({"org": 8, "owner": "ada", "project_id": 1, "archived": false})),
+        Admission::Decided(false)
+    );
+    // Another user's todo: only her memberships can say.
+    let Admission::ReadSets(filter) =
+        admission(json!({"org": 7, "owner": "bob", "project_id": 1, "archived": false}))
+    else {
+        panic!("the sets decide it")
+    };
+    assert_eq!(filter.set_tables(), ["members"]);
+    assert!(
+        !grant.admits(&map(
+            json!({"org": 7, "owner": "bob", "project_id": 1, "archived": false})
+        )),
+        "not from the row alone"
+    );
+    // A filter without subqueries never asks: unknown is no.
+    let plain = SyncRules::from_value(&json!({"tables": {
+        "docs": {"where": "owner = auth.sub", "write": {"insert": true}},
+    }}))
+    .expect("loads")
+    .decide_write(&ada, "docs", MutationOp::Insert, ["id"], &["id".to_owned()])
+    .expect("granted");
+    assert_eq!(
+        plain.admission(&map(json!({"owner": null}))),
+        Admission::Decided(false)
+    );
+}
+
+#[test]
 fn malformed_write_rules_are_refused_with_their_place() {
     for (rules, message) in [
         (

@@ -581,12 +581,13 @@ pub(super) fn ensure_updated_at(conn: &Connection, table: &str) -> Result<(), Re
 /// `json_extract(<col>, '$."<column>"')`, written the same way everywhere so the expression
 /// indexes are usable.
 fn json_path_expr(json_col: &str, column: &str) -> String {
+    json_extract(&quote_ident(json_col), column)
+}
+
+/// `json_extract(<json>, '$."<column>"')`, `json` an SQL expression.
+fn json_extract(json: &str, column: &str) -> String {
     let path = format!("$.\"{}\"", column.replace('"', "\\\""));
-    format!(
-        "json_extract({}, '{}')",
-        quote_ident(json_col),
-        path.replace('\'', "''")
-    )
+    format!("json_extract({json}, '{}')", path.replace('\'', "''"))
 }
 
 fn select_list(table: &ReplicaTable) -> String {
@@ -1039,6 +1040,65 @@ fn sets_changed(
     Ok(Ok(false))
 }
 
+/// Whether `filter` is true for one row of `table`, given as its column values (a missing
+/// column is NULL) in the form the replica reads them back in ([`from_sql`]): `None` is
+/// unknown. The filter is rendered as for a replay page, over the row's JSON (bound as a
+/// parameter, as an exit's old values are read) rather than a stored row, so its tests compare
+/// as a read's do and its subqueries read the replica's tables as they are now. A table or
+/// column the replica lacks, or a comparison of a JSON column, is an error.
+pub fn row_passes(
+    conn: &Connection,
+    tables: &HashMap<String, ReplicaTable>,
+    table: &str,
+    filter: &RowFilter,
+    row: &Map<String, Value>,
+) -> Result<Option<bool>, ReplicaError> {
+    let unanswerable = |reason: String| ReplicaError::UnanswerableFilter {
+        table: table.to_owned(),
+        reason,
+    };
+    let Some(replica_table) = tables.get(table) else {
+        return Err(unanswerable(
+            "of a table the replica does not have".to_owned(),
+        ));
+    };
+    // Placeholder ?1 is the row.
+    let bound = match BoundConditions::new(
+        tables,
+        replica_table,
+        &Conditions::default(),
+        Some(filter),
+        2,
+    ) {
+        Ok(bound) => bound,
+        Err(ScopePage::UnknownColumn(column)) => {
+            return Err(unanswerable(format!(
+                "reading column {column:?}, which the replica does not have"
+            )))
+        }
+        Err(ScopePage::Incomparable(column)) => {
+            return Err(unanswerable(format!(
+                "comparing JSON or array column {column:?}"
+            )))
+        }
+        // A subquery's table is missing.
+        Err(_) => {
+            return Err(unanswerable(
+                "reading a table the replica does not have".to_owned(),
+            ))
+        }
+    };
+    let test = bound
+        .render(|col| json_extract("?1", &col.name))
+        .join(" AND ");
+    let mut params = vec![SqlValue::Text(Value::Object(row.clone()).to_string())];
+    params.extend(bound.values.iter().cloned());
+    let answer: Option<i64> = conn
+        .prepare_cached(&format!("SELECT ({test})"))?
+        .query_row(params_from_iter(params), |r| r.get(0))?;
+    Ok(answer.map(|answer| answer != 0))
+}
+
 fn object(text: &str) -> Result<Map<String, Value>, ReplicaError> {
     match serde_json::from_str(text)? {
         Value::Object(map) => Ok(map),
@@ -1382,6 +1442,191 @@ pub fn iso_from_ms(ms: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use highwater_engine::change_stream::ColumnSpec;
+    use highwater_engine::scope_rules::row_filter::RuleFilter;
+    use serde_json::{json, Number};
+
+    fn replica_table(name: &str, columns: &[(&str, &str)]) -> ReplicaTable {
+        ReplicaTable {
+            name: name.to_owned(),
+            schema: "public".to_owned(),
+            table: name.to_owned(),
+            oid: None,
+            replica_identity: None,
+            columns: columns
+                .iter()
+                .zip(1..)
+                .map(|((column, data_type), pos)| {
+                    ReplicaColumn::from_spec(
+                        column,
+                        &ColumnSpec::new(Number::from(pos), *data_type),
+                    )
+                })
+                .collect(),
+            key: vec!["id".to_owned()],
+            metadata: None,
+        }
+    }
+
+    /// `todos` reached through `members` and `projects`, as the replica stores them.
+    fn membership_replica() -> (Connection, HashMap<String, ReplicaTable>) {
+        let conn = Connection::open_in_memory().unwrap();
+        let tables: HashMap<String, ReplicaTable> = [
+            replica_table(
+                "todos",
+                &[
+                    ("id", "int8"),
+                    ("project_id", "int8"),
+                    ("owner", "text"),
+                    ("done", "bool"),
+                    ("meta", "jsonb"),
+                ],
+            ),
+            replica_table(
+                "members",
+                &[("id", "int8"), ("project_id", "int8"), ("user_id", "text")],
+            ),
+            replica_table(
+                "projects",
+                &[("id", "int8"), ("org", "int4"), ("archived", "bool")],
+            ),
+        ]
+        .into_iter()
+        .map(|table| (table.name.clone(), table))
+        .collect();
+        for table in tables.values() {
+            conn.execute_batch(&table.create_table_sql()).unwrap();
+        }
+        conn.execute_batch(
+            r#"INSERT INTO "members" VALUES (1, 1, 'ada', 'v', 1, NULL), (2, 2, 'ada', 'v', 2, NULL),
+                 (3, 3, 'bob', 'v', 3, NULL), (4, 3, '42', 'v', 4, NULL);
+               INSERT INTO "projects" VALUES (1, 7, 0, 'v', 5, NULL), (2, 7, 1, 'v', 6, NULL),
+                 (3, 7, 0, 'v', 7, NULL);"#,
+        )
+        .unwrap();
+        (conn, tables)
+    }
+
+    fn bound(text: &str, claims: Value) -> RowFilter {
+        let Value::Object(claims) = claims else {
+            panic!("claims are an object")
+        };
+        RuleFilter::parse(text).unwrap().bind(&claims).unwrap()
+    }
+
+    fn row(value: Value) -> Map<String, Value> {
+        match value {
+            Value::Object(row) => row,
+            other => panic!("expected a row, got {other}"),
+        }
+    }
+
+    #[test]
+    fn a_row_passes_a_filter_whose_subqueries_read_the_replica() {
+        let (conn, tables) = membership_replica();
+        // Ada's projects of org 7 that are not archived; the claim `org` comes as text.
+        let filter = bound(
+            "project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub AND \
+             project_id IN (SELECT id FROM projects WHERE org = auth.org AND NOT archived)) \
+             AND done = false",
+            json!({"sub": "ada", "org": "7"}),
+        );
+        let passes =
+            |value: Value| row_passes(&conn, &tables, "todos", &filter, &row(value)).unwrap();
+        assert_eq!(passes(json!({"project_id": 1, "done": false})), Some(true));
+        assert_eq!(
+            passes(json!({"project_id": 2, "done": false})),
+            Some(false),
+            "her project, archived"
+        );
+        assert_eq!(
+            passes(json!({"project_id": 3, "done": false})),
+            Some(false),
+            "bob's project"
+        );
+        assert_eq!(
+            passes(json!({"project_id": 1, "done": true})),
+            Some(false),
+            "a boolean compares as the replica stores it"
+        );
+        assert_eq!(passes(json!({"project_id": null, "done": false})), None);
+        assert_eq!(
+            passes(json!({"done": false})),
+            None,
+            "a missing column is NULL"
+        );
+
+        // A number claim against a text column, a text claim against a number column, and
+        // a test outside the subquery deciding where the subquery is unknown.
+        let numeric = bound(
+            "owner = auth.sub OR project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub)",
+            json!({"sub": 42}),
+        );
+        let passes =
+            |value: Value| row_passes(&conn, &tables, "todos", &numeric, &row(value)).unwrap();
+        assert_eq!(passes(json!({"project_id": 3, "owner": "x"})), Some(true));
+        assert_eq!(passes(json!({"project_id": 1, "owner": "x"})), Some(false));
+        assert_eq!(
+            passes(json!({"project_id": null, "owner": "42"})),
+            Some(true)
+        );
+        assert_eq!(passes(json!({"project_id": null, "owner": "x"})), None);
+        let text_id = bound(
+            "project_id IN (SELECT id FROM projects WHERE id = auth.p)",
+            json!({"p": "3"}),
+        );
+        assert_eq!(
+            row_passes(
+                &conn,
+                &tables,
+                "todos",
+                &text_id,
+                &row(json!({"project_id": 3}))
+            )
+            .unwrap(),
+            Some(true)
+        );
+
+        // What the replica cannot answer is an error naming it.
+        for (table, text, reason) in [
+            (
+                "nope",
+                "project_id IN (SELECT id FROM projects)",
+                "a table the replica does not have",
+            ),
+            (
+                "todos",
+                "project_id IN (SELECT id FROM nope)",
+                "a table the replica does not have",
+            ),
+            (
+                "todos",
+                "project_id IN (SELECT pid FROM members)",
+                "column \"pid\"",
+            ),
+            (
+                "todos",
+                "project_id IN (SELECT project_id FROM members WHERE colour = 'red')",
+                "column \"colour\"",
+            ),
+            (
+                "todos",
+                "meta = 'x' AND project_id IN (SELECT id FROM projects)",
+                "JSON or array column \"meta\"",
+            ),
+        ] {
+            let error = row_passes(
+                &conn,
+                &tables,
+                table,
+                &bound(text, json!({})),
+                &row(json!({})),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(error.contains(reason), "{text}: {error}");
+        }
+    }
 
     #[test]
     fn iso_from_ms_formats_utc_with_milliseconds() {

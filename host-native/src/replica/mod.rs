@@ -26,8 +26,10 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use highwater_engine::change_stream::{JsonFormat, Row};
+use highwater_engine::scope_rules::row_filter::RowFilter;
 use highwater_engine::watermark::{Lsn, Watermark, WatermarkError};
 use rusqlite::{params, Connection, OptionalExtension};
+use serde_json::{Map, Value};
 
 pub use apply::{outgrows_hold, Applied, PendingBackfill, ReplicaWriter, TxnItem};
 use schema::{quote_ident, ReplicaTable};
@@ -78,6 +80,8 @@ pub enum ReplicaError {
     NotInitialized,
     #[error("expected a table to rename, got unknown table {table:?}")]
     UnknownRenameSource { table: String },
+    #[error("expected a row filter of {table:?} the replica can answer, got one {reason}")]
+    UnanswerableFilter { table: String, reason: String },
 }
 
 /// The replica's replication position and configuration (`_hw_state`).
@@ -251,6 +255,16 @@ impl Replica {
         query: &feed::ScopeQuery<'_>,
     ) -> Result<feed::ScopePage, ReplicaError> {
         feed::read_scope_page(&self.conn, &self.tables, query)
+    }
+
+    /// Whether `filter` is true for one row of `table` (see [`feed::row_passes`]).
+    pub fn row_passes(
+        &self,
+        table: &str,
+        filter: &RowFilter,
+        row: &Map<String, Value>,
+    ) -> Result<Option<bool>, ReplicaError> {
+        feed::row_passes(&self.conn, &self.tables, table, filter, row)
     }
 
     /// Whether any column waits for a backfill (cheap: no allocation).

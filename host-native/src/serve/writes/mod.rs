@@ -47,6 +47,18 @@
 //! before it is committed to the replica. Only then is the replica's sequence of the row
 //! read. A fence not released within [`FENCE_TIMEOUT`] answers `retry`/`unavailable`.
 //!
+//! A `where` with subqueries (`project_id IN (SELECT project_id FROM members WHERE user_id =
+//! auth.sub)`) reads other tables, which the replica holds (they are in the scope feed). When
+//! the row alone does not decide it ([`WriteGrant::admission`]), a fence is sent as for
+//! `ifVersion` and the replica evaluates the filter over the row ([`feed::row_passes`]).
+//! Membership is read from the replica, which trails the upstream by the replication lag: read
+//! without the fence, a write right after a membership was granted would be refused (for good:
+//! `forbidden` is final) and one right after it was revoked let through. With it, every
+//! membership change committed before the write's row was locked counts, and such a write
+//! waits for the replica (`retry`/`unavailable` when it does not catch up within
+//! [`FENCE_TIMEOUT`]). The tables are read as they stand before the write: a subquery never
+//! sees the mutation's own row.
+//!
 //! The rules check a row with the values a reader of the replica sees (the statements return
 //! each column's text output, read as the replica reads pgoutput's), so a `where` compares the
 //! same values on a write as on a read.
@@ -68,7 +80,7 @@ use std::time::Duration;
 
 use highwater_engine::change_stream::JsonFormat;
 use highwater_engine::pgoutput::TextColumn;
-use highwater_engine::scope_rules::{DenialCode, SyncRules, WriteGrant};
+use highwater_engine::scope_rules::{Admission, DenialCode, SyncRules, WriteGrant};
 use highwater_engine::scope_sync::{
     rejection, InvalidMutation, Mutation, MutationOp, MutationResult,
 };
@@ -479,6 +491,8 @@ impl Writes {
         let tx = conn.client.transaction().await?;
         tx.execute(&confirm, &[&client_id, &id]).await?;
         let op = mutation.op.as_str();
+        // Whether a fence has brought the replica up to this transaction's start.
+        let mut fenced = false;
         let old = match &lock {
             None => None,
             Some(lock) => {
@@ -490,7 +504,7 @@ impl Writes {
                     });
                 };
                 let old = row_of(table, &locked)?;
-                if !grant.admits(&old) {
+                if !self.admits(grant, table, &old, &mut fenced).await? {
                     return Err(Failure::refused(
                         rejection::FORBIDDEN,
                         format!(
@@ -500,6 +514,7 @@ impl Writes {
                     ));
                 }
                 if let Some(expected) = mutation.if_version {
+                    self.fence_once(&mut fenced, "ifVersion").await?;
                     self.check_version(table, &old, expected, grant).await?;
                 }
                 Some(old)
@@ -515,7 +530,11 @@ impl Writes {
                 // No row back: an update naming only the key, or a trigger that skipped it.
                 None => old,
             };
-            if new.is_some_and(|new| !grant.admits(&new)) {
+            let admitted = match &new {
+                Some(new) => self.admits(grant, table, new, &mut fenced).await?,
+                None => true,
+            };
+            if !admitted {
                 return Err(Failure::refused(
                     rejection::FORBIDDEN,
                     format!(
@@ -530,8 +549,49 @@ impl Writes {
         Ok(())
     }
 
+    /// Whether the writer may have `row` ([`WriteGrant::admission`]). A row filter whose
+    /// answer hangs on its subqueries is answered by the replica once a fence has brought it up
+    /// to everything committed upstream before now: read as it stood, it could trail the
+    /// upstream by the replication lag, refusing a member just added for good and letting one
+    /// just removed write (see the module docs).
+    async fn admits(
+        &self,
+        grant: &WriteGrant,
+        table: &ReplicaTable,
+        row: &Map<String, Value>,
+        fenced: &mut bool,
+    ) -> Result<bool, Failure> {
+        let filter = match grant.admission(row) {
+            Admission::Decided(admitted) => return Ok(admitted),
+            Admission::ReadSets(filter) => filter.clone(),
+        };
+        self.fence_once(fenced, "the rules' subqueries").await?;
+        let (name, row) = (table.name.clone(), row.clone());
+        let answer = self
+            .replica
+            .read(move |replica| replica.row_passes(&name, &filter, &row))
+            .await
+            .map_err(|error| {
+                Failure::Unavailable(format!(
+                    "could not read the replica for the write rules: {error}"
+                ))
+            })?;
+        Ok(answer == Some(true))
+    }
+
+    /// Sends a fence unless this mutation's transaction has already sent one: one is enough,
+    /// as it was sent after the row was locked.
+    async fn fence_once(&self, fenced: &mut bool, what: &str) -> Result<(), Failure> {
+        if !*fenced {
+            self.fence(what).await?;
+            *fenced = true;
+        }
+        Ok(())
+    }
+
     /// `ifVersion`: the row's `serverSequence` in the replica, once the replica holds every
-    /// change made before the row was locked, must be `expected`.
+    /// change made before the row was locked (the caller has sent a fence), must be
+    /// `expected`.
     async fn check_version(
         &self,
         table: &ReplicaTable,
@@ -539,7 +599,6 @@ impl Writes {
         expected: i64,
         grant: &WriteGrant,
     ) -> Result<(), Failure> {
-        self.fence().await?;
         let (replica_table, key_row) = (table.clone(), old.clone());
         let current = self
             .replica
@@ -570,8 +629,9 @@ impl Writes {
         }
     }
 
-    /// Sends a fence and waits until ingest has committed everything before it.
-    async fn fence(&self) -> Result<(), Failure> {
+    /// Sends a fence and waits until ingest has committed everything before it; `what` names
+    /// the check that waits, for the answer when the replica does not catch up.
+    async fn fence(&self, what: &str) -> Result<(), Failure> {
         let nonce = format!(
             "{}-{}",
             self.fence_prefix,
@@ -589,7 +649,7 @@ impl Writes {
                 Ok(Err(_)) => Err(Failure::Unavailable("the server is stopping".to_owned())),
                 Err(_) => Err(Failure::Unavailable(format!(
                     "the replica did not catch up with the upstream Postgres within {} s, so \
-                     ifVersion cannot be checked",
+                     {what} cannot be checked",
                     FENCE_TIMEOUT.as_secs()
                 ))),
             }
@@ -736,10 +796,11 @@ fn stable_code(code: &str) -> &'static str {
     .unwrap_or(rejection::INVALID)
 }
 
-/// A read-only connection to the replica for the write checks, read on a blocking thread.
+/// Read-only connections to the replica for the write checks, read on blocking threads: a
+/// few, kept between reads, so the batches on the upstream connections read side by side.
 struct ReplicaReader {
     path: PathBuf,
-    cached: Arc<Mutex<Option<Replica>>>,
+    idle: Arc<Mutex<Vec<Replica>>>,
 }
 
 /// Why the replica could not be read.
@@ -755,7 +816,7 @@ impl ReplicaReader {
     fn new(path: PathBuf) -> ReplicaReader {
         ReplicaReader {
             path,
-            cached: Arc::new(Mutex::new(None)),
+            idle: Arc::new(Mutex::new(Vec::new())),
         }
     }
 
@@ -765,10 +826,10 @@ impl ReplicaReader {
         F: FnOnce(&Replica) -> Result<T, ReplicaError> + Send + 'static,
     {
         let path = self.path.clone();
-        let cached = self.cached.clone();
+        let idle = self.idle.clone();
         let result = tokio::task::spawn_blocking(move || {
-            let mut slot = cached.lock().unwrap_or_else(PoisonError::into_inner);
-            let replica = match slot.take() {
+            let pooled = idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
+            let replica = match pooled {
                 Some(mut replica) => {
                     replica.refresh()?;
                     replica
@@ -776,7 +837,10 @@ impl ReplicaReader {
                 None => Replica::open_read_only(&path)?,
             };
             let result = read(&replica);
-            *slot = Some(replica);
+            let mut idle = idle.lock().unwrap_or_else(PoisonError::into_inner);
+            if idle.len() < pool::MAX_CONNECTIONS {
+                idle.push(replica);
+            }
             result
         })
         .await?;
