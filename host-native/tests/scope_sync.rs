@@ -2585,7 +2585,7 @@ tables:
   projects: { where: "id IN (SELECT project_id FROM members WHERE user_id = auth.sub)" }
   members:  { where: "user_id = auth.sub" }
   todos:
-    filterColumns: [done]
+    filterColumns: [done, project_id]
     where: "project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub)"
   comments:
     omitColumns: [body]
@@ -2802,18 +2802,39 @@ async fn rows_reached_through_memberships_move_in_and_out_live_on_resume_and_acr
         }
     }
 
-    // A scope asking for another user's project gets nothing of it.
+    // A scope asking for a project its user is not in gets nothing of it, while the same
+    // conditions with a member's token get the project's todos.
+    let project: i64 = db
+        .query_one(
+            "SELECT t.project_id FROM todos t JOIN members m USING (project_id) \
+             WHERE t.project_id NOT IN (SELECT project_id FROM members WHERE user_id = 'bob') LIMIT 1",
+            &[],
+        )
+        .await
+        .map(|row| row.get(0))
+        .unwrap_or_else(|_| panic!("a todo of a project bob is not in, seed {seed}"));
+    let member: String = db
+        .query_one("SELECT user_id FROM members WHERE project_id = $1 LIMIT 1", &[&project])
+        .await
+        .unwrap()
+        .get(0);
     let mut client = Client::connect(server.addr).await;
-    client.scopes.entry("peek".into()).or_default();
-    client
-        .send(json!({"type": "channel-subscribe", "subscriptionId": "peek", "channelType": "velocious-sync",
-            "params": {"resourceType": "todos", "conditions": {"done": false}, "authenticationToken": token("nobody")}}))
-        .await;
-    client.until_subscribed("peek").await;
-    assert!(
-        client.scopes["peek"].rows.is_empty(),
-        "a user of no project sees no todo"
-    );
+    for (id, user) in [("peek", "bob"), ("own", member.as_str()), ("none", "nobody")] {
+        client.scopes.entry(id.into()).or_default();
+        client
+            .send(json!({"type": "channel-subscribe", "subscriptionId": id, "channelType": "velocious-sync",
+                "params": {"resourceType": "todos", "conditions": {"project_id": project},
+                           "authenticationToken": token(user)}}))
+            .await;
+        client.until_subscribed(id).await;
+    }
+    assert!(client.scopes["peek"].rows.is_empty(), "bob sees nothing of project {project}");
+    assert!(client.scopes["none"].rows.is_empty(), "a user of no project sees no todo");
+    let want = pg_ids(&db, "todos", &format!("project_id = {project}")).await;
+    let got: std::collections::BTreeSet<String> =
+        client.scopes["own"].rows.keys().cloned().collect();
+    assert_eq!(got, want, "{member} sees project {project}");
+    assert!(!want.is_empty());
 }
 
 /// A member of a project writes its todos: the write rules' subquery reads `members` from the
