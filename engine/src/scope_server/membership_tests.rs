@@ -379,7 +379,22 @@ fn under_or_a_value_that_leaves_is_read_again_for_rows_another_path_keeps() {
         },
         0,
     );
-    // Not routed by the set (it is not a conjunct): every todo change is matched.
+    // Routed by both branches: the set's values and the owner. A row found by both is sent
+    // once; one found by neither is not looked at.
+    let owned = |seq: i64, id: i64, project: i64, owner: &str| {
+        let mut entry = todo(seq, id, project);
+        if let FeedChange::Upsert { data } = &mut entry.change {
+            data.insert("owner".into(), json!(owner));
+        }
+        entry
+    };
+    let effects = commit(&mut server, vec![owned(11, 7, 1, "ada")]);
+    let sent = bodies(&effects);
+    assert_eq!(sent.len(), 1);
+    assert_eq!(ids(&sent[0]).0, ["7"], "once, though both routes find it");
+    let candidates = server.candidates(&owned(10, 8, 9, "bob"));
+    assert!(candidates.is_empty(), "{candidates:?}");
+    assert_eq!(server.candidates(&owned(10, 8, 9, "ada")).len(), 1);
     let effects = commit(&mut server, vec![member_gone(11, 100, "ada", 1)]);
     let reads = move_reads(&effects);
     assert_eq!(
@@ -394,7 +409,7 @@ fn under_or_a_value_that_leaves_is_read_again_for_rows_another_path_keeps() {
     let effects = server.handle(
         ServerInput::MovesRead {
             read: reads[0].0,
-            result: rows(11, vec![own]),
+            result: rows(12, vec![own, owned(11, 7, 1, "ada")]),
         },
         0,
     );
@@ -402,8 +417,8 @@ fn under_or_a_value_that_leaves_is_read_again_for_rows_another_path_keeps() {
     assert_eq!(sent[0]["moves"]["out"][0]["values"], json!([1]));
     assert_eq!(
         ids(&sent[0]).0,
-        ["5"],
-        "dropped by value, then kept by owner"
+        ["5", "7"],
+        "dropped by value, then kept by owner (7 again: the client dropped it too)"
     );
 }
 

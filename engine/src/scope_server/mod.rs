@@ -372,9 +372,9 @@ struct Subscription {
     checkpointed_ms: Option<u64>,
     /// The sets of the row filter's own subqueries, in the order its leaves are evaluated.
     sets: Vec<SetId>,
-    /// The set (and the column tested against it) the subscription is routed by, when it
-    /// has no equality condition and the set's test is a top-level conjunct of its filter.
-    set_route: Option<(SetId, String)>,
+    /// How the subscription is found by a change ([`routes`]); empty: with every change to
+    /// its table.
+    routes: Vec<Route>,
     /// Waiting for its sets' first reads before its replay starts.
     waiting_sets: bool,
     /// A set changed while it replayed: the replay starts over at its next page.
@@ -768,7 +768,7 @@ impl ScopeServer {
             told: 0,
             checkpointed_ms: None,
             sets: Vec::new(),
-            set_route: None,
+            routes: Vec::new(),
             waiting_sets: false,
             restart: false,
             newer: HashMap::new(),
@@ -1000,7 +1000,11 @@ impl ScopeServer {
             else {
                 continue;
             };
-            if !sub.indexed || sub.set_route.as_ref() != Some(&(set, column.clone())) {
+            let routed = sub
+                .routes
+                .iter()
+                .any(|route| matches!(route, Route::Set(s, c) if *s == set && c == column));
+            if !sub.indexed || !routed {
                 continue;
             }
             let target = (*conn, id.clone());
@@ -1535,7 +1539,7 @@ impl ScopeServer {
     }
 
     /// Subscriptions an entry may reach: looked up by its routing values, one index probe per
-    /// indexed column of its table.
+    /// indexed column of its table; each once.
     fn candidates(&self, entry: &FeedEntry) -> Vec<SubRef> {
         let values = match &entry.change {
             FeedChange::Upsert { data } => data,
@@ -1555,6 +1559,11 @@ impl ScopeServer {
                     found.extend(subs.iter().cloned());
                 }
             }
+        }
+        // A subscription with several routes (a filter's OR) may be found by more than one.
+        if found.len() > 1 {
+            found.sort_unstable();
+            found.dedup();
         }
         found
     }
@@ -1851,8 +1860,8 @@ impl ScopeServer {
         self.connections.get_mut(&conn)?.subscriptions.get_mut(id)
     }
 
-    /// Routes a subscription by its equality condition, else by the values of a set its
-    /// filter must pass, else with every change to its table.
+    /// Indexes a subscription under its routes ([`routes`]), or in its table's table-wide
+    /// list when it has none.
     fn index_subscription(&mut self, conn: ConnId, id: &str) {
         let Some(sub) = self
             .connections
@@ -1862,44 +1871,30 @@ impl ScopeServer {
             return;
         };
         sub.indexed = true;
+        sub.routes = routes(&sub.conditions, sub.row_filter.as_ref(), &sub.sets);
         let table = sub.table.clone();
         let target = (conn, id.to_owned());
-        if let Some((column, value)) = sub.conditions.routing_key() {
-            let (column, form) = (column.to_owned(), routing_form(value));
-            index_add(
-                &mut self.index,
-                &mut self.indexed_columns,
-                &table,
-                &column,
-                form,
-                target,
-            );
+        if sub.routes.is_empty() {
+            self.whole_table.entry(table).or_default().insert(target);
             return;
         }
-        let route = sub.row_filter.as_ref().and_then(|filter| {
-            filter
-                .sets()
-                .into_iter()
-                .zip(&sub.sets)
-                .find(|((_, _, top), _)| *top)
-                .map(|((column, _, _), set)| (*set, column.to_owned()))
-        });
-        sub.set_route = route.clone();
-        match route {
-            None => {
-                self.whole_table.entry(table).or_default().insert(target);
-            }
-            Some((set, column)) => {
-                for value in self.sets.values(set) {
-                    index_add(
-                        &mut self.index,
-                        &mut self.indexed_columns,
-                        &table,
-                        &column,
-                        routing_form(&value),
-                        target.clone(),
-                    );
-                }
+        for route in sub.routes.clone() {
+            let (column, forms) = match route {
+                Route::Value(column, form) => (column, vec![form]),
+                Route::Set(set, column) => (
+                    column,
+                    self.sets.values(set).iter().map(routing_form).collect(),
+                ),
+            };
+            for form in forms {
+                index_add(
+                    &mut self.index,
+                    &mut self.indexed_columns,
+                    &table,
+                    &column,
+                    form,
+                    target.clone(),
+                );
             }
         }
     }
@@ -1914,40 +1909,33 @@ impl ScopeServer {
         };
         let target = (conn, id.to_owned());
         self.waiting.remove(&target);
-        if sub.indexed {
-            let key = sub
-                .conditions
-                .routing_key()
-                .map(|(column, value)| (column.to_owned(), routing_form(value)));
-            match (key, &sub.set_route) {
-                (Some((column, form)), _) => index_remove(
-                    &mut self.index,
-                    &mut self.indexed_columns,
-                    &sub.table,
-                    &column,
-                    form,
-                    &target,
-                ),
-                (None, Some((set, column))) => {
-                    for value in self.sets.values(*set) {
-                        index_remove(
-                            &mut self.index,
-                            &mut self.indexed_columns,
-                            &sub.table,
-                            column,
-                            routing_form(&value),
-                            &target,
-                        );
-                    }
+        if sub.indexed && sub.routes.is_empty() {
+            if let Some(set) = self.whole_table.get_mut(&sub.table) {
+                set.remove(&target);
+                shrink_set_when_sparse(set);
+                if set.is_empty() {
+                    self.whole_table.remove(&sub.table);
                 }
-                (None, None) => {
-                    if let Some(set) = self.whole_table.get_mut(&sub.table) {
-                        set.remove(&target);
-                        shrink_set_when_sparse(set);
-                        if set.is_empty() {
-                            self.whole_table.remove(&sub.table);
-                        }
-                    }
+            }
+        }
+        if sub.indexed {
+            for route in &sub.routes {
+                let (column, forms) = match route {
+                    Route::Value(column, form) => (column, vec![form.clone()]),
+                    Route::Set(set, column) => (
+                        column,
+                        self.sets.values(*set).iter().map(routing_form).collect(),
+                    ),
+                };
+                for form in forms {
+                    index_remove(
+                        &mut self.index,
+                        &mut self.indexed_columns,
+                        &sub.table,
+                        column,
+                        form,
+                        &target,
+                    );
                 }
             }
         }
@@ -2192,5 +2180,80 @@ fn index_remove(
         if counts.is_empty() {
             columns.remove(table);
         }
+    }
+}
+
+/// One way a change finds a subscription: a value of a column, or any value in a set of a
+/// column.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Route {
+    Value(String, String),
+    Set(SetId, String),
+}
+
+/// The routes of a subscription: every row it may receive (or whose exit it may receive)
+/// matches at least one. Its equality condition if it has one (every row must pass it);
+/// else what its row filter says: a conjunct's routes (an equality, a list of at most
+/// [`MAX_ROUTE_VALUES`] values, a set test), or the union of every branch's under `OR` when each
+/// branch has some. None: the subscription is matched against every change to its table.
+fn routes(conditions: &Conditions, filter: Option<&RowFilter>, sets: &[SetId]) -> Vec<Route> {
+    if let Some((column, value)) = conditions.routing_key() {
+        return vec![Route::Value(column.to_owned(), routing_form(value))];
+    }
+    let Some(filter) = filter else {
+        return Vec::new();
+    };
+    // The filter's set tests in leaf order, matched with the subscription's sets.
+    let mut next_set = sets.iter();
+    let mut set_of: HashMap<*const SetQuery, SetId> = HashMap::new();
+    for (_, query, _) in filter.sets() {
+        if let Some(id) = next_set.next() {
+            set_of.insert(query as *const SetQuery, *id);
+        }
+    }
+    filter_routes(filter, &set_of).unwrap_or_default()
+}
+
+/// A list test routes by each of its values up to this many; a longer one is not routed by.
+const MAX_ROUTE_VALUES: usize = 64;
+
+fn filter_routes(
+    filter: &RowFilter,
+    set_of: &HashMap<*const SetQuery, SetId>,
+) -> Option<Vec<Route>> {
+    use crate::scope_sync::Test;
+    match filter {
+        RowFilter::And(items) => {
+            // The conjunct with the fewest routes (a set test counts as one).
+            items
+                .iter()
+                .filter_map(|item| filter_routes(item, set_of))
+                .min_by_key(Vec::len)
+        }
+        RowFilter::Or(items) if !items.is_empty() => {
+            let mut all = Vec::new();
+            for item in items {
+                for route in filter_routes(item, set_of)? {
+                    if !all.contains(&route) {
+                        all.push(route);
+                    }
+                }
+            }
+            Some(all)
+        }
+        RowFilter::Or(_) | RowFilter::Not(_) => None,
+        RowFilter::Test(column, Test::Eq(value)) => {
+            Some(vec![Route::Value(column.clone(), routing_form(value))])
+        }
+        RowFilter::Test(column, Test::In(values)) if values.len() <= MAX_ROUTE_VALUES => Some(
+            values
+                .iter()
+                .map(|value| Route::Value(column.clone(), routing_form(value)))
+                .collect(),
+        ),
+        RowFilter::Test(..) => None,
+        RowFilter::InSet(column, query) => set_of
+            .get(&(query.as_ref() as *const SetQuery))
+            .map(|set| vec![Route::Set(*set, column.clone())]),
     }
 }

@@ -32,9 +32,9 @@
 //!   `updatedAt`) to the last of the project's rows read by the client (the wall clock).
 //! - Routing: the engine's scope server alone, in this process: `--routing-subscriptions`
 //!   subscriptions over `--routing-projects` projects (one user each, in one project), then
-//!   single-row commits into random projects; the time per commit routed, with the
-//!   subscriptions it reached, next to the same with every subscription matched one by one
-//!   (a filter that cannot be routed by its set).
+//!   single-row commits into the projects in turn; the time per commit routed, with the
+//!   subscriptions it reached, for a filter routed by its set, one routed by both branches of
+//!   an OR, and one whose OR has a range (matched subscription by subscription).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -625,14 +625,16 @@ fn routing(subscriptions: usize, projects: usize) -> String {
         (per_commit, reached as f64 / commits as f64)
     };
     let routed = run("project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub)");
-    let matched = run(
-        "project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub) OR owner = 'nobody'",
-    );
+    let either =
+        run("project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub) OR owner = auth.sub");
+    let matched =
+        run("project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub) OR id < 0");
     format!(
-        "Routing: the scope server alone, {subscriptions} subscriptions over {projects} projects, single-row commits\n{:>44} {:>14} {:>18}\n{:>44} {:>11.1} us {:>18.1}\n{:>44} {:>11.1} us {:>18.1}\n",
+        "Routing: the scope server alone, {subscriptions} subscriptions over {projects} projects, single-row commits\n{:>52} {:>14} {:>18}\n{:>52} {:>11.1} us {:>18.1}\n{:>52} {:>11.1} us {:>18.1}\n{:>52} {:>11.1} us {:>18.1}\n",
         "filter", "per commit", "subscriptions sent",
-        "routed by its set (a top-level conjunct)", routed.0, routed.1,
-        "matched one by one (under OR)", matched.0, matched.1,
+        "set test alone (routed by the set)", routed.0, routed.1,
+        "set test OR owner = auth.sub (routed by both)", either.0, either.1,
+        "set test OR id < 0 (a range: matched one by one)", matched.0, matched.1,
     )
 }
 
