@@ -2814,12 +2814,19 @@ async fn rows_reached_through_memberships_move_in_and_out_live_on_resume_and_acr
         .map(|row| row.get(0))
         .unwrap_or_else(|_| panic!("a todo of a project bob is not in, seed {seed}"));
     let member: String = db
-        .query_one("SELECT user_id FROM members WHERE project_id = $1 LIMIT 1", &[&project])
+        .query_one(
+            "SELECT user_id FROM members WHERE project_id = $1 LIMIT 1",
+            &[&project],
+        )
         .await
         .unwrap()
         .get(0);
     let mut client = Client::connect(server.addr).await;
-    for (id, user) in [("peek", "bob"), ("own", member.as_str()), ("none", "nobody")] {
+    for (id, user) in [
+        ("peek", "bob"),
+        ("own", member.as_str()),
+        ("none", "nobody"),
+    ] {
         client.scopes.entry(id.into()).or_default();
         client
             .send(json!({"type": "channel-subscribe", "subscriptionId": id, "channelType": "velocious-sync",
@@ -2828,8 +2835,14 @@ async fn rows_reached_through_memberships_move_in_and_out_live_on_resume_and_acr
             .await;
         client.until_subscribed(id).await;
     }
-    assert!(client.scopes["peek"].rows.is_empty(), "bob sees nothing of project {project}");
-    assert!(client.scopes["none"].rows.is_empty(), "a user of no project sees no todo");
+    assert!(
+        client.scopes["peek"].rows.is_empty(),
+        "bob sees nothing of project {project}"
+    );
+    assert!(
+        client.scopes["none"].rows.is_empty(),
+        "a user of no project sees no todo"
+    );
     let want = pg_ids(&db, "todos", &format!("project_id = {project}")).await;
     let got: std::collections::BTreeSet<String> =
         client.scopes["own"].rows.keys().cloned().collect();
