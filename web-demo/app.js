@@ -1,10 +1,14 @@
-// The demo page: one HighwaterClient (one socket, rows cached in IndexedDB), one or two scopes on
-// `todos` for the chosen user, and writes through the demo's endpoints with their round trip timed
-// from the click until the change is visible in the scope.
+// The demo page: one HighwaterClient per user shown (one socket each, rows cached in IndexedDB),
+// scopes on `todos` (all the user may read, optionally the open ones too), `projects` and
+// `members`; todos written through the client with their round trip timed from the click until
+// the server confirmed them, and project memberships switched upstream through the demo's
+// endpoint, timed until the user's page holds the change.
 import { init, HighwaterClient, IndexedDbStore } from "/pkg/web.js";
 
 const USERS = ["ada", "grace", "linus"];
-const BASE_COLUMNS = new Set(["id", "owner", "title", "done", "updated_at"]);
+const BASE_COLUMNS = new Set(["id", "project_id", "title", "done", "updated_at"]);
+/** Project hues, by id; others get one from their id. */
+const HUES = { 1: 188, 2: 262, 3: 32, 4: 338 };
 const STATUS_TEXT = {
   connecting: "Connecting",
   open: "Live",
@@ -14,23 +18,37 @@ const STATUS_TEXT = {
 };
 
 const $ = (selector, root = document) => root.querySelector(selector);
+const params = () => new URLSearchParams(location.search);
 
 const state = {
   user: pickUser(),
-  second: new URLSearchParams(location.search).get("second") === "1",
-  client: null,
-  scopes: [], // {key, title, where, conditions, sub, el, seen: Map<id, json>, subscribed}
+  beside: null,
+  second: params().get("second") === "1",
+  // One per user shown, the signed-in user's first: {user, client, scopes, projects, members, switches}.
+  panels: [],
+  // Every panel's todos scopes, the signed-in user's first:
+  // {key, user, panel, title, where, conditions, sub, el, seen: Map<id, json>, subscribed}.
+  scopes: [],
+  // Every project, id → name (`/demo/projects`): a user reads only the projects it is in, and
+  // the switches need the others' names too.
+  projects: new Map(),
   columns: [], // columns added from this page: {name, t0, arrivedMs}
   offline: false,
 };
+state.beside = pickBeside();
 
 function pickUser() {
-  const asked = new URLSearchParams(location.search).get("user") ?? localStorage.getItem("highwater-demo-user");
+  const asked = params().get("user") ?? localStorage.getItem("highwater-demo-user");
   return USERS.includes(asked) ? asked : "ada";
 }
 
-async function token() {
-  const response = await fetch(`/demo/token?sub=${encodeURIComponent(state.user)}`);
+function pickBeside() {
+  const asked = params().get("with");
+  return USERS.includes(asked) && asked !== state.user ? asked : null;
+}
+
+async function token(user) {
+  const response = await fetch(`/demo/token?sub=${encodeURIComponent(user)}`);
   if (!response.ok) throw new Error(`Token endpoint answered ${response.status}`);
   return (await response.json()).token;
 }
@@ -47,58 +65,71 @@ async function api(method, path, body) {
   return json;
 }
 
-// ---- client and scopes -------------------------------------------------------------------
+// ---- clients and scopes ------------------------------------------------------------------
 
 function start() {
   stop();
   state.offline = false;
-  const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/sync`;
-  // Tabs of one user share one socket: the leader tab's client serves the others' scopes with
-  // its token, so the share is named after the user.
-  const client = new HighwaterClient({
-    url,
-    token,
-    store: new IndexedDbStore("highwater-demo"),
-    shareTabs: `highwater-demo-${state.user}`,
-  });
-  state.client = client;
-  client.on("status", () => renderStatus());
-  client.on("outbox", () => renderPending());
-  client.on("rejected", ({ code, message }) => logLine(`Refused (${code}): ${message}`, "error"));
   const specs = [
-    {
-      key: "all",
-      title: `${state.user}'s todos`,
-      where: `owner = '${state.user}'`,
-      conditions: { owner: state.user },
-    },
+    { key: "all", title: `${state.user}'s todos`, conditions: {} },
   ];
   if (state.second) {
-    specs.push({
-      key: "open",
-      title: `${state.user}'s open todos`,
-      where: `owner = '${state.user}' and done = false`,
-      conditions: { owner: state.user, done: false },
-    });
+    specs.push({ key: "open", title: `${state.user}'s open todos`, conditions: { done: false } });
   }
   const container = $("#scopes");
   container.replaceChildren();
-  container.classList.toggle("two", specs.length > 1);
-  state.scopes = specs.map((spec) => {
+  state.panels = [openPanel(state.user, specs)];
+  if (state.beside) {
+    state.panels.push(openPanel(state.beside, [{ key: "with", title: `${state.beside}'s todos`, conditions: {} }]));
+  }
+  state.scopes = state.panels.flatMap((panel) => panel.scopes);
+  container.dataset.count = state.scopes.length;
+  window.demo = { client: state.panels[0].client, scopes: state.scopes, panels: state.panels, state };
+  renderStatus();
+  renderPending();
+  for (const panel of state.panels) renderMemberships(panel);
+}
+
+/** A user's client and scopes: its todos (one card per spec), and the projects and memberships
+ * it may read, which the first card's switches show. */
+function openPanel(user, specs) {
+  const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/sync`;
+  // Tabs of one user share one socket: the leader tab's client serves the others' scopes with
+  // its token, so the share (and the store, which holds scopes by their conditions) is the user's.
+  const client = new HighwaterClient({
+    url,
+    token: () => token(user),
+    store: new IndexedDbStore(`highwater-demo-${user}`),
+    shareTabs: `highwater-demo-${user}`,
+  });
+  const panel = { user, client, scopes: [], switches: new Map() };
+  client.on("status", () => renderStatus());
+  client.on("outbox", () => renderPending());
+  client.on("rejected", ({ code, message }) => logLine(`Refused (${code}): ${message}`, "error"));
+  panel.projects = client.subscribe({ resourceType: "projects", conditions: {} });
+  panel.members = client.subscribe({ resourceType: "members", conditions: {} });
+  for (const sub of [panel.projects, panel.members]) {
+    for (const event of ["change", "reset", "ready"]) sub.on(event, () => renderMemberships(panel));
+  }
+  const where = `project_id IN (SELECT project_id FROM members WHERE user_id = '${user}')`;
+  panel.scopes = specs.map((spec) => {
     const el = $("#scope-template").content.firstElementChild.cloneNode(true);
     el.dataset.scope = spec.key;
+    el.dataset.user = user;
     $(".scope-title", el).textContent = spec.title;
-    $(".scope-where", el).innerHTML = `<code>todos</code> where <code>${spec.where}</code>`;
+    const done = "done" in spec.conditions ? ` AND done = ${spec.conditions.done}` : "";
+    $(".scope-where", el).innerHTML = `<code>todos</code> where <code>${where}${done}</code>`;
+    $(".scope-where", el).title = "The rules' row filter, with this user's token's sub in place of auth.sub";
     $(".add", el).addEventListener("submit", (event) => {
       event.preventDefault();
-      const input = event.target.elements.title;
-      const title = input.value.trim();
-      if (title) addTodo(title);
-      input.value = "";
+      const form = event.target;
+      const title = form.elements.title.value.trim();
+      if (title && form.elements.project.value) addTodo(panel, title, Number(form.elements.project.value));
+      form.elements.title.value = "";
     });
-    container.append(el);
+    $("#scopes").append(el);
     const sub = client.subscribe({ resourceType: "todos", conditions: spec.conditions });
-    const scope = { ...spec, sub, el, seen: new Map(), subscribed: false, replay: null };
+    const scope = { ...spec, user, panel, where, sub, el, seen: new Map(), subscribed: false, replay: null };
     sub.on("change", () => refresh(scope));
     sub.on("reset", () => refresh(scope));
     sub.on("progress", (p) => {
@@ -114,17 +145,19 @@ function start() {
     sub.on("error", (problem) => scopeError(scope, problem));
     return scope;
   });
-  window.demo = { client, scopes: state.scopes, state };
-  renderStatus();
-  renderPending();
-  for (const scope of state.scopes) refresh(scope);
+  $(".memberships", panel.scopes[0].el).hidden = false;
+  return panel;
 }
 
 function stop() {
-  if (!state.client) return;
-  for (const scope of state.scopes) scope.sub.unsubscribe();
-  state.client.close();
-  state.client = null;
+  for (const panel of state.panels) {
+    for (const scope of panel.scopes) scope.sub.unsubscribe();
+    panel.projects.unsubscribe();
+    panel.members.unsubscribe();
+    panel.client.close();
+  }
+  state.panels = [];
+  state.scopes = [];
 }
 
 function scopeError(scope, error) {
@@ -138,6 +171,129 @@ function scopeError(scope, error) {
   logLine(`Scope ${scope.title}: ${error?.message ?? error}`, "error");
 }
 
+// ---- projects and memberships ------------------------------------------------------------
+
+async function loadProjects() {
+  try {
+    const { projects } = await api("GET", "/demo/projects");
+    state.projects = new Map(projects.map((p) => [String(p.id), p.name]));
+  } catch (error) {
+    logLine(`Reading the projects: ${error.message}`, "error");
+  }
+}
+
+function projectName(id, panel) {
+  const key = String(id);
+  const synced = panel?.projects.rows().find((p) => String(p.id) === key);
+  return state.projects.get(key) ?? synced?.name ?? `project ${key}`;
+}
+
+function hue(id) {
+  return HUES[id] ?? (Number(id) * 67) % 360;
+}
+
+/** The projects `panel`'s user is a member of, by id, as its page holds them. */
+function memberOf(panel) {
+  return new Set(panel.members.rows().filter((m) => m.user_id === panel.user).map((m) => String(m.project_id)));
+}
+
+/** Every project id the page knows: all of them, or at least those a panel reads. */
+function allProjects() {
+  const ids = new Set(state.projects.keys());
+  for (const panel of state.panels) for (const p of panel.projects.rows()) ids.add(String(p.id));
+  return [...ids].sort((a, b) => Number(a) - Number(b));
+}
+
+function renderMemberships(panel) {
+  if (!panel.scopes.length) return;
+  const mine = memberOf(panel);
+  // A switch waits for the membership to reach this user's page: then its rows have too.
+  for (const [id, change] of panel.switches) {
+    if (change.requested && mine.has(id) === change.want) {
+      panel.switches.delete(id);
+      const ms = Math.round(performance.now() - change.t0);
+      const name = projectName(id, panel);
+      logLine(change.want ? `${panel.user} joined ${name}` : `${panel.user} left ${name}`, "ok", ms, "From the click until the membership, and the project's rows, reached this page");
+    }
+  }
+  const todos = panel.scopes[0].sub.rows();
+  const list = $(".project-list", panel.scopes[0].el);
+  const ids = allProjects();
+  for (const id of ids) {
+    let item = list.querySelector(`li[data-project="${CSS.escape(id)}"]`);
+    if (!item) {
+      item = document.createElement("li");
+      item.className = "project";
+      item.dataset.project = id;
+      item.style.setProperty("--hue", hue(id));
+      const button = document.createElement("button");
+      button.type = "button";
+      button.setAttribute("role", "switch");
+      button.innerHTML = '<span class="knob" aria-hidden="true"></span><span class="project-name"></span><span class="count"></span>';
+      button.addEventListener("click", () => switchMembership(panel, id, button.getAttribute("aria-checked") !== "true"));
+      const people = document.createElement("span");
+      people.className = "people";
+      item.append(button, people);
+      list.append(item);
+    }
+    const change = panel.switches.get(id);
+    const member = change ? change.want : mine.has(id);
+    const name = projectName(id, panel);
+    const button = $("button", item);
+    button.setAttribute("aria-checked", String(member));
+    button.disabled = Boolean(change);
+    button.title = member
+      ? `${panel.user} is in ${name}: click to take ${panel.user} out (upstream, as an admin would)`
+      : `${panel.user} is not in ${name}: click to add ${panel.user} (upstream, as an admin would)`;
+    item.dataset.member = String(member);
+    item.dataset.state = change ? "pending" : "idle";
+    $(".project-name", item).textContent = name;
+    const count = todos.filter((t) => String(t.project_id) === id).length;
+    $(".count", item).textContent = mine.has(id) ? count : "";
+    // Who else is in it: this user reads the memberships of its own projects only.
+    const others = panel.members
+      .rows()
+      .filter((m) => String(m.project_id) === id && m.user_id !== panel.user)
+      .map((m) => m.user_id)
+      .sort();
+    $(".people", item).textContent = !mine.has(id) ? "" : others.length ? `with ${others.join(", ")}` : "only you";
+  }
+  for (const item of [...list.children]) if (!ids.includes(item.dataset.project)) item.remove();
+  for (const scope of panel.scopes) renderProjectChoice(scope, mine);
+}
+
+async function switchMembership(panel, id, want) {
+  const change = { want, t0: performance.now(), requested: false };
+  panel.switches.set(id, change);
+  renderMemberships(panel);
+  try {
+    await api(want ? "PUT" : "DELETE", `/demo/projects/${id}/members/${encodeURIComponent(panel.user)}`);
+    change.requested = true;
+  } catch (error) {
+    panel.switches.delete(id);
+    logLine(`Switching ${panel.user}'s membership of ${projectName(id, panel)}: ${error.message}`, "error");
+  }
+  renderMemberships(panel);
+}
+
+/** The add form's project choice: the projects the user is in. */
+function renderProjectChoice(scope, mine) {
+  const select = $(".add select", scope.el);
+  const ids = [...mine].sort((a, b) => Number(a) - Number(b));
+  const key = ids.map((id) => `${id}:${projectName(id, scope.panel)}`).join(",");
+  if (select.dataset.key !== key) {
+    const chosen = select.value;
+    select.replaceChildren(...ids.map((id) => new Option(projectName(id, scope.panel), id, false, id === chosen)));
+    select.dataset.key = key;
+  }
+  const input = $(".add input", scope.el);
+  const none = ids.length === 0;
+  select.disabled = none;
+  $(".add button", scope.el).disabled = none;
+  input.disabled = none;
+  input.placeholder = none ? "Join a project to add todos" : "New todo…";
+}
+
 // ---- rendering ---------------------------------------------------------------------------
 
 function rowsOf(scope) {
@@ -148,16 +304,17 @@ function refresh(scope) {
   const rows = rowsOf(scope);
   const el = scope.el;
   // Rows a pending mutation is laid over: shown at once, marked until the server confirms.
-  const pending = new Set((state.client?.pendingMutations() ?? []).map((m) => String(m.row.id)));
+  const pending = new Set(scope.panel.client.pendingMutations().map((m) => String(m.row.id)));
   const list = $(".rows", el);
   const next = new Map();
+  const projects = allProjects().join(",");
   const items = rows.map((row) => {
     const id = String(row.id);
-    const json = JSON.stringify(row) + (pending.has(id) ? " pending" : "");
+    const json = JSON.stringify(row) + (pending.has(id) ? " pending" : "") + projects;
     next.set(id, json);
     let item = list.querySelector(`li[data-id="${CSS.escape(id)}"]`);
     if (item && item.dataset.json === json) return item;
-    const fresh = renderRow(row, scope, pending.has(id));
+    const fresh = renderRow(row, scope, pending.has(id), json);
     if (scope.seen.size > 0 || scope.subscribed) {
       fresh.classList.add("flash");
       // Once only: re-inserting the node on the next render must not replay the animation.
@@ -191,7 +348,7 @@ function refresh(scope) {
 
   const badge = $(".origin", el);
   if (badge.dataset.kind !== "error") {
-    const live = scope.subscribed && state.client?.status?.state === "open";
+    const live = scope.subscribed && scope.panel.client.status?.state === "open";
     badge.dataset.kind = live ? "live" : rows.length > 0 ? "cached" : "waiting";
     badge.textContent = live ? "live" : rows.length > 0 ? "from IndexedDB" : "waiting";
     el.dataset.origin = badge.dataset.kind;
@@ -204,15 +361,18 @@ function refresh(scope) {
     $(".bar", progress).style.width = `${Math.min(100, (100 * replay.done) / replay.total)}%`;
     $(".progress-text", progress).textContent = `Catching up: ${replay.done} of ${replay.total} rows`;
   }
+  if (scope === scope.panel.scopes[0]) renderMemberships(scope.panel);
   renderBackfill();
 }
 
-function renderRow(row, scope, pending) {
+function renderRow(row, scope, pending, json) {
   const id = String(row.id);
+  const project = String(row.project_id);
   const item = document.createElement("li");
   item.className = `row${row.done ? " done" : ""}${pending ? " pending" : ""}`;
   item.dataset.id = id;
-  item.dataset.json = JSON.stringify(row) + (pending ? " pending" : "");
+  item.dataset.project = project;
+  item.dataset.json = json;
   if (pending) item.title = "Shown now; waiting for the server to confirm it";
 
   const check = document.createElement("input");
@@ -220,7 +380,7 @@ function renderRow(row, scope, pending) {
   check.checked = Boolean(row.done);
   check.title = row.done ? "Mark as not done" : "Mark as done";
   check.addEventListener("change", () =>
-    write(`${row.done ? "Reopened" : "Completed"} “${row.title}”`, "update", { id: row.id, done: !row.done }),
+    write(scope.panel, `${row.done ? "Reopened" : "Completed"} “${row.title}”`, "update", { id: row.id, done: !row.done }),
   );
 
   const title = document.createElement("span");
@@ -229,36 +389,41 @@ function renderRow(row, scope, pending) {
   title.title = "Double-click to rename";
   title.addEventListener("dblclick", () => rename(row, scope, title));
 
+  const chip = document.createElement("span");
+  chip.className = "project-chip";
+  chip.style.setProperty("--hue", hue(project));
+  chip.textContent = projectName(project, scope.panel);
+
   const extras = document.createElement("span");
   extras.className = "extras";
   for (const [key, value] of Object.entries(row)) {
     if (BASE_COLUMNS.has(key)) continue;
-    const chip = document.createElement("span");
-    chip.className = "chip";
-    chip.dataset.column = key;
-    chip.textContent = `${key}: ${value}`;
-    extras.append(chip);
+    const extra = document.createElement("span");
+    extra.className = "chip";
+    extra.dataset.column = key;
+    extra.textContent = `${key}: ${value}`;
+    extras.append(extra);
   }
 
   const meta = document.createElement("span");
   meta.className = "meta";
   meta.textContent = `#${id}`;
 
-  const owner = document.createElement("select");
-  owner.className = "owner";
-  owner.title = "Give to another user: the rules refuse it (a user may not move a row out of their own reach)";
-  for (const user of USERS) {
-    const option = new Option(user === row.owner ? user : `→ ${user}`, user, false, user === row.owner);
-    owner.append(option);
+  const move = document.createElement("select");
+  move.className = "move";
+  move.title = "Move to another project: to one this user is not in, the rules refuse it (nobody moves a row out of their own reach)";
+  for (const other of allProjects()) {
+    const name = projectName(other, scope.panel);
+    move.append(new Option(other === project ? name : `→ ${name}`, other, false, other === project));
   }
-  owner.addEventListener("change", () => {
-    const to = owner.value;
-    write(`Gave “${row.title}” to ${to}`, "update", { id: row.id, owner: to });
+  move.addEventListener("change", () => {
+    const to = move.value;
+    write(scope.panel, `Moved “${row.title}” to ${projectName(to, scope.panel)}`, "update", { id: row.id, project_id: Number(to) });
   });
 
   const edit = iconButton("Rename", "✎", () => rename(row, scope, title));
   const remove = iconButton("Delete", "✕", () =>
-    write(`Deleted “${row.title}”`, "delete", { id: row.id }),
+    write(scope.panel, `Deleted “${row.title}”`, "delete", { id: row.id }),
   );
   remove.classList.add("danger");
 
@@ -266,9 +431,9 @@ function renderRow(row, scope, pending) {
   body.className = "body";
   const sub = document.createElement("span");
   sub.className = "sub";
-  sub.append(meta, extras);
+  sub.append(chip, meta, extras);
   body.append(title, sub);
-  item.append(check, body, owner, edit, remove);
+  item.append(check, body, move, edit, remove);
   return item;
 }
 
@@ -298,7 +463,7 @@ function rename(row, scope, titleEl) {
     const title = input.value.trim();
     input.replaceWith(titleEl);
     if (!save || !title || title === row.title) return;
-    write(`Renamed to “${title}”`, "update", { id: row.id, title });
+    write(scope.panel, `Renamed to “${title}”`, "update", { id: row.id, title });
   };
   input.addEventListener("keydown", (event) => {
     if (event.key === "Enter") finish(true);
@@ -308,7 +473,8 @@ function rename(row, scope, titleEl) {
 }
 
 function renderStatus() {
-  const status = state.client?.status ?? { state: "connecting" };
+  // The signed-in user's socket; a second user's panel shows its own state in its badge.
+  const status = state.panels[0]?.client.status ?? { state: "connecting" };
   const el = $("#status");
   el.dataset.state = status.state;
   $("#status-text").textContent = STATUS_TEXT[status.state] ?? status.state;
@@ -337,32 +503,33 @@ function newId() {
   return Date.now() * 1000 + Math.floor(Math.random() * 1000);
 }
 
-function addTodo(title) {
-  write(`Added “${title}”`, "insert", { id: newId(), owner: state.user, title });
+function addTodo(panel, title, project) {
+  write(panel, `Added “${title}” to ${projectName(project, panel)}`, "insert", { id: newId(), project_id: project, title });
 }
 
-function write(label, op, row) {
+function write(panel, label, op, row) {
   const t0 = performance.now();
+  const who = panel === state.panels[0] ? "" : `${panel.user}: `;
   let mutation;
   try {
-    mutation = state.client.mutate("todos", op, row);
+    mutation = panel.client.mutate("todos", op, row);
   } catch (error) {
-    logLine(`${label}: ${error.message}`, "error");
+    logLine(`${who}${label}: ${error.message}`, "error");
     return;
   }
   mutation.confirmed.then(
     () => {
       const ms = Math.round(performance.now() - t0);
       $("#latency").textContent = `${ms} ms`;
-      logLine(label, "ok", ms);
+      logLine(`${who}${label}`, "ok", ms);
     },
     () => {}, // The client's "rejected" event logs why.
   );
-  for (const scope of state.scopes) refresh(scope);
+  for (const scope of panel.scopes) refresh(scope);
 }
 
 function renderPending() {
-  const count = state.client?.pendingCount ?? 0;
+  const count = state.panels.reduce((sum, panel) => sum + (panel.client.pendingCount ?? 0), 0);
   const el = $("#pending");
   el.textContent = count === 0 ? "" : `${count} pending`;
   el.dataset.count = count;
@@ -370,7 +537,7 @@ function renderPending() {
   for (const scope of state.scopes) refresh(scope);
 }
 
-function logLine(text, kind, ms) {
+function logLine(text, kind, ms, timeTitle) {
   const log = $("#log");
   $(".empty", log)?.remove();
   const item = document.createElement("li");
@@ -382,7 +549,7 @@ function logLine(text, kind, ms) {
     const time = document.createElement("span");
     time.className = "ms";
     time.textContent = `${ms} ms`;
-    time.title = "From the click until the server confirmed it and its change was in this page's rows";
+    time.title = timeTitle ?? "From the click until the server confirmed it and its change was in this page's rows";
     item.append(time);
   }
   log.prepend(item);
@@ -427,16 +594,36 @@ function renderBackfill() {
 
 // ---- wiring ------------------------------------------------------------------------------
 
+function setParam(name, value) {
+  const next = params();
+  if (value) next.set(name, value);
+  else next.delete(name);
+  history.replaceState(null, "", `?${next}`);
+}
+
 function selectUser(user) {
   state.user = user;
   localStorage.setItem("highwater-demo-user", user);
   for (const button of document.querySelectorAll("#users button")) {
     button.setAttribute("aria-checked", String(button.dataset.user === user));
   }
-  const params = new URLSearchParams(location.search);
-  params.set("user", user);
-  history.replaceState(null, "", `?${params}`);
+  setParam("user", user);
+  if (state.beside === user) selectBeside(null, false);
+  renderBesideChoice();
   start();
+}
+
+function selectBeside(user, restart = true) {
+  state.beside = user || null;
+  setParam("with", state.beside);
+  renderBesideChoice();
+  if (restart) start();
+}
+
+function renderBesideChoice() {
+  const select = $("#beside");
+  select.value = state.beside ?? "";
+  for (const option of select.options) option.disabled = option.value === state.user;
 }
 
 async function main() {
@@ -452,26 +639,28 @@ async function main() {
   for (const button of document.querySelectorAll("#users button")) {
     button.addEventListener("click", () => selectUser(button.dataset.user));
   }
+  $("#beside").addEventListener("change", (event) => selectBeside(event.target.value));
   $("#second").checked = state.second;
   $("#second").addEventListener("change", (event) => {
     state.second = event.target.checked;
-    const params = new URLSearchParams(location.search);
-    if (state.second) params.set("second", "1");
-    else params.delete("second");
-    history.replaceState(null, "", `?${params}`);
+    setParam("second", state.second ? "1" : null);
     start();
   });
   $("#offline").disabled = false;
   $("#offline").addEventListener("click", () => {
     state.offline = !state.offline;
-    if (state.offline) state.client.goOffline();
-    else state.client.goOnline();
+    for (const panel of state.panels) {
+      if (state.offline) panel.client.goOffline();
+      else panel.client.goOnline();
+    }
     renderStatus();
   });
   $("#add-column").disabled = false;
   $("#add-column").addEventListener("click", addColumn);
   // Rows restored from IndexedDB arrive without a server event: look again now and then.
   setInterval(() => state.scopes.forEach(refresh), 1000);
+  // The switches' names; the lists do not wait for them.
+  loadProjects().then(() => state.panels.forEach(renderMemberships));
   selectUser(state.user);
 }
 

@@ -1,10 +1,12 @@
 //! `highwater demo`: the server on an embedded default. It starts a private Postgres from the
-//! machine's binaries (or uses `--upstream`), creates a small demo schema with data, keeps
-//! writing to it so subscribers see live changes (inserts, completions, moves between owners,
-//! deletes), and runs `highwater serve` against it with scope sync on: a demo rules file (each
-//! user reads only its own `todos`) and a demo secret generated at start, kept in a private file
-//! and never printed. In front of serve's routes it mounts the web page (`/`), the built npm
-//! package (`/pkg/`), demo tokens and the schema-change button ([`routes`]); the page writes through `/sync`.
+//! machine's binaries (or uses `--upstream`), creates a small demo schema with data (projects,
+//! their members, their todos), keeps writing to it so subscribers see live changes (inserts,
+//! completions, moves between projects, deletes), and runs `highwater serve` against it with
+//! scope sync on: a demo rules file (each user reads the projects it is a member of, who else is
+//! in them, and their todos) and a demo secret generated at start, kept in a private file and
+//! never printed. In front of serve's routes it mounts the web page (`/`), the built npm package
+//! (`/pkg/`), demo tokens, the schema-change button and the membership switches ([`routes`]);
+//! the page writes its todos through `/sync`.
 
 mod routes;
 
@@ -46,30 +48,59 @@ pub struct DemoArgs {
     pub package_dir: PathBuf,
 }
 
-/// Scope-sync rules of the demo: each user reads and writes only the todos it owns (all, or by
-/// `done`); a todo given to another user is out of the writer's reach, so that write is refused.
-const RULES: &str = r#"{
-  "tables": {
-    "todos": {
-      "filterColumns": ["owner", "done"],
-      "require": { "owner": "sub" },
-      "write": { "insert": true, "update": ["title", "done", "owner"], "delete": true }
-    }
-  }
-}
+/// Scope-sync rules of the demo: a user reads the projects it is a member of, the memberships
+/// of those projects (who else is in them) and their todos, all through its own memberships, and
+/// writes todos in those projects. Moving a todo to a project the writer is not in would put it
+/// out of the writer's reach, so that write is refused. Memberships change only upstream (the
+/// page's switches call [`routes`], an admin's action), and move each project's rows in and out.
+const RULES: &str = r#"# highwater demo: everything a user sees comes through its memberships.
+tables:
+  projects:
+    where: "id IN (SELECT project_id FROM members WHERE user_id = auth.sub)"
+  members:
+    where: "project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub)"
+  todos:
+    filterColumns: [project_id, done]
+    where: "project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub)"
+    write: { insert: true, update: [title, done, project_id], delete: true }
 "#;
 
+/// The demo's tables, created when missing and seeded when empty: ada and grace share Launch,
+/// and each of the three users has a project of their own.
 const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS projects (
+    id bigint PRIMARY KEY,
+    name text NOT NULL
+);
+CREATE TABLE IF NOT EXISTS members (
+    id bigserial PRIMARY KEY,
+    project_id bigint NOT NULL REFERENCES projects (id) ON DELETE CASCADE,
+    user_id text NOT NULL,
+    UNIQUE (project_id, user_id)
+);
 CREATE TABLE IF NOT EXISTS todos (
     id bigserial PRIMARY KEY,
-    owner text NOT NULL,
+    project_id bigint NOT NULL REFERENCES projects (id) ON DELETE CASCADE,
     title text NOT NULL CHECK (length(title) BETWEEN 1 AND 200),
     done boolean NOT NULL DEFAULT false,
     updated_at timestamptz NOT NULL DEFAULT now()
 );
-INSERT INTO todos (owner, title)
-SELECT owner, 'Seed todo ' || n
-FROM unnest(ARRAY['ada', 'grace', 'linus']) AS owner, generate_series(1, 5) AS n
+INSERT INTO projects (id, name)
+VALUES (1, 'Launch'), (2, 'Docs'), (3, 'Hiring'), (4, 'Infra')
+ON CONFLICT (id) DO NOTHING;
+INSERT INTO members (project_id, user_id)
+SELECT project_id, user_id
+FROM (VALUES (1, 'ada'), (1, 'grace'), (2, 'ada'), (3, 'grace'), (4, 'linus')) AS m (project_id, user_id)
+WHERE NOT EXISTS (SELECT 1 FROM members);
+INSERT INTO todos (project_id, title)
+SELECT project_id, title
+FROM (VALUES
+    (1, 'Pick the launch date'), (1, 'Draft the announcement'), (1, 'Freeze the release branch'),
+    (1, 'Record the demo video'),
+    (2, 'Document scope sync'), (2, 'Write the quick start'), (2, 'Explain row filters'),
+    (3, 'Review applications'), (3, 'Schedule interviews'), (3, 'Write the job post'),
+    (4, 'Upgrade Postgres'), (4, 'Rotate the demo secret'), (4, 'Add a relay in Europe')
+) AS t (project_id, title)
 WHERE NOT EXISTS (SELECT 1 FROM todos);
 ";
 
@@ -152,7 +183,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     }
 
     println!(
-        "  users         {} (each sees only its own todos)",
+        "  users         {} (each sees the todos of the projects it is in)",
         routes::USERS.join(", ")
     );
     println!("  upstream      {upstream}");
@@ -204,7 +235,7 @@ impl SyncConfig {
                 .context("reading a random demo secret from /dev/urandom")?;
         }
         let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
-        let rules = dir.join("rules.json");
+        let rules = dir.join("rules.yaml");
         let secret_file = dir.join("secret");
         write_private(&rules, RULES.as_bytes())?;
         write_private(&secret_file, hex.as_bytes())?;
@@ -260,53 +291,103 @@ fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
-/// Inserts, completes, moves and deletes todos in turn, so every kind of change flows; a move
-/// to another owner is a move-out for one scope and a move-in for another.
+/// Inserts, completes, moves and deletes todos in turn, project by project, so every kind of
+/// change flows; a move to another project is a move-out for the users of one and a move-in for
+/// those of the other.
 async fn write_forever(
     client: tokio_postgres::Client,
     period: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
-    let owners = routes::USERS;
+    let projects: Vec<i64> = match client
+        .query("SELECT id FROM projects ORDER BY id", &[])
+        .await
+    {
+        Ok(rows) => rows.iter().map(|row| row.get(0)).collect(),
+        Err(error) => {
+            tracing::warn!(%error, "the demo's writer could not read its projects");
+            return;
+        }
+    };
+    if projects.is_empty() {
+        return;
+    }
     let mut tick = tokio::time::interval(period);
     for n in 0u64.. {
         tokio::select! {
             _ = tick.tick() => {}
             _ = stop.changed() => return,
         }
-        let owner = owners[(n % 3) as usize];
-        let next_owner = owners[((n + 1) % 3) as usize];
+        let at = |k: u64| projects[((n + k) % projects.len() as u64) as usize];
+        let (project, next_project) = (at(0), at(1));
         let statement = match n % 5 {
             0 | 1 => client
                 .execute(
-                    "INSERT INTO todos (owner, title) VALUES ($1, $2)",
-                    &[&owner, &format!("Live todo {n}")],
+                    "INSERT INTO todos (project_id, title) VALUES ($1, $2)",
+                    &[&project, &format!("Live todo {n}")],
                 )
                 .await,
             2 => client
                 .execute(
                     "UPDATE todos SET done = NOT done, updated_at = now()
-                     WHERE id = (SELECT id FROM todos WHERE owner = $1 ORDER BY updated_at LIMIT 1)",
-                    &[&owner],
+                     WHERE id = (SELECT id FROM todos WHERE project_id = $1 ORDER BY updated_at LIMIT 1)",
+                    &[&project],
                 )
                 .await,
             3 => client
                 .execute(
-                    "UPDATE todos SET owner = $2, updated_at = now()
-                     WHERE id = (SELECT id FROM todos WHERE owner = $1 ORDER BY updated_at LIMIT 1)",
-                    &[&owner, &next_owner],
+                    "UPDATE todos SET project_id = $2, updated_at = now()
+                     WHERE id = (SELECT id FROM todos WHERE project_id = $1 ORDER BY updated_at LIMIT 1)",
+                    &[&project, &next_project],
                 )
                 .await,
             _ => client
                 .execute(
                     "DELETE FROM todos
-                     WHERE id = (SELECT id FROM todos WHERE owner = $1 AND done ORDER BY id LIMIT 1)",
-                    &[&owner],
+                     WHERE id = (SELECT id FROM todos WHERE project_id = $1 AND done ORDER BY id LIMIT 1)",
+                    &[&project],
                 )
                 .await,
         };
         if let Err(error) = statement {
             tracing::warn!(%error, "demo write failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sync_auth::{parse_rules, RulesFormat};
+    use highwater_engine::scope_rules::UpdateColumns;
+
+    #[test]
+    fn the_demo_rules_parse_and_let_users_write_only_todos() {
+        let rules = parse_rules(RULES, RulesFormat::Yaml).expect("the demo rules parse");
+        let names: Vec<&str> = rules.tables().map(|(name, _)| name).collect();
+        assert_eq!(names.len(), 3, "{names:?}");
+        for table in ["projects", "members", "todos"] {
+            let filter = rules.table(table).and_then(|t| t.row_filter());
+            assert!(filter.is_some(), "{table} is read through memberships");
+        }
+        let writes = |table: &str| rules.table(table).map(|t| t.write().clone());
+        let todos = writes("todos").expect("todos");
+        assert!(todos.insert && todos.delete);
+        assert_eq!(
+            todos.update,
+            Some(UpdateColumns::Only(vec![
+                "title".into(),
+                "done".into(),
+                "project_id".into()
+            ]))
+        );
+        // Memberships change only through the demo's admin endpoint.
+        for table in ["projects", "members"] {
+            let write = writes(table).expect(table);
+            assert!(
+                !write.insert && !write.delete && write.update.is_none(),
+                "{table}"
+            );
         }
     }
 }

@@ -1,5 +1,6 @@
 //! `highwater demo`'s web side as the page uses it: the page and package routes, demo tokens for
-//! the demo users only, and the write endpoints landing in the upstream Postgres.
+//! the demo users only, scopes through project memberships, and the endpoints that change the
+//! schema and the memberships in the upstream Postgres.
 
 use std::io::{Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};
@@ -128,9 +129,9 @@ impl Demo {
         (status, serde_json::from_str(&body).unwrap_or(Value::Null))
     }
 
-    /// Subscribes `todos` where `owner` with `token` on a new `/sync` socket; the first frame
-    /// that ends the subscribe (`channel-subscribed` or `channel-error`).
-    fn subscribe(&self, owner: &str, token: &str) -> Value {
+    /// Subscribes `todos` with `conditions` and `token` on a new `/sync` socket; the rows of its
+    /// replay and the frame that ends the subscribe (`channel-subscribed` or `channel-error`).
+    fn subscribe(&self, conditions: Value, token: &str) -> (Vec<Value>, Value) {
         let url = format!("ws://127.0.0.1:{}/sync", self.port);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -140,12 +141,13 @@ impl Demo {
             let (mut socket, _) = tokio_tungstenite::connect_async(url).await.expect("/sync");
             let subscribe = json!({
                 "type": "channel-subscribe", "subscriptionId": "s1", "channelType": "velocious-sync",
-                "params": {"resourceType": "todos", "conditions": {"owner": owner},
+                "params": {"resourceType": "todos", "conditions": conditions,
                            "authenticationToken": token}});
             socket
                 .send(Message::Text(subscribe.to_string().into()))
                 .await
                 .expect("send");
+            let mut rows = Vec::new();
             loop {
                 let frame = tokio::time::timeout(Duration::from_secs(20), socket.next())
                     .await
@@ -154,14 +156,23 @@ impl Demo {
                     .expect("a frame");
                 let Message::Text(text) = frame else { continue };
                 let frame: Value = serde_json::from_str(text.as_str()).expect("JSON");
+                if let Some(syncs) = frame["body"]["syncs"].as_array() {
+                    rows.extend(syncs.iter().map(|entry| entry["data"].clone()));
+                }
                 if matches!(
                     frame["type"].as_str(),
                     Some("channel-subscribed" | "channel-error")
                 ) {
-                    return frame;
+                    return (rows, frame);
                 }
             }
         })
+    }
+
+    /// `SELECT count(*) FROM <from>`.
+    fn count(&self, from: &str) -> usize {
+        let count: i64 = self.sql(&format!("SELECT count(*) FROM {from}"))[0].get(0);
+        usize::try_from(count).expect("a count")
     }
 
     fn sql(&self, query: &str) -> Vec<tokio_postgres::Row> {
@@ -180,8 +191,17 @@ impl Demo {
     }
 }
 
+/// The projects of `rows`, each once, in order.
+fn projects_of(rows: &[Value]) -> Vec<i64> {
+    let projects: std::collections::BTreeSet<i64> = rows
+        .iter()
+        .map(|row| row["project_id"].as_i64().expect("a project"))
+        .collect();
+    projects.into_iter().collect()
+}
+
 #[test]
-fn demo_serves_the_page_tokens_and_writes_into_postgres() {
+fn demo_serves_the_page_tokens_memberships_and_schema_changes() {
     let demo = Demo::start();
 
     // The page at `/` (in front of serve's own `/`), its files, and nothing outside them.
@@ -212,18 +232,76 @@ fn demo_serves_the_page_tokens_and_writes_into_postgres() {
     assert!(claims["exp"].as_u64() > claims["iat"].as_u64(), "{claims}");
     assert_eq!(demo.json("GET", "/demo/token?sub=eve", None).0, 400);
 
-    // Scope sync is on with the demo rules: the token opens its own user's todos only.
-    assert_eq!(demo.subscribe("grace", jwt)["type"], "channel-subscribed");
-    let refused = demo.subscribe("ada", jwt);
+    // Scope sync is on with the demo rules: grace's token opens the todos of her projects,
+    // Launch (1) and Hiring (3), and no other.
+    let (rows, subscribed) = demo.subscribe(json!({}), jwt);
+    assert_eq!(subscribed["type"], "channel-subscribed", "{subscribed}");
+    assert_eq!(projects_of(&rows), [1, 3]);
+    assert_eq!(rows.len(), demo.count("todos WHERE project_id IN (1, 3)"));
+    let (rows, _) = demo.subscribe(json!({"project_id": 2}), jwt);
+    assert!(rows.is_empty(), "a project grace is not in: {rows:?}");
+    let refused = demo.subscribe(json!({"title": "x"}), jwt).1;
     assert_eq!(
-        (refused["type"].as_str(), refused["code"].as_str()),
-        (Some("channel-error"), Some("forbidden")),
-        "{refused}"
+        refused["type"], "channel-error",
+        "not a filter column: {refused}"
     );
     assert_eq!(
-        demo.subscribe("grace", "not-a-token")["code"],
+        demo.subscribe(json!({}), "not-a-token").1["code"],
         "auth-invalid"
     );
+
+    // Memberships change upstream through the demo's admin endpoint; her scope follows.
+    let (status, projects) = demo.json("GET", "/demo/projects", None);
+    assert_eq!(status, 200);
+    let names: Vec<&str> = projects["projects"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    assert_eq!(names, ["Launch", "Docs", "Hiring", "Infra"]);
+    let (status, joined) = demo.json("PUT", "/demo/projects/2/members/grace", None);
+    assert_eq!(status, 200, "{joined}");
+    assert_eq!(
+        joined,
+        json!({"project": 2, "user": "grace", "member": true})
+    );
+    // Again is a no-op.
+    assert_eq!(
+        demo.json("PUT", "/demo/projects/2/members/grace", None).0,
+        200
+    );
+    assert_eq!(
+        demo.count("members WHERE project_id = 2 AND user_id = 'grace'"),
+        1
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while projects_of(&demo.subscribe(json!({}), jwt).0) != [1, 2, 3] {
+        assert!(
+            Instant::now() < deadline,
+            "Docs never reached grace's scope"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (status, left) = demo.json("DELETE", "/demo/projects/2/members/grace", None);
+    assert_eq!((status, &left["member"]), (200, &json!(false)), "{left}");
+    assert_eq!(
+        demo.count("members WHERE project_id = 2 AND user_id = 'grace'"),
+        0
+    );
+    assert_eq!(
+        demo.json("PUT", "/demo/projects/2/members/eve", None).0,
+        400
+    );
+    assert_eq!(
+        demo.json("PUT", "/demo/projects/99/members/grace", None).0,
+        404
+    );
+    // Not POST: a page of another origin could send that without asking.
+    let status = demo
+        .request("POST", "/demo/projects/2/members/grace", None)
+        .0;
+    assert_eq!(status, 405);
 
     // The page writes through `/sync`, like any app: the demo has no write endpoints.
     for (method, path) in [

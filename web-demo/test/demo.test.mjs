@@ -5,6 +5,11 @@ import { after, before, describe, test } from "node:test";
 import { Demo, launchBrowser, nextResume, screenshotPath, until } from "./support.mjs";
 
 const WAIT = 20_000;
+/** The seed: ada is in Launch (1) and Docs (2), grace in Launch and Hiring (3), linus in Infra (4). */
+const LAUNCH = 1;
+const DOCS = 2;
+const HIRING = 3;
+const INFRA = 4;
 
 let demo;
 let browser;
@@ -14,6 +19,9 @@ let page;
 /** The rows the page holds in a scope, from its client. */
 const rows = (key = "all") =>
   page.evaluate((key) => window.demo.scopes.find((s) => s.key === key).sub.rows().map((r) => ({ ...r })), key);
+/** Ids of the todos of `project` in Postgres. */
+const projectIds = (project) =>
+  demo.sql(`SELECT id FROM todos WHERE project_id = ${project} ORDER BY id;`).split("\n").filter(Boolean).map(Number);
 const cursorSequence = () => page.evaluate(() => window.demo.scopes[0].sub.cursor?.serverSequence ?? null);
 const titlesOnPage = () => page.$$eval('[data-scope="all"] .rows .title', (els) => els.map((e) => e.textContent));
 
@@ -41,25 +49,36 @@ describe("web demo", { timeout: 240_000 }, () => {
     await demo?.stop();
   });
 
-  test("the page loads, the WebAssembly is ready and ada's seed rows are live", async () => {
+  test("the page loads, the WebAssembly is ready and the todos of ada's projects are live", async () => {
     await openPage();
     await waitLive();
-    const held = await until("ada's five seed rows", async () => {
+    const want = [...projectIds(LAUNCH), ...projectIds(DOCS)].sort((a, b) => a - b);
+    assert.equal(want.length, 7, "the seed gives Launch four todos and Docs three");
+    const held = await until("the seed rows of Launch and Docs", async () => {
       const r = await rows();
-      return r.length >= 5 && r;
+      return r.length >= want.length && r;
     }, WAIT);
-    assert.ok(held.every((r) => r.owner === "ada"), "a scope for ada holds only ada's rows");
+    assert.deepEqual(held.map((r) => Number(r.id)).sort((a, b) => a - b), want, "ada's scope holds the todos of her projects, no other");
     assert.equal(await page.textContent("#status-text"), "Live");
     assert.equal(await page.$$eval('[data-scope="all"] .rows li', (els) => els.length), held.length);
+    // Each todo is labelled with its project; the switches show ada's memberships and who shares them.
+    const labels = await page.$$eval('[data-scope="all"] .rows .project-chip', (els) => [...new Set(els.map((e) => e.textContent))].sort());
+    assert.deepEqual(labels, ["Docs", "Launch"]);
+    await until("the membership switches", async () => {
+      const switches = await page.$$eval('[data-scope="all"] .project', (els) =>
+        els.map((e) => [e.querySelector(".project-name").textContent, e.dataset.member, e.querySelector(".people").textContent]));
+      return JSON.stringify(switches) ===
+        JSON.stringify([["Launch", "true", "with grace"], ["Docs", "true", "only you"], ["Hiring", "false", ""], ["Infra", "false", ""]]);
+    }, WAIT);
   });
 
   test("a row inserted directly in Postgres appears", async () => {
     const title = `Inserted by psql ${Date.now()}`;
-    demo.sql(`INSERT INTO todos (owner, title) VALUES ('ada', '${title}');`);
+    demo.sql(`INSERT INTO todos (project_id, title) VALUES (${DOCS}, '${title}');`);
     await until("the psql row on the page", async () => (await titlesOnPage()).includes(title), WAIT);
-    demo.sql(`INSERT INTO todos (owner, title) VALUES ('grace', 'Not for ada ${title}');`);
+    demo.sql(`INSERT INTO todos (project_id, title) VALUES (${HIRING}, 'Not for ada ${title}');`);
     await new Promise((r) => setTimeout(r, 1000));
-    assert.ok(!(await titlesOnPage()).some((t) => t.startsWith("Not for ada")), "grace's row stays out of ada's scope");
+    assert.ok(!(await titlesOnPage()).some((t) => t.startsWith("Not for ada")), "a todo of Hiring stays out of ada's scope");
   });
 
   test("offline, 100 upstream writes, online: all 100 arrive exactly once, replayed from the cursor", async () => {
@@ -70,7 +89,7 @@ describe("web demo", { timeout: 240_000 }, () => {
     await page.click("#offline");
     await page.waitForSelector('#status[data-state="offline"]', { timeout: WAIT });
 
-    const statements = Array.from({ length: 100 }, (_, i) => `INSERT INTO todos (owner, title) VALUES ('ada', 'Offline write ${i}');`);
+    const statements = Array.from({ length: 100 }, (_, i) => `INSERT INTO todos (project_id, title) VALUES (${DOCS}, 'Offline write ${i}');`);
     const stored = await demo.storedTransactions();
     demo.sql(statements.join("\n"));
     // The server has them (one transaction each), with the page still offline.
@@ -97,14 +116,15 @@ describe("web demo", { timeout: 240_000 }, () => {
     assert.equal(await page.getAttribute('[data-scope="all"]', "data-replayed"), "100");
   });
 
-  test("add, complete, rename and delete through the page, each with its round trip", async () => {
+  test("add, complete, rename, move and delete through the page, each with its round trip", async () => {
     const title = `Typed in the page ${Date.now()}`;
+    await page.selectOption('[data-scope="all"] .add select', String(DOCS));
     await page.fill('[data-scope="all"] .add input', title);
     await page.press('[data-scope="all"] .add input', "Enter");
     const added = await until("the added row", async () => (await rows()).find((r) => r.title === title), WAIT);
-    await until("a timed round trip", async () => /Added “.*”\d+ ms/.test(await page.textContent("#log")), WAIT);
+    await until("a timed round trip", async () => /Added “.*” to Docs\d+ ms/.test(await page.textContent("#log")), WAIT);
     assert.match(await page.textContent("#latency"), /^\d+ ms$/);
-    assert.equal(demo.sql(`SELECT owner FROM todos WHERE id = ${added.id};`), "ada");
+    assert.equal(demo.sql(`SELECT project_id FROM todos WHERE id = ${added.id};`), String(DOCS));
 
     const item = `[data-scope="all"] li[data-id="${added.id}"]`;
     await page.click(`${item} input[type="checkbox"]`);
@@ -115,17 +135,26 @@ describe("web demo", { timeout: 240_000 }, () => {
     await page.press(`${item} input.rename`, "Enter");
     await until("the new title", async () => (await rows()).find((r) => r.id === added.id)?.title === `${title} (renamed)`, WAIT);
 
+    // To another of ada's projects: allowed.
+    await page.selectOption(`${item} select.move`, String(LAUNCH));
+    await until("the row in Launch", async () => Number((await rows()).find((r) => r.id === added.id)?.project_id) === LAUNCH, WAIT);
+    await until("the move confirmed", async () => /Moved “.*” to Launch\d+ ms/.test(await page.textContent("#log")), WAIT);
+    assert.equal(demo.sql(`SELECT project_id FROM todos WHERE id = ${added.id};`), String(LAUNCH));
+    assert.equal(await page.textContent(`${item} .project-chip`), "Launch");
+
     await page.click(`${item} button[title="Delete"]`);
+    // Gone at once (the client lays its delete over the row), and from Postgres once confirmed.
     await until("the row gone", async () => !(await rows()).some((r) => r.id === added.id), WAIT);
+    await until("the delete confirmed", async () => /Deleted “.*”\d+ ms/.test(await page.textContent("#log")), WAIT);
     assert.equal(demo.sql(`SELECT count(*) FROM todos WHERE id = ${added.id};`), "0");
   });
 
-  test("giving a row to another user is refused by the rules, and the row stays", async () => {
+  test("moving a row to a project ada is not in is refused by the rules, and the row stays", async () => {
     const [row] = (await rows()).filter((r) => r.title.startsWith("Offline write"));
-    await page.selectOption(`[data-scope="all"] li[data-id="${row.id}"] select.owner`, "grace");
+    await page.selectOption(`[data-scope="all"] li[data-id="${row.id}"] select.move`, String(HIRING));
     await until("the refusal logged", async () => /Refused \(forbidden\)/.test(await page.textContent("#log")), WAIT);
-    await until("the row back as ada's", async () => (await rows()).find((r) => r.id === row.id)?.owner === "ada", WAIT);
-    assert.equal(demo.sql(`SELECT owner FROM todos WHERE id = ${row.id};`), "ada");
+    await until("the row back in Docs", async () => Number((await rows()).find((r) => r.id === row.id)?.project_id) === DOCS, WAIT);
+    assert.equal(demo.sql(`SELECT project_id FROM todos WHERE id = ${row.id};`), String(DOCS));
   });
 
   test("a reload shows the rows from IndexedDB before reconnecting", async () => {
@@ -146,7 +175,7 @@ describe("web demo", { timeout: 240_000 }, () => {
     // page starts from IndexedDB's rows and cursor, so the server replays that one row only.
     await page.close();
     const stored = await demo.storedTransactions();
-    demo.sql("INSERT INTO todos (owner, title) VALUES ('ada', 'Written while reloading');");
+    demo.sql(`INSERT INTO todos (project_id, title) VALUES (${LAUNCH}, 'Written while reloading');`);
     await demo.stored(stored + 1, "the server to store the row written while reloading");
     page = await context.newPage();
     await openPage();
@@ -183,7 +212,7 @@ describe("web demo", { timeout: 240_000 }, () => {
     await page.evaluate(async (stamp) => {
       const made = [];
       for (let i = 0; i < 50; i++) {
-        made.push(window.demo.client.mutate("todos", "insert", { id: stamp * 1000 + i, owner: "ada", title: `Offline ${stamp} ${i}` }));
+        made.push(window.demo.client.mutate("todos", "insert", { id: stamp * 1000 + i, project_id: 1, title: `Offline ${stamp} ${i}` }));
       }
       await Promise.all(made.map((m) => m.stored));
     }, stamp);

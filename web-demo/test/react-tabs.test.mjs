@@ -21,8 +21,13 @@ let context;
 let pages = [];
 
 const state = (page) => page.evaluate(() => window.app);
+/** The titles of the todos of ada's projects, as Postgres has them. */
 const pgTitles = () =>
-  JSON.parse(demo.sql("SELECT coalesce(json_agg(title ORDER BY id), '[]') FROM todos WHERE owner = 'ada'").trim());
+  JSON.parse(
+    demo
+      .sql("SELECT coalesce(json_agg(title ORDER BY id), '[]') FROM todos WHERE project_id IN (SELECT project_id FROM members WHERE user_id = 'ada')")
+      .trim(),
+  );
 async function allShowPostgres(what) {
   await until(what, async () => {
     const want = JSON.stringify(pgTitles());
@@ -95,7 +100,7 @@ describe("a React app in three tabs", { timeout: 240_000 }, () => {
     await allShowPostgres("Postgres' rows in every tab");
     const before = await Promise.all(pages.map((page) => page.evaluate(() => ({ ...window.renders }))));
     const [{ id }] = JSON.parse(
-      demo.sql("SELECT coalesce(json_agg(json_build_object('id', id)), '[]') FROM (SELECT id FROM todos WHERE owner = 'ada' ORDER BY id LIMIT 1) t").trim(),
+      demo.sql("SELECT coalesce(json_agg(json_build_object('id', id)), '[]') FROM (SELECT id FROM todos WHERE project_id = 1 ORDER BY id LIMIT 1) t").trim(),
     );
     demo.sql(`UPDATE todos SET title = 'Renamed in Postgres' WHERE id = ${id};`);
     await allShowPostgres("the rename in every tab");
@@ -112,7 +117,7 @@ describe("a React app in three tabs", { timeout: 240_000 }, () => {
     await leader.close();
     pages = pages.filter((page) => page !== leader);
     await until("another tab to lead", async () => (await Promise.all(pages.map(state))).some((s) => s.tabs === "leader"), 5_000);
-    demo.sql("INSERT INTO todos (owner, title) VALUES ('ada', 'After the leader closed');");
+    demo.sql("INSERT INTO todos (project_id, title) VALUES (1, 'After the leader closed');");
     await allShowPostgres("the new row in the remaining tabs");
     await until("one /sync socket again", async () => (await demo.syncSockets()) === 1, WAIT);
   });
@@ -123,7 +128,7 @@ describe("a React app in three tabs", { timeout: 240_000 }, () => {
     await follower.close();
     pages = pages.filter((page) => page !== follower);
     assert.equal((await state(pages[0])).tabs, "leader");
-    demo.sql("INSERT INTO todos (owner, title) VALUES ('ada', 'After a follower closed');");
+    demo.sql("INSERT INTO todos (project_id, title) VALUES (2, 'After a follower closed');");
     await allShowPostgres("the new row in the last tab");
     assert.equal(await demo.syncSockets(), 1);
   });

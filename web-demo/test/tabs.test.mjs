@@ -15,8 +15,11 @@ let pages = [];
 const role = (page) => page.evaluate(() => window.demo.client.status.tabs);
 const titles = (page) =>
   page.evaluate(() => window.demo.scopes.find((s) => s.key === "all").sub.rows().map((r) => r.title).sort());
+/** The titles of the todos of ada's projects, as Postgres has them. */
 const pgTitles = () =>
-  demo.sql("SELECT coalesce(json_agg(title ORDER BY title), '[]') FROM todos WHERE owner = 'ada'").trim();
+  demo
+    .sql("SELECT coalesce(json_agg(title ORDER BY title), '[]') FROM todos WHERE project_id IN (SELECT project_id FROM members WHERE user_id = 'ada')")
+    .trim();
 /** Every open tab shows ada's rows exactly as Postgres has them. */
 async function allEqualPostgres(what) {
   await until(what, async () => {
@@ -60,7 +63,7 @@ describe("tabs sharing one socket", { timeout: 180_000 }, () => {
       assert.equal(await page.isDisabled("#offline"), !leads);
     }
     const title = `Seen in every tab ${Date.now()}`;
-    demo.sql(`INSERT INTO todos (owner, title) VALUES ('ada', '${title}');`);
+    demo.sql(`INSERT INTO todos (project_id, title) VALUES (1, '${title}');`);
     await allEqualPostgres("the new row in every tab");
   });
 
@@ -71,7 +74,7 @@ describe("tabs sharing one socket", { timeout: 180_000 }, () => {
     // The follower's mutation is numbered and sent by the leader; `confirmed` resolves here.
     const id = await follower.evaluate(async (title) => {
       const id = Date.now() * 1000 + 7;
-      const mutation = window.demo.client.mutate("todos", "insert", { id, owner: "ada", title });
+      const mutation = window.demo.client.mutate("todos", "insert", { id, project_id: 1, title });
       await mutation.confirmed;
       return mutation.id > 0 && id;
     }, title);
@@ -93,7 +96,7 @@ describe("tabs sharing one socket", { timeout: 180_000 }, () => {
     console.log(`# a new leader after ${tookOver} ms`);
     await until("one /sync socket again", async () => (await demo.syncSockets()) === 1, WAIT);
     const title = `After the leader closed ${Date.now()}`;
-    demo.sql(`INSERT INTO todos (owner, title) VALUES ('ada', '${title}');`);
+    demo.sql(`INSERT INTO todos (project_id, title) VALUES (2, '${title}');`);
     await allEqualPostgres("the row after the hand-over in both tabs");
     // The new leader resumed from the stored cursor: its catch-up replayed a few rows, not the
     // whole scope.

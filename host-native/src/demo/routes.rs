@@ -1,6 +1,8 @@
 //! The demo's HTTP routes, mounted in front of `serve`'s own: the page and the npm package's
-//! files, demo tokens, and the schema-change button's endpoint. The page writes its todos
-//! through the client (`client.mutate` over `/sync`), like any app.
+//! files, demo tokens, the schema-change button's endpoint and the membership switches'. The
+//! page writes its todos through the client (`client.mutate` over `/sync`), like any app;
+//! memberships are an admin's business, so the switches change them upstream here, and the
+//! rows they let in or out reach the pages through `/sync`.
 
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::Arc;
@@ -8,12 +10,12 @@ use std::sync::Arc;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
 
-/// The demo users; each can read only the todos it owns (the rules require `owner` = `sub`).
+/// The demo users; each reads the todos of the projects it is a member of.
 pub const USERS: [&str; 3] = ["ada", "grace", "linus"];
 /// How long a demo token is valid.
 pub const TOKEN_TTL_SECONDS: u64 = 3600;
@@ -37,12 +39,20 @@ pub struct DemoState {
     pub sign: TokenSigner,
 }
 
-/// The routes: `/` (the page), `/demo/<file>`, `/pkg/<path>`, `/demo/token`, `/demo/columns`.
+/// The routes: `/` (the page), `/demo/<file>`, `/pkg/<path>`, `/demo/token`, `/demo/columns`,
+/// `/demo/projects` and `/demo/projects/<id>/members/<user>`.
 pub fn router(state: Arc<DemoState>) -> Router {
     Router::new()
         .route("/", get(index))
         .route("/demo/token", get(token))
         .route("/demo/columns", post(add_column))
+        .route("/demo/projects", get(projects))
+        // PUT and DELETE, not POST: a page of another origin cannot send them without a CORS
+        // preflight, which the demo never grants.
+        .route(
+            "/demo/projects/{project}/members/{user}",
+            put(join_project).delete(leave_project),
+        )
         .route("/demo/{file}", get(page_file))
         .route("/pkg/{*path}", get(package_file))
         .with_state(state)
@@ -60,10 +70,10 @@ impl IntoResponse for Failure {
 
 impl From<tokio_postgres::Error> for Failure {
     fn from(error: tokio_postgres::Error) -> Self {
-        tracing::warn!(%error, "demo write failed");
+        tracing::warn!(%error, "a demo request to Postgres failed");
         Failure(
             StatusCode::BAD_GATEWAY,
-            format!("The upstream Postgres refused the write: {error}"),
+            format!("The upstream Postgres answered with an error: {error}"),
         )
     }
 }
@@ -187,6 +197,74 @@ async fn add_column(
         ))
         .await?;
     Ok(Json(json!({ "column": column })))
+}
+
+/// `GET /demo/projects` → `{projects: [{id, name}]}`: every project, for the membership
+/// switches (a user reads only the projects it is in).
+async fn projects(State(state): State<Arc<DemoState>>) -> Result<Json<serde_json::Value>, Failure> {
+    let projects: Vec<serde_json::Value> = state
+        .postgres
+        .query("SELECT id, name FROM projects ORDER BY id", &[])
+        .await?
+        .iter()
+        .map(|row| json!({ "id": row.get::<_, i64>(0), "name": row.get::<_, String>(1) }))
+        .collect();
+    Ok(Json(json!({ "projects": projects })))
+}
+
+/// `PUT /demo/projects/<id>/members/<user>` → `{project, user, member: true}`: makes `user` a
+/// member of the project upstream (once; again is a no-op).
+async fn join_project(
+    State(state): State<Arc<DemoState>>,
+    Path((project, user)): Path<(i64, String)>,
+) -> Result<Json<serde_json::Value>, Failure> {
+    check_user(&user)?;
+    check_project(&state, project).await?;
+    state
+        .postgres
+        .execute(
+            "INSERT INTO members (project_id, user_id) VALUES ($1, $2)
+             ON CONFLICT (project_id, user_id) DO NOTHING",
+            &[&project, &user],
+        )
+        .await?;
+    Ok(Json(
+        json!({ "project": project, "user": user, "member": true }),
+    ))
+}
+
+/// `DELETE /demo/projects/<id>/members/<user>` → `{project, user, member: false}`: ends the
+/// membership upstream (a no-op when there is none).
+async fn leave_project(
+    State(state): State<Arc<DemoState>>,
+    Path((project, user)): Path<(i64, String)>,
+) -> Result<Json<serde_json::Value>, Failure> {
+    check_user(&user)?;
+    check_project(&state, project).await?;
+    state
+        .postgres
+        .execute(
+            "DELETE FROM members WHERE project_id = $1 AND user_id = $2",
+            &[&project, &user],
+        )
+        .await?;
+    Ok(Json(
+        json!({ "project": project, "user": user, "member": false }),
+    ))
+}
+
+async fn check_project(state: &DemoState, project: i64) -> Result<(), Failure> {
+    let found = state
+        .postgres
+        .query_opt("SELECT 1 FROM projects WHERE id = $1", &[&project])
+        .await?;
+    match found {
+        Some(_) => Ok(()),
+        None => Err(Failure(
+            StatusCode::NOT_FOUND,
+            format!("Expected the id of a demo project, found {project}."),
+        )),
+    }
 }
 
 /// The first demo column `todos` lacks.
