@@ -313,7 +313,8 @@ function refresh(scope) {
     const json = JSON.stringify(row) + (pending.has(id) ? " pending" : "") + projects;
     next.set(id, json);
     let item = list.querySelector(`li[data-id="${CSS.escape(id)}"]`);
-    if (item && item.dataset.json === json) return item;
+    // A row being renamed stays as it is until the rename ends (which renders it again).
+    if (item && (item.dataset.json === json || item.querySelector("input.rename"))) return item;
     const fresh = renderRow(row, scope, pending.has(id), json);
     if (scope.seen.size > 0 || scope.subscribed) {
       fresh.classList.add("flash");
@@ -469,7 +470,9 @@ function rename(row, scope, titleEl) {
     if (event.key === "Enter") finish(true);
     if (event.key === "Escape") finish(false);
   });
-  input.addEventListener("blur", () => finish(true));
+  // Later, not in the blur: a blur can come from the row being taken out of the list, and
+  // moving nodes from inside that removal throws.
+  input.addEventListener("blur", () => setTimeout(() => finish(true)));
 }
 
 function renderStatus() {
