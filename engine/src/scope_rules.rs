@@ -292,12 +292,7 @@ impl SyncRules {
             for column in rules.write.columns() {
                 check("write.update", column);
             }
-            let mut subqueries: Vec<_> = rules
-                .row_filter
-                .iter()
-                .flat_map(RuleFilter::subqueries)
-                .collect();
-            while let Some(subquery) = subqueries.pop() {
+            for subquery in rules.row_filter.iter().flat_map(RuleFilter::all_subqueries) {
                 let table = &subquery.table;
                 let Some(columns) = columns_of(table) else {
                     problems.push(format!(
@@ -317,7 +312,6 @@ impl SyncRules {
                         ));
                     }
                 }
-                subqueries.extend(subquery.filter.subqueries());
             }
         }
         problems
@@ -346,16 +340,10 @@ impl SyncRules {
             add(name, columns);
         }
         for rules in self.tables.values() {
-            let mut subqueries: Vec<_> = rules
-                .row_filter
-                .iter()
-                .flat_map(RuleFilter::subqueries)
-                .collect();
-            while let Some(subquery) = subqueries.pop() {
+            for subquery in rules.row_filter.iter().flat_map(RuleFilter::all_subqueries) {
                 let mut columns = vec![subquery.column.clone()];
                 columns.extend(subquery.filter.columns());
                 add(&subquery.table, columns);
-                subqueries.extend(subquery.filter.subqueries());
             }
         }
         out

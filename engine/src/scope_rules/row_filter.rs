@@ -186,6 +186,17 @@ impl RuleFilter {
         out
     }
 
+    /// Every subquery the filter holds, its subqueries' own included, outermost first.
+    pub fn all_subqueries(&self) -> Vec<&Subquery<RuleFilter>> {
+        let mut out = Vec::new();
+        let mut todo = self.subqueries();
+        while let Some(subquery) = todo.pop() {
+            todo.extend(subquery.filter.subqueries());
+            out.push(subquery);
+        }
+        out
+    }
+
     /// The claims the filter reads, its subqueries' included, in order, without repeats.
     pub fn claims(&self) -> Vec<String> {
         let mut out: Vec<String> = Vec::new();

@@ -172,7 +172,19 @@ fn subscribe(
     sub: &str,
     after: Option<Value>,
 ) -> Vec<ServerEffect> {
-    let mut params = json!({"resourceType": "todos", "conditions": {}});
+    subscribe_to(server, id, "todos", filter(MEMBER_OF, sub), after)
+}
+
+/// Subscribes `id` to every row of `table`, granted with `row_filter`, from `after`; returns
+/// the effects of the grant.
+fn subscribe_to(
+    server: &mut ScopeServer,
+    id: &str,
+    table: &str,
+    row_filter: RowFilter,
+    after: Option<Value>,
+) -> Vec<ServerEffect> {
+    let mut params = json!({"resourceType": table, "conditions": {}});
     if let Some(after) = after {
         params["afterId"] = after["id"].clone();
         params["afterServerSequence"] = after["serverSequence"].clone();
@@ -194,10 +206,10 @@ fn subscribe(
             conn: C,
             ticket,
             decision: Decision::Granted(Grant {
-                table: "todos".into(),
+                table: table.into(),
                 omit_columns: Vec::new(),
                 expires_at_ms: None,
-                row_filter: Some(filter(MEMBER_OF, sub)),
+                row_filter: Some(row_filter),
             }),
         },
         0,
@@ -336,31 +348,8 @@ fn two_memberships_of_one_project_keep_it_until_the_last_goes() {
 #[test]
 fn under_or_a_value_that_leaves_is_read_again_for_rows_another_path_keeps() {
     let mut server = server();
-    let text = json!({"type": "channel-subscribe", "subscriptionId": "s",
-        "channelType": "velocious-sync", "params": {"resourceType": "todos", "conditions": {}}})
-    .to_string();
-    let effects = server.handle(ServerInput::Frame { conn: C, text }, 0);
-    let ticket = effects
-        .iter()
-        .find_map(|e| match e {
-            ServerEffect::Authorize { ticket, .. } => Some(*ticket),
-            _ => None,
-        })
-        .unwrap();
     let or_filter = filter(&format!("{MEMBER_OF} OR owner = auth.sub"), "ada");
-    let effects = server.handle(
-        ServerInput::Authorized {
-            conn: C,
-            ticket,
-            decision: Decision::Granted(Grant {
-                table: "todos".into(),
-                omit_columns: Vec::new(),
-                expires_at_ms: None,
-                row_filter: Some(or_filter),
-            }),
-        },
-        0,
-    );
+    let effects = subscribe_to(&mut server, "s", "todos", or_filter, None);
     let (set, ..) = set_reads(&effects)[0].clone();
     let effects = server.handle(
         ServerInput::SetRead {
@@ -496,34 +485,11 @@ fn a_resume_whose_access_changed_since_its_cursor_replays_whole() {
 #[test]
 fn nested_subqueries_read_children_first_and_reread_parents_when_a_child_changes() {
     let mut server = server();
-    let text = json!({"type": "channel-subscribe", "subscriptionId": "c",
-        "channelType": "velocious-sync", "params": {"resourceType": "comments", "conditions": {}}})
-    .to_string();
-    let effects = server.handle(ServerInput::Frame { conn: C, text }, 0);
-    let ticket = effects
-        .iter()
-        .find_map(|e| match e {
-            ServerEffect::Authorize { ticket, .. } => Some(*ticket),
-            _ => None,
-        })
-        .unwrap();
     let nested = filter(
         &format!("todo_id IN (SELECT id FROM todos WHERE {MEMBER_OF})"),
         "ada",
     );
-    let effects = server.handle(
-        ServerInput::Authorized {
-            conn: C,
-            ticket,
-            decision: Decision::Granted(Grant {
-                table: "comments".into(),
-                omit_columns: Vec::new(),
-                expires_at_ms: None,
-                row_filter: Some(nested),
-            }),
-        },
-        0,
-    );
+    let effects = subscribe_to(&mut server, "c", "comments", nested, None);
     let reads = set_reads(&effects);
     assert_eq!(reads.len(), 1, "the members set first: {reads:?}");
     assert_eq!(reads[0].1, "members");

@@ -230,18 +230,9 @@ impl SyncHub {
                         table,
                         row_filter,
                         limit,
-                    } => self.read_async(move |hub| {
-                        let result = hub.read_page(&ScopeQuery {
-                            table: &table,
-                            conditions: &Conditions::default(),
-                            row_filter: Some(&row_filter),
-                            after: None,
-                            up_to: None,
-                            limit,
-                            count_total: false,
-                            access: &[],
-                        });
-                        ServerInput::SetRead { set, result }
+                    } => self.read_async(move |hub| ServerInput::SetRead {
+                        set,
+                        result: hub.read_all(&table, &Conditions::default(), &row_filter, limit),
                     }),
                     ServerEffect::ReadMoves {
                         read,
@@ -249,18 +240,9 @@ impl SyncHub {
                         conditions,
                         row_filter,
                         limit,
-                    } => self.read_async(move |hub| {
-                        let result = hub.read_page(&ScopeQuery {
-                            table: &table,
-                            conditions: &conditions,
-                            row_filter: Some(&row_filter),
-                            after: None,
-                            up_to: None,
-                            limit,
-                            count_total: false,
-                            access: &[],
-                        });
-                        ServerInput::MovesRead { read, result }
+                    } => self.read_async(move |hub| ServerInput::MovesRead {
+                        read,
+                        result: hub.read_all(&table, &conditions, &row_filter, limit),
                     }),
                     ServerEffect::ApplyMutations {
                         conn,
@@ -348,6 +330,27 @@ impl SyncHub {
                 })
                 .await;
         });
+    }
+
+    /// Reads every row of `table` matching `conditions` and `row_filter` (up to `limit`), in
+    /// one read transaction: a set's rows, or a move's. Blocking.
+    fn read_all(
+        &self,
+        table: &str,
+        conditions: &Conditions,
+        row_filter: &highwater_engine::scope_rules::row_filter::RowFilter,
+        limit: u32,
+    ) -> PageResult {
+        self.read_page(&ScopeQuery {
+            table,
+            conditions,
+            row_filter: Some(row_filter),
+            after: None,
+            up_to: None,
+            limit,
+            count_total: false,
+            access: &[],
+        })
     }
 
     /// Reads one replay page with a pooled read-only connection. Blocking.
