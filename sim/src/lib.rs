@@ -5,10 +5,11 @@
 //! connections. One seed drives every choice, invariants are checked after every step, and a
 //! failing seed replays exactly (`scripts/simulate --seed S --trace`).
 
+pub mod access;
 pub mod ingest;
 pub mod rng;
 pub mod storage;
 pub mod upstream;
 pub mod world;
 
-pub use world::{describe, run, BackfillBug, Options, Outcome};
+pub use world::{describe, run, AccessBug, BackfillBug, KnownDefect, Options, Outcome};

@@ -9,17 +9,23 @@
 //! feed entries are the rows its touched tables now hold at or above the first seq it took,
 //! plus its exits, ascending by seq. A replay page is the rows (and, after a cursor, the exits)
 //! of a scope in `(after, up_to]`, by seq.
+//!
+//! Row filters are evaluated in memory over the durable replica ([`TableSets`]): a page's rows
+//! and exits pass the subscriber's filter as the replica holds its subqueries' tables when the
+//! page is read, as do the reads of a set or of a move; a resumed subscription's first page
+//! also says whether its access may have changed since its cursor (the host's `sets_changed`).
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use highwater_engine::change_stream::{Change, DownstreamMessage, Row};
+use highwater_engine::scope_rules::row_filter::{RowFilter, SetQuery};
 use highwater_engine::scope_server::{FeedChange, FeedEntry, PageResult};
 use highwater_engine::scope_sync::{js_string_form, Conditions};
 use highwater_engine::streamer::{CatchupRow, LogOp, StoredChange};
 use highwater_engine::watermark::Watermark;
 use serde_json::{Map, Value};
 
-use crate::upstream::OWNER;
+use crate::access::TableSets;
 
 /// `updatedAt` of rows from the initial copy.
 pub const UNKNOWN_COMMIT_TIME: &str = "1970-01-01T00:00:00.000Z";
@@ -52,8 +58,8 @@ pub struct Exit {
 pub struct ReplicaTable {
     pub columns: Vec<String>,
     pub key: String,
-    /// Whether the scope feed follows it (scope column `owner`).
-    pub scoped: bool,
+    /// The columns the scope feed journals in its exits; empty: the feed does not follow it.
+    pub feed: Vec<String>,
     pub rows: BTreeMap<String, ReplicaRow>,
     pub exits: Vec<Exit>,
     /// The seq of the newest truncate: a replay from an older cursor starts over.
@@ -323,52 +329,43 @@ impl Storage {
     }
 
     /// One replay page, read from what is durable.
-    pub fn page(
-        &self,
-        table: &str,
-        conditions: &Conditions,
-        after: Option<i64>,
-        up_to: Option<i64>,
-        limit: u32,
-        count_total: bool,
-    ) -> PageResult {
+    pub fn page(&self, read: &PageRead<'_>) -> PageResult {
+        let table = read.table;
         let Some(t) = self.durable.tables.get(table) else {
             return PageResult::Failed {
                 message: format!("expected a replica table {table}, found none"),
             };
         };
-        let up_to = up_to.unwrap_or(self.durable.next_seq - 1);
-        if let (Some(after), Some(truncated)) = (after, t.truncated) {
+        let up_to = read.up_to.unwrap_or(self.durable.next_seq - 1);
+        if let (Some(after), Some(truncated)) = (read.after, t.truncated) {
             if truncated > after {
                 return PageResult::Truncated;
             }
         }
-        let lo = after.unwrap_or(0);
+        let sets = self.durable.sets(read.row_filter);
+        let passes = |values: &Map<String, Value>| {
+            read.conditions.matches(values)
+                && read.row_filter.is_none_or(|f| sets.passes(f, values))
+        };
+        let lo = read.after.unwrap_or(0);
         let in_range = |seq: i64| seq > lo && seq <= up_to;
         let mut rows: Vec<FeedEntry> = t
             .rows
             .iter()
-            .filter(|(_, r)| in_range(r.seq) && conditions.matches(&r.data))
-            .map(|(id, r)| FeedEntry {
-                table: table.to_owned(),
-                resource_id: id.clone(),
-                seq: r.seq,
-                updated_at: r.updated_at.clone(),
-                change: FeedChange::Upsert {
-                    data: r.data.clone(),
-                },
-            })
+            .filter(|(_, r)| in_range(r.seq) && passes(&r.data))
+            .map(|(id, r)| upsert(table, id, r))
             .collect();
         rows.sort_by_key(|r| r.seq);
-        let total = count_total.then_some(rows.len() as u64);
-        rows.truncate(limit as usize);
-        if after.is_some() {
+        let total = read.count_total.then_some(rows.len() as u64);
+        rows.truncate(read.limit as usize);
+        if read.after.is_some() {
+            let whole = read.conditions.is_empty() && read.row_filter.is_none();
             for exit in &t.exits {
-                let still_in = exit.new.as_ref().is_some_and(|new| conditions.matches(new));
-                let left = if conditions.is_empty() {
+                let still_in = exit.new.as_ref().is_some_and(passes);
+                let left = if whole {
                     exit.new.is_none()
                 } else {
-                    conditions.matches(&exit.old) && !still_in
+                    passes(&exit.old) && !still_in
                 };
                 if in_range(exit.seq) && left {
                     rows.push(FeedEntry {
@@ -384,15 +381,117 @@ impl Storage {
                 }
             }
             rows.sort_by_key(|r| r.seq);
-            rows.truncate(limit as usize);
+            rows.truncate(read.limit as usize);
         }
+        let access_changed = match read.after {
+            Some(after) => self.access_changed(read.access, after, up_to),
+            None => false,
+        };
         PageResult::Rows {
             up_to,
             rows,
             total,
             floor: self.durable.exit_floor,
+            access_changed,
+        }
+    }
+
+    /// Every row of `table` matching `conditions` and `row_filter` now, at most `limit`, as
+    /// upserts at the replica's high-water: the answer to a set's read and to a move's.
+    pub fn read_rows(
+        &self,
+        table: &str,
+        conditions: &Conditions,
+        row_filter: &RowFilter,
+        limit: u32,
+    ) -> PageResult {
+        let Some(t) = self.durable.tables.get(table) else {
+            return PageResult::Failed {
+                message: format!("expected a replica table {table}, found none"),
+            };
+        };
+        let sets = self.durable.sets(Some(row_filter));
+        let mut rows: Vec<FeedEntry> = t
+            .rows
+            .iter()
+            .filter(|(_, r)| conditions.matches(&r.data) && sets.passes(row_filter, &r.data))
+            .map(|(id, r)| upsert(table, id, r))
+            .collect();
+        rows.sort_by_key(|r| r.seq);
+        rows.truncate(limit as usize);
+        PageResult::Rows {
+            up_to: self.durable.next_seq - 1,
+            rows,
+            total: None,
+            floor: self.durable.exit_floor,
             access_changed: false,
         }
+    }
+
+    /// Whether any of these sets may have changed in `(after, up_to]`: a row of its table
+    /// written there that passes its filter now, an exit there whose old values passed it, a
+    /// truncate of its table after `after`, or the same of a set in its own filter.
+    fn access_changed(&self, sets: &[SetQuery], after: i64, up_to: i64) -> bool {
+        let in_range = |seq: i64| seq > after && seq <= up_to;
+        sets.iter().any(|set| {
+            let Some(t) = self.durable.tables.get(&set.table) else {
+                return false;
+            };
+            if t.truncated.is_some_and(|truncated| truncated > after) {
+                return true;
+            }
+            let inner = self.durable.sets(Some(&set.filter));
+            let below: Vec<SetQuery> = set
+                .filter
+                .sets()
+                .into_iter()
+                .map(|(_, set, _)| set.clone())
+                .collect();
+            t.rows
+                .values()
+                .any(|r| in_range(r.seq) && inner.passes(&set.filter, &r.data))
+                || t.exits
+                    .iter()
+                    .any(|e| in_range(e.seq) && inner.passes(&set.filter, &e.old))
+                || self.access_changed(&below, after, up_to)
+        })
+    }
+}
+
+/// One replay page to read ([`ServerEffect::FetchPage`](highwater_engine::scope_server::ServerEffect::FetchPage)).
+#[derive(Debug, Clone, Copy)]
+pub struct PageRead<'a> {
+    pub table: &'a str,
+    pub conditions: &'a Conditions,
+    pub row_filter: Option<&'a RowFilter>,
+    pub after: Option<i64>,
+    pub up_to: Option<i64>,
+    pub limit: u32,
+    pub count_total: bool,
+    /// The sets whose change since `after` the page must report.
+    pub access: &'a [SetQuery],
+}
+
+impl Durable {
+    /// The sets of `filter`'s subqueries over the replica's rows now.
+    fn sets(&self, filter: Option<&RowFilter>) -> TableSets<'_> {
+        let names = filter.map(RowFilter::set_tables).unwrap_or_default();
+        TableSets::new(names.iter().filter_map(|name| {
+            let (name, t) = self.tables.get_key_value(name)?;
+            Some((name.as_str(), t.rows.values().map(|r| &r.data).collect()))
+        }))
+    }
+}
+
+fn upsert(table: &str, id: &str, row: &ReplicaRow) -> FeedEntry {
+    FeedEntry {
+        table: table.to_owned(),
+        resource_id: id.to_owned(),
+        seq: row.seq,
+        updated_at: row.updated_at.clone(),
+        change: FeedChange::Upsert {
+            data: row.data.clone(),
+        },
     }
 }
 
@@ -412,13 +511,12 @@ fn id_text(value: Option<&Value>) -> Option<String> {
     }
 }
 
-fn scope_of(data: &Map<String, Value>) -> Map<String, Value> {
-    let mut out = Map::new();
-    out.insert(
-        OWNER.to_owned(),
-        data.get(OWNER).cloned().unwrap_or(Value::Null),
-    );
-    out
+/// A row's values in the feed's columns: what its exits keep.
+fn scope_of(data: &Map<String, Value>, columns: &[String]) -> Map<String, Value> {
+    columns
+        .iter()
+        .map(|c| (c.clone(), data.get(c).cloned().unwrap_or(Value::Null)))
+        .collect()
 }
 
 impl Open {
@@ -467,7 +565,7 @@ impl Open {
                     ReplicaTable {
                         columns: create.spec.columns.keys().cloned().collect(),
                         key,
-                        scoped: false,
+                        feed: Vec::new(),
                         pending,
                         ..ReplicaTable::default()
                     },
@@ -510,17 +608,18 @@ impl Open {
                     .as_ref()
                     .and_then(|k| id_text(k.get(&t.key)))
                     .filter(|old| *old != id);
-                let scoped = t.scoped;
+                let feed = t.feed.clone();
+                let scoped = !feed.is_empty();
                 // A key change: the row moves to its new key; the old key's tombstone takes
                 // the next seq, and the old key leaves every scope it was in.
                 let moved = old_id.as_ref().and_then(|old| t.rows.remove(old));
                 let source = moved.as_ref().or_else(|| t.rows.get(&id));
-                let before = source.map(|r| scope_of(&r.data));
+                let before = source.map(|r| scope_of(&r.data, &feed));
                 let mut data = source.map(|r| r.data.clone()).unwrap_or_default();
                 for (k, v) in &update.new {
                     data.insert(k.clone(), v.clone());
                 }
-                let now = scope_of(&data);
+                let now = scope_of(&data, &feed);
                 t.rows.insert(
                     id.clone(),
                     ReplicaRow {
@@ -529,7 +628,8 @@ impl Open {
                         updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
                     },
                 );
-                if let (Some(old), Some(before)) = (old_id, moved.map(|r| scope_of(&r.data))) {
+                if let (Some(old), Some(before)) = (old_id, moved.map(|r| scope_of(&r.data, &feed)))
+                {
                     let tombstone = self.take_seq(&name);
                     if scoped {
                         self.exits.push((
@@ -564,15 +664,15 @@ impl Open {
                 let Some(gone) = t.rows.remove(&id) else {
                     return Ok(());
                 };
-                let scoped = t.scoped;
+                let feed = t.feed.clone();
                 let seq = self.take_seq(&name);
-                if scoped {
+                if !feed.is_empty() {
                     self.exits.push((
                         name,
                         Exit {
                             resource_id: id,
                             seq,
-                            old: scope_of(&gone.data),
+                            old: scope_of(&gone.data, &feed),
                             new: None,
                             updated_at: String::new(),
                         },
@@ -586,7 +686,8 @@ impl Open {
                     let t = self.table(&name)?;
                     let gone = std::mem::take(&mut t.rows);
                     t.truncated = Some(seq);
-                    if !t.scoped {
+                    let feed = t.feed.clone();
+                    if feed.is_empty() {
                         continue;
                     }
                     // Routed live; not journalled (the marker resets older cursors).
@@ -596,7 +697,7 @@ impl Open {
                             Exit {
                                 resource_id: id,
                                 seq,
-                                old: scope_of(&row.data),
+                                old: scope_of(&row.data, &feed),
                                 new: None,
                                 updated_at: String::new(),
                             },
@@ -674,7 +775,7 @@ impl Open {
             let Some(t) = self.tables.get_mut(name) else {
                 continue;
             };
-            let scoped = t.scoped;
+            let scoped = !t.feed.is_empty();
             for (id, row) in t.rows.iter_mut().filter(|(_, r)| r.seq >= *first) {
                 row.updated_at = self.updated_at.clone();
                 if scoped {
@@ -807,7 +908,7 @@ mod store_tests {
         let mut t = ReplicaTable {
             columns: vec!["id".into(), "owner".into()],
             key: "id".into(),
-            scoped: true,
+            feed: vec!["owner".into()],
             ..ReplicaTable::default()
         };
         t.rows.insert(
@@ -838,6 +939,19 @@ mod store_tests {
             .cloned()
             .unwrap_or_default();
         Conditions::parse(&conditions).expect("valid")
+    }
+
+    fn page_of(conditions: &Conditions, after: Option<i64>) -> PageRead<'_> {
+        PageRead {
+            table: "todos",
+            conditions,
+            row_filter: None,
+            after,
+            up_to: None,
+            limit: 10,
+            count_total: true,
+            access: &[],
+        }
     }
 
     #[test]
@@ -902,17 +1016,14 @@ mod store_tests {
                 ("2".into(), 4, true)
             ]
         );
-        let PageResult::Rows { rows, up_to, .. } =
-            storage.page("todos", &ada(), Some(1), None, 10, true)
-        else {
+        let PageResult::Rows { rows, up_to, .. } = storage.page(&page_of(&ada(), Some(1))) else {
             panic!("rows expected");
         };
         assert_eq!(up_to, 4);
         let exits: Vec<&str> = rows.iter().map(|r| r.resource_id.as_str()).collect();
         assert_eq!(exits, ["1", "2"], "both left ada's scope after the cursor");
         // From no cursor: only rows, and ada has none now.
-        let PageResult::Rows { rows, .. } = storage.page("todos", &ada(), None, None, 10, true)
-        else {
+        let PageResult::Rows { rows, .. } = storage.page(&page_of(&ada(), None)) else {
             panic!("rows expected");
         };
         assert!(rows.is_empty());
@@ -971,5 +1082,146 @@ mod store_tests {
             .find(Result::is_err);
         let why = refused.expect("refused").expect_err("an error");
         assert!(why.contains("applied twice"), "{why}");
+    }
+}
+
+#[cfg(test)]
+mod access_tests {
+    use super::*;
+    use crate::access::MEMBER_OF;
+    use highwater_engine::change_stream::{decode_downstream, Begin, Commit};
+    use highwater_engine::scope_rules::row_filter::RuleFilter;
+    use highwater_engine::streamer::{ChangeLogState, Effect, Streamer, StreamerConfig};
+    use serde_json::json;
+
+    fn w(text: &str) -> Watermark {
+        Watermark::parse(text).expect("watermark")
+    }
+
+    fn object(value: Value) -> Map<String, Value> {
+        match value {
+            Value::Object(map) => map,
+            _ => panic!("not an object"),
+        }
+    }
+
+    fn table(columns: &[&str], feed: &[&str]) -> ReplicaTable {
+        ReplicaTable {
+            columns: columns.iter().map(|c| (*c).to_owned()).collect(),
+            key: "id".into(),
+            feed: feed.iter().map(|c| (*c).to_owned()).collect(),
+            ..ReplicaTable::default()
+        }
+    }
+
+    /// Todo 1 of project 1 and todo 2 of project 2 (seqs 1 and 2); no memberships.
+    fn storage() -> (Storage, Streamer) {
+        let mut todos = table(&["id", "project_id"], &["project_id", "id"]);
+        for (id, project) in [(1, 1), (2, 2)] {
+            todos.rows.insert(
+                id.to_string(),
+                ReplicaRow {
+                    data: object(json!({"id": id, "project_id": project})),
+                    seq: id,
+                    updated_at: UNKNOWN_COMMIT_TIME.into(),
+                },
+            );
+        }
+        let members = table(&["id", "project_id", "user_id"], &["project_id", "user_id"]);
+        let tables = BTreeMap::from([("todos".to_owned(), todos), ("members".to_owned(), members)]);
+        let streamer = Streamer::new(
+            StreamerConfig::new(w("01")),
+            ChangeLogState {
+                last_watermark: w("01"),
+                min_watermark: w("01"),
+            },
+        );
+        (Storage::new(w("01"), tables, 3, None), streamer)
+    }
+
+    /// Stores one transaction of `changes` (`["data", …]` texts) at `wm`.
+    fn commit(storage: &mut Storage, streamer: &mut Streamer, wm: &str, changes: &[String]) {
+        let mut messages = vec![DownstreamMessage::Begin(Begin::new(w(wm)))];
+        messages.extend(
+            changes
+                .iter()
+                .map(|c| decode_downstream(c).expect("message")),
+        );
+        messages.push(DownstreamMessage::Commit(Commit::new(w(wm))));
+        for m in messages {
+            for e in streamer.on_upstream(m).expect("accepted") {
+                if let Effect::Store(op) = e {
+                    storage.apply(&op).expect("stored");
+                }
+            }
+        }
+    }
+
+    fn member(tag: &str, key: &str, row: Value) -> String {
+        format!(
+            r#"["data",{{"tag":"{tag}","relation":{{"schema":"public","name":"members","rowKey":{{"columns":["id"]}}}},"{key}":{row}}}]"#
+        )
+    }
+
+    fn ids(result: &PageResult) -> (Vec<String>, bool) {
+        let PageResult::Rows {
+            rows,
+            access_changed,
+            ..
+        } = result
+        else {
+            panic!("rows expected, got {result:?}");
+        };
+        (
+            rows.iter().map(|r| r.resource_id.clone()).collect(),
+            *access_changed,
+        )
+    }
+
+    #[test]
+    fn pages_and_reads_pass_the_filter_and_a_resume_learns_its_access_changed() {
+        let (mut storage, mut streamer) = storage();
+        let filter = RuleFilter::parse(MEMBER_OF)
+            .expect("parses")
+            .bind(&object(json!({"sub": "ada"})))
+            .expect("binds");
+        let access: Vec<SetQuery> = filter
+            .sets()
+            .into_iter()
+            .map(|(_, s, _)| s.clone())
+            .collect();
+        let all = Conditions::default();
+        let page = |storage: &Storage, after: Option<i64>| {
+            storage.page(&PageRead {
+                table: "todos",
+                conditions: &all,
+                row_filter: Some(&filter),
+                after,
+                up_to: None,
+                limit: 10,
+                count_total: false,
+                access: &access,
+            })
+        };
+        assert_eq!(ids(&page(&storage, None)), (vec![], false));
+        // Ada joins project 1 (seq 3): todo 1 is hers, though nothing after the cursor wrote it.
+        let joined = member(
+            "insert",
+            "new",
+            json!({"id": 7, "project_id": 1, "user_id": "ada"}),
+        );
+        commit(&mut storage, &mut streamer, "0a", &[joined]);
+        assert_eq!(ids(&page(&storage, Some(2))), (vec![], true));
+        assert_eq!(ids(&page(&storage, Some(3))), (vec![], false));
+        assert_eq!(ids(&page(&storage, None)), (vec!["1".to_owned()], false));
+        let set = &access[0];
+        let read = storage.read_rows(&set.table, &all, &set.filter, 10);
+        assert_eq!(ids(&read), (vec!["7".to_owned()], false));
+        // She leaves (seq 4): the exit's old values passed the set's filter.
+        let left = member("delete", "key", json!({"id": 7}));
+        commit(&mut storage, &mut streamer, "0b", &[left]);
+        assert_eq!(ids(&page(&storage, Some(3))), (vec![], true));
+        assert_eq!(ids(&page(&storage, Some(4))), (vec![], false));
+        assert_eq!(ids(&page(&storage, None)), (vec![], false));
     }
 }

@@ -28,12 +28,35 @@ pub const TEXT: u32 = 25;
 /// The scope column of every table that scope clients subscribe to.
 pub const OWNER: &str = "owner";
 pub const OWNERS: [&str; 3] = ["ada", "bob", "cy"];
-/// Tables that exist from the start (and are open to scope sync).
+/// Tables that exist from the start and are open to scope sync.
 pub const SCOPED_TABLES: [&str; 2] = ["todos", "items"];
+/// Who is in which project: `members(id, project_id, user_id)`. The row filters' subqueries
+/// read it; nobody subscribes to it.
+pub const MEMBERS: &str = "members";
+/// The project column of the scoped tables and of `members`.
+pub const PROJECT: &str = "project_id";
+pub const PROJECTS: [i64; 5] = [1, 2, 3, 4, 5];
+/// The user column of `members`; users are the owners' names.
+pub const USER: &str = "user_id";
+/// `items.todo_id`: the todo an item belongs to (a nested filter reaches items through it).
+pub const TODO: &str = "todo_id";
 /// Commit times start here (2026-12-01T12:00:00Z).
 pub const EPOCH_UNIX_MS: i64 = 1_796_126_400_000;
 /// The slot's position when the replica was made; its watermark is the replica version.
 pub const START_LSN: u64 = 0x1000;
+
+/// The columns the scope feed journals in a table's exits (its conditions' and the row
+/// filters' columns, as the host derives them from the rules); empty: the feed does not follow
+/// the table.
+pub fn feed_columns(table: &str) -> Vec<String> {
+    let columns: &[&str] = match table {
+        "todos" => &[OWNER, PROJECT, "id"],
+        "items" => &[OWNER, PROJECT, TODO],
+        MEMBERS => &[PROJECT, USER],
+        _ => &[],
+    };
+    columns.iter().map(|c| (*c).to_owned()).collect()
+}
 
 /// One table: its schema history (one Relation per version) and its rows, as text values in
 /// column order (`None` is NULL).
@@ -166,7 +189,8 @@ fn column(name: &str, type_oid: u32, key: bool) -> RelationColumn {
 }
 
 impl SimPg {
-    /// Two scoped tables with a few rows each (the replica's initial copy).
+    /// Two scoped tables and the membership table, with a few rows each (the replica's
+    /// initial copy).
     pub fn new(rng: &mut Rng) -> Self {
         let mut pg = SimPg {
             tables: BTreeMap::new(),
@@ -179,16 +203,29 @@ impl SimPg {
             last_applied: BTreeMap::new(),
             applied: Vec::new(),
         };
+        pg.create_table(
+            MEMBERS,
+            vec![
+                column("id", INT4, true),
+                column(PROJECT, INT4, false),
+                column(USER, TEXT, false),
+            ],
+        );
         for name in SCOPED_TABLES {
-            pg.create_table(
-                name,
-                vec![
-                    column("id", INT4, true),
-                    column(OWNER, TEXT, false),
-                    column("title", TEXT, false),
-                    column("n", INT4, false),
-                ],
-            );
+            let mut columns = vec![
+                column("id", INT4, true),
+                column(OWNER, TEXT, false),
+                column("title", TEXT, false),
+                column("n", INT4, false),
+                column(PROJECT, INT4, false),
+            ];
+            if name == "items" {
+                columns.push(column(TODO, INT4, false));
+            }
+            pg.create_table(name, columns);
+        }
+        // Todos first: items point at them.
+        for name in ["todos", "items", MEMBERS] {
             for _ in 0..rng.range(2, 6) {
                 let values = pg.new_row(name, rng);
                 let id = values[0]
@@ -231,6 +268,7 @@ impl SimPg {
     }
 
     fn new_row(&mut self, table: &str, rng: &mut Rng) -> Vec<Option<String>> {
+        let todos = self.todo_ids();
         let t = self.tables.get_mut(table).expect("table");
         let id = t.next_id;
         t.next_id += 1;
@@ -240,10 +278,17 @@ impl SimPg {
             .iter()
             .map(|c| match c.name.as_str() {
                 "id" => Some(id.to_string()),
-                OWNER => rng.pick(&OWNERS).map(|o| (*o).to_owned()),
-                _ => random_value(c, rng),
+                _ => column_value(c, &todos, rng),
             })
             .collect()
+    }
+
+    /// The ids of the todos now (what `items.todo_id` points at).
+    fn todo_ids(&self) -> Vec<i64> {
+        self.tables
+            .get("todos")
+            .map(|t| t.rows.keys().copied().collect())
+            .unwrap_or_default()
     }
 
     /// Adds a nullable column to `table` (existing rows read NULL, as in Postgres).
@@ -344,10 +389,13 @@ impl SimPg {
         for _ in 0..size {
             let name = rng.pick(&names).expect("tables").clone();
             let existing: Vec<i64> = self.tables[&name].rows.keys().copied().collect();
-            let kind = if existing.is_empty() {
-                0
-            } else {
-                rng.below(10)
+            // Memberships are added less often the more there are (about five), and moved or
+            // removed otherwise, so each user's projects keep changing instead of filling up.
+            let kind = match (existing.is_empty(), name == MEMBERS) {
+                (true, _) => 0,
+                (false, false) => rng.below(10),
+                (false, true) if rng.below(8) >= existing.len() as u64 => 0,
+                (false, true) => *rng.pick(&[5, 9]).expect("kinds"),
             };
             let t_oid = self.tables[&name].relation().oid;
             let version = self.tables[&name].versions.len() - 1;
@@ -368,9 +416,11 @@ impl SimPg {
                         values,
                     });
                 }
-                // Update: some other columns, sometimes the owner (a row moving scopes).
+                // Update: some other columns, sometimes the owner or the project (a row
+                // moving scopes), a membership's user or project (access changing).
                 5..=8 => {
                     let id = *rng.pick(&existing).expect("rows");
+                    let todos = self.todo_ids();
                     let t = self.tables.get_mut(&name).expect("table");
                     let relation = t.relation().clone();
                     let row = t.rows.get_mut(&id).expect("row");
@@ -378,11 +428,7 @@ impl SimPg {
                         if i == 0 || !rng.chance(500) {
                             continue;
                         }
-                        row[i] = if c.name == OWNER {
-                            rng.pick(&OWNERS).map(|o| (*o).to_owned())
-                        } else {
-                            random_value(c, rng)
-                        };
+                        row[i] = column_value(c, &todos, rng);
                     }
                     let mut values = row.clone();
                     // Now and then the key changes too.
@@ -583,6 +629,23 @@ fn key_of(values: &[Option<String>]) -> i64 {
         .and_then(|v| v.as_deref())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
+}
+
+/// A value for column `c` of a new or updated row: owners, projects, users and todos from
+/// their small domains (now and then NULL), random values elsewhere.
+fn column_value(c: &RelationColumn, todos: &[i64], rng: &mut Rng) -> Option<String> {
+    match c.name.as_str() {
+        OWNER => rng.pick(&OWNERS).map(|o| (*o).to_owned()),
+        USER if rng.chance(30) => None,
+        USER => rng.pick(&OWNERS).map(|o| (*o).to_owned()),
+        PROJECT if rng.chance(60) => None,
+        PROJECT => rng.pick(&PROJECTS).map(i64::to_string),
+        TODO => match rng.pick(todos) {
+            Some(id) if !rng.chance(100) => Some(id.to_string()),
+            _ => Some(rng.range(1, 40).to_string()),
+        },
+        _ => random_value(c, rng),
+    }
 }
 
 fn random_value(c: &RelationColumn, rng: &mut Rng) -> Option<String> {
