@@ -280,7 +280,7 @@ fn a_membership_added_moves_its_project_in_and_one_removed_moves_it_out() {
         "{narrowed}"
     );
     // A commit meanwhile waits its turn.
-    let effects = commit(&mut server, vec![todo(14, 4, 2)]);
+    let effects = commit(&mut server, vec![todo(14, 4, 2), todo(15, 9, 2)]);
     assert!(effects.is_empty(), "{effects:?}");
 
     // The read (taken after seq 14) has todo 3 and the newer todo 4.
@@ -292,15 +292,13 @@ fn a_membership_added_moves_its_project_in_and_one_removed_moves_it_out() {
         0,
     );
     let sent = bodies(&effects);
-    assert_eq!(
-        sent.len(),
-        1,
-        "todo 4's own entry is not sent again: {sent:?}"
-    );
+    assert_eq!(sent.len(), 2, "{sent:?}");
     assert_eq!(
         ids(&sent[0]),
         (vec!["3".to_owned(), "4".to_owned()], vec![])
     );
+    // The waiting commit follows without todo 4's entry: the move sent that version.
+    assert_eq!(ids(&sent[1]), (vec!["9".to_owned()], vec![]), "{sent:?}");
     assert_eq!(sent[0]["moves"], json!({"out": []}));
     assert_eq!(
         sent[0]["cursor"]["id"], "v1:13",
@@ -309,7 +307,7 @@ fn a_membership_added_moves_its_project_in_and_one_removed_moves_it_out() {
     assert_eq!(server.metrics().counts.moves, 1);
 
     // Ada leaves project 1: its rows go, by value, with no read.
-    let effects = commit(&mut server, vec![member_gone(15, 100, "ada", 1)]);
+    let effects = commit(&mut server, vec![member_gone(16, 100, "ada", 1)]);
     assert!(move_reads(&effects).is_empty());
     let sent = bodies(&effects);
     assert_eq!(sent.len(), 1);
@@ -317,15 +315,15 @@ fn a_membership_added_moves_its_project_in_and_one_removed_moves_it_out() {
         sent[0]["moves"],
         json!({"out": [{"column": "project_id", "values": [1]}]})
     );
-    assert_eq!(sent[0]["cursor"]["id"], "v1:15");
+    assert_eq!(sent[0]["cursor"]["id"], "v1:16");
     // And project 1's changes no longer reach her; project 2's do.
-    let effects = commit(&mut server, vec![todo(16, 1, 1), todo(17, 3, 2)]);
+    let effects = commit(&mut server, vec![todo(17, 1, 1), todo(18, 3, 2)]);
     let sent = bodies(&effects);
     assert_eq!(sent.len(), 1);
     assert_eq!(ids(&sent[0]), (vec!["3".to_owned()], vec![]));
 
     // Another user's membership changes nothing for ada.
-    let effects = commit(&mut server, vec![member(18, 102, "bob", 1)]);
+    let effects = commit(&mut server, vec![member(19, 102, "bob", 1)]);
     assert!(effects.is_empty(), "{effects:?}");
 }
 
@@ -584,5 +582,41 @@ fn nested_subqueries_read_children_first_and_reread_parents_when_a_child_changes
     assert_eq!(
         sent[0]["moves"]["out"],
         json!([{"column": "todo_id", "values": [2]}])
+    );
+}
+
+#[test]
+fn a_replay_page_is_judged_by_the_read_not_by_sets_that_trail_it() {
+    const PAGE: i64 = crate::scope_sync::DEFAULT_PAGE_LIMIT as i64;
+    let mut server = server();
+    let effects = subscribe(&mut server, "s", "ada", None);
+    let (set, ..) = set_reads(&effects)[0].clone();
+    let effects = server.handle(
+        ServerInput::SetRead {
+            set,
+            result: rows(9, vec![member(5, 100, "ada", 1)]),
+        },
+        0,
+    );
+    let (ticket, pass, _) = page_request(&effects).unwrap();
+    // The page was read after ada joined project 2 (seq 10), which the server has not routed
+    // yet: its rows are in, and the page, full, is not taken for the last one.
+    let page: Vec<FeedEntry> = (0..PAGE)
+        .map(|i| todo(10 + i, 100 + i, 1 + i % 2))
+        .collect();
+    let effects = server.handle(
+        ServerInput::PageFetched {
+            conn: C,
+            ticket,
+            pass,
+            result: rows(10 + PAGE, page),
+        },
+        0,
+    );
+    let sent = bodies(&effects);
+    assert_eq!(ids(&sent[0]).0.len(), PAGE as usize, "{effects:?}");
+    assert!(
+        page_request(&effects).is_some(),
+        "a full page asks for the next one"
     );
 }

@@ -1259,7 +1259,7 @@ impl ScopeServer {
                 }
                 let entries = rows
                     .iter()
-                    .filter_map(|row| entry_for(&epoch, sub, sets, row))
+                    .filter_map(|row| replay_entry_for(&epoch, sub, sets, row))
                     .collect();
                 let page = FetchedPage {
                     pass,
@@ -1529,6 +1529,19 @@ impl ScopeServer {
         }
     }
 
+    /// The lowest mutation id of `client` confirmed by a commit not routed yet (being resolved,
+    /// or waiting its turn).
+    fn confirm_held(&self, client: &str) -> Option<u64> {
+        self.resolving
+            .iter()
+            .map(|resolving| &resolving.confirms)
+            .chain(self.queued.iter().map(|(_, confirms)| confirms))
+            .flatten()
+            .filter(|(held_by, _)| held_by == client)
+            .map(|(_, id)| *id)
+            .min()
+    }
+
     /// A live subscription whose move could not be read replays its scope from scratch.
     fn replay_live_again(&mut self, conn: ConnId, id: &str, out: &mut Vec<ServerEffect>) {
         let Some(sub) = self.subscription_mut(conn, id) else {
@@ -1605,10 +1618,6 @@ impl ScopeServer {
             return;
         };
         let floor = pinned.max(sub.start_seq.unwrap_or(0));
-        // Entries of later commits are newer than what a move sent of their rows.
-        if let Some((seq, _)) = &routed {
-            sub.newer.retain(|_, newer| *newer >= *seq);
-        }
         let newer = &sub.newer;
         let mut syncs: Vec<SyncEntry> = entries
             .iter()
@@ -1620,6 +1629,11 @@ impl ScopeServer {
             })
             .filter_map(|entry| entry_for(&epoch, sub, sets, entry))
             .collect();
+        // This commit's entries have been checked against what moves sent: those of rows at
+        // or below it are older than any later entry.
+        if let Some((seq, _)) = &routed {
+            sub.newer.retain(|_, newer| *newer > *seq);
+        }
         let mut extra = Map::new();
         if let Some(moves) = moves {
             // Rows let in carry their own seqs, which may be older or newer than the commit:
@@ -2035,6 +2049,39 @@ fn entry_for(
         FeedChange::Exit { old, new } => {
             let still_in = new.as_ref().is_some_and(|new| sub.belongs(new, sets));
             if !sub.belongs(old, sets) || still_in {
+                return None;
+            }
+            wire_entry(epoch, sub, entry, "delete", Value::Null, old)
+        }
+    }
+}
+
+/// The wire entry of a replayed row or exit. The replica's read is the judge of a row filter
+/// with subqueries: it read the sets in the same transaction as the rows, while the server's
+/// sets may trail it (one being read again). Matching such rows again here would drop rows the
+/// read rightly found, and a page with fewer rows than asked for ends the replay. The conditions,
+/// which need no set, are still matched again.
+fn replay_entry_for(
+    epoch: &str,
+    sub: &Subscription,
+    sets: &SetStore,
+    entry: &FeedEntry,
+) -> Option<SyncEntry> {
+    if sub.sets.is_empty() {
+        return entry_for(epoch, sub, sets, entry);
+    }
+    if entry.table != sub.table {
+        return None;
+    }
+    match &entry.change {
+        FeedChange::Upsert { data } => {
+            if !sub.conditions.matches(data) {
+                return None;
+            }
+            upsert_entry(epoch, sub, entry, data)
+        }
+        FeedChange::Exit { old, .. } => {
+            if !sub.conditions.matches(old) {
                 return None;
             }
             wire_entry(epoch, sub, entry, "delete", Value::Null, old)

@@ -288,10 +288,17 @@ impl ScopeServer {
     /// whose change has not reached the replica (or, while a subscription of the socket is not
     /// live yet, up to the first confirmed one).
     pub(super) fn flush_results(&mut self, conn: ConnId, out: &mut Vec<ServerEffect>) {
-        let Some(connection) = self.connections.get_mut(&conn) else {
+        let Some(client) = self
+            .connections
+            .get(&conn)
+            .and_then(|c| c.writes.client_id.clone())
+        else {
             return;
         };
-        let Some(client) = connection.writes.client_id.clone() else {
+        // A commit that confirms a mutation may be held (its moves being read) after the host
+        // counted it routed: the mutation is confirmed once that commit is sent, not before.
+        let held = self.confirm_held(&client);
+        let Some(connection) = self.connections.get_mut(&conn) else {
             return;
         };
         let replicated = self.replicated.get(&client).copied().unwrap_or(0);
@@ -302,7 +309,9 @@ impl ScopeServer {
         let mut results = Vec::new();
         while let Some(front) = connection.writes.queued.front() {
             let ready = match front.status {
-                MutationStatus::Confirmed => all_live && front.id <= replicated,
+                MutationStatus::Confirmed => {
+                    all_live && front.id <= replicated && held.is_none_or(|held| front.id < held)
+                }
                 MutationStatus::Rejected | MutationStatus::Retry => true,
             };
             if !ready {
