@@ -12,4 +12,4 @@ pub mod storage;
 pub mod upstream;
 pub mod world;
 
-pub use world::{describe, run, AccessBug, BackfillBug, KnownDefect, Options, Outcome};
+pub use world::{describe, run, AccessBug, BackfillBug, Options, Outcome};

@@ -6,26 +6,24 @@
 //!               [--transactions T]        upstream transactions per seed (default 120)
 //!               [--plant loses-commit|early-ack|backfill-drops-rows|moves-ignore-filter|access-never-changes]
 //!                                         plant a defect the run must catch
-//!               [--strict]                fail seeds that hit a known engine defect
 //! ```
 //!
 //! Ends with `simulation: N seeds, F failed, S steps, K crashes, D disconnects, X transactions,
 //! B backfills (R failed before their commit, C crashes during one)`
-//! then the writes', the access (memberships') and the known engine defects' lines, and
+//! then the writes' and the access (memberships') lines, and
 //! `# pass P` / `# fail F`; exits non-zero when a seed failed. `SIM_DEBUG_CLIENT=1` and
 //! `SIM_DEBUG_SERVER=1` print every scope client's and the scope server's inputs and effects to
 //! stderr.
 
-use std::collections::BTreeMap;
 use std::process::ExitCode;
 
 use highwater_sim::ingest::IngestBug;
 use highwater_sim::storage::StorageBug;
-use highwater_sim::{describe, run, AccessBug, BackfillBug, KnownDefect, Options};
+use highwater_sim::{describe, run, AccessBug, BackfillBug, Options};
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: highwater-sim (--seed S [--trace] | --seeds N [--from S]) [--transactions T] [--plant P] [--strict]"
+        "usage: highwater-sim (--seed S [--trace] | --seeds N [--from S]) [--transactions T] [--plant P]"
     );
     ExitCode::from(2)
 }
@@ -36,7 +34,6 @@ fn main() -> ExitCode {
     let mut seeds = None;
     let mut from = 1u64;
     let mut trace = false;
-    let mut strict = false;
     let mut transactions = None;
     let mut plant = None;
     let mut i = 0;
@@ -80,7 +77,6 @@ fn main() -> ExitCode {
                 i += 1;
             }
             "--trace" => trace = true,
-            "--strict" => strict = true,
             _ => return usage(),
         }
         i += 1;
@@ -95,11 +91,9 @@ fn main() -> ExitCode {
     let (mut mutations, mut confirmed, mut applied_before) = (0u64, 0u64, 0u64);
     let (mut set_reads, mut move_reads, mut move_envelopes) = (0u64, 0u64, 0u64);
     let mut access_changed = 0u64;
-    let mut defects: BTreeMap<KnownDefect, (u64, Vec<u64>)> = BTreeMap::new();
     for &s in &list {
         let mut opts = Options::new(s);
         opts.full_trace = trace;
-        opts.known_defects_fail = strict;
         if let Some(t) = transactions {
             opts.transactions = t;
         }
@@ -126,11 +120,6 @@ fn main() -> ExitCode {
         move_reads += outcome.move_reads;
         move_envelopes += outcome.move_envelopes;
         access_changed += outcome.access_changed;
-        for (defect, n) in &outcome.known_defects {
-            let (total, seeds) = defects.entry(*defect).or_default();
-            *total += n;
-            seeds.push(s);
-        }
         if trace {
             for line in &outcome.trace {
                 println!("{line}");
@@ -153,9 +142,6 @@ fn main() -> ExitCode {
                 if let Some(p) = &plant {
                     replay.push_str(&format!(" --plant {p}"));
                 }
-                if strict {
-                    replay.push_str(" --strict");
-                }
                 println!("# replay: {replay}");
             }
             None if list.len() == 1 => println!("ok {}", describe(&outcome)),
@@ -171,26 +157,6 @@ fn main() -> ExitCode {
     );
     println!(
         "access: {set_reads} set reads, {move_reads} move reads, {move_envelopes} envelopes moving rows, {access_changed} resumed pages with access changed"
-    );
-    let known: Vec<String> = defects
-        .iter()
-        .map(|(defect, (n, seeds))| {
-            let shown: Vec<String> = seeds.iter().take(8).map(u64::to_string).collect();
-            let more = if seeds.len() > 8 { ", …" } else { "" };
-            format!(
-                "{defect:?} {n} times in {} seeds ({}{more})",
-                seeds.len(),
-                shown.join(", ")
-            )
-        })
-        .collect();
-    println!(
-        "known engine defects (excused; --strict fails them): {}",
-        if known.is_empty() {
-            "none".to_owned()
-        } else {
-            known.join("; ")
-        }
     );
     println!("# pass {}", n - failed);
     println!("# fail {failed}");

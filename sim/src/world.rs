@@ -70,9 +70,6 @@ pub struct Options {
     pub access_bug: Option<AccessBug>,
     /// Keep every trace line (not only the last ones).
     pub full_trace: bool,
-    /// Fail a seed where it hits a [`KnownDefect`]; otherwise the defect is counted and only
-    /// its own consequence is excused.
-    pub known_defects_fail: bool,
 }
 
 impl Options {
@@ -85,7 +82,6 @@ impl Options {
             backfill_bug: None,
             access_bug: None,
             full_trace: false,
-            known_defects_fail: false,
         }
     }
 }
@@ -98,23 +94,6 @@ pub enum AccessBug {
     MovesIgnoreFilter,
     /// A resumed page never says its access changed.
     AccessNeverChanges,
-}
-
-/// Engine defects the simulation has found, each recognised where it happens (not by its
-/// consequence), so a run can count it and excuse that consequence alone.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum KnownDefect {
-    /// A replay ends on a full page: the scope server drops the page's rows its sets (which
-    /// may lag the replica the page was read from) do not pass, and its planner takes the
-    /// shorter page for the last one. The scope's later rows never reach the client.
-    ReplayCutShort,
-    /// A `confirmed` result goes out before the envelope of its transaction: the host's
-    /// `replicated` counts commits handed to the scope server, which may still hold them
-    /// while it reads sets and moves (read-your-writes breaks).
-    ConfirmBeforeRows,
-    /// A live entry repeats, at its seq, a row a move envelope already sent: the guard
-    /// against it (`newer`) is dropped as the commit holding that very entry is routed.
-    RepeatAfterMove,
 }
 
 /// A defect to plant in the host's backfill reader, so tests can show the simulation catches it.
@@ -149,8 +128,6 @@ pub struct Outcome {
     pub move_reads: u64,
     pub move_envelopes: u64,
     pub access_changed: u64,
-    /// Known engine defects hit (and excused), by kind.
-    pub known_defects: BTreeMap<KnownDefect, u64>,
     /// The event list (the last [`TRACE_TAIL`] lines unless a full trace was asked for).
     pub trace: Vec<String>,
 }
@@ -465,10 +442,6 @@ struct World {
     rules: Rules,
     /// Per (client id, mutation id): the seq its row took in the replica.
     confirm_seqs: BTreeMap<(String, u64), i64>,
-    /// Scopes whose replay a [`KnownDefect::ReplayCutShort`] ended, by (client, scope key).
-    cut_short: BTreeSet<(usize, ScopeKey)>,
-    /// Results that overtook their rows ([`KnownDefect::ConfirmBeforeRows`]).
-    overtaken: BTreeSet<(String, u64)>,
     /// Sockets sent `channel-subscribed` by the scope input being carried out.
     subscribed: Vec<u64>,
     /// The tables the rules' subqueries read (their feed columns), as durable storage held
@@ -648,8 +621,6 @@ impl World {
             writes: BTreeMap::new(),
             rules,
             confirm_seqs: BTreeMap::new(),
-            cut_short: BTreeSet::new(),
-            overtaken: BTreeSet::new(),
             subscribed: Vec::new(),
             access_states,
             out: Outcome {
@@ -719,18 +690,6 @@ impl World {
         if !self.opts.full_trace && self.trace.len() > TRACE_TAIL {
             self.trace.pop_front();
         }
-    }
-
-    /// A known engine defect happened here: fails the seed when asked to, else counts it;
-    /// `true` when it is excused.
-    fn known_defect(&mut self, defect: KnownDefect, detail: String) -> bool {
-        if self.opts.known_defects_fail {
-            self.fail(format!("known engine defect {defect:?}: {detail}"));
-            return false;
-        }
-        *self.out.known_defects.entry(defect).or_default() += 1;
-        self.log(format!("known engine defect {defect:?}: {detail}"));
-        true
     }
 
     fn fail(&mut self, why: String) {
@@ -2978,7 +2937,6 @@ impl World {
                 result.id
             ));
         }
-        let overtaken = self.overtaken.contains(&(client_id.clone(), result.id));
         let Some(made) = self.writes.get(&(client_id, result.id)).cloned() else {
             return self.fail(format!(
                 "client{c} mutation {} confirmed, never made",
@@ -3009,8 +2967,7 @@ impl World {
                     .iter()
                     .any(|d| d.split(' ').nth(1).is_some_and(|t| SET_TABLES.contains(&t)))
             });
-        // A result that overtook its rows (`KnownDefect::ConfirmBeforeRows`) is excused.
-        if touched || access_moved || overtaken {
+        if touched || access_moved {
             return;
         }
         let Some(upstream) = self.pg.rows_json(&table).remove(&id) else {
@@ -3110,8 +3067,8 @@ impl World {
         }
     }
 
-    /// The scope server ended a replay on a full page ([`KnownDefect::ReplayCutShort`]): the
-    /// client's scopes of that table and conditions are excused from the final comparison.
+    /// The scope server ended a replay on a full page: the scope's later rows would never
+    /// reach the client (its sets, lagging the page's read, must not shorten the last page).
     fn replay_cut_short(&mut self, req: &PageReq) {
         let link = self
             .server
@@ -3133,9 +3090,7 @@ impl World {
             "client{c}'s replay of {} (scopes {keys:?}) ended on a full page of {} rows after {:?}",
             req.table, req.limit, req.after
         );
-        if self.known_defect(KnownDefect::ReplayCutShort, detail) {
-            self.cut_short.extend(keys.into_iter().map(|key| (c, key)));
-        }
+        self.fail(detail);
     }
 
     /// A `confirmed` result goes out only once the server routed its row's commit.
@@ -3153,13 +3108,10 @@ impl World {
                 continue;
             };
             if seq > routed {
-                let detail = format!(
+                return self.fail(format!(
                     "{client_id} mutation {} confirmed on conn {conn} with its row at seq {seq}, routed through {routed}",
                     result.id
-                );
-                if self.known_defect(KnownDefect::ConfirmBeforeRows, detail) {
-                    self.overtaken.insert(key);
-                }
+                ));
             }
         }
     }
@@ -3249,7 +3201,6 @@ impl World {
         let moved = body.get("moves").is_some();
         self.out.move_envelopes += u64::from(moved);
         let mut dup = None;
-        let mut repeats = Vec::new();
         let seen = self.clients[c].seen.entry(key).or_default();
         for entry in syncs {
             let id = entry
@@ -3263,21 +3214,19 @@ impl World {
             match seen.insert((id.clone(), seq), moved) {
                 None => {}
                 Some(_) if moved => {}
-                // A move sent it: a known engine defect (`KnownDefect::RepeatAfterMove`).
-                Some(true) => repeats.push((id, seq)),
-                Some(false) => dup = Some((id, seq)),
+                Some(after_move) => {
+                    dup = Some((id, seq, after_move));
+                    break;
+                }
             }
         }
-        for (id, seq) in repeats {
-            let detail = format!(
-                "client{c} got {id} at seq {seq} again on subscription {subscription_id} (link {link}), after a move sent it"
-            );
-            self.known_defect(KnownDefect::RepeatAfterMove, detail);
-        }
-        if let Some((id, seq)) = dup {
-            self.fail(format!(
-                "client{c} got {id} at seq {seq} twice on subscription {subscription_id} (link {link})"
-            ));
+        if let Some((id, seq, after_move)) = dup {
+            let why = if after_move {
+                format!("client{c} got {id} at seq {seq} again on subscription {subscription_id} (link {link}), after a move sent it")
+            } else {
+                format!("client{c} got {id} at seq {seq} twice on subscription {subscription_id} (link {link})")
+            };
+            self.fail(why);
         }
     }
 }
@@ -3352,7 +3301,6 @@ impl World {
         }
         let set_rows = self.upstream_set_rows();
         let sets = Self::sets_of(&set_rows);
-        let mut excused = Vec::new();
         for (c, client) in self.clients.iter().enumerate() {
             let unsettled = client.client.pending_mutations();
             if !unsettled.is_empty() || !client.outbox.pending.is_empty() {
@@ -3398,10 +3346,6 @@ impl World {
                     .unwrap_or_default();
                 for (what, rows) in [("holds", &held), ("stored", &stored)] {
                     if let Some(diff) = row_diff(rows, &want) {
-                        if self.cut_short.contains(&(c, *key)) {
-                            excused.push(format!("client{c} scope {key} {what}: {diff}"));
-                            continue;
-                        }
                         let filter = filter.map_or(String::new(), |f| format!(" and {f}"));
                         problems.push(format!(
                             "client{c} scope {table} where {}{filter} {what}: {diff}",
@@ -3410,11 +3354,6 @@ impl World {
                     }
                 }
             }
-        }
-        for line in excused {
-            self.log(format!(
-                "quiet: excused by a known engine defect (ReplayCutShort): {line}"
-            ));
         }
         if !problems.is_empty() {
             self.fail(format!(
