@@ -43,11 +43,18 @@
 //! [`ServerConfig::checkpoint_interval_ms`]. Both are exact: every change of the scope up to
 //! that position has been sent on the socket before them.
 //!
-//! Live routing finds a subscription by its routing key
-//! ([`Conditions::routing_key`](crate::scope_sync::Conditions::routing_key): its first column
-//! with an equality test). A scope without one (only ranges, lists or `isNull`) is kept in its
-//! table's table-wide list, and every change to that table is matched against each scope in
-//! that list; there is no index for ranges.
+//! Live routing finds a subscription through its routes (`routes`): its equality condition
+//! ([`Conditions::routing_key`](crate::scope_sync::Conditions::routing_key)), else its row
+//! filter's equalities, short `IN` lists and subquery sets (by the set's values), through
+//! every branch of an `OR`. A scope without routes (only ranges, `isNull`, `NOT`) is kept in
+//! its table's table-wide list, and every change to that table is matched against each scope
+//! in that list; there is no index for ranges.
+//!
+//! Row filters with subqueries (`col IN (SELECT …)`): [`ServerEffect::ReadSet`] reads a set,
+//! [`ServerEffect::ReadMoves`] the rows a commit let into a scope, and a resumed page answers
+//! whether the scope's sets changed since its cursor (`access` / `access_changed`). A commit
+//! that changes sets is routed once those reads are answered, with the moves it caused; later
+//! commits wait (`docs/protocol/scope-sync.md`, "Access that follows the data").
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
