@@ -3,12 +3,9 @@
 //! table as empty. A backfill read in such a snapshot completed with no rows, and subscribers
 //! kept NULL in the new column for good. `lock_unless_rewritten` tells such a snapshot apart.
 
-// Only its Postgres fixture is used here.
-#[allow(dead_code)]
-#[path = "scratch_support/mod.rs"]
-mod scratch_support;
-
 use highwater_host::replica::backfill::lock_unless_rewritten;
+
+use crate::scratch_support;
 
 async fn count(client: &tokio_postgres::Client) -> Result<i64, tokio_postgres::Error> {
     client

@@ -7,8 +7,6 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod serve_support;
-
 use std::collections::BTreeMap;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -19,9 +17,10 @@ use std::time::Duration;
 use highwater_host::serve::{serve, ReplicationToken, ServeArgs, UPSTREAM_TOKEN_ENV};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use serde_json::Value;
-use serve_support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
+
+use crate::serve_support::*;
 
 const PRIMARY_TOKEN: &str = "tls-primary-token-0123456789";
 

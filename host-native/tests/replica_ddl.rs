@@ -4,11 +4,9 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod replica_support;
-
 use std::time::Duration;
 
-use replica_support::*;
+use crate::replica_support::*;
 
 fn index_names(data: &std::path::Path) -> Vec<String> {
     let conn = rusqlite::Connection::open(data.join("replica.db")).unwrap();

@@ -7,12 +7,10 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod replica_support;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use replica_support::*;
+use crate::replica_support::*;
 
 const PUBLICATION: [&str; 1] = ["highwater_pub"];
 

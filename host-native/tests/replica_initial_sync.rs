@@ -6,15 +6,14 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod replica_support;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use highwater_host::replica::bootstrap::{BootstrapError, Upstream};
 use highwater_host::replica::initial_sync::{SyncError, SyncOptions};
 use highwater_host::replica::load_marker::marker_path;
 use highwater_host::replica::Replica;
-use replica_support::*;
+
+use crate::replica_support::*;
 
 const ROWS: i64 = 30_000;
 

@@ -4,11 +4,10 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod replica_support;
-
 use highwater_host::private_pg::{PgOptions, PrivatePg};
 use highwater_host::replication::setup;
-use replica_support::*;
+
+use crate::replica_support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalidated_slot_stops_the_replicator_unless_auto_reset_resyncs() {

@@ -4,10 +4,9 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod replica_support;
-
-use replica_support::*;
 use serde_json::json;
+
+use crate::replica_support::*;
 
 const SCHEMA: &str = r#"
 CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy');

@@ -4,8 +4,6 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod support;
-
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -15,7 +13,8 @@ use highwater_host::replication::setup::{self, ReplicationNames};
 use highwater_host::replication::{
     ConnectParams, ReplicationConnection, ReplicationError, StreamConfig, WalStream,
 };
-use support::{eventually, next_seen, next_transaction, within, Seen, PROMPT};
+
+use crate::support::{self, eventually, next_seen, next_transaction, within, Seen, PROMPT};
 
 async fn server(options: PgOptions) -> PrivatePg {
     PrivatePg::start(options).await.expect("a private postgres")

@@ -5,8 +5,6 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod serve_support;
-
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -18,10 +16,11 @@ use futures::{SinkExt, StreamExt};
 use highwater_host::serve::ServeArgs;
 use highwater_host::sync_auth::{mint_token, unix_now_ms, SyncSecret};
 use serde_json::{json, Value};
-use serve_support::*;
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+use crate::serve_support::*;
 
 const SECRET: &str = "a scope-sync test secret of more than 32 bytes";
 const RULES: &str = r#"{"tables":{"todos":{"filterColumns":["owner","done"],"omitColumns":["secret_note"],"require":{"owner":"sub"}}}}"#;

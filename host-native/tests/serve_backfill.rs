@@ -7,9 +7,6 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod replica_support;
-mod serve_support;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -17,7 +14,9 @@ use highwater_engine::change_stream::{Change, DownstreamMessage, Frame, Row};
 use highwater_engine::watermark::Watermark;
 use highwater_host::replica::schema::replica_table_name;
 use serde_json::Value;
-use serve_support::{
+
+use crate::replica_support;
+use crate::serve_support::{
     changes_path, free_port, replica_version, serve_args, Binary, DataDir, InProcess, Received,
     Subscriber,
 };

@@ -9,8 +9,6 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod serve_support;
-
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -20,11 +18,12 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use highwater_engine::change_stream::decode_downstream_frame;
-use serve_support::*;
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
+
+use crate::serve_support::*;
 
 const MIB: usize = 1024 * 1024;
 /// The subscriber backlog limit the server runs with: small, so the test is quick.

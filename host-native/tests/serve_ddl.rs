@@ -4,11 +4,8 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod replica_support;
-mod serve_support;
-
-use replica_support::{assert_replica_matches, catch_up, MARKER_DDL};
-use serve_support::*;
+use crate::replica_support::{assert_replica_matches, catch_up, MARKER_DDL};
+use crate::serve_support::*;
 
 /// Regression: `serve` used to ignore Relation messages, so against a user that may not
 /// create the event trigger it missed every added column and table.

@@ -6,8 +6,6 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod serve_support;
-
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -18,7 +16,8 @@ use std::time::Duration;
 use highwater_engine::watermark::{Lsn, Watermark};
 use highwater_host::serve::{ServeArgs, WATERMARK_HEADER};
 use serde_json::Value;
-use serve_support::*;
+
+use crate::serve_support::*;
 
 /// A relay of `primary`, in this process.
 async fn start_relay(primary: SocketAddr, data: &Path, port: u16) -> InProcess {

@@ -5,8 +5,6 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod serve_support;
-
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,8 +12,9 @@ use std::time::Duration;
 
 use highwater_engine::watermark::Watermark;
 use serde_json::Value;
-use serve_support::*;
 use tokio::sync::watch;
+
+use crate::serve_support::*;
 
 /// Follows the stream from the replica version, reconnecting from its last applied commit
 /// whenever the socket drops, until its rows equal `expected`. Returns the model and the

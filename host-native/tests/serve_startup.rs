@@ -6,16 +6,15 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod replica_support;
-mod serve_support;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serve_support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::replica_support;
+use crate::serve_support::*;
 
 /// A TCP proxy to `target` that cuts its first connection when the client sends its first
 /// query (a simple `Q` or extended-protocol `P` message), and relays every later one whole.

@@ -4,15 +4,14 @@
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
 
-mod serve_support;
-
 use std::sync::Arc;
 use std::time::Duration;
 
 use highwater_engine::change_stream::{DownstreamMessage, ErrorKind};
 use highwater_engine::watermark::Watermark;
-use serve_support::*;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+
+use crate::serve_support::*;
 
 fn deadline() -> tokio::time::Instant {
     tokio::time::Instant::now() + PROMPT

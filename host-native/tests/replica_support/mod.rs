@@ -1,6 +1,8 @@
 //! Shared pieces of the replica integration tests: running the replicator (in-process or as the
 //! real binary), waiting for it to catch up, and comparing the replica with Postgres.
 
+// Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
+#![allow(clippy::unwrap_used)]
 #![allow(dead_code)]
 
 use std::path::Path;
@@ -21,13 +23,7 @@ use tokio_postgres::Client;
 /// How long a local replicator may take to catch up.
 pub const CATCH_UP: Duration = Duration::from_secs(20);
 
-// A test binary that uses both support modules gets two copies; they never meet.
-#[allow(clippy::duplicate_mod)]
-#[path = "../scratch_support/mod.rs"]
-mod scratch_support;
-// Not every test binary uses both.
-#[allow(unused_imports)]
-pub use scratch_support::{start_pg, DataDir};
+pub use crate::scratch_support::{start_pg, DataDir};
 
 pub fn args(url: &str, data: &Path, publications: &[&str]) -> ReplicateArgs {
     ReplicateArgs {

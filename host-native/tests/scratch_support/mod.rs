@@ -1,5 +1,5 @@
 //! Fixtures every Postgres-backed test shares: a private server and a scratch data directory.
-//! Included by `replica_support` and `serve_support` with `#[path]`.
+//! `replica_support` and `serve_support` re-export them.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -30,13 +30,7 @@ pub const PROMPT: Duration = Duration::from_secs(20);
 
 pub const ITEMS_DDL: &str = "CREATE TABLE items (id int8 PRIMARY KEY, v text)";
 
-// A test binary that uses both support modules gets two copies; they never meet.
-#[allow(clippy::duplicate_mod)]
-#[path = "../scratch_support/mod.rs"]
-mod scratch_support;
-// Not every test binary uses both.
-#[allow(unused_imports)]
-pub use scratch_support::{start_pg, DataDir};
+pub use crate::scratch_support::{start_pg, DataDir};
 
 /// A port nothing listens on right now.
 pub fn free_port() -> u16 {
