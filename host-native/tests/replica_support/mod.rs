@@ -3,7 +3,6 @@
 
 // Helpers outside #[test] functions count as non-test code for clippy; tests may unwrap.
 #![allow(clippy::unwrap_used)]
-#![allow(dead_code)]
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};

@@ -2,8 +2,6 @@
 //! (in-process or the real binary), and a change-stream subscriber that checks every frame with
 //! the engine's decoder and applies the stream to an in-memory copy of the `items` table.
 
-#![allow(dead_code)]
-
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
@@ -379,22 +377,6 @@ impl Subscriber {
             socket,
             model: Model::default(),
         })
-    }
-
-    /// A `/changes` subscription resuming `model` from its last commit (or `start`).
-    pub async fn resume(
-        addr: SocketAddr,
-        version: u32,
-        replica_version: &Watermark,
-        start: &Watermark,
-        model: Model,
-    ) -> Result<Subscriber, tokio_tungstenite::tungstenite::Error> {
-        let watermark = model.watermark().unwrap_or(start).clone();
-        let mut s =
-            Subscriber::try_connect(addr, &changes_path(version, replica_version, &watermark))
-                .await?;
-        s.model = model;
-        Ok(s)
     }
 
     /// The next frame or the close, within `wait`.

@@ -1,8 +1,6 @@
 //! Shared pieces of the replication integration tests: decoding what the stream hands out, and
 //! waiting with a deadline.
 
-#![allow(dead_code)]
-
 use std::future::Future;
 use std::time::Duration;
 
