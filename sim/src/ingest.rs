@@ -4,19 +4,16 @@
 //! to Postgres and when (a commit's end LSN once durable, a keepalive's WAL end between
 //! transactions), restarts, and that a Relation message needs reconciling. This adapter only
 //! carries out what the session asks: it answers [`Effect::ReconcileRelation`] with the
-//! `create-table` / `add-column` changes the replica's schema lacks (as the host's
-//! `replica::ddl::relation_changes` does), and hands the rest back to the world as
-//! [`Ingested`] values.
+//! `create-table` / `add-column` changes the replica's schema lacks (the engine's
+//! `upstream::relation_changes`, as the host's `replica::ddl` calls it), and hands the rest
+//! back to the world as [`Ingested`] values.
 
 use std::collections::BTreeMap;
 
-use highwater_engine::change_stream::{
-    AddColumn, Change, ColumnDef, ColumnSpec, CreateTable, DownstreamMessage, Identifier, TableSpec,
-};
+use highwater_engine::change_stream::{Change, ColumnSpec, DownstreamMessage};
 use highwater_engine::pgoutput::Relation;
-use highwater_engine::upstream::{Effect, Input, SessionConfig, UpstreamSession};
+use highwater_engine::upstream::{relation_changes, Effect, Input, SessionConfig, UpstreamSession};
 use highwater_engine::watermark::{Lsn, Watermark};
-use indexmap::IndexMap;
 use serde_json::Number;
 
 use crate::upstream::INT4;
@@ -225,84 +222,41 @@ impl Ingest {
         }
     }
 
+    /// The engine's [`relation_changes`] against the schema forwarded so far (the simulated
+    /// upstream has INT4 and TEXT columns, and keys its tables by their key flags), kept up to
+    /// date with what it creates so the open transaction's are undone if it does not commit.
     fn relation_changes(&mut self, relation: &Relation) -> Vec<Change> {
-        let spec = |type_oid: u32, pos: usize| {
+        let name = relation.name.clone();
+        // Columns the sim forwarded stand at positions 1, 2, … in the order it learned them.
+        let known: Option<Vec<(&str, i64)>> = self
+            .schema
+            .get(&name)
+            .map(|cols| cols.iter().map(String::as_str).zip(1..).collect());
+        let changes = relation_changes(relation, known.as_deref(), None, |type_oid, pos| {
             ColumnSpec::new(
-                Number::from(pos as u64),
+                Number::from(pos),
                 if type_oid == INT4 { "int4" } else { "text" },
             )
-        };
-        let name = relation.name.clone();
-        match self.schema.get_mut(&name) {
-            None => {
-                let columns: IndexMap<String, ColumnSpec> = relation
-                    .columns
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| (c.name.clone(), spec(c.type_oid, i + 1)))
-                    .collect();
-                let key = relation
-                    .columns
-                    .iter()
-                    .filter(|c| c.is_key())
-                    .map(|c| c.name.clone())
-                    .collect();
-                self.schema.insert(
-                    name.clone(),
-                    relation.columns.iter().map(|c| c.name.clone()).collect(),
-                );
-                self.open_ddl.push((name.clone(), None));
-                vec![Change::CreateTable(CreateTable {
-                    spec: TableSpec {
-                        schema: relation.namespace.clone(),
-                        name,
-                        columns,
-                        primary_key: Some(key),
-                        extra: Default::default(),
-                    },
-                    metadata: None,
-                    // Found by a Relation message, the table may hold rows the stream never
-                    // carried: every column is backfilled (as the host's reconcile does).
-                    backfill: Some(
-                        relation
-                            .columns
-                            .iter()
-                            .map(|c| {
-                                (
-                                    c.name.clone(),
-                                    serde_json::json!({"relation": relation.oid}),
-                                )
-                            })
-                            .collect(),
-                    ),
-                    extra: Default::default(),
-                })]
-            }
-            Some(known) => {
-                let mut out = Vec::new();
-                for (i, c) in relation.columns.iter().enumerate() {
-                    if known.contains(&c.name) {
-                        continue;
-                    }
-                    known.push(c.name.clone());
-                    self.open_ddl.push((name.clone(), Some(c.name.clone())));
-                    out.push(Change::AddColumn(AddColumn {
-                        table: Identifier::new(relation.namespace.clone(), name.clone()),
-                        column: ColumnDef {
-                            name: c.name.clone(),
-                            spec: spec(c.type_oid, i + 1),
-                            extra: Default::default(),
-                        },
-                        table_metadata: None,
-                        // A column seen first in a Relation message may hold values only
-                        // upstream knows (a default): always backfilled, as the host does.
-                        backfill: Some(serde_json::json!({"attNum": i + 1})),
-                        extra: Default::default(),
-                    }));
+        });
+        for change in &changes {
+            match change {
+                Change::CreateTable(create) => {
+                    let columns = create.spec.columns.keys().cloned().collect();
+                    self.schema.insert(name.clone(), columns);
+                    self.open_ddl.push((name.clone(), None));
                 }
-                out
+                Change::AddColumn(add) => {
+                    let column = add.column.name.clone();
+                    self.schema
+                        .entry(name.clone())
+                        .or_default()
+                        .push(column.clone());
+                    self.open_ddl.push((name.clone(), Some(column)));
+                }
+                _ => {}
             }
         }
+        changes
     }
 }
 

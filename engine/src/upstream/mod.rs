@@ -76,6 +76,7 @@ mod ack;
 mod frames;
 mod group;
 mod liveness;
+mod reconcile;
 
 #[cfg(test)]
 mod tests;
@@ -92,6 +93,7 @@ pub use group::{
     HOLD_MESSAGES,
 };
 pub use liveness::Liveness;
+pub use reconcile::relation_changes;
 
 /// Settings of an [`UpstreamSession`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,7 +151,7 @@ pub enum Effect {
     ResolveDdl {
         content: Vec<u8>,
     },
-    /// Create what this Relation message shows and the replica lacks.
+    /// Create what this Relation message shows and the replica lacks ([`relation_changes`]).
     ReconcileRelation(Relation),
     /// Between transactions: the source has sent everything before `watermark`.
     Idle {

@@ -648,11 +648,11 @@ pub struct RelationType {
     pub elem_typtype: Option<String>,
 }
 
-/// Tables and columns that a pgoutput Relation message shows but the replica does not have:
-/// rows of a table created by `CREATE TABLE AS` precede its DDL event, and without the event
-/// trigger no DDL event comes at all. They are created with a backfill, which brings whatever
-/// rows or values the stream does not. Nothing is dropped on a Relation message's word: a
-/// publication with a column list legitimately shows fewer columns.
+/// Tables and columns that a pgoutput Relation message shows but the replica does not have,
+/// created with a backfill and never dropped: the engine's
+/// [`relation_changes`](highwater_engine::upstream::relation_changes) against the replica's
+/// table, with column types from `types` (upstream's catalog, [`RELATION_TYPES_SQL`]; `text`
+/// for a type it did not describe).
 ///
 /// `key` is the table's key when it must come from the catalog (replica identity FULL flags
 /// every column); otherwise the Relation's key flags are used.
@@ -662,8 +662,8 @@ pub fn relation_changes(
     types: &std::collections::HashMap<u32, RelationType>,
     key: Option<Vec<String>>,
 ) -> Vec<Change> {
-    let spec_of = |col: &highwater_engine::pgoutput::RelationColumn, pos: i64| {
-        let ty = types.get(&col.type_oid);
+    let column_spec = |type_oid: u32, pos: i64| {
+        let ty = types.get(&type_oid);
         let mut spec = ColumnSpec::new(
             Number::from(pos),
             ty.map_or_else(|| "text".to_owned(), |t| t.data_type.clone()),
@@ -671,63 +671,12 @@ pub fn relation_changes(
         spec.pg_type_class = ty.and_then(|t| parse_type_class(&t.typtype));
         spec.elem_pg_type_class =
             Some(ty.and_then(|t| t.elem_typtype.as_deref().and_then(parse_type_class)));
-        spec.extra
-            .insert("typeOID".into(), Value::from(col.type_oid));
         spec
     };
-    let name = replica_table_name(&relation.namespace, &relation.name);
-    let id = Identifier::new(relation.namespace.clone(), relation.name.clone());
-    let Some(table) = replica.table(&name) else {
-        let key = key.unwrap_or_else(|| {
-            relation
-                .columns
-                .iter()
-                .filter(|c| c.is_key())
-                .map(|c| c.name.clone())
-                .collect()
-        });
-        let mut extra = serde_json::Map::new();
-        extra.insert("oid".into(), Value::from(relation.oid));
-        let spec = TableSpec {
-            schema: relation.namespace.clone(),
-            name: relation.name.clone(),
-            columns: relation
-                .columns
-                .iter()
-                .enumerate()
-                .map(|(i, c)| (c.name.clone(), spec_of(c, i as i64 + 1)))
-                .collect(),
-            primary_key: (!key.is_empty()).then_some(key),
-            extra,
-        };
-        let backfill = relation
-            .columns
-            .iter()
-            .map(|c| (c.name.clone(), json!({"relation": relation.oid})))
-            .collect();
-        return vec![Change::CreateTable(CreateTable {
-            spec,
-            metadata: None,
-            backfill: Some(backfill),
-            extra: Default::default(),
-        })];
-    };
-    let mut next_pos = table.columns.iter().map(|c| c.pos).max().unwrap_or(0);
-    relation
-        .columns
-        .iter()
-        .filter(|c| table.column(&c.name).is_none())
-        .map(|c| {
-            next_pos += 1;
-            Change::AddColumn(AddColumn {
-                table: id.clone(),
-                column: column_def(&c.name, spec_of(c, next_pos)),
-                table_metadata: None,
-                backfill: Some(json!({"relation": relation.oid})),
-                extra: Default::default(),
-            })
-        })
-        .collect()
+    let table = replica.table(&replica_table_name(&relation.namespace, &relation.name));
+    let known: Option<Vec<(&str, i64)>> =
+        table.map(|t| t.columns.iter().map(|c| (c.name.as_str(), c.pos)).collect());
+    highwater_engine::upstream::relation_changes(relation, known.as_deref(), key, column_spec)
 }
 
 /// SQL that installs the event trigger for `app_id` (needs a superuser). Idempotent.
