@@ -1407,9 +1407,20 @@ async fn fifty_concurrent_snapshot_requests_build_one_snapshot() {
     // At most the one snapshot file is kept on disk.
     let files = h.dir.0.join("snapshots").read_dir().expect("dir").count();
     assert!(files <= 1, "{files} snapshot files kept");
-    // A later commit makes the next request build a new one, replacing the old file.
+    // A later commit makes the next request build a new one, replacing the old file. A
+    // snapshot is taken at the last durable watermark, which the server reaches once the
+    // commit's WAL sync is done: a little after the replica holds it, so wait for that.
     h.transaction(0x300, &[4], false).await;
-    wait_until(|| stored_last_watermark(&h.db()) == w(0x300).as_str()).await;
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    loop {
+        let (_, _, health) = http_get(h.addr, "/health").await;
+        let health: serde_json::Value = serde_json::from_slice(&health).expect("json");
+        if health["lastWatermark"] == w(0x300).as_str() {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{health}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let (status, headers, _) = http_get(h.addr, "/replica/snapshot").await;
     assert!(status.contains("200"), "{status}");
     assert_eq!(
