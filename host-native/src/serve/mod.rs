@@ -822,6 +822,7 @@ async fn run_server(
             hub.close_all(SHUTDOWN_CLOSE_CODE, "server restarting");
             if let Some(sync_hub) = &sync_hub {
                 sync_hub.close_all(SHUTDOWN_CLOSE_CODE, "server restarting");
+                sync_hub.until_closed(Duration::from_secs(3)).await;
             }
         }
     };

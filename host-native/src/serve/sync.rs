@@ -476,6 +476,20 @@ impl SyncHub {
         }
     }
 
+    /// Waits until every socket has ended (each sends its close frame first, within
+    /// `CLOSE_GRACE`), or `limit` passed. The HTTP server's graceful shutdown does not wait for
+    /// upgraded sockets: without this, a busy process could exit before the close frames left.
+    pub async fn until_closed(&self, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let open = self.fault.lock(&self.peers, "scope-sync peers").len();
+            if open == 0 || tokio::time::Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Runs one socket until either side ends it.
     pub async fn run_socket(self: Arc<Self>, socket: WebSocket) {
         let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
