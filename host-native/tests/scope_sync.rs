@@ -1137,6 +1137,14 @@ async fn resumes_on_a_database_that_already_had_rows_replay_only_what_changed() 
 }
 
 /// A small deterministic generator (xorshift64*), so a failing case can be replayed by seed.
+/// `HIGHWATER_TEST_SEED` if set (to replay a failure), else the test's own seed.
+fn test_seed(default: u64) -> u64 {
+    std::env::var("HIGHWATER_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 struct Gen(u64);
 
 impl Gen {
@@ -1320,10 +1328,7 @@ async fn random_task_row(db: &tokio_postgres::Client, g: &mut Gen, id: i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scopes_with_operators_equal_the_same_where_in_postgres_by_replay_and_live() {
-    let seed = std::env::var("HIGHWATER_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x5EED_C0DE_u64);
+    let seed = test_seed(0x5EED_C0DE_u64);
     let mut g = Gen(seed);
     let pg = start_pg().await;
     let db = pg.connect().await.unwrap();
@@ -1500,10 +1505,7 @@ async fn churn_docs(db: &tokio_postgres::Client, g: &mut Gen) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_filter_with_claims_decides_what_each_token_sees_live_and_on_resume() {
-    let seed = std::env::var("HIGHWATER_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0xD0C5_u64);
+    let seed = test_seed(0xD0C5_u64);
     let mut g = Gen(seed);
     let pg = start_pg().await;
     let db = pg.connect().await.unwrap();
@@ -2692,10 +2694,7 @@ async fn until_members_equal(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_reached_through_memberships_move_in_and_out_live_on_resume_and_across_a_restart() {
-    let seed = std::env::var("HIGHWATER_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x3E3B_u64);
+    let seed = test_seed(0x3E3B_u64);
     let mut g = Gen(seed);
     let pg = start_pg().await;
     let db = pg.connect().await.unwrap();

@@ -216,6 +216,23 @@ fn subscribe_to(
     )
 }
 
+/// Ada, a member of project 1, subscribed and her set read: the first page is asked for
+/// (ticket and pass).
+fn replaying_ada() -> (ScopeServer, u64, u64) {
+    let mut server = server();
+    let effects = subscribe(&mut server, "s", "ada", None);
+    let (set, ..) = set_reads(&effects)[0].clone();
+    let effects = server.handle(
+        ServerInput::SetRead {
+            set,
+            result: rows(9, vec![member(5, 100, "ada", 1)]),
+        },
+        0,
+    );
+    let (ticket, pass, _) = page_request(&effects).expect("the replay starts");
+    (server, ticket, pass)
+}
+
 /// Ada, a member of project 1, subscribed and live with todo 1 (project 1); seq 10 is the
 /// newest.
 fn live_ada() -> (ScopeServer, SetId) {
@@ -411,17 +428,7 @@ fn under_or_a_value_that_leaves_is_read_again_for_rows_another_path_keeps() {
 
 #[test]
 fn a_replay_under_way_when_access_changes_starts_over_with_a_reset() {
-    let mut server = server();
-    let effects = subscribe(&mut server, "s", "ada", None);
-    let (set, ..) = set_reads(&effects)[0].clone();
-    let effects = server.handle(
-        ServerInput::SetRead {
-            set,
-            result: rows(9, vec![member(5, 100, "ada", 1)]),
-        },
-        0,
-    );
-    let (ticket, pass, _) = page_request(&effects).unwrap();
+    let (mut server, ticket, pass) = replaying_ada();
     // Ada leaves project 1 while the first page is being read.
     let effects = commit(&mut server, vec![member_gone(10, 100, "ada", 1)]);
     assert!(bodies(&effects).is_empty() && move_reads(&effects).is_empty());
@@ -588,17 +595,7 @@ fn nested_subqueries_read_children_first_and_reread_parents_when_a_child_changes
 #[test]
 fn a_replay_page_is_judged_by_the_read_not_by_sets_that_trail_it() {
     const PAGE: i64 = crate::scope_sync::DEFAULT_PAGE_LIMIT as i64;
-    let mut server = server();
-    let effects = subscribe(&mut server, "s", "ada", None);
-    let (set, ..) = set_reads(&effects)[0].clone();
-    let effects = server.handle(
-        ServerInput::SetRead {
-            set,
-            result: rows(9, vec![member(5, 100, "ada", 1)]),
-        },
-        0,
-    );
-    let (ticket, pass, _) = page_request(&effects).unwrap();
+    let (mut server, ticket, pass) = replaying_ada();
     // The page was read after ada joined project 2 (seq 10), which the server has not routed
     // yet: its rows are in, and the page, full, is not taken for the last one.
     let page: Vec<FeedEntry> = (0..PAGE)
