@@ -1902,10 +1902,7 @@ impl ScopeServer {
         for route in sub.routes.clone() {
             let (column, forms) = match route {
                 Route::Value(column, form) => (column, vec![form]),
-                Route::Set(set, column) => (
-                    column,
-                    self.sets.values(set).iter().map(routing_form).collect(),
-                ),
+                Route::Set(set, column) => (column, self.sets.forms(set)),
             };
             for form in forms {
                 index_add(
@@ -1943,10 +1940,7 @@ impl ScopeServer {
             for route in &sub.routes {
                 let (column, forms) = match route {
                     Route::Value(column, form) => (column, vec![form.clone()]),
-                    Route::Set(set, column) => (
-                        column,
-                        self.sets.values(*set).iter().map(routing_form).collect(),
-                    ),
+                    Route::Set(set, column) => (column, self.sets.forms(*set)),
                 };
                 for form in forms {
                     index_remove(
@@ -2257,45 +2251,45 @@ fn routes(conditions: &Conditions, filter: Option<&RowFilter>, sets: &[SetId]) -
     let Some(filter) = filter else {
         return Vec::new();
     };
-    // The filter's set tests in leaf order, matched with the subscription's sets.
-    let mut next_set = sets.iter();
-    let mut set_of: HashMap<*const SetQuery, SetId> = HashMap::new();
-    for (_, query, _) in filter.sets() {
-        if let Some(id) = next_set.next() {
-            set_of.insert(query as *const SetQuery, *id);
-        }
-    }
-    filter_routes(filter, &set_of).unwrap_or_default()
+    // `sets` holds the filter's set tests' sets in leaf order: each leaf takes the next.
+    filter_routes(filter, &mut sets.iter()).unwrap_or_default()
 }
 
 /// A list test routes by each of its values up to this many; a longer one is not routed by.
 const MAX_ROUTE_VALUES: usize = 64;
 
-fn filter_routes(
-    filter: &RowFilter,
-    set_of: &HashMap<*const SetQuery, SetId>,
-) -> Option<Vec<Route>> {
+/// Every item is visited (no early return), so set tests meet their sets in leaf order.
+fn filter_routes(filter: &RowFilter, sets: &mut std::slice::Iter<'_, SetId>) -> Option<Vec<Route>> {
     use crate::scope_sync::Test;
     match filter {
         RowFilter::And(items) => {
             // The conjunct with the fewest routes (a set test counts as one).
-            items
-                .iter()
-                .filter_map(|item| filter_routes(item, set_of))
-                .min_by_key(Vec::len)
+            let all: Vec<Option<Vec<Route>>> =
+                items.iter().map(|item| filter_routes(item, sets)).collect();
+            all.into_iter().flatten().min_by_key(Vec::len)
         }
         RowFilter::Or(items) if !items.is_empty() => {
-            let mut all = Vec::new();
-            for item in items {
-                for route in filter_routes(item, set_of)? {
-                    if !all.contains(&route) {
-                        all.push(route);
-                    }
+            let all: Vec<Option<Vec<Route>>> =
+                items.iter().map(|item| filter_routes(item, sets)).collect();
+            let mut union = Vec::new();
+            for route in all
+                .into_iter()
+                .collect::<Option<Vec<_>>>()?
+                .into_iter()
+                .flatten()
+            {
+                if !union.contains(&route) {
+                    union.push(route);
                 }
             }
-            Some(all)
+            Some(union)
         }
-        RowFilter::Or(_) | RowFilter::Not(_) => None,
+        RowFilter::Or(_) => None,
+        RowFilter::Not(item) => {
+            // Its set tests still take their sets.
+            let _ = filter_routes(item, sets);
+            None
+        }
         RowFilter::Test(column, Test::Eq(value)) => {
             Some(vec![Route::Value(column.clone(), routing_form(value))])
         }
@@ -2306,8 +2300,8 @@ fn filter_routes(
                 .collect(),
         ),
         RowFilter::Test(..) => None,
-        RowFilter::InSet(column, query) => set_of
-            .get(&(query.as_ref() as *const SetQuery))
+        RowFilter::InSet(column, _) => sets
+            .next()
             .map(|set| vec![Route::Set(*set, column.clone())]),
     }
 }

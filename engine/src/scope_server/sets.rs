@@ -214,14 +214,11 @@ impl SetStore {
             .is_some_and(|set| set.values.contains_key(&routing_form(value)))
     }
 
-    /// The set's values now.
-    pub fn values(&self, id: SetId) -> Vec<Value> {
-        self.sets.get(&id).map_or_else(Vec::new, |set| {
-            set.values
-                .values()
-                .map(|(value, _)| value.clone())
-                .collect()
-        })
+    /// The set's values now, in routing form.
+    pub fn forms(&self, id: SetId) -> Vec<String> {
+        self.sets
+            .get(&id)
+            .map_or_else(Vec::new, |set| set.values.keys().cloned().collect())
     }
 
     /// Whether `filter` (whose direct subqueries are `ids`, in leaf order) is true for a row.
