@@ -1,15 +1,15 @@
 //! `ScopeBridge`: the client side of scope sync. Frames and apply results go in, effects come
 //! out: frames to send, batches to apply, cursors to persist, errors to report.
 //!
-//! Wraps `highwater_engine::realtime_bridge::ScopeBridge`; effects are plain objects tagged by
+//! Wraps `highwater_engine::scope_sync::realtime_bridge::ScopeBridge`; effects are plain objects tagged by
 //! `type`, and the two send effects carry the ready-to-send frame text in `frame`.
 
-use highwater_engine::cursor::SyncCursor as EngineCursor;
-use highwater_engine::realtime_bridge::{
+use highwater_engine::scope_sync::cursor::SyncCursor as EngineCursor;
+use highwater_engine::scope_sync::realtime_bridge::{
     BridgeConfig, BridgeEffect as EngineEffect, BridgeInput, ScopeBridge as EngineBridge,
     ScopeChannel as EngineChannel,
 };
-use highwater_engine::scope::ScopeDigest;
+use highwater_engine::scope_sync::scope::ScopeDigest;
 use highwater_engine::scope_sync::{ServerFrame, SubscribeParams};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -405,7 +405,7 @@ fn unserializable(error: serde_json::Error) -> Failure {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use highwater_engine::scope::Scope;
+    use highwater_engine::scope_sync::scope::Scope;
     use serde_json::json;
 
     fn config() -> BridgeConfig {

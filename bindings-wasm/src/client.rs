@@ -2,7 +2,7 @@
 //! `setTimeout`. The TypeScript `HighwaterClient` wraps it with handles and stores.
 //!
 //! This module only carries out effects and converts types: every connect, retry, heartbeat,
-//! token and cursor rule is `highwater_engine::sync_client`'s. The effects it does not carry out
+//! token and cursor rule is `highwater_engine::scope_sync::client`'s. The effects it does not carry out
 //! itself (rows changed, what to persist, progress, ready, failures, status) go to the `emit`
 //! callback as plain objects tagged by `type` (`ClientEvent`).
 
@@ -17,13 +17,13 @@ use futures::{SinkExt, StreamExt};
 use gloo_net::websocket::futures::WebSocket;
 use gloo_net::websocket::{Message, State, WebSocketError};
 use gloo_timers::callback::Timeout;
-use highwater_engine::cursor::SyncCursor as EngineCursor;
-use highwater_engine::scope_sync::SubscribeParams;
-use highwater_engine::scope_sync::{Mutation as EngineMutation, MutationOp, MutationResult};
-use highwater_engine::sync_client::{
+use highwater_engine::scope_sync::client::{
     ClientConfig, ClientEffect, ClientInput, SocketId, StoredRow as EngineRow, StoredScope,
     SyncClient,
 };
+use highwater_engine::scope_sync::cursor::SyncCursor as EngineCursor;
+use highwater_engine::scope_sync::SubscribeParams;
+use highwater_engine::scope_sync::{Mutation as EngineMutation, MutationOp, MutationResult};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use tsify::Tsify;
@@ -781,8 +781,8 @@ impl Serialize for Emitted<'_> {
 
 #[derive(Serialize)]
 struct ChangeOut<'a> {
-    inserted: &'a [highwater_engine::sync_client::ChangedRow],
-    updated: &'a [highwater_engine::sync_client::ChangedRow],
+    inserted: &'a [highwater_engine::scope_sync::client::ChangedRow],
+    updated: &'a [highwater_engine::scope_sync::client::ChangedRow],
     removed: Vec<&'a str>,
 }
 
@@ -792,7 +792,7 @@ struct UpsertOut<'a> {
     id: &'a str,
     server_sequence: Option<i64>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    data: Option<&'a highwater_engine::sync_client::RowData>,
+    data: Option<&'a highwater_engine::scope_sync::client::RowData>,
 }
 
 #[derive(Serialize)]
@@ -1019,7 +1019,7 @@ fn error_text(error: &JsValue) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use highwater_engine::sync_client::{
+    use highwater_engine::scope_sync::client::{
         ChangedRow, ConnectionState as EngineState, ConnectionStatus as EngineStatus,
         PersistWrite as Write, RowChange as Change,
     };
@@ -1067,7 +1067,7 @@ mod tests {
                 },
             },
             ClientEffect::PersistOutbox {
-                write: highwater_engine::sync_client::OutboxWrite {
+                write: highwater_engine::scope_sync::client::OutboxWrite {
                     client_id: "c1".into(),
                     last_id: 3,
                     put: vec![highwater_engine::scope_sync::Mutation {

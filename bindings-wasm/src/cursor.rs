@@ -1,11 +1,11 @@
 //! Scope-sync cursors: read them from payloads, order them, write them as request params.
 //!
 //! A cursor is `null` (never synced) or `{id, serverSequence, updatedAt}`; `undefined` is read
-//! as `null`. Every rule is `highwater_engine::cursor`'s.
+//! as `null`. Every rule is `highwater_engine::scope_sync::cursor`'s.
 
 use std::cmp::Ordering;
 
-use highwater_engine::cursor::{self as engine, CursorParamsForm, CursorPrefix};
+use highwater_engine::scope_sync::cursor::{self as engine, CursorParamsForm, CursorPrefix};
 use serde::{Deserialize, Serialize};
 use tsify::Tsify;
 use wasm_bindgen::prelude::*;

@@ -6,9 +6,9 @@ use std::fmt;
 
 use highwater_engine::backfill::BackfillError;
 use highwater_engine::change_stream::DecodeError;
-use highwater_engine::cursor::CursorError;
-use highwater_engine::realtime_bridge::BridgeError;
-use highwater_engine::scope::ScopeError;
+use highwater_engine::scope_sync::cursor::CursorError;
+use highwater_engine::scope_sync::realtime_bridge::BridgeError;
+use highwater_engine::scope_sync::scope::ScopeError;
 use highwater_engine::scope_sync::{FrameError, SubscribeError};
 use highwater_engine::watermark::WatermarkError;
 use wasm_bindgen::prelude::*;

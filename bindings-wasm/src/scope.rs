@@ -1,8 +1,8 @@
 //! Sync scopes: the digest that keys a client's scope row, and broadcast routing.
 //!
-//! Every rule is `highwater_engine::scope`'s; this module converts and maps errors.
+//! Every rule is `highwater_engine::scope_sync::scope`'s; this module converts and maps errors.
 
-use highwater_engine::scope::{ChangesScope, Scope};
+use highwater_engine::scope_sync::scope::{ChangesScope, Scope};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use tsify::Tsify;

@@ -7,16 +7,9 @@
 pub mod backfill;
 pub mod backoff;
 pub mod change_stream;
-pub mod cursor;
 pub mod liveness;
 pub mod pgoutput;
-pub mod realtime_bridge;
-pub mod replay;
-pub mod scope;
-pub mod scope_rules;
-pub mod scope_server;
 pub mod scope_sync;
 pub mod streamer;
-pub mod sync_client;
 pub mod upstream;
 pub mod watermark;

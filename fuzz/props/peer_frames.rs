@@ -8,7 +8,7 @@
 #![allow(dead_code)]
 
 use highwater_engine::change_stream::{decode_upstream_frame, SubscribeContext, SubscriberMode};
-use highwater_engine::scope_server::{
+use highwater_engine::scope_sync::server::{
     ConnId as SyncConn, Decision, Grant, PageResult, ScopeServer, ServerConfig, ServerEffect,
     ServerInput,
 };

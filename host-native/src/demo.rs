@@ -359,7 +359,7 @@ async fn write_forever(
 mod tests {
     use super::*;
     use crate::sync_auth::{parse_rules, RulesFormat};
-    use highwater_engine::scope_rules::UpdateColumns;
+    use highwater_engine::scope_sync::rules::UpdateColumns;
 
     #[test]
     fn the_demo_rules_parse_and_let_users_write_only_todos() {

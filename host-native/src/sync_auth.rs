@@ -1,6 +1,6 @@
 //! Scope-sync authorization on the host: the JWT that comes with a subscription is verified here
 //! (HS256 only, with the `jsonwebtoken` crate), and the verified claims go to the engine's
-//! rules ([`highwater_engine::scope_rules`]) for the decision.
+//! rules ([`highwater_engine::scope_sync::rules`]) for the decision.
 //!
 //! The server calls [`SyncAuth::authorize`] once per `channel-subscribe`. On `Ok(grant)` it
 //! serves `grant.table`, strips `grant.omit_columns` from every row, and ends the subscription
@@ -16,11 +16,11 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use highwater_engine::scope_rules::{DenialCode, SyncRules};
+use highwater_engine::scope_sync::rules::{DenialCode, SyncRules};
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde_json::{Map, Value};
 
-pub use highwater_engine::scope_rules::{Denial, Grant};
+pub use highwater_engine::scope_sync::rules::{Denial, Grant};
 pub use rules_file::{parse_rules, RulesFileError, RulesFormat};
 
 mod rules_file;

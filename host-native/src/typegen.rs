@@ -16,7 +16,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use highwater_engine::scope_rules::SyncRules;
+use highwater_engine::scope_sync::rules::SyncRules;
 
 use crate::replica::schema::replica_table_name;
 use crate::replication::setup::{ReplicationNames, UpstreamTarget, ALL_TABLES_WHERE};

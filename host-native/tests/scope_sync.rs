@@ -1215,7 +1215,7 @@ fn random_condition(g: &mut Gen, column: &str) -> (Value, String) {
             operand = json!(n.to_string());
         }
         if let (Some(text), "at") = (operand.as_str(), column) {
-            let ms = highwater_engine::cursor::SyncCursor::legacy(text.to_owned())
+            let ms = highwater_engine::scope_sync::cursor::SyncCursor::legacy(text.to_owned())
                 .updated_at_ms()
                 .unwrap();
             operand = json!(ms);

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-use highwater_engine::scope_rules::SyncRules;
+use highwater_engine::scope_sync::rules::SyncRules;
 use highwater_host::sync_auth::{unix_now_ms, SyncAuth, SyncSecret, SYNC_SECRET_ENV};
 use serde_json::{json, Map, Value};
 

@@ -6,8 +6,8 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use highwater_engine::scope_rules::row_filter::{RowFilter, RuleFilter, SetQuery, Sets};
-use highwater_engine::scope_server::routing_form;
+use highwater_engine::scope_sync::rules::row_filter::{RowFilter, RuleFilter, SetQuery, Sets};
+use highwater_engine::scope_sync::server::routing_form;
 use serde_json::{json, Map, Value};
 
 use crate::rng::Rng;

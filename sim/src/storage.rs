@@ -18,8 +18,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use highwater_engine::change_stream::{Change, DownstreamMessage, Row};
-use highwater_engine::scope_rules::row_filter::{RowFilter, SetQuery};
-use highwater_engine::scope_server::{FeedChange, FeedEntry, PageResult};
+use highwater_engine::scope_sync::rules::row_filter::{RowFilter, SetQuery};
+use highwater_engine::scope_sync::server::{FeedChange, FeedEntry, PageResult};
 use highwater_engine::scope_sync::{js_string_form, Conditions};
 use highwater_engine::streamer::{CatchupRow, LogOp, StoredChange};
 use highwater_engine::watermark::Watermark;
@@ -458,7 +458,7 @@ impl Storage {
     }
 }
 
-/// One replay page to read ([`ServerEffect::FetchPage`](highwater_engine::scope_server::ServerEffect::FetchPage)).
+/// One replay page to read ([`ServerEffect::FetchPage`](highwater_engine::scope_sync::server::ServerEffect::FetchPage)).
 #[derive(Debug, Clone, Copy)]
 pub struct PageRead<'a> {
     pub table: &'a str,
@@ -1090,7 +1090,7 @@ mod access_tests {
     use super::*;
     use crate::access::MEMBER_OF;
     use highwater_engine::change_stream::{decode_downstream, Begin, Commit};
-    use highwater_engine::scope_rules::row_filter::RuleFilter;
+    use highwater_engine::scope_sync::rules::row_filter::RuleFilter;
     use highwater_engine::streamer::{ChangeLogState, Effect, Streamer, StreamerConfig};
     use serde_json::json;
 

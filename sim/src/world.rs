@@ -29,9 +29,12 @@ use highwater_engine::change_stream::{
     Extra, NewRelation, RowKey, SubscribeContext, SubscriberMode,
 };
 use highwater_engine::pgoutput::StandbyStatusUpdate;
-use highwater_engine::scope::ChangesScope;
-use highwater_engine::scope_rules::row_filter::{RowFilter, SetQuery};
-use highwater_engine::scope_server::{
+use highwater_engine::scope_sync::client::{
+    ClientConfig, ClientEffect, ClientInput, ScopeKey, SocketId, StoredRow, StoredScope, SyncClient,
+};
+use highwater_engine::scope_sync::rules::row_filter::{RowFilter, SetQuery};
+use highwater_engine::scope_sync::scope::ChangesScope;
+use highwater_engine::scope_sync::server::{
     Decision, Grant, PageResult, ScopeServer, ServerConfig, ServerEffect, ServerInput, SetId,
 };
 use highwater_engine::scope_sync::{
@@ -40,9 +43,6 @@ use highwater_engine::scope_sync::{
 };
 use highwater_engine::streamer::{
     CatchupRow, ChangeLogState, ConnId, Effect, LogOp, Streamer, StreamerConfig,
-};
-use highwater_engine::sync_client::{
-    ClientConfig, ClientEffect, ClientInput, ScopeKey, SocketId, StoredRow, StoredScope, SyncClient,
 };
 use highwater_engine::watermark::{Lsn, Watermark};
 use serde_json::{json, Map, Value};
@@ -1554,8 +1554,9 @@ impl World {
                             self.out.backfills += 1;
                         }
                         for e in &entries {
-                            if let highwater_engine::scope_server::FeedChange::Upsert { data } =
-                                &e.change
+                            if let highwater_engine::scope_sync::server::FeedChange::Upsert {
+                                data,
+                            } = &e.change
                             {
                                 self.history.insert(
                                     (e.table.clone(), e.resource_id.clone(), e.seq),
@@ -1852,7 +1853,8 @@ impl World {
                         claim("sub:").and_then(|user| self.rules.filter(&resource_type, user));
                     let decision = match expires {
                         Some(at) if at <= self.now => Decision::Denied {
-                            code: highwater_engine::scope_server::codes::AUTH_EXPIRED.to_owned(),
+                            code: highwater_engine::scope_sync::server::codes::AUTH_EXPIRED
+                                .to_owned(),
                             message: "the token expired".to_owned(),
                         },
                         _ => Decision::Granted(Grant {
@@ -3020,7 +3022,7 @@ impl World {
         &mut self,
         c: usize,
         scope: ScopeKey,
-        write: highwater_engine::sync_client::PersistWrite,
+        write: highwater_engine::scope_sync::client::PersistWrite,
     ) {
         let table = self.clients[c].scopes[&scope].0.clone();
         let store = self.clients[c].store.entry(scope).or_default();

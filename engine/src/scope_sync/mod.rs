@@ -1,32 +1,31 @@
-//! The scope-sync channel: frames, envelopes and subscribe params of the velocious-compatible
-//! WebSocket protocol.
+//! Scope sync: the velocious-compatible channel over which clients subscribe to the rows of a
+//! scope, replay them from a cursor, follow them live and write back.
 //!
-//! Decoding is strict: a frame, body or param of the wrong shape is a typed error naming the
-//! field, what was expected and what arrived. Unknown keys are ignored in frames and kept in
-//! bodies and params, so relays lose nothing.
+//! The folder holds the whole protocol, from the bytes on the wire to both ends:
+//! - [`wire`]: frames, envelopes, conditions, mutations and subscribe params (strict decoding,
+//!   typed errors); re-exported here.
+//! - [`cursor`] and [`scope`]: cursors and their order, scopes and their digests.
+//! - [`rules`]: the rules file (who may read and write which rows), row filters and their
+//!   subqueries.
+//! - [`server`]: the scope server, a state machine that answers subscriptions (replay, then
+//!   live), routes committed changes, moves rows as access changes and admits writes;
+//!   [`replay`] plans its pages.
+//! - [`client`]: `HighwaterClient`'s core (subscriptions, the local store, the outbox), and
+//!   [`realtime_bridge`], the low-level per-scope cursor advancement under it.
+//!
+//! [`coercion`](self) holds the value forms every part compares in (JavaScript's string form,
+//! number text); nothing here imports from outside the folder but the engine's shared parts.
 
 pub(crate) mod coercion;
-mod conditions;
-mod envelope;
-mod frame;
-mod mutation;
-mod row;
-mod subscribe;
+
+pub mod client;
+pub mod cursor;
+pub mod realtime_bridge;
+pub mod replay;
+pub mod rules;
+pub mod scope;
+pub mod server;
+pub mod wire;
 
 pub use coercion::js_string_form;
-pub use conditions::{
-    compare, operand_bool, operand_number, operand_text, ConditionError, Conditions, Test,
-    MAX_LIST_VALUES, OPERATORS,
-};
-pub use envelope::{EnvelopeError, SyncEntry, SyncEnvelope, CURSOR_KEY, MOVES_KEY};
-pub use frame::{ClientFrame, FrameError, ServerFrame, SYNC_CHANNEL_TYPE};
-pub use mutation::{
-    parse_confirm_message, rejection, valid_client_id, Echo, InvalidMutation, Mutation,
-    MutationIdError, MutationOp, MutationResult, MutationStatus, CONFIRM_MESSAGE_PREFIX,
-    MAX_CLIENT_ID_BYTES, MAX_MUTATIONS_PER_FRAME, MAX_ROW_COLUMNS,
-};
-pub use row::RowText;
-pub use subscribe::{
-    page_limit, request_sequence, SubscribeError, SubscribeParams, DEFAULT_PAGE_LIMIT,
-    MAX_PAGE_LIMIT,
-};
+pub use wire::*;

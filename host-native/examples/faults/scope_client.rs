@@ -12,11 +12,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use futures::stream::SplitSink;
 use futures::{SinkExt, StreamExt};
 use highwater_engine::backoff::BackoffPolicy;
-use highwater_engine::cursor::{compare_cursors, SyncCursor};
-use highwater_engine::scope_sync::SubscribeParams;
-use highwater_engine::sync_client::{
+use highwater_engine::scope_sync::client::{
     ClientConfig, ClientEffect, ClientInput, SocketId, StoredRow, StoredScope, SyncClient,
 };
+use highwater_engine::scope_sync::cursor::{compare_cursors, SyncCursor};
+use highwater_engine::scope_sync::SubscribeParams;
 use highwater_host::sync_auth::{mint_token, SyncSecret};
 use serde_json::json;
 use tokio::net::TcpStream;

@@ -512,8 +512,8 @@ async fn move_in(
 /// The engine's routing alone: `subscriptions` users over `projects` projects, each routed by
 /// its set or, for comparison, matched one by one.
 fn routing(subscriptions: usize, projects: usize) -> String {
-    use highwater_engine::scope_rules::row_filter::RuleFilter;
-    use highwater_engine::scope_server::{
+    use highwater_engine::scope_sync::rules::row_filter::RuleFilter;
+    use highwater_engine::scope_sync::server::{
         Decision, FeedChange, FeedEntry, Grant, PageResult, ScopeServer, ServerConfig,
         ServerEffect, ServerInput,
     };
@@ -937,7 +937,7 @@ async fn node_replays(
 
 /// `2026-12-01T12:00:00.123Z` as Unix milliseconds.
 fn parse_iso_ms(text: &str) -> Option<i64> {
-    let cursor = highwater_engine::cursor::SyncCursor::legacy(text.to_owned());
+    let cursor = highwater_engine::scope_sync::cursor::SyncCursor::legacy(text.to_owned());
     cursor.updated_at_ms()
 }
 

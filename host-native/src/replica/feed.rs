@@ -28,7 +28,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use highwater_engine::change_stream::{Change, JsonFormat};
-use highwater_engine::scope_rules::row_filter::{RowFilter, SetQuery};
+use highwater_engine::scope_sync::rules::row_filter::{RowFilter, SetQuery};
 use highwater_engine::scope_sync::{
     js_string_form, operand_bool, operand_number, operand_text, Conditions, Test,
 };
@@ -1443,7 +1443,7 @@ pub fn iso_from_ms(ms: i64) -> String {
 mod tests {
     use super::*;
     use highwater_engine::change_stream::ColumnSpec;
-    use highwater_engine::scope_rules::row_filter::RuleFilter;
+    use highwater_engine::scope_sync::rules::row_filter::RuleFilter;
     use serde_json::{json, Number};
 
     fn replica_table(name: &str, columns: &[(&str, &str)]) -> ReplicaTable {

@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use highwater_engine::change_stream::{JsonFormat, Row};
-use highwater_engine::scope_rules::row_filter::RowFilter;
+use highwater_engine::scope_sync::rules::row_filter::RowFilter;
 use highwater_engine::watermark::{Lsn, Watermark, WatermarkError};
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::{Map, Value};

@@ -42,7 +42,7 @@
 //! loop waited for the same reason. The cause was in the browser client: a timer that fired a
 //! few milliseconds early (Node counts a timer from its event loop's cached clock) left a
 //! reconnect unarmed for good, and bursts made that likelier by keeping the client's loop
-//! busier. The engine's `sync_client` now arms such a deadline again (its handling of
+//! busier. The engine's `scope_sync::client` now arms such a deadline again (its handling of
 //! `ClientInput::Tick`), and the suite passes with group commit on.
 
 use std::collections::VecDeque;

@@ -4,7 +4,7 @@
 //! Two sources, one place:
 //! - counts and state of the engine's state machines, read at scrape time from
 //!   [`Streamer::metrics`](highwater_engine::streamer::Streamer::metrics) and
-//!   [`ScopeServer::metrics`](highwater_engine::scope_server::ScopeServer::metrics) (what
+//!   [`ScopeServer::metrics`](highwater_engine::scope_sync::server::ScopeServer::metrics) (what
 //!   counts as what is decided there), plus the server's own positions and files;
 //! - what only the host sees as it happens (group commits, their durations, the age of what
 //!   it stores and routes), recorded into [`Recorded`] by the ingest thread.

@@ -46,7 +46,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use highwater_engine::change_stream::MAX_PROTOCOL_VERSION;
-use highwater_engine::scope_server::ServerConfig;
+use highwater_engine::scope_sync::server::ServerConfig;
 use highwater_engine::streamer::{
     BackupWatermark, ChangeLogState, Streamer, StreamerConfig, DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
     DEFAULT_BACKLOG_HIGH_WATER_BYTES, DEFAULT_PURGE_DELAY_MS,

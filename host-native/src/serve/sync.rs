@@ -30,7 +30,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::extract::ws::{CloseFrame, Message, WebSocket};
 use futures::{SinkExt, StreamExt};
 use highwater_engine::liveness;
-use highwater_engine::scope_server::{
+use highwater_engine::scope_sync::server::{
     codes, ConnId, Decision, FeedChange, FeedEntry, PageResult, ScopeServer, ServerConfig,
     ServerEffect, ServerInput, SLOW_CONSUMER_CLOSE_CODE, SLOW_CONSUMER_REASON,
 };
@@ -338,7 +338,7 @@ impl SyncHub {
         &self,
         table: &str,
         conditions: &Conditions,
-        row_filter: &highwater_engine::scope_rules::row_filter::RowFilter,
+        row_filter: &highwater_engine::scope_sync::rules::row_filter::RowFilter,
         limit: u32,
     ) -> PageResult {
         self.read_page(&ScopeQuery {
@@ -457,7 +457,7 @@ impl SyncHub {
     }
 
     /// The scope server's counts and state, for `/metrics`.
-    pub fn metrics(&self) -> highwater_engine::scope_server::ServerMetrics {
+    pub fn metrics(&self) -> highwater_engine::scope_sync::server::ServerMetrics {
         self.fault.lock(&self.server, "scope-sync server").metrics()
     }
 

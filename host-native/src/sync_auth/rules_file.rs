@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::Path;
 
-use highwater_engine::scope_rules::{RulesError, SyncRules};
+use highwater_engine::scope_sync::rules::{RulesError, SyncRules};
 use saphyr::Scalar;
 use saphyr_parser::{Event, Marker, Parser, ScalarStyle, Span, SpannedEventReceiver, Tag};
 use serde_json::{Map, Number, Value};

@@ -1,6 +1,6 @@
 //! Writes through the scope-sync socket, the host's half (`docs/protocol/scope-sync.md`,
 //! "Writes"): the scope server asks for a `mutate` frame's mutations to be applied
-//! ([`ServerEffect::ApplyMutations`](highwater_engine::scope_server::ServerEffect)) and this
+//! ([`ServerEffect::ApplyMutations`](highwater_engine::scope_sync::server::ServerEffect)) and this
 //! module applies them upstream and answers with a result per mutation.
 //!
 //! How one write flows:
@@ -32,7 +32,7 @@
 //! 5. The confirm message comes back through logical replication: the ingest thread records
 //!    it in the replica's `_hw_client_mutations` in the SQLite transaction of the write's
 //!    rows, and once that commit is durable routes the transaction's rows with the confirms
-//!    ([`ServerInput::Committed`](highwater_engine::scope_server::ServerInput)): the writer's
+//!    ([`ServerInput::Committed`](highwater_engine::scope_sync::server::ServerInput)): the writer's
 //!    sockets get the envelopes with `echoOrigin` naming its mutations, and then its
 //!    `confirmed` results (the scope server holds a confirmed result until then).
 //! 6. After the batch, the client's last mutation id the replica holds is handed back with
@@ -80,7 +80,7 @@ use std::time::Duration;
 
 use highwater_engine::change_stream::JsonFormat;
 use highwater_engine::pgoutput::TextColumn;
-use highwater_engine::scope_rules::{Admission, DenialCode, SyncRules, WriteGrant};
+use highwater_engine::scope_sync::rules::{Admission, DenialCode, SyncRules, WriteGrant};
 use highwater_engine::scope_sync::{
     rejection, InvalidMutation, Mutation, MutationOp, MutationResult,
 };

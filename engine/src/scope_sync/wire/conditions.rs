@@ -27,8 +27,8 @@ use std::cmp::Ordering;
 
 use serde_json::{Map, Number, Value};
 
-use super::coercion::{describe, js_string_form};
-use crate::cursor::instant_ms;
+use crate::scope_sync::coercion::{describe, js_string_form};
+use crate::scope_sync::cursor::instant_ms;
 
 /// The most values one `in` or `notIn` list may hold.
 pub const MAX_LIST_VALUES: usize = 1_000;

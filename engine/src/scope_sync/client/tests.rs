@@ -1,5 +1,5 @@
 use super::*;
-use crate::scope::ChangesScope;
+use crate::scope_sync::scope::ChangesScope;
 use proptest::prelude::*;
 use serde_json::json;
 use std::collections::BTreeSet;

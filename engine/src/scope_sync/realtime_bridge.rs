@@ -38,9 +38,9 @@ use serde::{Serialize, Serializer};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use crate::cursor::{is_cursor_after, SyncCursor};
-use crate::replay::is_reset;
-use crate::scope::ScopeDigest;
+use crate::scope_sync::cursor::{is_cursor_after, SyncCursor};
+use crate::scope_sync::replay::is_reset;
+use crate::scope_sync::scope::ScopeDigest;
 use crate::scope_sync::{
     ClientFrame, Echo, EnvelopeError, RowText, ServerFrame, SubscribeParams, SyncEntry,
     SyncEnvelope, SYNC_CHANNEL_TYPE,

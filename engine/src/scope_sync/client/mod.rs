@@ -56,19 +56,19 @@
 //!   fail the scope, reported once and never retried; other scopes go on.
 //!
 //! The per-scope subscription rules (apply queue, the cursor guard against hazard P3, fresh ids
-//! on re-subscribe) are [`crate::realtime_bridge::ScopeBridge`]'s: each scope drives one bridge.
+//! on re-subscribe) are [`crate::scope_sync::realtime_bridge::ScopeBridge`]'s: each scope drives one bridge.
 //!
 //! A subscription id is never reused on one client (`s{key}.{n}.` with a client-wide count of
 //! subscribes): a scope unsubscribed while its replay was still coming and subscribed again on
 //! the same socket would otherwise take the old replay's last page and `channel-subscribed` for
 //! its own, and confirm a cursor past rows it never applied. The property tests found that
-//! history; it is kept in `engine/proptest-regressions/sync_client/tests.txt` and as
+//! history; it is kept in `engine/proptest-regressions/scope_sync/client/tests.txt` and as
 //! `late_frames_of_an_unsubscribed_replay_do_not_confirm_its_resubscription`.
 //!
 //! A token that is not a JWT stating `iat` and `exp` (an opaque one) is not renewed ahead of
 //! time: only the server's `auth-expired` asks for a fresh one.
 
-use crate::scope_server::routing_form;
+use crate::scope_sync::server::routing_form;
 use crate::scope_sync::SyncEntry;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -77,12 +77,12 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::backoff::{Backoff, BackoffPolicy};
-use crate::cursor::{is_cursor_after, SyncCursor};
-use crate::realtime_bridge::{
+use crate::scope_sync::cursor::{is_cursor_after, SyncCursor};
+use crate::scope_sync::realtime_bridge::{
     BridgeConfig, BridgeEffect, BridgeError, BridgeInput, MessageBody, MovedOut, RemoteChange,
     ReplayProgress, ScopeBridge, ScopeChannel,
 };
-use crate::scope::{Scope, ScopeDigest};
+use crate::scope_sync::scope::{Scope, ScopeDigest};
 use crate::scope_sync::{
     ClientFrame, Mutation, MutationOp, MutationResult, RowText, ServerFrame, SubscribeParams,
 };

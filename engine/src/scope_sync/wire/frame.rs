@@ -4,8 +4,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::coercion::{describe, integer_from_number, IntegerText};
 use super::mutation::{valid_client_id, MutationResult, MAX_MUTATIONS_PER_FRAME};
+use crate::scope_sync::coercion::{describe, integer_from_number, IntegerText};
 
 /// The channel type of scope sync.
 pub const SYNC_CHANNEL_TYPE: &str = "velocious-sync";

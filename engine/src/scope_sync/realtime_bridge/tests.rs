@@ -1,5 +1,5 @@
 use super::*;
-use crate::scope::{ChangesScope, Scope};
+use crate::scope_sync::scope::{ChangesScope, Scope};
 use proptest::prelude::*;
 use serde_json::json;
 
@@ -795,7 +795,7 @@ fn a_reset_message_clears_the_scope_and_the_full_replay_is_persisted_at_confirma
             channels: vec![channel("p1", Some(9))],
         },
     );
-    let reset = crate::replay::reset_envelope(&cursor(20)).to_value();
+    let reset = crate::scope_sync::replay::reset_envelope(&cursor(20)).to_value();
     let effects = feed(&mut bridge, message("sync-1", reset));
     assert!(matches!(
         effects.as_slice(),
@@ -821,7 +821,7 @@ fn a_reset_committing_after_a_resubscribe_reopens_that_subscription_from_the_who
             channels: vec![channel("p1", Some(9))],
         },
     );
-    let reset = crate::replay::reset_envelope(&cursor(20)).to_value();
+    let reset = crate::scope_sync::replay::reset_envelope(&cursor(20)).to_value();
     feed(&mut bridge, message("sync-1", reset));
     // While the reset batch is being applied, the session is lost and sync-2 asks the
     // server to resume after 9, a cursor the reset is about to delete with its rows.
@@ -865,7 +865,7 @@ fn a_reset_on_a_caught_up_subscription_reopens_it_and_ends_with_channel_subscrib
     assert!(effects
         .iter()
         .any(|e| matches!(e, BridgeEffect::Ready { .. })));
-    let reset = crate::replay::reset_envelope(&cursor(20)).to_value();
+    let reset = crate::scope_sync::replay::reset_envelope(&cursor(20)).to_value();
     feed(&mut bridge, message("sync-1", reset));
     let effects = feed(&mut bridge, ok(1));
     assert_eq!(
@@ -1324,10 +1324,10 @@ impl Harness {
                     scope,
                     params,
                 } => {
-                    let expected = crate::cursor::cursor_to_params(
-                        crate::cursor::CursorPrefix::After,
+                    let expected = crate::scope_sync::cursor::cursor_to_params(
+                        crate::scope_sync::cursor::CursorPrefix::After,
                         self.store.get(&scope),
-                        crate::cursor::CursorParamsForm::Client,
+                        crate::scope_sync::cursor::CursorParamsForm::Client,
                     );
                     for (key, value) in &expected {
                         prop_assert_eq!(
@@ -1502,7 +1502,7 @@ proptest! {
                         body["echoOrigin"] = json!(LOCAL_ORIGIN);
                     }
                     if reset {
-                        body[crate::replay::RESET_KEY] = json!({"reason": "test"});
+                        body[crate::scope_sync::replay::RESET_KEY] = json!({"reason": "test"});
                     }
                     message(&id, body)
                 }

@@ -3,11 +3,11 @@
 
 use serde_json::{Map, Value};
 
-use super::coercion::{
+use crate::scope_sync::coercion::{
     describe, integer_from_number, integer_from_text, json_number_text, IntegerText,
 };
-use crate::cursor::{cursor_to_params, CursorParamsForm, CursorPrefix, SyncCursor};
-use crate::scope::{ChangesScope, ScopeError};
+use crate::scope_sync::cursor::{cursor_to_params, CursorParamsForm, CursorPrefix, SyncCursor};
+use crate::scope_sync::scope::{ChangesScope, ScopeError};
 
 /// Replay page size when `limit` is not given.
 pub const DEFAULT_PAGE_LIMIT: u32 = 1000;

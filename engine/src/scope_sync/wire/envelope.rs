@@ -6,9 +6,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use super::coercion::{describe, json_number_text};
 use super::mutation::Echo;
-use crate::cursor::{parse_cursor_payload, sequence_from_value, CursorError, SyncCursor};
+use crate::scope_sync::coercion::{describe, json_number_text};
+use crate::scope_sync::cursor::{
+    parse_cursor_payload, sequence_from_value, CursorError, SyncCursor,
+};
 
 /// Envelope key of a position the subscription has every change of its scope up to:
 /// `{"echoOrigin":null,"syncs":[],"cursor":{"id":…,"serverSequence":…,"updatedAt":…}}`.

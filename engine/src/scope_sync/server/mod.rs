@@ -60,12 +60,12 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 use serde_json::{json, Map, Value};
 
-use crate::cursor::SyncCursor;
-use crate::replay::{
+use crate::scope_sync::cursor::SyncCursor;
+use crate::scope_sync::replay::{
     reset_envelope, FetchedPage, PageRequest, ReplayEffect, ReplayInput, ReplayKind, ReplayPlanner,
     RESET_KEY,
 };
-use crate::scope_rules::row_filter::{RowFilter, SetQuery};
+use crate::scope_sync::rules::row_filter::{RowFilter, SetQuery};
 use crate::scope_sync::{
     js_string_form, operand_number, ClientFrame, Conditions, Echo, InvalidMutation, Mutation,
     MutationResult, ServerFrame, SubscribeParams, SyncEntry, SyncEnvelope, CURSOR_KEY, MOVES_KEY,
@@ -146,7 +146,7 @@ impl ServerConfig {
     }
 }
 
-pub use crate::scope_rules::Grant;
+pub use crate::scope_sync::rules::Grant;
 
 /// The authorization decision for one subscribe.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1060,7 +1060,7 @@ impl ScopeServer {
         &mut self,
         conn: ConnId,
         id: &str,
-        effects: Result<Vec<ReplayEffect>, crate::replay::ReplayError>,
+        effects: Result<Vec<ReplayEffect>, crate::scope_sync::replay::ReplayError>,
         out: &mut Vec<ServerEffect>,
     ) {
         let effects = match effects {

@@ -25,7 +25,7 @@
 //! filter holds for. NULLs are never in it, and a NULL column is never in a set.
 //!
 //! A column the filter names that the table (or a subquery's table) lacks stops the server at
-//! its start ([`SyncRules::schema_problems`](crate::scope_rules::SyncRules::schema_problems)).
+//! its start ([`SyncRules::schema_problems`](crate::scope_sync::rules::SyncRules::schema_problems)).
 
 use std::fmt;
 

@@ -5,7 +5,7 @@
 use serde_json::{json, Map, Value};
 
 use super::*;
-use crate::scope_rules::row_filter::RuleFilter;
+use crate::scope_sync::rules::row_filter::RuleFilter;
 
 const EPOCH: &str = "v1";
 const C: ConnId = 3;

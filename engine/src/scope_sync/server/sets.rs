@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde_json::Value;
 
 use super::{routing_form, FeedChange, FeedEntry};
-use crate::scope_rules::row_filter::{RowFilter, SetQuery};
+use crate::scope_sync::rules::row_filter::{RowFilter, SetQuery};
 
 /// A set, as the server numbers them.
 pub type SetId = u64;

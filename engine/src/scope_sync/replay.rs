@@ -18,7 +18,7 @@
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-use crate::cursor::{
+use crate::scope_sync::cursor::{
     compare_cursors, cursor_to_params, is_cursor_after, CursorParamsForm, CursorPrefix, SyncCursor,
 };
 use crate::scope_sync::{SubscribeError, SubscribeParams, SyncEntry, SyncEnvelope, MAX_PAGE_LIMIT};

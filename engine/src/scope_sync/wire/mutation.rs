@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::coercion::{describe, integer_from_number, IntegerText};
+use crate::scope_sync::coercion::{describe, integer_from_number, IntegerText};
 
 /// Mutations one `mutate` frame may carry; a client sends its outbox in batches of at most this.
 pub const MAX_MUTATIONS_PER_FRAME: usize = 100;
