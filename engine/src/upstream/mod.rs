@@ -77,6 +77,7 @@ mod frames;
 mod group;
 mod liveness;
 mod reconcile;
+mod schema_diff;
 
 #[cfg(test)]
 mod tests;
@@ -94,6 +95,7 @@ pub use group::{
 };
 pub use liveness::Liveness;
 pub use reconcile::relation_changes;
+pub use schema_diff::{is_key_index, schema_changes, KnownTable, PublishedTable};
 
 /// Settings of an [`UpstreamSession`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -147,7 +149,8 @@ pub enum Effect {
     Ack(Lsn),
     /// Acknowledge these frames of the primary, in order.
     AckFrames(Vec<u64>),
-    /// Turn this DDL event (the logical message's content) into schema changes.
+    /// Turn this DDL event (the logical message's content) into schema changes: the published
+    /// schema it carries against the replica's ([`schema_changes`]).
     ResolveDdl {
         content: Vec<u8>,
     },

@@ -11,7 +11,10 @@
 //! rows of an added column. Event triggers need a superuser; without one, `highwater replicate`
 //! warns that schema changes are not followed.
 //!
-//! Tables are matched by OID and columns by `attnum`, so renames are told apart from drops.
+//! What changed is the engine's
+//! [`upstream::schema_changes`](highwater_engine::upstream::schema_changes): tables are matched
+//! by OID and columns by `attnum`, so renames are told apart from drops. This module reads the
+//! published schema and the replica's, and hands both to it.
 //!
 //! Publication column lists and row filters (Postgres 15+): [`PublishedTable::restrict_to`]
 //! keeps a table's published columns (key columns always) and its publications' row filters,
@@ -21,18 +24,14 @@
 //! applies it.
 
 use highwater_engine::change_stream::{
-    exact_lite_default, AddColumn, Change, ColumnDef, ColumnSpec, CreateIndex, CreateTable,
-    DropColumn, DropIndex, DropTable, Identifier, IndexDirection, IndexSpec, RenameTable,
-    ReplicaIdentity, TableMetadata, TableSpec, UpdateColumn, UpdateTableMetadata,
+    Change, ColumnSpec, Identifier, IndexDirection, IndexSpec, ReplicaIdentity, TableMetadata,
+    TableSpec,
 };
-use indexmap::IndexMap;
+use highwater_engine::upstream;
 use serde::Deserialize;
 use serde_json::{json, Number, Value};
 
-use super::schema::{
-    parse_replica_identity, parse_type_class, quote_ident, replica_index_name, replica_table_name,
-    ReplicaTable,
-};
+use super::schema::{parse_replica_identity, parse_type_class, quote_ident, replica_table_name};
 use super::{Replica, ReplicaError};
 
 /// The published schema as JSON, for the publications in `$1` (a `text[]`).
@@ -215,24 +214,6 @@ impl PublishedColumn {
         spec.extra.insert("attNum".into(), Value::from(self.attnum));
         spec
     }
-
-    /// The spec of this column added by `ALTER TABLE`, and whether existing rows need a
-    /// backfill: they do when they got a value only upstream knows (an identity, or a default a
-    /// replica cannot reproduce, such as `now()`). The replica then adds the column with no
-    /// default (Zero's replicator would stop on one it cannot map) and takes the values from
-    /// the backfill; a default it can reproduce exactly goes as `dflt`, without a backfill.
-    fn added_spec(&self, always_backfill: bool) -> (ColumnSpec, bool) {
-        let mut spec = self.to_spec();
-        let exact = self
-            .dflt
-            .as_deref()
-            .and_then(|d| exact_lite_default(d, &self.data_type, spec.pg_type_class));
-        let backfill = always_backfill || self.identity || (self.dflt.is_some() && exact.is_none());
-        if backfill {
-            spec.dflt = Some(None);
-        }
-        (spec, backfill)
-    }
 }
 
 impl PublishedTable {
@@ -343,7 +324,24 @@ impl PublishedTable {
         Some(TableMetadata { row_key, extra })
     }
 
-    /// Indexes other than the key, as `create-index` specs.
+    /// The table as the engine's schema diff reads it
+    /// ([`upstream::PublishedTable`]): its spec, metadata and indexes as Zero's change source
+    /// sends them, and its identity columns.
+    pub fn to_published(&self) -> upstream::PublishedTable {
+        upstream::PublishedTable {
+            spec: self.to_spec(),
+            metadata: self.metadata(),
+            indexes: self.index_specs(),
+            identity_columns: self
+                .columns
+                .iter()
+                .filter(|c| c.identity)
+                .map(|c| c.name.clone())
+                .collect(),
+        }
+    }
+
+    /// Its indexes (the key's among them), as `create-index` specs.
     pub fn index_specs(&self) -> Vec<IndexSpec> {
         self.indexes
             .iter()
@@ -409,220 +407,40 @@ fn replica_indexes(replica: &Replica) -> Result<Vec<(String, String)>, ReplicaEr
     Ok(rows.collect::<Result<_, _>>()?)
 }
 
-fn column_def(name: &str, spec: ColumnSpec) -> ColumnDef {
-    ColumnDef {
-        name: name.to_owned(),
-        spec,
-        extra: Default::default(),
-    }
-}
-
 /// The schema changes that turn the replica's schema into `published` (already limited to the
-/// replica's publications), in Zero's order: drop-index, drop-table, per table rename-table,
-/// drop-column, update-column, add-column, then create-table and create-index.
-///
-/// `tag` is the command that changed the schema: a table that appears other than by `CREATE
-/// TABLE` (added to a publication, moved into a published schema) already has rows, and so has
-/// a column added with a default; both are backfilled.
+/// replica's publications): the engine's
+/// [`schema_changes`](highwater_engine::upstream::schema_changes) against the replica's tables
+/// and indexes, where every rule of the diff lives (its order, renames told from drops, which
+/// tables and columns are backfilled for `tag`, the command that changed the schema).
 pub fn schema_changes(
     replica: &Replica,
     published: &[PublishedTable],
     tag: &str,
 ) -> Result<Vec<Change>, ReplicaError> {
-    let current: Vec<&ReplicaTable> = replica
+    let known: Vec<upstream::KnownTable> = replica
         .table_names()
         .iter()
         .filter_map(|n| replica.table(n))
-        .collect();
-    let find_current = |t: &PublishedTable| {
-        current
-            .iter()
-            .find(|c| c.oid == Some(t.oid))
-            .or_else(|| {
-                current
-                    .iter()
-                    .find(|c| c.oid.is_none() && c.name == t.replica_name())
-            })
-            .copied()
-    };
-    let wanted_indexes: Vec<(String, IndexSpec)> = published
-        .iter()
-        .flat_map(|t| t.index_specs())
-        .filter(|spec| !is_key_index(spec))
-        .map(|spec| (replica_index_name(&spec.schema, &spec.name), spec))
-        .collect();
-    let existing_indexes = replica_indexes(replica)?;
-
-    let mut changes = Vec::new();
-    for (index_name, table_name) in &existing_indexes {
-        if wanted_indexes.iter().any(|(name, _)| name == index_name) {
-            continue;
-        }
-        let Some(table) = replica.table(table_name) else {
-            continue;
-        };
-        let name = index_name
-            .strip_prefix(&format!("{}.", table.schema))
-            .unwrap_or(index_name);
-        changes.push(Change::DropIndex(DropIndex {
-            id: Identifier::new(table.schema.clone(), name),
-            extra: Default::default(),
-        }));
-    }
-    for table in &current {
-        let kept = published.iter().any(|t| match table.oid {
-            Some(oid) => t.oid == oid,
-            None => t.replica_name() == table.name,
-        });
-        if !kept {
-            changes.push(Change::DropTable(DropTable {
-                id: Identifier::new(table.schema.clone(), table.table.clone()),
-                extra: Default::default(),
-            }));
-        }
-    }
-    for table in published {
-        if let Some(existing) = find_current(table) {
-            table_changes(existing, table, tag, &mut changes);
-        }
-    }
-    // A new table's key index goes out like any index: Zero's replicator creates tables
-    // without a key and relies on this index for its upserts (`ON CONFLICT (key)`).
-    let mut key_indexes = Vec::new();
-    for table in published {
-        if find_current(table).is_some() {
-            continue;
-        }
-        key_indexes.extend(table.index_specs().into_iter().filter(is_key_index));
-        let spec = table.to_spec();
-        let backfill = (tag != "CREATE TABLE").then(|| {
-            table
-                .columns
-                .iter()
-                .map(|c| (c.name.clone(), json!({"attNum": c.attnum})))
-                .collect::<IndexMap<_, _>>()
-        });
-        changes.push(Change::CreateTable(CreateTable {
-            spec,
-            metadata: table.metadata(),
-            backfill,
-            extra: Default::default(),
-        }));
-    }
-    for spec in key_indexes {
-        changes.push(Change::CreateIndex(CreateIndex {
-            spec,
-            extra: Default::default(),
-        }));
-    }
-    let existing_names: Vec<&String> = existing_indexes.iter().map(|(n, _)| n).collect();
-    for (name, spec) in wanted_indexes {
-        if !existing_names.contains(&&name) {
-            changes.push(Change::CreateIndex(CreateIndex {
-                spec,
-                extra: Default::default(),
-            }));
-        }
-    }
-    Ok(changes)
-}
-
-fn is_key_index(spec: &IndexSpec) -> bool {
-    let flag = |key: &str| spec.extra.get(key).and_then(Value::as_bool) == Some(true);
-    flag("isPrimaryKey") || flag("isReplicaIdentity")
-}
-
-fn table_changes(
-    existing: &ReplicaTable,
-    table: &PublishedTable,
-    tag: &str,
-    changes: &mut Vec<Change>,
-) {
-    let id = Identifier::new(table.schema.clone(), table.name.clone());
-    if existing.schema != table.schema || existing.table != table.name {
-        changes.push(Change::RenameTable(RenameTable {
-            old: Identifier::new(existing.schema.clone(), existing.table.clone()),
-            new: id.clone(),
-            extra: Default::default(),
-        }));
-    }
-    let find_new = |attnum: Option<i64>, name: &str| {
-        table.columns.iter().position(|c| match attnum {
-            Some(a) => c.attnum == a,
-            None => c.name == name,
+        .map(|table| upstream::KnownTable {
+            spec: table.to_spec(),
+            metadata: table.metadata.clone(),
         })
-    };
-    for col in &existing.columns {
-        if find_new(col.attnum, &col.name).is_none() {
-            changes.push(Change::DropColumn(DropColumn {
-                table: id.clone(),
-                column: col.name.clone(),
-                extra: Default::default(),
-            }));
-        }
-    }
-    for col in &existing.columns {
-        let Some(i) = find_new(col.attnum, &col.name) else {
-            continue;
-        };
-        let new = &table.columns[i];
-        if new.name != col.name || new.data_type != col.data_type || new.not_null != col.not_null {
-            let mut new_spec = new.to_spec();
-            new_spec.pos = Number::from(col.pos);
-            changes.push(Change::UpdateColumn(UpdateColumn {
-                table: id.clone(),
-                old: column_def(&col.name, col.to_spec()),
-                new: column_def(&new.name, new_spec),
-                extra: Default::default(),
-            }));
-        }
-    }
-    let metadata = table.metadata();
-    if let (Some(old), Some(new)) = (&existing.metadata, &metadata) {
-        if old != new {
-            changes.push(Change::UpdateTableMetadata(UpdateTableMetadata {
-                table: id.clone(),
-                old: old.clone(),
-                new: new.clone(),
-                extra: Default::default(),
-            }));
-        }
-    }
-    let max_pos = existing.columns.iter().map(|c| c.pos).max().unwrap_or(0);
-    for new in &table.columns {
-        let known = existing.columns.iter().any(|c| match c.attnum {
-            Some(a) => a == new.attnum,
-            None => c.name == new.name,
-        });
-        if known {
-            continue;
-        }
-        let (mut spec, backfill) = new.added_spec(tag != "ALTER TABLE");
-        // Columns added from Relation messages have positions of their own: stay after them.
-        spec.pos = Number::from(new.attnum.max(max_pos + 1));
-        changes.push(Change::AddColumn(AddColumn {
-            table: id.clone(),
-            column: column_def(&new.name, spec),
-            table_metadata: metadata.clone(),
-            backfill: backfill.then(|| json!({"attNum": new.attnum})),
-            extra: Default::default(),
-        }));
-    }
-    if !table.key.is_empty() && table.key != existing.key {
-        // A new primary key or replica identity index: the replica re-keys its rows by it.
-        let key_index = table
-            .index_specs()
-            .into_iter()
-            .find(|s| is_key_index(s) && s.columns.keys().eq(table.key.iter()));
-        if let Some(mut spec) = key_index {
-            spec.extra
-                .insert("isReplicaIdentity".into(), Value::Bool(true));
-            changes.push(Change::CreateIndex(CreateIndex {
-                spec,
-                extra: Default::default(),
-            }));
-        }
-    }
+        .collect();
+    // Every index the replica holds is on one of its tables; each is named in its table's
+    // schema, as upstream names it.
+    let indexes: Vec<Identifier> = replica_indexes(replica)?
+        .into_iter()
+        .filter_map(|(index_name, table_name)| {
+            let table = replica.table(&table_name)?;
+            let name = index_name
+                .strip_prefix(&format!("{}.", table.schema))
+                .unwrap_or(&index_name);
+            Some(Identifier::new(table.schema.clone(), name))
+        })
+        .collect();
+    let published: Vec<upstream::PublishedTable> =
+        published.iter().map(PublishedTable::to_published).collect();
+    Ok(upstream::schema_changes(&known, &indexes, &published, tag))
 }
 
 /// Type names and classes by OID (`$1`: `oid[]`), for columns known only from a Relation message.
@@ -711,6 +529,8 @@ CREATE EVENT TRIGGER {trigger} ON ddl_command_end
 #[cfg(test)]
 mod tests {
     use super::*;
+    use highwater_engine::change_stream::AddColumn;
+    use highwater_engine::upstream::is_key_index;
 
     fn column(name: &str, attnum: i64, data_type: &str) -> PublishedColumn {
         PublishedColumn {
