@@ -5,9 +5,8 @@
 
 pub mod bench;
 pub mod change_log;
+pub mod commands;
 pub mod data_lock;
-pub mod demo;
-pub mod doctor;
 pub mod pause_point;
 pub mod private_pg;
 pub mod replica;
@@ -17,7 +16,4 @@ pub mod runtime;
 pub mod serve;
 pub(crate) mod startup_retry;
 pub mod sync_auth;
-pub mod typegen;
 pub mod upstream;
-pub mod watch;
-pub mod zero_replica;

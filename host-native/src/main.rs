@@ -13,8 +13,6 @@ use clap::{CommandFactory, Parser, Subcommand};
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-mod check_stream;
-
 #[derive(Parser)]
 #[command(name = "highwater", version, about = "Postgres-to-client sync engine")]
 struct Cli {
@@ -36,26 +34,26 @@ struct Cli {
 enum Command {
     // Each subcommand lives in its own module; add a variant and a match arm per command.
     /// Validate change-stream frames or messages (JSON lines) and report the invalid ones.
-    CheckStream(check_stream::CheckStreamArgs),
+    CheckStream(highwater_host::commands::check_stream::CheckStreamArgs),
     /// Replicate upstream publications into `<data>/replica.db` until Ctrl-C / SIGTERM.
     Replicate(highwater_host::replicate::ReplicateArgs),
     /// Replicate upstream and serve change-stream subscribers, replica snapshots and health.
     Serve(Box<highwater_host::serve::ServeArgs>),
     /// Run the server on an embedded default: a private Postgres with demo data and live writes.
-    Demo(highwater_host::demo::DemoArgs),
+    Demo(highwater_host::commands::demo::DemoArgs),
     /// Check what `serve` needs from the upstream Postgres, and say how to fix each miss.
-    Doctor(highwater_host::doctor::DoctorArgs),
+    Doctor(highwater_host::commands::doctor::DoctorArgs),
     /// Subscribe to a change streamer and print each message as a JSON line.
-    Watch(highwater_host::watch::WatchArgs),
+    Watch(highwater_host::commands::watch::WatchArgs),
     /// Run a benchmark and print its results table (`highwater bench ingest`).
     Bench(highwater_host::bench::BenchArgs),
     /// Write a Zero-format replica file from a running Highwater's snapshot, for a stock Zero
     /// view-syncer to start from (ZERO_REPLICA_FILE).
-    ZeroReplica(highwater_host::zero_replica::ZeroReplicaArgs),
+    ZeroReplica(highwater_host::commands::zero_replica::ZeroReplicaArgs),
     /// Print a development scope-sync token (HS256) signed with the configured secret.
-    Token(highwater_host::sync_auth::TokenArgs),
+    Token(highwater_host::commands::token::TokenArgs),
     /// Write TypeScript types of the rows the client delivers, for every replicated table.
-    Typegen(highwater_host::typegen::TypegenArgs),
+    Typegen(highwater_host::commands::typegen::TypegenArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -78,16 +76,16 @@ fn main() -> std::process::ExitCode {
         }
     }
     let result = match cli.command {
-        Command::CheckStream(args) => check_stream::run(args),
+        Command::CheckStream(args) => highwater_host::commands::check_stream::run(args),
         Command::Replicate(args) => highwater_host::replicate::run(args),
         Command::Serve(args) => highwater_host::serve::run(*args),
-        Command::Demo(args) => highwater_host::demo::run(args),
-        Command::Doctor(args) => highwater_host::doctor::run(args),
-        Command::Typegen(args) => highwater_host::typegen::run(args),
-        Command::Watch(args) => highwater_host::watch::run(args),
+        Command::Demo(args) => highwater_host::commands::demo::run(args),
+        Command::Doctor(args) => highwater_host::commands::doctor::run(args),
+        Command::Typegen(args) => highwater_host::commands::typegen::run(args),
+        Command::Watch(args) => highwater_host::commands::watch::run(args),
         Command::Bench(args) => highwater_host::bench::run(args),
-        Command::ZeroReplica(args) => highwater_host::zero_replica::run(args),
-        Command::Token(args) => highwater_host::sync_auth::run_token(args).map_err(Into::into),
+        Command::ZeroReplica(args) => highwater_host::commands::zero_replica::run(args),
+        Command::Token(args) => highwater_host::commands::token::run(args).map_err(Into::into),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
