@@ -1,9 +1,9 @@
-//! The highwater server as a library, so integration tests and benchmarks can use its parts.
+//! The highwater server as a library, so its integration tests and the benchmarks
+//! (`highwater-bench`, in `bench/`) can use its parts.
 //!
 //! Modules of host-native are declared here, not in main.rs; the binary uses them through
 //! `highwater_host::…`.
 
-pub mod bench;
 pub mod change_log;
 pub mod commands;
 pub mod data_lock;

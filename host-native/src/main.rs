@@ -45,8 +45,6 @@ enum Command {
     Doctor(highwater_host::commands::doctor::DoctorArgs),
     /// Subscribe to a change streamer and print each message as a JSON line.
     Watch(highwater_host::commands::watch::WatchArgs),
-    /// Run a benchmark and print its results table (`highwater bench ingest`).
-    Bench(highwater_host::bench::BenchArgs),
     /// Write a Zero-format replica file from a running Highwater's snapshot, for a stock Zero
     /// view-syncer to start from (ZERO_REPLICA_FILE).
     ZeroReplica(highwater_host::commands::zero_replica::ZeroReplicaArgs),
@@ -83,7 +81,6 @@ fn main() -> std::process::ExitCode {
         Command::Doctor(args) => highwater_host::commands::doctor::run(args),
         Command::Typegen(args) => highwater_host::commands::typegen::run(args),
         Command::Watch(args) => highwater_host::commands::watch::run(args),
-        Command::Bench(args) => highwater_host::bench::run(args),
         Command::ZeroReplica(args) => highwater_host::commands::zero_replica::run(args),
         Command::Token(args) => highwater_host::commands::token::run(args).map_err(Into::into),
     };

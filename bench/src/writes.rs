@@ -1,4 +1,4 @@
-//! `highwater bench writes`: writes through the scope-sync socket, end to end: the client's
+//! `highwater-bench writes`: writes through the scope-sync socket, end to end: the client's
 //! `mutate` frame → `highwater serve` → one Postgres transaction per mutation → logical
 //! replication → the server's replica (committed and synced) → the change routed back to the
 //! writer's scope (the envelope echoing it) → the `confirmed` result.
@@ -43,7 +43,7 @@ use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
 
 use super::sync::{connect, percentile, token, until_subscribed, Server, Socket};
-use crate::private_pg::{PgOptions, PrivatePg};
+use highwater_host::private_pg::{PgOptions, PrivatePg};
 
 const TABLE: &str = "highwater_bench_writes";
 /// How long a frame may take to come before the run is called stuck.
@@ -51,7 +51,7 @@ const WAIT: Duration = Duration::from_secs(60);
 /// Mutations per `mutate` frame in the flush: the most a frame may carry, as the client sends.
 const FRAME: usize = highwater_engine::scope_sync::MAX_MUTATIONS_PER_FRAME;
 
-/// Command-line arguments of `highwater bench writes`.
+/// Command-line arguments of `highwater-bench writes`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WritesArgs {
     /// Writer levels of the latency run, comma-separated: sockets writing at once, one
@@ -87,14 +87,15 @@ pub struct WritesArgs {
     /// Where the server keeps its replica during the run; by default the temporary directory.
     #[arg(long)]
     pub work_dir: Option<PathBuf>,
-    /// The `highwater` binary to serve with (default: this one).
+    /// The `highwater` binary to serve with (default: the one beside this binary, as
+    /// `cargo build --release -p highwater-host --bin highwater` leaves it).
     #[arg(long)]
     pub server_binary: Option<PathBuf>,
 }
 
 /// Runs the benchmark and prints its table.
 pub fn run(args: WritesArgs) -> anyhow::Result<()> {
-    crate::runtime::init_tracing("warn");
+    highwater_host::runtime::init_tracing("warn");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -105,6 +106,7 @@ pub fn run(args: WritesArgs) -> anyhow::Result<()> {
 }
 
 async fn bench(args: &WritesArgs) -> anyhow::Result<String> {
+    let binary = super::server_binary(args.server_binary.as_ref())?;
     // As in `bench sync`: no autovacuum or checkpoint in the middle of a run; commit
     // timestamps for the flush's breakdown.
     let mut settings = vec![
@@ -144,10 +146,6 @@ async fn bench(args: &WritesArgs) -> anyhow::Result<String> {
         .unwrap_or_else(std::env::temp_dir)
         .join(format!("highwater-bench-writes-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
-    let binary = match &args.server_binary {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()?,
-    };
     let rules = format!(
         r#"{{"tables":{{"{TABLE}":{{"filterColumns":["owner"],"require":{{"owner":"sub"}},"write":{{"insert":true,"update":true,"delete":true}}}}}}}}"#
     );

@@ -1,9 +1,9 @@
-//! `highwater bench sync`: scope sync as a browser sees it.
+//! `highwater-bench sync`: scope sync as a browser sees it.
 //!
-//! Setup: a private Postgres and `highwater serve --sync-rules` as a process of its own (this
-//! binary), so its resident memory is its own; the clients are real WebSocket clients on
-//! `/sync` in this process, each subscribed with a signed token, and (for the client replay)
-//! `HighwaterClient`s in Node processes.
+//! Setup: a private Postgres and `highwater serve --sync-rules` as a process of its own (the
+//! `highwater` binary, see `--server-binary`), so its resident memory is its own; the clients
+//! are real WebSocket clients on `/sync` in this process, each subscribed with a signed token,
+//! and (for the client replay) `HighwaterClient`s in Node processes.
 //!
 //! - Replay: `--replay-rows` rows of one scope are committed and stored; one WebSocket client
 //!   subscribes with no cursor (pages of 1,000) and is timed from the subscribe until
@@ -49,8 +49,8 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 use super::common::rss_kib_of;
-use crate::private_pg::{PgOptions, PrivatePg};
-use crate::sync_auth::{mint_token, SyncSecret};
+use highwater_host::private_pg::{PgOptions, PrivatePg};
+use highwater_host::sync_auth::{mint_token, SyncSecret};
 
 const TABLE: &str = "highwater_bench_sync";
 const MEMBERS: &str = "highwater_bench_members";
@@ -59,7 +59,7 @@ const LEVEL_PROJECTS: i64 = 1_000_000;
 const WAIT: Duration = Duration::from_secs(10 * 60);
 const SECRET: &str = "a benchmark secret that is long enough for HS256";
 
-/// Command-line arguments of `highwater bench sync`.
+/// Command-line arguments of `highwater-bench sync`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SyncArgs {
     /// Connection levels of the latency run, comma-separated.
@@ -86,8 +86,9 @@ pub struct SyncArgs {
     /// Where the server keeps its replica during the run; by default the temporary directory.
     #[arg(long)]
     pub work_dir: Option<PathBuf>,
-    /// The `highwater` binary to serve with (default: this one), to compare two builds'
-    /// servers under the same clients in one sitting.
+    /// The `highwater` binary to serve with (default: the one beside this binary, as
+    /// `cargo build --release -p highwater-host --bin highwater` leaves it), to compare two
+    /// builds' servers under the same clients in one sitting.
     #[arg(long)]
     pub server_binary: Option<PathBuf>,
     /// Scopes reached through a membership table (see the module docs): latency levels, a
@@ -107,7 +108,7 @@ pub struct SyncArgs {
 
 /// Runs the benchmark and prints its table.
 pub fn run(args: SyncArgs) -> anyhow::Result<()> {
-    crate::runtime::init_tracing("warn");
+    highwater_host::runtime::init_tracing("warn");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -196,6 +197,7 @@ pub(super) fn percentile(sorted: &[i64], p: f64) -> Option<i64> {
 }
 
 async fn bench(args: &SyncArgs) -> anyhow::Result<String> {
+    let binary = super::server_binary(args.server_binary.as_ref())?;
     // As in `bench fanout`: no autovacuum or checkpoint in the middle of a run.
     let settings = [
         ("autovacuum", "off"),
@@ -223,7 +225,7 @@ async fn bench(args: &SyncArgs) -> anyhow::Result<String> {
         .unwrap_or_else(std::env::temp_dir)
         .join(format!("highwater-bench-sync-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
-    let result = with_server(args, &pg, &db, &work).await;
+    let result = with_server(args, &binary, &pg, &db, &work).await;
     let _ = std::fs::remove_dir_all(&work);
     result
 }
@@ -317,15 +319,12 @@ impl Server {
 
 async fn with_server(
     args: &SyncArgs,
+    binary: &Path,
     pg: &PrivatePg,
     db: &tokio_postgres::Client,
     work: &Path,
 ) -> anyhow::Result<String> {
-    let binary = match &args.server_binary {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()?,
-    };
-    let server = Server::start(pg, work, &binary, args.membership).await?;
+    let server = Server::start(pg, work, binary, args.membership).await?;
     let result = if args.membership {
         measure_membership(args, pg, db, &server).await
     } else {
@@ -949,7 +948,7 @@ mod tests {
     fn commit_times_parse_back_to_milliseconds() {
         let ms = 1_796_126_400_123;
         assert_eq!(
-            parse_iso_ms(&crate::replica::feed::iso_from_ms(ms)),
+            parse_iso_ms(&highwater_host::replica::feed::iso_from_ms(ms)),
             Some(ms)
         );
         assert_eq!(percentile(&[1, 2, 3, 4], 0.5), Some(2));

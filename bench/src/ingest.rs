@@ -1,4 +1,4 @@
-//! `highwater bench ingest`: how fast committed Postgres changes become durable in the SQLite
+//! `highwater-bench ingest`: how fast committed Postgres changes become durable in the SQLite
 //! replica, measured against `pg_recvlogical` streaming the same changes.
 //!
 //! Setup: a table of ~170-byte order rows and a publication for it; Highwater's replicator
@@ -45,10 +45,10 @@ use super::common::{
 };
 use super::recvlogical::{self, last_commit, summarize, OutputSummary, RecvLogical};
 use super::workload::{self, PhaseCommit, PUBLICATION};
-use crate::private_pg::{newest_bin_dir, PgOptions, PrivatePg};
-use crate::replicate::{replicate, ReplicateArgs};
-use crate::replication::setup::ReplicationNames;
-use crate::replication::ConnectParams;
+use highwater_host::private_pg::{newest_bin_dir, PgOptions, PrivatePg};
+use highwater_host::replicate::{replicate, ReplicateArgs};
+use highwater_host::replication::setup::ReplicationNames;
+use highwater_host::replication::ConnectParams;
 
 /// Names Highwater's slot (`hwbench_slot`), schema and DDL trigger.
 const APP_ID: &str = "hwbench";
@@ -67,7 +67,7 @@ const SERVER_SETTINGS: &[(&str, &str)] = &[
     ("shared_buffers", "256MB"),
 ];
 
-/// Command-line arguments of `highwater bench ingest`.
+/// Command-line arguments of `highwater-bench ingest`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct IngestArgs {
     /// Rows inserted by phase A's single transaction (0 skips the phase).
@@ -111,7 +111,7 @@ pub enum Mode {
 
 /// Runs the benchmark and prints its tables.
 pub fn run(args: IngestArgs) -> anyhow::Result<()> {
-    crate::runtime::init_tracing("warn");
+    highwater_host::runtime::init_tracing("warn");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -803,7 +803,7 @@ impl IngestReport {
                  from phase start until durable (pg_recvlogical: written to its file)"
             }
         };
-        let _ = writeln!(out, "highwater bench ingest ({method})");
+        let _ = writeln!(out, "highwater-bench ingest ({method})");
         let _ = writeln!(
             out,
             "Postgres {}; phase B from {} connections x {} pipelined statements\n",

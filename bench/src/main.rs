@@ -1,4 +1,6 @@
-//! `highwater bench …`: benchmarks a user can run, each printing a results table.
+//! `highwater-bench …`: benchmarks a user can run, each printing a results table. They use the
+//! server's parts through its library (`highwater_host`); `sync` and `writes` run the
+//! `highwater` binary itself as a process of its own (see [`server_binary`]).
 //!
 //! - `ingest` ([`ingest`]): Postgres changes to the durable SQLite replica, with
 //!   `pg_recvlogical` on the same workload as the yardstick.
@@ -15,6 +17,17 @@
 //! - `writes` ([`writes`]): writes through `/sync`, end to end: mutation → confirmed latency
 //!   at 1 and 100 writers, flushing a queued outbox, and `HighwaterClient`'s outbox in Node.
 
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+
+/// The same allocator as the `highwater` binary (host-native/src/main.rs): the benchmarks that
+/// run the server's parts in this process (`ingest`, `apply`, `fanout`, `initial-sync`) measure
+/// them as the server runs them. Its settings are in `.cargo/config.toml`.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 pub mod apply;
 mod common;
 pub mod fanout;
@@ -26,8 +39,13 @@ pub mod sync;
 mod workload;
 pub mod writes;
 
-/// Command-line arguments of `highwater bench`.
-#[derive(Debug, Clone, clap::Args)]
+/// Command-line arguments of `highwater-bench`.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "highwater-bench",
+    version,
+    about = "Highwater's benchmarks, each printing a results table (BENCHMARKS.md)"
+)]
 pub struct BenchArgs {
     #[command(subcommand)]
     pub benchmark: Benchmark,
@@ -52,6 +70,10 @@ pub enum Benchmark {
     Writes(writes::WritesArgs),
 }
 
+fn main() -> anyhow::Result<()> {
+    run(BenchArgs::parse())
+}
+
 /// Runs the chosen benchmark and prints its table to stdout.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.benchmark {
@@ -63,4 +85,29 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         Benchmark::Sync(args) => sync::run(args),
         Benchmark::Writes(args) => writes::run(args),
     }
+}
+
+/// The `highwater` binary a benchmark serves with: `explicit` if given, else the one beside this
+/// binary in the same target directory (`target/release/highwater` for
+/// `target/release/highwater-bench`). `cargo run -p highwater-bench` does not build it;
+/// `cargo build --release -p highwater-host --bin highwater` does.
+pub(crate) fn server_binary(explicit: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
+    if let Some(path) = explicit {
+        return Ok(path.clone());
+    }
+    let exe = std::env::current_exe().context("cannot find this binary's path")?;
+    let path = exe.with_file_name(format!("highwater{}", std::env::consts::EXE_SUFFIX));
+    if !path.is_file() {
+        let release = if cfg!(debug_assertions) {
+            ""
+        } else {
+            " --release"
+        };
+        anyhow::bail!(
+            "no highwater binary at {}: build it (cargo build{release} -p highwater-host --bin \
+             highwater) or name one with --server-binary",
+            path.display()
+        );
+    }
+    Ok(path)
 }

@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use tokio_postgres::Client;
 
 use super::workload::TABLE;
-use crate::replica::schema::{quote_ident, replica_table_name};
+use highwater_host::replica::schema::{quote_ident, replica_table_name};
 
 /// A run's files: the replica (and `bench ingest`'s `pg_recvlogical` output); a temporary
 /// directory, removed afterwards, unless the user named one.
@@ -101,7 +101,7 @@ pub(super) async fn drop_bench_objects(
     app_id: &str,
     other_slots: &[&str],
 ) -> anyhow::Result<()> {
-    let slot = crate::replication::setup::ReplicationNames::for_app(app_id)?.slot;
+    let slot = highwater_host::replication::setup::ReplicationNames::for_app(app_id)?.slot;
     for slot in std::iter::once(slot.as_str()).chain(other_slots.iter().copied()) {
         drop_slot(client, slot).await?;
     }

@@ -1,4 +1,4 @@
-//! `highwater bench streamer`: the engine's change-stream streamer alone, in memory, on one
+//! `highwater-bench streamer`: the engine's change-stream streamer alone, in memory, on one
 //! thread: what routing and framing live transactions costs per subscriber, without Postgres,
 //! SQLite, sockets or the other processes `bench fanout` shares the cores with. Every
 //! subscriber is a v8 connection that acks each frame at once; a burst of `--burst`

@@ -1,4 +1,4 @@
-//! `highwater bench apply`: the replica's apply path alone, on one thread, without Postgres or a
+//! `highwater-bench apply`: the replica's apply path alone, on one thread, without Postgres or a
 //! socket: pgoutput Insert messages of the ingest benchmark's table, mapped and applied to a
 //! file replica in one transaction (made durable at its commit), once with JSON rows (what
 //! `serve` stores, its change stream carrying them) and once with rows that kept their text
@@ -19,7 +19,7 @@ use serde_json::Number;
 
 use super::common::{replica_row_count, thousands, WorkDir};
 use super::workload::TABLE;
-use crate::replica::{Replica, ReplicaState, ReplicaWriter};
+use highwater_host::replica::{Replica, ReplicaState, ReplicaWriter};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ApplyArgs {

@@ -1,4 +1,4 @@
-//! `highwater bench fanout`: how fast `highwater serve` delivers committed Postgres changes to
+//! `highwater-bench fanout`: how fast `highwater serve` delivers committed Postgres changes to
 //! many change-stream subscribers at once, and how fast a subscriber far behind catches up
 //! from the change log.
 //!
@@ -54,8 +54,8 @@ use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use crate::private_pg::{PgOptions, PrivatePg};
-use crate::serve::{serve, ServeArgs};
+use highwater_host::private_pg::{PgOptions, PrivatePg};
+use highwater_host::serve::{serve, ServeArgs};
 
 /// The benchmark table (schema `public`).
 const TABLE: &str = "highwater_bench_fanout";
@@ -76,7 +76,7 @@ const SERVER_SETTINGS: &[(&str, &str)] = &[
 /// A ~100-byte row as a function of its id.
 const ROW_SELECT: &str = "i, 'event ' || i || ' ' || md5(i::text) || ' ' || md5((i + 1)::text)";
 
-/// Command-line arguments of `highwater bench fanout`.
+/// Command-line arguments of `highwater-bench fanout`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct FanoutArgs {
     /// Single-row transactions per fan-out level.
@@ -117,7 +117,7 @@ impl FanoutArgs {
 
 /// Runs the benchmark and prints its tables.
 pub fn run(args: FanoutArgs) -> anyhow::Result<()> {
-    crate::runtime::init_tracing("warn");
+    highwater_host::runtime::init_tracing("warn");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name(BENCH_THREADS)
@@ -281,7 +281,7 @@ struct Server {
     stop: watch::Sender<bool>,
     /// Taken on drop: a runtime may not be dropped (blocking) inside another one.
     runtime: Option<tokio::runtime::Runtime>,
-    task: Option<tokio::task::JoinHandle<Result<(), crate::serve::ServeError>>>,
+    task: Option<tokio::task::JoinHandle<Result<(), highwater_host::serve::ServeError>>>,
 }
 
 impl Drop for Server {

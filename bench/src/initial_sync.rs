@@ -1,4 +1,4 @@
-//! `highwater bench initial-sync`: how fast an initial sync copies a table into the replica,
+//! `highwater-bench initial-sync`: how fast an initial sync copies a table into the replica,
 //! measured against `psql -c "\copy (SELECT …) to /dev/null"` on the same table.
 //!
 //! Setup: the `bench ingest` table (~170-byte order rows) filled with `--rows` rows by one
@@ -23,11 +23,11 @@ use super::common::{
     WorkDir,
 };
 use super::workload::{self, TABLE};
-use crate::private_pg::{newest_bin_dir, PgOptions, PrivatePg};
-use crate::replica::bootstrap::Upstream;
-use crate::replica::initial_sync::SyncOptions;
-use crate::replica::Replica;
-use crate::replication::ConnectParams;
+use highwater_host::private_pg::{newest_bin_dir, PgOptions, PrivatePg};
+use highwater_host::replica::bootstrap::Upstream;
+use highwater_host::replica::initial_sync::SyncOptions;
+use highwater_host::replica::Replica;
+use highwater_host::replication::ConnectParams;
 
 /// Names Highwater's slot, schema and DDL trigger (not `bench ingest`'s, so both can share
 /// an upstream).
@@ -44,7 +44,7 @@ const SERVER_SETTINGS: &[(&str, &str)] = &[
     ("shared_buffers", "256MB"),
 ];
 
-/// Command-line arguments of `highwater bench initial-sync`.
+/// Command-line arguments of `highwater-bench initial-sync`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct InitialSyncArgs {
     /// Rows in the copied table.
@@ -56,7 +56,7 @@ pub struct InitialSyncArgs {
     #[arg(long)]
     pub upstream: Option<String>,
     /// COPY readers of the initial sync (`--sync-workers` of `replicate` and `serve`).
-    #[arg(long, default_value_t = crate::replica::initial_sync::DEFAULT_SYNC_WORKERS)]
+    #[arg(long, default_value_t = highwater_host::replica::initial_sync::DEFAULT_SYNC_WORKERS)]
     pub sync_workers: usize,
     /// Directory for the replica; by default a temporary one, removed afterwards.
     #[arg(long)]
@@ -82,7 +82,7 @@ pub struct InitialSyncReport {
 
 /// Runs the benchmark and prints its table.
 pub fn run(args: InitialSyncArgs) -> anyhow::Result<()> {
-    crate::runtime::init_tracing("warn");
+    highwater_host::runtime::init_tracing("warn");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -287,7 +287,7 @@ impl InitialSyncReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "highwater bench initial-sync (Postgres {}; --sync-workers {}; psql \\copy to \
+            "highwater-bench initial-sync (Postgres {}; --sync-workers {}; psql \\copy to \
              /dev/null: faster of a run before and one after)\n",
             self.server_version, self.workers
         );
