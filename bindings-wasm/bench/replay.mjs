@@ -43,7 +43,7 @@ if (process.argv[2] === "--serve-contract") {
   process.send(url);
 } else if (process.argv[2] === "--replay") {
   // One process: `runs` replays in a row; the first is the fresh one. The times go to the
-  // parent through IPC, or as JSON on stdout (`highwater bench sync` runs this mode).
+  // parent through IPC, or as JSON on stdout (`highwater-bench sync` runs this mode).
   const [url, token, rows, listener, runs, resourceType, owner] = process.argv.slice(3);
   // HIGHWATER_PACKAGE: another build's entry point (dist/node.js), to compare builds.
   const { HighwaterClient } = await import(process.env.HIGHWATER_PACKAGE ?? "highwater");

@@ -1,7 +1,7 @@
 #!/usr/bin/env node
 // Client writes benchmark: HighwaterClient's outbox against a real `highwater serve`.
 //   node [--experimental-websocket] bench/writes.mjs [--json] URL TOKEN TABLE OWNER [mutations] [single] [firstId]
-// (Node 22+: no flag.) `highwater bench writes` runs it against its private Postgres and server
+// (Node 22+: no flag.) `highwater-bench writes` runs it against its private Postgres and server
 // (write rules on TABLE, scopes by `owner` = the token's `sub`) and reads the JSON `--json` prints.
 // 1. Flush: a client with a MemoryStore, subscribed to OWNER's scope, goes offline, queues
 //    `mutations` (10,000) inserts, goes online; timed from goOnline() until pendingCount is 0
