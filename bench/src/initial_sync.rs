@@ -24,8 +24,8 @@ use super::common::{
 };
 use super::workload::{self, TABLE};
 use highwater_host::private_pg::{newest_bin_dir, PgOptions, PrivatePg};
-use highwater_host::replica::bootstrap::Upstream;
-use highwater_host::replica::initial_sync::SyncOptions;
+use highwater_host::replication::bootstrap::Upstream;
+use highwater_host::replication::initial_sync::SyncOptions;
 use highwater_host::replica::Replica;
 use highwater_host::replication::ConnectParams;
 
@@ -56,7 +56,7 @@ pub struct InitialSyncArgs {
     #[arg(long)]
     pub upstream: Option<String>,
     /// COPY readers of the initial sync (`--sync-workers` of `replicate` and `serve`).
-    #[arg(long, default_value_t = highwater_host::replica::initial_sync::DEFAULT_SYNC_WORKERS)]
+    #[arg(long, default_value_t = highwater_host::replication::initial_sync::DEFAULT_SYNC_WORKERS)]
     pub sync_workers: usize,
     /// Directory for the replica; by default a temporary one, removed afterwards.
     #[arg(long)]

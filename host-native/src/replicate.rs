@@ -30,8 +30,8 @@ use crate::upstream::{
     Catalog, EffectHost,
 };
 
-use crate::replica::bootstrap::{BootstrapError, Upstream};
-use crate::replica::initial_sync::{SyncError, SyncOptions, DEFAULT_SYNC_WORKERS};
+use crate::replication::bootstrap::{BootstrapError, Upstream};
+use crate::replication::initial_sync::{SyncError, SyncOptions, DEFAULT_SYNC_WORKERS};
 use crate::replica::{outgrows_hold, Applied, Replica, ReplicaWriter, TxnItem};
 use crate::replication::setup::DEFAULT_APP_ID;
 use crate::replication::{WalEvent, WalStream};

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::replica::bootstrap::BootstrapError;
-use crate::replica::initial_sync::SyncError;
+use crate::replication::bootstrap::BootstrapError;
+use crate::replication::initial_sync::SyncError;
 use crate::replication::ReplicationError;
 
 /// How long startup keeps retrying after its Postgres connection was lost.

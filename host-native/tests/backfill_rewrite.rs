@@ -3,7 +3,7 @@
 //! table as empty. A backfill read in such a snapshot completed with no rows, and subscribers
 //! kept NULL in the new column for good. `lock_unless_rewritten` tells such a snapshot apart.
 
-use highwater_host::replica::backfill::lock_unless_rewritten;
+use highwater_host::replication::backfill::lock_unless_rewritten;
 
 use crate::scratch_support;
 

@@ -8,8 +8,8 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use highwater_host::replica::bootstrap::{BootstrapError, Upstream};
-use highwater_host::replica::initial_sync::{SyncError, SyncOptions};
+use highwater_host::replication::bootstrap::{BootstrapError, Upstream};
+use highwater_host::replication::initial_sync::{SyncError, SyncOptions};
 use highwater_host::replica::load_marker::marker_path;
 use highwater_host::replica::Replica;
 

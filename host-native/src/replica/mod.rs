@@ -10,13 +10,9 @@
 //! ([`wal_sync`]), acknowledging a group once a sync that started after its commit returned:
 //! the same promise, without the thread that forwards to subscribers waiting for the disk.
 
-mod apply;
-pub mod backfill;
-pub mod bootstrap;
-mod copy_text;
+pub(crate) mod apply;
 pub mod ddl;
 pub mod feed;
-pub mod initial_sync;
 pub mod load_marker;
 pub mod schema;
 pub mod value;
@@ -102,8 +98,8 @@ pub struct ReplicaState {
 
 /// An open replica database.
 pub struct Replica {
-    conn: Connection,
-    tables: HashMap<String, ReplicaTable>,
+    pub(crate) conn: Connection,
+    pub(crate) tables: HashMap<String, ReplicaTable>,
     state: Option<ReplicaState>,
 }
 

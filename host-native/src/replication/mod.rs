@@ -5,6 +5,14 @@
 //! - [`ReplicationConnection`]: a `replication=database` session: `IDENTIFY_SYSTEM`,
 //!   `CREATE_REPLICATION_SLOT … (SNAPSHOT 'export')`, `START_REPLICATION`.
 //! - [`WalStream`]: the driver task that keeps a stream alive, bounded, acknowledged and resumed.
+//! - [`initial_sync`]: the initial copy of the publications from a slot's exported snapshot
+//!   (parallel `COPY … TO STDOUT` readers, [`copy_text`] parsing), written into the replica;
+//!   [`bootstrap`] decides between a fresh sync and a resume.
+//! - [`backfill`]: reads the rows of a table or column added to the publications from a
+//!   snapshot, for the replica to merge.
+//!
+//! This folder is the transport: everything that talks to upstream Postgres. The replica and
+//! the change log (`replica/`, `change_log/`) are SQLite only.
 //!
 //! The client is our own, on `postgres-protocol`'s message codec, rather than the
 //! `pgwire-replication` crate, because that crate starts replication as part of connecting: it
@@ -15,8 +23,12 @@
 //! consumer's durable acks; and it interprets pgoutput logical messages itself, while
 //! `engine::pgoutput` must see every payload. The protocol surface we need is small.
 
+pub mod backfill;
+pub mod bootstrap;
 mod connection;
+pub(crate) mod copy_text;
 mod error;
+pub mod initial_sync;
 pub mod setup;
 mod stream;
 pub mod tls;

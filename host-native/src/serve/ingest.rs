@@ -66,9 +66,9 @@ use super::source::{Confirm, SourceEvent};
 use super::ServeError;
 use crate::change_log::{self, CatchupLimits, CatchupReader};
 use crate::pause_point::{self, Point};
-use crate::replica::backfill::BackfillItem;
+use crate::replication::backfill::BackfillItem;
 use crate::replica::feed::CommittedChanges;
-use crate::replica::initial_sync::SyncError;
+use crate::replication::initial_sync::SyncError;
 use crate::replica::wal_sync::WalSync;
 use crate::replica::{outgrows_hold, Applied, Replica, ReplicaWriter};
 use crate::upstream::{

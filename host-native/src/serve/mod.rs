@@ -57,7 +57,7 @@ use tokio::sync::watch;
 
 use crate::change_log::ChangeLogError;
 use crate::data_lock::{DataDirLock, DataLockError};
-use crate::replica::initial_sync::SyncError;
+use crate::replication::initial_sync::SyncError;
 use crate::replica::ReplicaError;
 use crate::replication::setup::DEFAULT_APP_ID;
 use crate::replication::ReplicationError;
@@ -150,7 +150,7 @@ pub struct ServeArgs {
     /// COPY readers of an initial sync, each on its own upstream connection in the slot's
     /// snapshot: tables are copied in parallel, and a table of 128 MiB or more is split into
     /// a page range per reader (Postgres 14+).
-    #[arg(long, default_value_t = crate::replica::initial_sync::DEFAULT_SYNC_WORKERS, env = "HIGHWATER_SYNC_WORKERS")]
+    #[arg(long, default_value_t = crate::replication::initial_sync::DEFAULT_SYNC_WORKERS, env = "HIGHWATER_SYNC_WORKERS")]
     pub sync_workers: usize,
     /// Turns on scope sync (`GET /sync`): the rules (JSON or YAML) saying which tables apps may
     /// read, which columns a scope may filter on, which are never sent, and which conditions
@@ -250,7 +250,7 @@ impl ServeArgs {
             backlog_full_timeout_ms: DEFAULT_BACKLOG_FULL_TIMEOUT_MS,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             auto_reset: false,
-            sync_workers: crate::replica::initial_sync::DEFAULT_SYNC_WORKERS,
+            sync_workers: crate::replication::initial_sync::DEFAULT_SYNC_WORKERS,
             sync_rules: None,
             sync_secret: SyncSecretArgs::default(),
             sync_retention_secs: DEFAULT_SYNC_RETENTION_SECS,
@@ -304,7 +304,7 @@ pub enum ServeError {
     #[error("initial sync failed: {0}")]
     Sync(#[from] SyncError),
     #[error(transparent)]
-    Bootstrap(#[from] crate::replica::bootstrap::BootstrapError),
+    Bootstrap(#[from] crate::replication::bootstrap::BootstrapError),
     #[error("upstream query failed: {}", crate::replication::PgErrorText(.0))]
     Postgres(#[from] tokio_postgres::Error),
     #[error("the change source broke the change-stream protocol: {0}")]

@@ -7,8 +7,8 @@ use tokio::sync::watch;
 
 use super::{ServeArgs, ServeError};
 use crate::change_log::{self, ChangeLogConfig, ChangeLogError, ChangeLogStatus};
-use crate::replica::bootstrap::Upstream;
-use crate::replica::initial_sync::SyncError;
+use crate::replication::bootstrap::Upstream;
+use crate::replication::initial_sync::SyncError;
 use crate::replica::{Replica, ReplicaError, ReplicaWriter};
 use crate::replication::{ReplicationError, StreamConfig};
 use crate::startup_retry;
@@ -102,7 +102,7 @@ pub(crate) fn prepare(
     let log = match log {
         Some(log) => log,
         None => {
-            let options = crate::replica::initial_sync::SyncOptions {
+            let options = crate::replication::initial_sync::SyncOptions {
                 workers: args.sync_workers,
                 ..Default::default()
             };

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use highwater_engine::change_stream::{JsonFormat, Row};
 use highwater_engine::watermark::Lsn;
 use highwater_host::private_pg::PrivatePg;
-use highwater_host::replica::initial_sync::{initial_sync, SyncSource};
+use highwater_host::replication::initial_sync::{initial_sync, SyncSource};
 use highwater_host::replica::Replica;
 use highwater_host::replicate::{replicate, ReplicateArgs};
 use serde_json::Value;

@@ -31,13 +31,13 @@ use serde_json::Value;
 use tokio::runtime::Handle;
 use tokio_postgres::Client;
 
-use super::apply::create_replica_table;
+use crate::replica::apply::create_replica_table;
 use super::copy_text::{CopyRow, CopyRows, CopyTextError};
-use super::ddl::{parse_published_schema, PublishedTable, PUBLISHED_SCHEMA_SQL};
-use super::load_marker::{marker_path, LoadMarker};
-use super::schema::{create_index_sql, quote_ident, ReplicaColumn, ReplicaTable, ValueKind};
-use super::value::{into_sql, scalar_to_sql, SqlScalar};
-use super::{Replica, ReplicaError, ReplicaState};
+use crate::replica::ddl::{parse_published_schema, PublishedTable, PUBLISHED_SCHEMA_SQL};
+use crate::replica::load_marker::{marker_path, LoadMarker};
+use crate::replica::schema::{create_index_sql, quote_ident, ReplicaColumn, ReplicaTable, ValueKind};
+use crate::replica::value::{into_sql, scalar_to_sql, SqlScalar};
+use crate::replica::{Replica, ReplicaError, ReplicaState};
 use crate::replication::PgConfig;
 
 /// Rows per SQLite transaction during the copy.
@@ -1082,7 +1082,7 @@ fn write_batches(
                 for spec in published[*index].index_specs() {
                     let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
                     let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
-                    super::schema::record_index(&replica.conn, &spec, is_key)?;
+                    crate::replica::schema::record_index(&replica.conn, &spec, is_key)?;
                     if !is_key {
                         replica.conn.execute_batch(&create_index_sql(&spec))?;
                     }
@@ -1415,7 +1415,7 @@ mod tests {
         replica: &mut Replica,
         source: &SyncSource,
     ) -> Result<(), SyncError> {
-        use super::super::value::to_sql;
+        use crate::replica::value::to_sql;
         let version = source.consistent_point.to_watermark();
         begin_snapshot(handle, client, Some(&source.snapshot_name))?;
         let published = published_schema(handle, client, &source.publications)?;
@@ -1460,7 +1460,7 @@ mod tests {
             for spec in published_table.index_specs() {
                 let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
                 let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
-                super::super::schema::record_index(&replica.conn, &spec, is_key)?;
+                crate::replica::schema::record_index(&replica.conn, &spec, is_key)?;
                 if !is_key {
                     replica.conn.execute_batch(&create_index_sql(&spec))?;
                 }

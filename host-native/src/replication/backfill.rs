@@ -39,12 +39,12 @@ use tokio_postgres::Client;
 
 use crate::replication::PgConfig;
 
-use super::apply::PendingBackfill;
+use crate::replica::apply::PendingBackfill;
 use super::copy_text::CopyRows;
-use super::ddl::combine_row_filters;
+use crate::replica::ddl::combine_row_filters;
 use super::initial_sync::{copy_sql, open_snapshot, SyncError, TextRowConverter};
-use super::schema::{quote_ident, ReplicaColumn, ReplicaTable};
-use super::Replica;
+use crate::replica::schema::{quote_ident, ReplicaColumn, ReplicaTable};
+use crate::replica::Replica;
 
 /// Rows per `backfill` message.
 pub const BACKFILL_BATCH_ROWS: usize = 2_000;
