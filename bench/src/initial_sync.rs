@@ -24,9 +24,9 @@ use super::common::{
 };
 use super::workload::{self, TABLE};
 use highwater_host::private_pg::{newest_bin_dir, PgOptions, PrivatePg};
+use highwater_host::replica::Replica;
 use highwater_host::replication::bootstrap::Upstream;
 use highwater_host::replication::initial_sync::SyncOptions;
-use highwater_host::replica::Replica;
 use highwater_host::replication::ConnectParams;
 
 /// Names Highwater's slot, schema and DDL trigger (not `bench ingest`'s, so both can share
