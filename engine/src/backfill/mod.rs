@@ -11,8 +11,11 @@
 //! * [`BackfillState`]: one party's pending columns, folded transactionally over the stream;
 //! * [`BackfillStateTracker`]: the change streamer's view — which requests start a stream, and
 //!   when a newly aligned subscriber forces a restart.
+//!
+//! [`BackfillMerge`] is the replica's side: what a backfilled row does to the row it meets.
 
 mod cookie;
+mod merge;
 pub mod progress;
 mod state;
 mod tracker;
@@ -20,6 +23,7 @@ mod tracker;
 pub use cookie::{
     cookie_jar_requests, cookie_ops, BackfillCookie, CookieOp, MetadataCookie, TableRef,
 };
+pub use merge::{BackfillMerge, BackfilledValue, RowMerge, RowVersion};
 pub use progress::{
     accept_backfill, covers, resume_point, superset, table_superset, with_resume_point, Marks,
     Verdict,

@@ -14,10 +14,13 @@
 //! would be: both forms go through the same insert, update and delete code, read through
 //! [`RowValues`].
 //!
-//! Backfills follow Zero's rules for backfill data: rows are upserted by key, except rows
-//! deleted (or truncated) after the backfill's snapshot; a backfilling column keeps a value the
-//! stream wrote after that snapshot (tracked per row in `_hw_backfill_versions` while the column
-//! is backfilling); rows new to the replica get the snapshot's watermark as their version.
+//! Backfills follow Zero's rules for backfill data, which the engine's
+//! [`BackfillMerge`](highwater_engine::backfill::BackfillMerge) holds: rows are upserted by key,
+//! except rows deleted (or truncated) after the backfill's snapshot; a backfilling column keeps
+//! a value the stream wrote after that snapshot (tracked per row in `_hw_backfill_versions`
+//! while the column is backfilling); rows new to the replica get the snapshot's watermark as
+//! their version. How each write sets a row's version is the engine's
+//! [`RowVersion`](highwater_engine::backfill::RowVersion).
 //!
 //! What a transaction costs is kept small. A row statement's SQL is built once per table and
 //! column set and prepared through the connection's statement cache, as are the per-transaction
@@ -29,6 +32,7 @@
 //! by [`ReplicaWriter::commit_group`]. The property test `text_rows_store_what_json_rows_store`
 //! checks that a text row and its JSON row leave the same replica, bit for bit.
 
+use highwater_engine::backfill::{BackfillMerge, BackfilledValue, RowMerge, RowVersion};
 use highwater_engine::change_stream::{
     lite_default, AddColumn, Backfill, BackfillCompleted, Begin, Change, Commit, CreateIndex,
     CreateTable, DownstreamMessage, DropColumn, DropTable, Identifier, JsonFormat, Relation,
@@ -671,6 +675,21 @@ impl RowSql {
 }
 
 impl RowContext<'_> {
+    /// This context writing at the version `rule` names: the transaction's, or `snapshot`
+    /// (the backfill's) for [`RowVersion::Snapshot`].
+    fn at<'b>(&'b mut self, rule: RowVersion, snapshot: &'b str) -> RowContext<'b> {
+        RowContext {
+            conn: self.conn,
+            json: self.json,
+            version: match rule {
+                RowVersion::Commit | RowVersion::Later => self.version,
+                RowVersion::Snapshot => snapshot,
+            },
+            next_seq: &mut *self.next_seq,
+            sql: &mut *self.sql,
+        }
+    }
+
     fn seq(&mut self) -> i64 {
         let seq = *self.next_seq;
         *self.next_seq += 1;
@@ -949,27 +968,18 @@ fn upsert_sql(table: &ReplicaTable, values: &[(&ReplicaColumn, SqlScalar<'_>)]) 
     sql
 }
 
-/// How an update sets the row version.
-#[derive(Clone, Copy)]
-enum VersionRule {
-    /// To this transaction's version (a streamed change).
-    Set,
-    /// To the later of the row's and this version: a backfill never moves a row backwards (a
-    /// row the stream wrote later keeps its later version).
-    Keep,
-}
-
-/// Updates the row matched by `key` to `values`; returns how many rows changed.
+/// Updates the row matched by `key` to `values`, its version set as `version` says (the
+/// engine's rule for the write) to the context's version; returns how many rows changed.
 fn update_row(
     ctx: &mut RowContext<'_>,
     table: &ReplicaTable,
     values: &[(&ReplicaColumn, SqlScalar<'_>)],
     key: &[(&ReplicaColumn, SqlScalar<'_>)],
-    version: VersionRule,
+    version: RowVersion,
 ) -> Result<usize, ReplicaError> {
     let code = match version {
-        VersionRule::Set => SQL_UPDATE_SET,
-        VersionRule::Keep => SQL_UPDATE_KEEP,
+        RowVersion::Commit | RowVersion::Snapshot => SQL_UPDATE_SET,
+        RowVersion::Later => SQL_UPDATE_KEEP,
     };
     let sql = ctx.sql.get(table, code, values, || {
         update_sql(table, values, key, version)
@@ -990,7 +1000,7 @@ fn update_sql(
     table: &ReplicaTable,
     values: &[(&ReplicaColumn, SqlScalar<'_>)],
     key: &[(&ReplicaColumn, SqlScalar<'_>)],
-    version: VersionRule,
+    version: RowVersion,
 ) -> String {
     let mut set: Vec<String> = values
         .iter()
@@ -999,8 +1009,8 @@ fn update_sql(
         .collect();
     let n = values.len();
     set.push(match version {
-        VersionRule::Set => format!("\"_hw_version\" = ?{}", n + 1),
-        VersionRule::Keep => format!("\"_hw_version\" = max(\"_hw_version\", ?{})", n + 1),
+        RowVersion::Commit | RowVersion::Snapshot => format!("\"_hw_version\" = ?{}", n + 1),
+        RowVersion::Later => format!("\"_hw_version\" = max(\"_hw_version\", ?{})", n + 1),
     });
     set.push(format!("\"_hw_seq\" = ?{}", n + 2));
     format!(
@@ -1047,7 +1057,7 @@ fn apply_update<R: RowValues>(
         (None, Err(e)) => return Err(e),
     };
     let target = old_key.as_ref().unwrap_or(&new_key);
-    if update_row(ctx, table, &values, target, VersionRule::Set)? == 0 {
+    if update_row(ctx, table, &values, target, RowVersion::Commit)? == 0 {
         upsert(ctx, table, values)?;
     }
     if is_backfilling(table) {
@@ -1112,22 +1122,24 @@ fn apply_truncate(
     Ok(())
 }
 
-/// Backfilled values (`docs/protocol/change-stream.md`, "Backfills") overwrite only the
-/// backfilling columns of existing rows, and of those only the ones the stream has not written
-/// since the backfill's snapshot. A row deleted or truncated after the snapshot stays deleted.
-/// A row the replica lacks is inserted, with the snapshot's watermark as its version, only
-/// while the whole table awaits its backfill (for a column backfill it was deleted, or will
-/// arrive with all its values from the stream).
+/// Backfilled values (`docs/protocol/change-stream.md`, "Backfills") meet the replica's rows
+/// as the engine's [`BackfillMerge`] decides: this reads what the replica knows of the table
+/// and of each row (the versions of its truncate, of the row's tombstone, of the stream's
+/// writes to its backfilling columns) and runs the statement the answer names: an update of
+/// the held row (or, with nothing to write, a look for it), then an insert if it was missing.
 fn apply_backfill(
     ctx: &mut RowContext<'_>,
     tables: &Tables,
     backfill: &Backfill,
 ) -> Result<(), ReplicaError> {
     let table = table_for(tables, &backfill.relation.schema, &backfill.relation.name)?;
-    let snapshot = backfill.watermark.as_str();
-    if truncated_after(ctx.conn, &table.name, snapshot)? {
+    let snapshot = &backfill.watermark;
+    // The table itself is new to the replica: its rows come from the backfill.
+    let whole_table = table.columns.iter().all(|c| c.backfill.is_some());
+    let truncated = newest_truncate(ctx.conn, &table.name)?;
+    let Some(merge) = BackfillMerge::new(snapshot, whole_table, truncated.as_ref()) else {
         return Ok(());
-    }
+    };
     let names: Vec<&String> = backfill
         .relation
         .row_key
@@ -1135,10 +1147,12 @@ fn apply_backfill(
         .iter()
         .chain(&backfill.columns)
         .collect();
-    // The table itself is new to the replica: its rows come from the backfill.
-    let whole_table = table.columns.iter().all(|c| c.backfill.is_some());
     let keyed = !table.key.is_empty();
-    let tracked = keyed && has_backfill_versions_after(ctx.conn, &table.name, snapshot)?;
+    // The stream's writes to backfilling columns are read per row only when one of them came
+    // after the snapshot.
+    let tracked = keyed
+        && newest_backfill_write(ctx.conn, &table.name)?
+            .is_some_and(|version| merge.yields_to(&version));
     for values in &backfill.row_values {
         let mut row = Row::new();
         for (name, value) in names.iter().zip(values) {
@@ -1148,97 +1162,111 @@ fn apply_backfill(
             }
         }
         let key = key_values(table, &row, ctx.json, "backfill row")?;
-        let mut written_after = Vec::new();
+        let mut deleted = None;
+        let mut written = Vec::new();
         if keyed {
             let key_json = row_key_json(&key);
-            if deleted_after(ctx.conn, &table.name, &key_json, snapshot)? {
-                continue;
-            }
+            deleted = tombstone_version(ctx.conn, &table.name, &key_json)?;
             if tracked {
-                written_after = columns_written_after(ctx.conn, &table.name, &key_json, snapshot)?;
+                written = backfill_writes(ctx.conn, &table.name, &key_json)?;
             }
         }
+        let backfilled: Vec<BackfilledValue<'_>> = row
+            .keys()
+            .map(|name| BackfilledValue {
+                column: name,
+                in_key: table.key.contains(name),
+                awaits_backfill: table.column(name).is_some_and(|c| c.backfill.is_some()),
+            })
+            .collect();
+        let RowMerge::Merge {
+            update,
+            version,
+            insert,
+        } = merge.row(&backfilled, deleted.as_ref(), &written)
+        else {
+            continue;
+        };
         let set: Row = row
             .iter()
-            .filter(|(name, _)| {
-                !table.key.contains(name)
-                    && table.column(name).is_some_and(|c| c.backfill.is_some())
-                    && !written_after.contains(name)
-            })
-            .map(|(n, v)| (n.clone(), v.clone()))
+            .enumerate()
+            .filter(|(i, _)| update.contains(i))
+            .map(|(_, (n, v))| (n.clone(), v.clone()))
             .collect();
         let set_values = set.bound(table, ctx.json)?;
         let exists = if set_values.is_empty() {
             row_exists(ctx.conn, table, &key)?
         } else {
-            update_row(ctx, table, &set_values, &key, VersionRule::Keep)? > 0
+            let mut at = ctx.at(version, snapshot.as_str());
+            update_row(&mut at, table, &set_values, &key, version)? > 0
         };
-        if !exists && whole_table {
+        if let (false, Some(version)) = (exists, insert) {
             let values = row.bound(table, ctx.json)?;
-            let mut at_snapshot = RowContext {
-                conn: ctx.conn,
-                json: ctx.json,
-                version: snapshot,
-                next_seq: &mut *ctx.next_seq,
-                sql: &mut *ctx.sql,
-            };
-            upsert(&mut at_snapshot, table, values)?;
+            upsert(&mut ctx.at(version, snapshot.as_str()), table, values)?;
         }
     }
     Ok(())
 }
 
-/// Whether the table was truncated after `snapshot`.
-fn truncated_after(conn: &Connection, table: &str, snapshot: &str) -> Result<bool, ReplicaError> {
-    Ok(conn
+/// The version of the table's newest truncate.
+fn newest_truncate(conn: &Connection, table: &str) -> Result<Option<Watermark>, ReplicaError> {
+    let version: Option<String> = conn
         .prepare_cached(
-            r#"SELECT EXISTS (SELECT 1 FROM "_hw_tombstones"
-               WHERE "table_name" = ?1 AND "row_key" IS NULL AND "version" > ?2)"#,
+            r#"SELECT max("version") FROM "_hw_tombstones"
+               WHERE "table_name" = ?1 AND "row_key" IS NULL"#,
         )?
-        .query_row(params![table, snapshot], |r| r.get(0))?)
+        .query_row(params![table], |r| r.get(0))?;
+    Ok(version.as_deref().map(Watermark::parse).transpose()?)
 }
 
-/// Whether the row at `key` was deleted after `snapshot`.
-fn deleted_after(
+/// The version of the tombstone of the row at `key` (deleted, or moved to another key).
+fn tombstone_version(
     conn: &Connection,
     table: &str,
     key: &str,
-    snapshot: &str,
-) -> Result<bool, ReplicaError> {
-    Ok(conn
+) -> Result<Option<Watermark>, ReplicaError> {
+    let version: Option<String> = conn
         .prepare_cached(
-            r#"SELECT EXISTS (SELECT 1 FROM "_hw_tombstones"
-               WHERE "table_name" = ?1 AND "row_key" = ?2 AND "version" > ?3)"#,
+            r#"SELECT max("version") FROM "_hw_tombstones"
+               WHERE "table_name" = ?1 AND "row_key" = ?2"#,
         )?
-        .query_row(params![table, key, snapshot], |r| r.get(0))?)
+        .query_row(params![table, key], |r| r.get(0))?;
+    Ok(version.as_deref().map(Watermark::parse).transpose()?)
 }
 
-fn has_backfill_versions_after(
+/// The version of the stream's newest write to a backfilling column of the table.
+fn newest_backfill_write(
     conn: &Connection,
     table: &str,
-    snapshot: &str,
-) -> Result<bool, ReplicaError> {
-    Ok(conn
+) -> Result<Option<Watermark>, ReplicaError> {
+    let version: Option<String> = conn
         .prepare_cached(
-            r#"SELECT EXISTS (SELECT 1 FROM "_hw_backfill_versions"
-               WHERE "table_name" = ?1 AND "version" > ?2)"#,
+            r#"SELECT max("version") FROM "_hw_backfill_versions" WHERE "table_name" = ?1"#,
         )?
-        .query_row(params![table, snapshot], |r| r.get(0))?)
+        .query_row(params![table], |r| r.get(0))?;
+    Ok(version.as_deref().map(Watermark::parse).transpose()?)
 }
 
-/// The backfilling columns of the row at `key` that the stream wrote after `snapshot`.
-fn columns_written_after(
+/// The backfilling columns of the row at `key` the stream wrote, each with the version of its
+/// latest write.
+fn backfill_writes(
     conn: &Connection,
     table: &str,
     key: &str,
-    snapshot: &str,
-) -> Result<Vec<String>, ReplicaError> {
+) -> Result<Vec<(String, Watermark)>, ReplicaError> {
     let mut stmt = conn.prepare_cached(
-        r#"SELECT "column_name" FROM "_hw_backfill_versions"
-           WHERE "table_name" = ?1 AND "row_key" = ?2 AND "version" > ?3"#,
+        r#"SELECT "column_name", "version" FROM "_hw_backfill_versions"
+           WHERE "table_name" = ?1 AND "row_key" = ?2"#,
     )?;
-    let columns = stmt.query_map(params![table, key, snapshot], |r| r.get(0))?;
-    Ok(columns.collect::<Result<_, _>>()?)
+    let rows = stmt.query_map(params![table, key], |r| {
+        Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?))
+    })?;
+    let mut writes = Vec::new();
+    for row in rows {
+        let (column, version) = row?;
+        writes.push((column, Watermark::parse(&version)?));
+    }
+    Ok(writes)
 }
 
 /// Forgets the write versions of `column` (every column when `None`) of `table`.
@@ -1305,7 +1333,8 @@ fn create_table(conn: &Connection, table: &ReplicaTable) -> Result<(), ReplicaEr
     schema::store_table(conn, table)
 }
 
-/// Creates a table in the replica, replacing one of the same name (used by initial sync too).
+/// Creates a table in the replica, replacing one of the same name (used by the initial load
+/// too).
 pub(crate) fn create_replica_table(
     conn: &Connection,
     tables: &mut Tables,

@@ -915,6 +915,16 @@ fn backfill_skips_rows_deleted_after_its_snapshot_and_keeps_later_streamed_value
             json!({"id": 3, "title": "c2", "meta": null, "prio": 30})
         ]
     );
+    // Row 1 took nothing and keeps its version; row 3 took its prio and moved forward to the
+    // backfill transaction's version, not back to the snapshot's.
+    let backfill_version = Lsn(0x400).to_watermark().state_version().next_minor();
+    assert_eq!(
+        versions(&w),
+        vec![
+            (1, Lsn(0x400).to_watermark().as_str().to_owned()),
+            (3, backfill_version.to_watermark().unwrap().into_string())
+        ]
+    );
     assert!(w.pending_backfills().is_empty());
     assert_eq!(
         tracked_versions(&w),
