@@ -17,6 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use highwater_engine::backfill::{BackfillMerge, BackfilledValue, RowMerge};
 use highwater_engine::change_stream::{Change, DownstreamMessage, Row};
 use highwater_engine::scope_sync::rules::row_filter::{RowFilter, SetQuery};
 use highwater_engine::scope_sync::server::{FeedChange, FeedEntry, PageResult};
@@ -706,8 +707,11 @@ impl Open {
                 }
             }
             Change::Backfill(backfill) => {
-                // As the host's replica: the pending columns of rows it holds take the
-                // snapshot's values; a table new to the replica takes the rows it lacks.
+                // The engine's merge decides, as it does for the host's replica. The simulated
+                // replica keeps no versions and needs none: a backfill is read at upstream's WAL
+                // end when it starts, and the session holds upstream input back until the
+                // backfill ends, so no write, delete or truncate the replica holds is newer than
+                // the snapshot, and every row meets the same answer.
                 let name = backfill.relation.name.clone();
                 let t = self.table(&name)?;
                 let names: Vec<String> = backfill
@@ -726,29 +730,53 @@ impl Open {
                         "expected a backfill of pending columns of {name}, got one of {c} (applied twice?)"
                     ));
                 }
-                let whole = t.pending.contains(&t.key);
                 let key = t.key.clone();
+                let whole = t.pending.contains(&key);
+                let backfilled: Vec<BackfilledValue<'_>> = names
+                    .iter()
+                    .map(|c| BackfilledValue {
+                        column: c,
+                        in_key: *c == key,
+                        awaits_backfill: t.pending.contains(c),
+                    })
+                    .collect();
+                let answer = BackfillMerge::new(&backfill.watermark, whole, None)
+                    .map(|merge| merge.row(&backfilled, None, &[]));
+                // The row's version (the later of its own and the backfill's) has no model here.
+                let Some(RowMerge::Merge { update, insert, .. }) = answer else {
+                    return Ok(());
+                };
                 for values in &backfill.row_values {
                     let row: Map<String, Value> =
                         names.iter().cloned().zip(values.iter().cloned()).collect();
                     let id = id_text(row.get(&key))
                         .ok_or_else(|| format!("expected a key in a backfill row of {name}"))?;
                     let t = self.table(&name)?;
-                    let exists = t.rows.contains_key(&id);
-                    if !exists && !whole {
+                    if !t.rows.contains_key(&id) && insert.is_none() {
                         continue;
                     }
                     let seq = self.take_seq(&name);
                     let t = self.table(&name)?;
-                    let entry = t.rows.entry(id).or_insert_with(|| ReplicaRow {
-                        data: Map::new(),
-                        seq,
-                        updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
-                    });
-                    for (k, v) in row {
-                        entry.data.insert(k, v);
+                    match t.rows.get_mut(&id) {
+                        Some(held) => {
+                            for &i in &update {
+                                if let (Some(c), Some(v)) = (names.get(i), values.get(i)) {
+                                    held.data.insert(c.clone(), v.clone());
+                                }
+                            }
+                            held.seq = seq;
+                        }
+                        None => {
+                            t.rows.insert(
+                                id,
+                                ReplicaRow {
+                                    data: row,
+                                    seq,
+                                    updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
+                                },
+                            );
+                        }
                     }
-                    entry.seq = seq;
                 }
             }
             Change::BackfillCompleted(done) => {
