@@ -22,15 +22,15 @@ use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio_postgres::Client;
 
+use crate::replica::ddl::{relation_changes, schema_changes, RelationType};
+use crate::replica::{Replica, ReplicaError};
 use crate::replication::backfill::{
     BackfillItem, BackfillPlanner, BackfillStream, RecentXids, BACKFILL_BATCH_ROWS,
 };
-use crate::replica::ddl::{
-    ddl_prefix, in_publications, parse_ddl_event, relation_changes, schema_changes, RelationType,
-    PRIMARY_KEY_SQL, RELATION_TYPES_SQL,
-};
 use crate::replication::initial_sync::SyncError;
-use crate::replica::{Replica, ReplicaError};
+use crate::replication::published_schema::{
+    ddl_prefix, in_publications, parse_ddl_event, PRIMARY_KEY_SQL, RELATION_TYPES_SQL,
+};
 use crate::replication::PgConfig;
 
 /// Why an effect could not be carried out.

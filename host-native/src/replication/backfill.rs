@@ -41,8 +41,8 @@ use crate::replication::PgConfig;
 
 use crate::replica::apply::PendingBackfill;
 use super::copy_text::CopyRows;
-use crate::replica::ddl::combine_row_filters;
 use super::initial_sync::{copy_sql, open_snapshot, SyncError, TextRowConverter};
+use super::published_schema::combine_row_filters;
 use crate::replica::schema::{quote_ident, ReplicaColumn, ReplicaTable};
 use crate::replica::Replica;
 

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 use tokio_postgres::Client;
 
-use crate::replica::ddl::event_trigger_sql;
 use super::initial_sync::{initial_sync_with, SyncError, SyncOptions, SyncReport, SyncSource};
+use super::published_schema::event_trigger_sql;
 use crate::replica::{Replica, ReplicaError, ReplicaState};
 use crate::replication::setup::{
     check_upstream, ensure_publication, slot_state, ReplicationNames, UpstreamSettings,

@@ -31,9 +31,9 @@ use serde_json::Value;
 use tokio::runtime::Handle;
 use tokio_postgres::Client;
 
-use crate::replica::apply::create_replica_table;
 use super::copy_text::{CopyRow, CopyRows, CopyTextError};
-use crate::replica::ddl::{parse_published_schema, PublishedTable, PUBLISHED_SCHEMA_SQL};
+use super::published_schema::{parse_published_schema, PublishedTable, PUBLISHED_SCHEMA_SQL};
+use crate::replica::apply::create_replica_table;
 use crate::replica::load_marker::{marker_path, LoadMarker};
 use crate::replica::schema::{create_index_sql, quote_ident, ReplicaColumn, ReplicaTable, ValueKind};
 use crate::replica::value::{into_sql, scalar_to_sql, SqlScalar};

@@ -29,6 +29,7 @@ mod connection;
 pub(crate) mod copy_text;
 mod error;
 pub mod initial_sync;
+pub mod published_schema;
 pub mod setup;
 mod stream;
 pub mod tls;
