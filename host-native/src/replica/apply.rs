@@ -1335,7 +1335,7 @@ fn create_table(conn: &Connection, table: &ReplicaTable) -> Result<(), ReplicaEr
 
 /// Creates a table in the replica, replacing one of the same name (used by the initial load
 /// too).
-pub(crate) fn create_replica_table(
+pub(super) fn create_replica_table(
     conn: &Connection,
     tables: &mut Tables,
     table: ReplicaTable,

@@ -10,9 +10,10 @@
 //! ([`wal_sync`]), acknowledging a group once a sync that started after its commit returned:
 //! the same promise, without the thread that forwards to subscribers waiting for the disk.
 
-pub(crate) mod apply;
+mod apply;
 pub mod ddl;
 pub mod feed;
+pub(crate) mod load;
 pub mod load_marker;
 pub mod schema;
 pub mod value;
@@ -49,6 +50,18 @@ pub enum ReplicaError {
         path: String,
         source: std::io::Error,
     },
+    #[error("cannot mark or unmark the initial load at {path}: {source}")]
+    LoadMarker {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(
+        "expected the checkpoint after the load to copy all {frames} WAL frames into the \
+         database file, it copied {copied}"
+    )]
+    LoadDurability { frames: i64, copied: i64 },
+    #[error("expected the replica to return to journal mode wal after the load, it is in {mode}")]
+    LoadJournalMode { mode: String },
     #[error("expected a replicated table, got a change for unknown table {table:?}")]
     UnknownTable { table: String },
     #[error("expected a column of table {table:?}, got unknown column {column:?}")]
@@ -98,8 +111,8 @@ pub struct ReplicaState {
 
 /// An open replica database.
 pub struct Replica {
-    pub(crate) conn: Connection,
-    pub(crate) tables: HashMap<String, ReplicaTable>,
+    conn: Connection,
+    tables: HashMap<String, ReplicaTable>,
     state: Option<ReplicaState>,
 }
 

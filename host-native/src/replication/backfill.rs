@@ -37,14 +37,12 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_postgres::Client;
 
-use crate::replication::PgConfig;
-
-use crate::replica::apply::PendingBackfill;
 use super::copy_text::CopyRows;
 use super::initial_sync::{copy_sql, open_snapshot, SyncError, TextRowConverter};
 use super::published_schema::combine_row_filters;
+use super::PgConfig;
 use crate::replica::schema::{quote_ident, ReplicaColumn, ReplicaTable};
-use crate::replica::Replica;
+use crate::replica::{PendingBackfill, Replica};
 
 /// Rows per `backfill` message.
 pub const BACKFILL_BATCH_ROWS: usize = 2_000;

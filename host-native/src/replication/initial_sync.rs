@@ -1,6 +1,6 @@
 //! Initial sync: copying upstream rows into the replica in the snapshot exported when the
 //! replication slot is created, as Zero's initial sync does. Backfills read their snapshots
-//! with the same COPY conversion (`replica::backfill`).
+//! with the same COPY conversion ([`super::backfill`]).
 //!
 //! Rows are streamed with `COPY (SELECT …) TO STDOUT` in text format and converted by the same
 //! per-type-OID conversion as the replication stream (`engine::pgoutput::TextColumn`, the
@@ -9,13 +9,15 @@
 //!
 //! The initial sync runs COPY readers on threads of their own, each on its own connection in
 //! the exported snapshot, taking one table (or one page range of a large table) at a time, and
-//! one SQLite writer on the calling thread. Readers hand the writer batches over a bounded
-//! channel, so what is in memory is a few batches per reader, whatever the table size.
+//! one writer on the calling thread, which hands the rows to the replica's load
+//! (`replica::load`: the SQLite side, its settings, transactions, indexes and durability).
+//! Readers convert rows to the replica's SQLite values in blocks (`RowBlock`) and hand the
+//! writer batches over a bounded channel, so what is in memory is a few batches per reader,
+//! whatever the table size.
 //!
 //! These functions block: run them on a blocking thread. Postgres I/O goes through
-//! `handle.block_on`, SQLite is written directly.
+//! `handle.block_on`; the load writes SQLite directly.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::{Duration, Instant};
@@ -27,18 +29,16 @@ use highwater_engine::pgoutput::{
     RelationColumn, TextColumn, TextRead, Tuple, TupleValue,
 };
 use highwater_engine::watermark::{Lsn, Watermark};
-use serde_json::Value;
 use tokio::runtime::Handle;
 use tokio_postgres::Client;
 
 use super::copy_text::{CopyRow, CopyRows, CopyTextError};
 use super::published_schema::{parse_published_schema, PublishedTable, PUBLISHED_SCHEMA_SQL};
-use crate::replica::apply::create_replica_table;
-use crate::replica::load_marker::{marker_path, LoadMarker};
-use crate::replica::schema::{create_index_sql, quote_ident, ReplicaColumn, ReplicaTable, ValueKind};
+use super::PgConfig;
+use crate::replica::load::{Insert, Load, RowBlock};
+use crate::replica::schema::{quote_ident, ReplicaColumn, ReplicaTable, ValueKind};
 use crate::replica::value::{into_sql, scalar_to_sql, SqlScalar};
 use crate::replica::{Replica, ReplicaError, ReplicaState};
-use crate::replication::PgConfig;
 
 /// Rows per SQLite transaction during the copy.
 pub const DEFAULT_BATCH_ROWS: usize = 100_000;
@@ -66,18 +66,6 @@ pub enum SyncError {
     Schema(#[from] serde_json::Error),
     #[error("the initial sync was stopped before it completed")]
     Stopped,
-    #[error(
-        "expected the checkpoint after the load to copy all {frames} WAL frames into the \
-         database file, it copied {copied}"
-    )]
-    Durability { frames: i64, copied: i64 },
-    #[error("cannot mark or unmark the initial load at {path}: {source}")]
-    Marker {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("expected the replica to return to journal mode wal after the load, it is in {mode}")]
-    JournalMode { mode: String },
     #[error("cannot start an initial sync reader thread: {0}")]
     Thread(std::io::Error),
     #[error("expected every COPY reader to finish its tables, but one ended without a result")]
@@ -94,12 +82,6 @@ pub enum SyncError {
 impl From<crate::replication::ReplicationError> for SyncError {
     fn from(e: crate::replication::ReplicationError) -> Self {
         SyncError::Connect(Box::new(e))
-    }
-}
-
-impl From<rusqlite::Error> for SyncError {
-    fn from(e: rusqlite::Error) -> Self {
-        SyncError::Replica(e.into())
     }
 }
 
@@ -262,86 +244,6 @@ impl CopyRowConverter {
     }
 }
 
-/// Converted rows on their way from a reader to the writer: every value in one vector and
-/// every text in one string, so a row costs no allocation of its own.
-#[derive(Debug, Default)]
-struct RowBlock {
-    text: String,
-    cells: Vec<Cell>,
-    rows: usize,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Cell {
-    Null,
-    Integer(i64),
-    Real(f64),
-    /// `text[start..end]` of the block.
-    Text(usize, usize),
-}
-
-impl RowBlock {
-    fn push(&mut self, value: SqlScalar<'_>) {
-        let cell = match value {
-            SqlScalar::Null => Cell::Null,
-            SqlScalar::Integer(i) => Cell::Integer(i),
-            SqlScalar::Real(f) => Cell::Real(f),
-            SqlScalar::Text(text) => {
-                let start = self.text.len();
-                self.text.push_str(&text);
-                Cell::Text(start, self.text.len())
-            }
-        };
-        self.cells.push(cell);
-    }
-
-    fn end_row(&mut self) {
-        self.rows += 1;
-    }
-
-    fn mark(&self) -> (usize, usize) {
-        (self.text.len(), self.cells.len())
-    }
-
-    fn truncate(&mut self, (text, cells): (usize, usize)) {
-        self.text.truncate(text);
-        self.cells.truncate(cells);
-    }
-
-    fn len(&self) -> usize {
-        self.rows
-    }
-
-    fn is_empty(&self) -> bool {
-        self.rows == 0
-    }
-
-    /// The rows, each its `columns` cells (none for a zero-column table).
-    fn rows(&self, columns: usize) -> impl Iterator<Item = &[Cell]> {
-        (0..self.rows).map(move |row| {
-            self.cells
-                .get(row * columns..(row + 1) * columns)
-                .unwrap_or_default()
-        })
-    }
-
-    fn bind(
-        &self,
-        statement: &mut rusqlite::CachedStatement<'_>,
-        index: usize,
-        cell: Cell,
-    ) -> rusqlite::Result<()> {
-        match cell {
-            Cell::Null => statement.raw_bind_parameter(index, rusqlite::types::Null),
-            Cell::Integer(i) => statement.raw_bind_parameter(index, i),
-            Cell::Real(f) => statement.raw_bind_parameter(index, f),
-            Cell::Text(start, end) => {
-                statement.raw_bind_parameter(index, self.text.get(start..end).unwrap_or_default())
-            }
-        }
-    }
-}
-
 fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
@@ -486,30 +388,12 @@ pub fn initial_sync_with(
     options: &SyncOptions,
     stop: &dyn Fn() -> bool,
 ) -> Result<SyncReport, SyncError> {
+    // An unfinished load rolls back and restores the replica's settings when dropped.
     let result = copy_snapshot(handle, client, readers, replica, source, options, stop);
-    if result.is_err() {
-        let _ = replica.conn.execute_batch("ROLLBACK");
-    }
-    let _ = replica.conn.execute_batch(LOAD_PRAGMAS_END);
     // Ends the read-only snapshot transaction either way.
     let _ = handle.block_on(client.batch_execute("ROLLBACK"));
     result
 }
-
-/// Settings during the load. `synchronous = OFF` skips the fsync of each load transaction, and
-/// a replica in a file also loads with `journal_mode = OFF` (each page written once, to the
-/// database file, instead of to the WAL and again by a checkpoint). Both are safe because
-/// nothing marks the replica as synced before its rows are durable, and because the load runs
-/// under its marker ([`LoadMarker`]), removed only after the state that says the rows are there
-/// is durable and a checkpoint under `synchronous = FULL` fsynced the database file (an fsync
-/// covers every page of the file, also those written without one). A crash or power loss
-/// before that leaves the marker, and the next [`Replica::open`] removes the replica unopened,
-/// whatever state its file is in, so it is synced again from nothing. A replica kept in WAL
-/// mode makes its rows durable before its state instead ([`make_load_durable`]). A somewhat
-/// larger page cache (8 MiB) serves the index builds after each table.
-const LOAD_PRAGMAS: &str = "PRAGMA synchronous = OFF; PRAGMA cache_size = -8192;";
-/// The settings [`Replica::open`] uses, back after the load.
-const LOAD_PRAGMAS_END: &str = "PRAGMA synchronous = FULL; PRAGMA cache_size = -2000;";
 
 /// One published table to copy.
 struct Job {
@@ -610,51 +494,19 @@ fn copy_snapshot(
     begin_snapshot(handle, client, Some(&source.snapshot_name))?;
     let published = published_schema(handle, client, &source.publications)?;
 
-    // A replica in a file loads without a journal, under a marker that makes an interrupted
-    // load start over instead of being opened (see `load_marker`). An in-memory one, or one
-    // SQLite keeps in WAL mode (another connection is open), loads through its WAL.
-    let db_path = replica
-        .conn
-        .path()
-        .filter(|p| !p.is_empty())
-        .map(PathBuf::from);
-    let marker = match &db_path {
-        Some(db) => Some(LoadMarker::create(db).map_err(|source| SyncError::Marker {
-            path: marker_path(db).display().to_string(),
-            source,
-        })?),
-        None => None,
-    };
-    replica.conn.execute_batch(LOAD_PRAGMAS)?;
-    let unjournaled = match marker {
-        // Another connection reading the WAL keeps it: SQLite refuses the switch as busy.
-        Some(_) => match journal_mode(&replica.conn, "OFF") {
-            Ok(mode) => mode == "off",
-            Err(e) if is_busy(&e) => false,
-            Err(e) => return Err(e.into()),
-        },
-        None => false,
-    };
-    replica.conn.execute_batch("BEGIN IMMEDIATE")?;
+    // Dropped unfinished (an error below), the load rolls back.
+    let mut load = Load::begin(replica, &replica_version, options.batch_rows)?;
     for table in &published {
-        let mut spec = ReplicaTable::from_spec(&table.to_spec());
-        spec.metadata = table.metadata();
-        create_replica_table(&replica.conn, &mut replica.tables, spec)?;
+        load.create_table(&table.to_spec(), table.metadata())?;
     }
     let mut jobs = Vec::new();
     for (index, published_table) in published.iter().enumerate() {
-        let Some(table) = replica.tables.get(&published_table.replica_name()).cloned() else {
+        let Some(table) = load.table(&published_table.replica_name()).cloned() else {
             continue;
         };
         let (estimated_rows, pages) = handle.block_on(estimate_size(client, &table))?;
-        // The key index is built once the table is loaded: one sort instead of an insert per
-        // row at a random place in it. The seq index stays: seqs grow row after row, so each
-        // insert appends at its right edge, which costs less than sorting it afterwards (at
-        // 5,000,000 rows building it took 2.7 s, keeping it no measurable time).
-        replica.conn.execute_batch(&format!(
-            "DROP INDEX IF EXISTS {}",
-            quote_ident(&table.key_index_name())
-        ))?;
+        // The key index is built once the table is loaded (see `Load::defer_key_index`).
+        load.defer_key_index(&table)?;
         jobs.push((
             index,
             Job {
@@ -742,15 +594,7 @@ fn copy_snapshot(
                 .map_err(SyncError::Thread)?;
         }
         drop(tx);
-        let result = write_batches(
-            replica,
-            &published,
-            &jobs,
-            &rx,
-            &replica_version,
-            options,
-            stop,
-        );
+        let result = write_batches(&mut load, &published, &jobs, &rx, options, stop);
         // Readers blocked on a full channel see it closed, and stop at their next batch.
         abort.store(true, Ordering::Relaxed);
         drop(rx);
@@ -764,20 +608,8 @@ fn copy_snapshot(
         }
     }
     drop(extra);
-    let (next_seq, total) = written?;
+    let total = written?;
 
-    if unjournaled {
-        // Back in WAL mode for streaming; the checkpoint after the state below makes the rows
-        // written without a journal durable, and only then does the marker go.
-        replica.conn.execute_batch("COMMIT")?;
-        back_to_wal(&replica.conn)?;
-        replica.conn.execute_batch(LOAD_PRAGMAS_END)?;
-    } else {
-        // Make every loaded row durable before the state that says they are there (see
-        // `LOAD_PRAGMAS`).
-        make_load_durable(&replica.conn)?;
-    }
-    replica.conn.execute_batch("BEGIN IMMEDIATE")?;
     let state = ReplicaState {
         replica_version: replica_version.clone(),
         watermark: replica_version.clone(),
@@ -785,88 +617,15 @@ fn copy_snapshot(
         publications: source.publications.clone(),
         slot: source.slot.clone(),
         app_id: source.app_id.clone(),
-        next_seq,
+        next_seq: load.next_seq(),
     };
-    replica.store_initial_state(&state)?;
-    replica.conn.execute_batch("COMMIT")?;
-    if unjournaled {
-        checkpoint_durably(&replica.conn)?;
-    }
-    if let (Some(marker), Some(db)) = (marker, &db_path) {
-        marker.remove().map_err(|source| SyncError::Marker {
-            path: marker_path(db).display().to_string(),
-            source,
-        })?;
-    }
+    // Every row durable, then the state that says they are there.
+    load.finish(&state)?;
     Ok(SyncReport {
         replica_version,
         tables: published.len(),
         rows: total,
     })
-}
-
-/// Commits the load's last transaction and makes every loaded page durable: with automatic
-/// checkpoints off, that transaction's frames stay in the WAL, so the checkpoint under
-/// `synchronous = FULL` that follows has frames to copy and therefore fsyncs the WAL and then the
-/// database file,
-/// which covers every page of it, also those the unsynced checkpoints during the load wrote.
-/// (A checkpoint with nothing left to copy skips its fsync, hence the care.) The database file
-/// is not opened outside SQLite: closing another descriptor of it would drop SQLite's locks.
-fn make_load_durable(conn: &rusqlite::Connection) -> Result<(), SyncError> {
-    conn.execute_batch("PRAGMA wal_autocheckpoint = 0; COMMIT;")?;
-    conn.execute_batch(LOAD_PRAGMAS_END)?;
-    checkpoint_durably(conn)
-}
-
-/// Sets the journal mode and returns the one SQLite took.
-fn journal_mode(conn: &rusqlite::Connection, mode: &str) -> rusqlite::Result<String> {
-    let taken: String =
-        conn.query_row(&format!("PRAGMA journal_mode = {mode}"), [], |r| r.get(0))?;
-    Ok(taken.to_ascii_lowercase())
-}
-
-fn is_busy(error: &rusqlite::Error) -> bool {
-    matches!(
-        error.sqlite_error_code(),
-        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
-    )
-}
-
-/// How long the switch back to WAL after an unjournaled load waits for readers to let go.
-const BACK_TO_WAL_WAIT: Duration = Duration::from_secs(30);
-
-/// Switches back to WAL after an unjournaled load. The switch needs the database to itself,
-/// and SQLite refuses it as busy rather than wait while another connection reads (a monitor
-/// polling the replica's state, say): it is tried again until [`BACK_TO_WAL_WAIT`] has passed.
-fn back_to_wal(conn: &rusqlite::Connection) -> Result<(), SyncError> {
-    let started = Instant::now();
-    loop {
-        match journal_mode(conn, "WAL") {
-            Ok(mode) if mode == "wal" => return Ok(()),
-            Ok(mode) => return Err(SyncError::JournalMode { mode }),
-            Err(e) if is_busy(&e) && started.elapsed() < BACK_TO_WAL_WAIT => {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-}
-
-/// Copies every WAL frame into the database file under `synchronous = FULL`, which fsyncs the
-/// WAL and then the file: all of it, also the pages written earlier without an fsync. Expects
-/// frames to copy (a checkpoint with none skips its fsync).
-fn checkpoint_durably(conn: &rusqlite::Connection) -> Result<(), SyncError> {
-    let (busy, frames, copied): (i64, i64, i64) =
-        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-        })?;
-    // The default, as `Replica::open` leaves it.
-    conn.execute_batch("PRAGMA wal_autocheckpoint = 1000")?;
-    // An in-memory database has no WAL: -1 frames.
-    if busy != 0 || frames != copied {
-        return Err(SyncError::Durability { frames, copied });
-    }
-    Ok(())
 }
 
 /// Upstream's row estimate of `table` (`None` for a table never vacuumed or analyzed) and its
@@ -997,9 +756,9 @@ fn send(
     }
 }
 
-/// The writer: inserts every batch with the table's prepared statements in large transactions,
-/// builds a table's indexes once every part of it is in, and logs progress. Returns the next
-/// free `_hw_seq` and the rows written.
+/// The writer: hands every batch to the replica's load (which writes it with the table's
+/// prepared statements in large transactions), has a table's indexes built once every part of
+/// it is in, and logs progress. Returns the rows written.
 ///
 /// `_hw_seq` numbers rows in the order they reach the writer: with one reader that is table
 /// after table in COPY order; with several, tables and page ranges interleave. Either way each
@@ -1007,24 +766,20 @@ fn send(
 /// them, which is all the change log and scope sync rely on (scope sync pages a table's rows by
 /// seq up to a high-water; nothing reads an order across tables or along a table's key in it).
 fn write_batches(
-    replica: &mut Replica,
+    load: &mut Load<'_>,
     published: &[PublishedTable],
     jobs: &[(usize, Job)],
     rx: &Receiver<Result<Batch, SyncError>>,
-    replica_version: &Watermark,
     options: &SyncOptions,
     stop: &dyn Fn() -> bool,
-) -> Result<(i64, u64), SyncError> {
+) -> Result<u64, SyncError> {
     let inserts: Vec<Insert> = jobs
         .iter()
         .map(|(_, job)| Insert::new(&job.table))
         .collect();
     let mut progress = Progress::new(jobs, options.progress_interval);
     let mut parts_left: Vec<u32> = jobs.iter().map(|(_, job)| job.parts).collect();
-    let mut seq: i64 = 1;
-    let mut in_txn = 0usize;
     let mut done = 0usize;
-    let version = replica_version.as_str();
     while done < jobs.len() {
         if stop() {
             return Err(SyncError::Stopped);
@@ -1037,15 +792,8 @@ fn write_batches(
         };
         match batch? {
             Batch::Rows { job, rows, bytes } => {
-                let conn = &replica.conn;
-                let count = rows.len() as u64;
-                inserts[job].insert(conn, &rows, version, &mut seq)?;
-                in_txn += usize::try_from(count).unwrap_or(usize::MAX);
-                if in_txn >= options.batch_rows {
-                    conn.execute_batch("COMMIT; BEGIN IMMEDIATE")?;
-                    in_txn = 0;
-                }
-                progress.add(job, count, bytes);
+                load.write(&inserts[job], &rows)?;
+                progress.add(job, rows.len() as u64, bytes);
             }
             Batch::Done {
                 job,
@@ -1075,108 +823,14 @@ fn write_batches(
                     "initial sync: table copied"
                 );
                 progress.finish(job);
-                // The key index, as `create_replica_table` made it (the seq index was kept).
-                if let Some(sql) = table.create_key_index_sql() {
-                    replica.conn.execute_batch(&sql)?;
-                }
-                for spec in published[*index].index_specs() {
-                    let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
-                    let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
-                    crate::replica::schema::record_index(&replica.conn, &spec, is_key)?;
-                    if !is_key {
-                        replica.conn.execute_batch(&create_index_sql(&spec))?;
-                    }
-                }
+                load.finish_table(table, &published[*index].index_specs())?;
                 done += 1;
             }
         }
         progress.tick();
     }
     progress.close();
-    Ok((seq, progress.total_rows()))
-}
-
-/// A table's INSERT statements: one for many rows at a time (fewer statement executions),
-/// and one for the rest.
-struct Insert {
-    /// Rows of the multi-row statement.
-    rows: usize,
-    /// The table's columns (cells per row).
-    columns: usize,
-    multi: String,
-    single: String,
-}
-
-/// Rows per multi-row INSERT, and SQLite's bound-parameter limit that can lower it.
-const ROWS_PER_INSERT: usize = 32;
-const MAX_PARAMETERS: usize = 32_766;
-
-impl Insert {
-    fn new(table: &ReplicaTable) -> Insert {
-        let mut cols: Vec<String> = table.columns.iter().map(|c| quote_ident(&c.name)).collect();
-        cols.push("\"_hw_version\"".into());
-        cols.push("\"_hw_seq\"".into());
-        let rows = ROWS_PER_INSERT.min(MAX_PARAMETERS / cols.len()).max(1);
-        let sql = |rows: usize| {
-            let row = format!("({})", vec!["?"; cols.len()].join(", "));
-            format!(
-                "INSERT INTO {} ({}) VALUES {}",
-                quote_ident(&table.name),
-                cols.join(", "),
-                vec![row; rows].join(", ")
-            )
-        };
-        Insert {
-            rows,
-            columns: table.columns.len(),
-            multi: sql(rows),
-            single: sql(1),
-        }
-    }
-
-    /// Inserts `rows` with `_hw_version` = `version` and `_hw_seq` counting up from `seq`.
-    fn insert(
-        &self,
-        conn: &rusqlite::Connection,
-        rows: &RowBlock,
-        version: &str,
-        seq: &mut i64,
-    ) -> Result<(), SyncError> {
-        let mut multi = conn.prepare_cached(&self.multi)?;
-        let mut single = conn.prepare_cached(&self.single)?;
-        let mut all = rows.rows(self.columns);
-        let full = rows.len() / self.rows;
-        for _ in 0..full {
-            bind_rows(&mut multi, rows, all.by_ref().take(self.rows), version, seq)?;
-            multi.raw_execute()?;
-        }
-        for row in all {
-            bind_rows(&mut single, rows, std::iter::once(row), version, seq)?;
-            single.raw_execute()?;
-        }
-        Ok(())
-    }
-}
-
-fn bind_rows<'a>(
-    statement: &mut rusqlite::CachedStatement<'_>,
-    block: &RowBlock,
-    rows: impl Iterator<Item = &'a [Cell]>,
-    version: &str,
-    seq: &mut i64,
-) -> Result<(), SyncError> {
-    let mut index = 1;
-    for row in rows {
-        for &cell in row {
-            block.bind(statement, index, cell)?;
-            index += 1;
-        }
-        statement.raw_bind_parameter(index, version)?;
-        statement.raw_bind_parameter(index + 1, *seq)?;
-        index += 2;
-        *seq += 1;
-    }
-    Ok(())
+    Ok(progress.total_rows())
 }
 
 /// Rows and bytes copied per table, logged every interval with rates and an ETA from the
@@ -1316,9 +970,8 @@ fn millis(duration: Duration) -> u64 {
 mod tests {
     use super::*;
     use crate::private_pg::{PgOptions, PrivatePg};
+    use crate::replica::load::testing::{dump, read_state_once, seqs, settings, ReferenceLoad};
     use crate::replication::ConnectParams;
-    use rusqlite::types::Value as SqlValue;
-    use rusqlite::types::ValueRef;
 
     const SCHEMA: &str = r#"
         CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy');
@@ -1358,78 +1011,29 @@ mod tests {
         ANALYZE;
     "#;
 
-    /// Every table of the SQLite database at `path` with all its rows (sorted), each value as
-    /// SQLite stored it; columns named in `skip` are left out.
-    fn dump(path: &std::path::Path, skip: &[&str]) -> Vec<(String, Vec<String>)> {
-        let conn = rusqlite::Connection::open(path).unwrap();
-        let mut names: Vec<(String, String)> = conn
-            .prepare("SELECT name, sql FROM sqlite_master ORDER BY type, name")
-            .unwrap()
-            .query_map([], |r| Ok((r.get(0)?, r.get::<_, Option<String>>(1)?)))
-            .unwrap()
-            .map(|r| {
-                let (name, sql) = r.unwrap();
-                (name, sql.unwrap_or_default())
-            })
-            .collect();
-        let mut out = vec![(
-            "sqlite_master".to_owned(),
-            names.iter().map(|(n, s)| format!("{n}: {s}")).collect(),
-        )];
-        names.retain(|(_, sql)| sql.starts_with("CREATE TABLE"));
-        for (table, _) in names {
-            let mut statement = conn
-                .prepare(&format!("SELECT * FROM {}", quote_ident(&table)))
-                .unwrap();
-            let columns: Vec<String> = statement
-                .column_names()
-                .iter()
-                .map(|c| (*c).to_owned())
-                .collect();
-            let mut rows: Vec<String> = statement
-                .query_map([], |r| {
-                    let mut row = Vec::new();
-                    for (i, name) in columns.iter().enumerate() {
-                        if !skip.contains(&name.as_str()) {
-                            let value: ValueRef<'_> = r.get_ref(i)?;
-                            row.push(format!("{name}={value:?}"));
-                        }
-                    }
-                    Ok(row.join(" "))
-                })
-                .unwrap()
-                .map(Result::unwrap)
-                .collect();
-            rows.sort();
-            out.push((table, rows));
-        }
-        out
-    }
-
     /// The copy as it was before readers ran in parallel: one connection, rows converted to a
-    /// change-stream row by the stream's mapper, then stored with `to_sql`, one INSERT per row,
-    /// tables one after the other. Kept here as the reference the copy must equal.
+    /// change-stream row by the stream's mapper, then stored one INSERT per row by the
+    /// reference load, tables one after the other. Kept here as the reference the copy must
+    /// equal.
     fn reference_sync(
         handle: &Handle,
         client: &Client,
         replica: &mut Replica,
         source: &SyncSource,
     ) -> Result<(), SyncError> {
-        use crate::replica::value::to_sql;
         let version = source.consistent_point.to_watermark();
         begin_snapshot(handle, client, Some(&source.snapshot_name))?;
         let published = published_schema(handle, client, &source.publications)?;
-        replica.conn.execute_batch("BEGIN IMMEDIATE")?;
+        let mut load = ReferenceLoad::begin(replica, &version)?;
         for table in &published {
-            let mut spec = ReplicaTable::from_spec(&table.to_spec());
-            spec.metadata = table.metadata();
-            create_replica_table(&replica.conn, &mut replica.tables, spec)?;
+            load.create_table(&table.to_spec(), table.metadata())?;
         }
-        let mut seq = 1i64;
         for published_table in &published {
-            let table = replica.tables[&published_table.replica_name()].clone();
+            let table = load
+                .table(&published_table.replica_name())
+                .cloned()
+                .expect("every published table was created");
             let columns: Vec<&ReplicaColumn> = table.columns.iter().collect();
-            let insert = Insert::new(&table).single;
             let mut converter = TextRowConverter::new(&table, &columns)?;
             let sql = copy_sql(&table, &columns, published_table.row_filter.as_deref());
             let stream = handle.block_on(client.copy_out(&sql))?;
@@ -1438,44 +1042,23 @@ mod tests {
             while let Some(chunk) = handle.block_on(stream.next()) {
                 rows.push(&chunk?, |fields| {
                     let row = converter.convert(&fields)?;
-                    let values = columns
-                        .iter()
-                        .map(|c| {
-                            row.get(&c.name)
-                                .map_or(SqlValue::Null, |v| to_sql(c, v, JsonFormat::Stringified))
-                        })
-                        .chain([
-                            SqlValue::Text(version.as_str().to_owned()),
-                            SqlValue::Integer(seq),
-                        ]);
-                    replica
-                        .conn
-                        .prepare_cached(&insert)?
-                        .execute(rusqlite::params_from_iter(values))?;
-                    seq += 1;
+                    load.insert(&table, &row)?;
                     Ok::<_, SyncError>(())
                 })?;
             }
             rows.finish()?;
-            for spec in published_table.index_specs() {
-                let flag = |k: &str| spec.extra.get(k).and_then(Value::as_bool) == Some(true);
-                let is_key = flag("isPrimaryKey") || flag("isReplicaIdentity");
-                crate::replica::schema::record_index(&replica.conn, &spec, is_key)?;
-                if !is_key {
-                    replica.conn.execute_batch(&create_index_sql(&spec))?;
-                }
-            }
+            load.finish_table(&published_table.index_specs())?;
         }
-        replica.store_initial_state(&ReplicaState {
+        let next_seq = load.next_seq();
+        load.finish(&ReplicaState {
             replica_version: version.clone(),
             watermark: version,
             lsn: source.consistent_point,
             publications: source.publications.clone(),
             slot: source.slot.clone(),
             app_id: source.app_id.clone(),
-            next_seq: seq,
+            next_seq,
         })?;
-        replica.conn.execute_batch("COMMIT")?;
         handle.block_on(client.batch_execute("ROLLBACK"))?;
         Ok(())
     }
@@ -1523,17 +1106,7 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut reads = 0u32;
                     while watching.load(Ordering::Relaxed) {
-                        let conn = rusqlite::Connection::open_with_flags(
-                            &path,
-                            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-                        );
-                        if let Ok(conn) = conn {
-                            let read: rusqlite::Result<i64> =
-                                conn.query_row(r#"SELECT count(*) FROM "_hw_state""#, [], |r| {
-                                    r.get(0)
-                                });
-                            reads += u32::from(read.is_ok());
-                        }
+                        reads += u32::from(read_state_once(&path));
                         std::thread::sleep(Duration::from_millis(1));
                     }
                     reads
@@ -1594,34 +1167,15 @@ mod tests {
             dump(&paths[0], &["_hw_seq", "next_seq"]),
             "three readers against the old copy"
         );
-        let conn = rusqlite::Connection::open(&paths[2]).unwrap();
-        let mut seqs = Vec::new();
-        for table in ["issue", "pair", "log", "empty"] {
-            let mut statement = conn
-                .prepare(&format!("SELECT \"_hw_seq\" FROM {}", quote_ident(table)))
-                .unwrap();
-            seqs.extend(
-                statement
-                    .query_map([], |r| r.get::<_, i64>(0))
-                    .unwrap()
-                    .map(Result::unwrap),
-            );
-        }
+        let (mut seqs, next_seq) = seqs(&paths[2], &["issue", "pair", "log", "empty"]);
         seqs.sort_unstable();
         let count = seqs.len();
         seqs.dedup();
         assert_eq!(seqs.len(), count, "every seq is unique");
-        let next_seq: i64 = conn
-            .query_row("SELECT next_seq FROM \"_hw_state\"", [], |r| r.get(0))
-            .unwrap();
         assert_eq!(next_seq, i64::try_from(count).unwrap() + 1);
         assert!(seqs.iter().all(|&s| (1..next_seq).contains(&s)));
         // The load settings did not outlive the load.
-        let synchronous: i64 = conn
-            .query_row("PRAGMA synchronous", [], |r| r.get(0))
-            .unwrap();
-        assert_eq!(synchronous, 2);
-        drop(conn);
+        assert_eq!(settings(&paths[2]), (2, "wal".to_owned()));
         setup.batch_execute("COMMIT").await.unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -1656,31 +1210,6 @@ mod tests {
     }
 
     #[test]
-    fn a_row_block_gives_back_its_rows_also_of_no_columns() {
-        let mut block = RowBlock::default();
-        for (i, text) in [(1, "a"), (2, "bé")] {
-            block.push(SqlScalar::Integer(i));
-            block.push(SqlScalar::Text(text.into()));
-            block.end_row();
-        }
-        let rows: Vec<&[Cell]> = block.rows(2).collect();
-        assert_eq!(rows.len(), 2);
-        assert_eq!(rows[1][0], Cell::Integer(2));
-        let Cell::Text(start, end) = rows[1][1] else {
-            panic!("expected text, got {:?}", rows[1][1]);
-        };
-        assert_eq!(&block.text[start..end], "bé");
-        let mut empty = RowBlock::default();
-        for _ in 0..3 {
-            empty.end_row();
-        }
-        assert_eq!(
-            empty.rows(0).map(<[Cell]>::len).collect::<Vec<_>>(),
-            [0, 0, 0]
-        );
-    }
-
-    #[test]
     fn a_value_that_does_not_convert_is_a_typed_error() {
         use highwater_engine::change_stream::{ColumnSpec, TableSpec};
         let mut column = ColumnSpec::new(serde_json::Number::from(1), "int4");
@@ -1708,16 +1237,10 @@ mod tests {
             result
         };
         convert(b"12\n", &mut block).unwrap();
-        assert_eq!(
-            (block.len(), &block.cells[..]),
-            (1, &[Cell::Integer(12)][..])
-        );
+        assert_eq!(block.values(1), [[SqlScalar::Integer(12)]]);
         let converted = convert(b"twelve\n", &mut block);
         // Nothing of the bad row stays in the block.
-        assert_eq!(
-            (block.len(), &block.cells[..]),
-            (1, &[Cell::Integer(12)][..])
-        );
+        assert_eq!(block.values(1), [[SqlScalar::Integer(12)]]);
         match converted {
             Err(SyncError::Value(MappingError::InvalidValue {
                 table, column, len, ..
