@@ -50,6 +50,11 @@ pub enum ReplicaError {
         path: String,
         source: std::io::Error,
     },
+    #[error("cannot remove {path}: {source}")]
+    Remove {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("cannot mark or unmark the initial load at {path}: {source}")]
     LoadMarker {
         path: String,
@@ -124,6 +129,21 @@ impl Replica {
             source,
         })?;
         Replica::open(&data_dir.join("replica.db"))
+    }
+
+    /// Removes the replica in `data_dir` (`replica.db` and its WAL and shared-memory files), so
+    /// that a new initial sync starts from nothing. Open it nowhere while this runs.
+    pub fn remove_in_dir(data_dir: &Path) -> Result<(), ReplicaError> {
+        for name in ["replica.db", "replica.db-wal", "replica.db-shm"] {
+            let path = data_dir.join(name);
+            if path.exists() {
+                std::fs::remove_file(&path).map_err(|source| ReplicaError::Remove {
+                    path: path.display().to_string(),
+                    source,
+                })?;
+            }
+        }
+        Ok(())
     }
 
     /// Opens (creating if needed) the replica at `path`. A replica whose initial load never

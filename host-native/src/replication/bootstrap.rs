@@ -10,11 +10,11 @@ use tokio_postgres::Client;
 
 use super::initial_sync::{initial_sync_with, SyncError, SyncOptions, SyncReport, SyncSource};
 use super::published_schema::event_trigger_sql;
-use crate::replica::{Replica, ReplicaError, ReplicaState};
-use crate::replication::setup::{
+use super::setup::{
     check_upstream, ensure_publication, slot_state, ReplicationNames, UpstreamSettings,
 };
-use crate::replication::{ConnectParams, ReplicationConnection, ReplicationError, StreamConfig};
+use super::{ConnectParams, ReplicationConnection, ReplicationError, StreamConfig};
+use crate::replica::{Replica, ReplicaError, ReplicaState};
 
 /// Why upstream or the replica could not be made ready.
 #[derive(Debug, thiserror::Error)]
@@ -38,11 +38,6 @@ pub enum BootstrapError {
         slot: String,
         position: String,
         data: String,
-    },
-    #[error("cannot remove {path}: {source}")]
-    Remove {
-        path: String,
-        source: std::io::Error,
     },
 }
 
@@ -165,7 +160,7 @@ impl Upstream {
         stop: &dyn Fn() -> bool,
     ) -> Result<(Replica, SyncReport), BootstrapError> {
         drop(replica);
-        remove_replica(data)?;
+        Replica::remove_in_dir(data)?;
         let mut replica = Replica::open_in_dir(data)?;
         drop_slot(handle, &self.client, &self.names.slot)?;
         let mut conn = handle.block_on(ReplicationConnection::connect(&self.params))?;
@@ -210,20 +205,6 @@ impl Upstream {
         config.wal_sender_timeout = self.settings.wal_sender_timeout;
         config
     }
-}
-
-/// Removes the replica files so a new initial sync starts from nothing.
-fn remove_replica(data: &Path) -> Result<(), BootstrapError> {
-    for name in ["replica.db", "replica.db-wal", "replica.db-shm"] {
-        let path = data.join(name);
-        if path.exists() {
-            std::fs::remove_file(&path).map_err(|source| BootstrapError::Remove {
-                path: path.display().to_string(),
-                source,
-            })?;
-        }
-    }
-    Ok(())
 }
 
 fn install_ddl_trigger(
