@@ -9,6 +9,12 @@
 //! honest. `serve` commits with `NORMAL` and syncs (and checkpoints) the WAL on another thread
 //! ([`wal_sync`]), acknowledging a group once a sync that started after its commit returned:
 //! the same promise, without the thread that forwards to subscribers waiting for the disk.
+//!
+//! This is storage only: nothing here talks to upstream Postgres. The transport
+//! (`replication/`) reads upstream and hands the replica what it read: rows of the initial
+//! sync to `load` (the bulk load, with its own settings, transactions and durability), a
+//! DDL event's published tables to [`ddl`] (schema changes against the replica), changes and
+//! backfills to [`ReplicaWriter`].
 
 mod apply;
 pub mod ddl;

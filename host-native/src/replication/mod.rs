@@ -6,13 +6,18 @@
 //!   `CREATE_REPLICATION_SLOT … (SNAPSHOT 'export')`, `START_REPLICATION`.
 //! - [`WalStream`]: the driver task that keeps a stream alive, bounded, acknowledged and resumed.
 //! - [`initial_sync`]: the initial copy of the publications from a slot's exported snapshot
-//!   (parallel `COPY … TO STDOUT` readers, [`copy_text`] parsing), written into the replica;
-//!   [`bootstrap`] decides between a fresh sync and a resume.
+//!   (parallel `COPY … TO STDOUT` readers, `copy_text` parsing), handed to the replica's bulk
+//!   load (`replica::load`), which writes it; [`bootstrap`] decides between a fresh sync and a
+//!   resume.
 //! - [`backfill`]: reads the rows of a table or column added to the publications from a
 //!   snapshot, for the replica to merge.
+//! - [`published_schema`]: the published schema as upstream's catalog describes it, the DDL
+//!   event trigger that emits it into the WAL, and its events; `replica::ddl` applies what
+//!   changed to the replica.
 //!
-//! This folder is the transport: everything that talks to upstream Postgres. The replica and
-//! the change log (`replica/`, `change_log/`) are SQLite only.
+//! This folder is the transport: everything that talks to upstream Postgres, and no SQLite.
+//! The replica and the change log (`replica/`, `change_log/`) are SQLite only; what the
+//! transport reads goes to them through their own APIs.
 //!
 //! The client is our own, on `postgres-protocol`'s message codec, rather than the
 //! `pgwire-replication` crate, because that crate starts replication as part of connecting: it
