@@ -30,9 +30,9 @@ use crate::upstream::{
     Catalog, EffectHost,
 };
 
+use crate::replica::{outgrows_hold, Applied, Replica, ReplicaWriter, TxnItem};
 use crate::replication::bootstrap::{BootstrapError, Upstream};
 use crate::replication::initial_sync::{SyncError, SyncOptions, DEFAULT_SYNC_WORKERS};
-use crate::replica::{outgrows_hold, Applied, Replica, ReplicaWriter, TxnItem};
 use crate::replication::setup::DEFAULT_APP_ID;
 use crate::replication::{WalEvent, WalStream};
 

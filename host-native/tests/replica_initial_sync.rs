@@ -8,10 +8,10 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use highwater_host::replication::bootstrap::{BootstrapError, Upstream};
-use highwater_host::replication::initial_sync::{SyncError, SyncOptions};
 use highwater_host::replica::load_marker::marker_path;
 use highwater_host::replica::Replica;
+use highwater_host::replication::bootstrap::{BootstrapError, Upstream};
+use highwater_host::replication::initial_sync::{SyncError, SyncOptions};
 
 use crate::replica_support::*;
 

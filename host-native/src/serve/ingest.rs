@@ -66,11 +66,11 @@ use super::source::{Confirm, SourceEvent};
 use super::ServeError;
 use crate::change_log::{self, CatchupLimits, CatchupReader};
 use crate::pause_point::{self, Point};
-use crate::replication::backfill::BackfillItem;
 use crate::replica::feed::CommittedChanges;
-use crate::replication::initial_sync::SyncError;
 use crate::replica::wal_sync::WalSync;
 use crate::replica::{outgrows_hold, Applied, Replica, ReplicaWriter};
+use crate::replication::backfill::BackfillItem;
+use crate::replication::initial_sync::SyncError;
 use crate::upstream::{
     backfill_item, backfill_retry_in, feed, reconcile_relation, retry_backfills, Backfills,
     Catalog, EffectError, EffectHost,

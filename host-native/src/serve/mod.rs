@@ -57,8 +57,8 @@ use tokio::sync::watch;
 
 use crate::change_log::ChangeLogError;
 use crate::data_lock::{DataDirLock, DataLockError};
-use crate::replication::initial_sync::SyncError;
 use crate::replica::ReplicaError;
+use crate::replication::initial_sync::SyncError;
 use crate::replication::setup::DEFAULT_APP_ID;
 use crate::replication::ReplicationError;
 use crate::sync_auth::{AuthConfigError, SyncAuth, SyncSecretArgs};

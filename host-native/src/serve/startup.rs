@@ -7,9 +7,9 @@ use tokio::sync::watch;
 
 use super::{ServeArgs, ServeError};
 use crate::change_log::{self, ChangeLogConfig, ChangeLogError, ChangeLogStatus};
+use crate::replica::{Replica, ReplicaError, ReplicaWriter};
 use crate::replication::bootstrap::Upstream;
 use crate::replication::initial_sync::SyncError;
-use crate::replica::{Replica, ReplicaError, ReplicaWriter};
 use crate::replication::{ReplicationError, StreamConfig};
 use crate::startup_retry;
 
