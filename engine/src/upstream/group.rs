@@ -229,10 +229,26 @@ impl<P: Ord + Clone> GroupCommit<P> {
     /// (`in_transaction`). A transaction's beginning asks it too: a group never holds its
     /// first transaction back longer than its delay.
     pub fn flush_due(&self, now_us: u64, in_transaction: bool) -> bool {
-        !in_transaction
-            && self
-                .deadline_us()
-                .is_some_and(|deadline| now_us >= deadline)
+        self.flush_in_us(now_us, in_transaction) == Some(0)
+    }
+
+    /// How long a host may go on without making the open group durable, in µs from
+    /// `now_us`; the one answer to every question an ingest loop asks of the deadline:
+    ///
+    /// * `Some(0)`: flush now ([`GroupCommit::flush_due`]). Asked before taking each input
+    ///   (queued input does not push a deadline back: only a transaction half applied does)
+    ///   and at each transaction's beginning.
+    /// * `Some(n)`: about to wait for input, wait at most `n` µs, then flush.
+    /// * `None`: no bound. No group is open, a sync runs (see "A sync apart from the commit"
+    ///   above), or a transaction is half applied (`in_transaction`): its commit is the next
+    ///   point the group may close, and [`GroupCommit::applied`] says `Flush` there if the
+    ///   delay has passed.
+    pub fn flush_in_us(&self, now_us: u64, in_transaction: bool) -> Option<u64> {
+        if in_transaction {
+            return None;
+        }
+        self.deadline_us()
+            .map(|deadline| deadline.saturating_sub(now_us))
     }
 
     /// The storage transaction of the open group committed durably: what to report stored.
@@ -400,6 +416,30 @@ mod tests {
         assert_eq!(group.applied(8, 1, 60_000_000), GroupDecision::Flush);
         assert_eq!(group.durable().map(|d| d.last), Some(8));
         assert!(!group.flush_due(u64::MAX, false));
+    }
+
+    #[test]
+    fn the_wait_before_a_flush_counts_down_to_the_deadline_and_is_unbounded_mid_transaction() {
+        let mut group = GroupCommit::new(GroupLimits {
+            linger_us: 1_000,
+            ..limits(100, usize::MAX, 50_000)
+        });
+        assert_eq!(group.flush_in_us(0, false), None, "no group, no bound");
+        group.applied(1u64, 1, 10_000);
+        assert_eq!(group.flush_in_us(10_000, false), Some(1_000));
+        assert_eq!(group.flush_in_us(10_400, false), Some(600));
+        assert_eq!(group.flush_in_us(11_000, false), Some(0));
+        assert!(group.flush_due(11_000, false));
+        assert_eq!(group.flush_in_us(99_000, false), Some(0), "never negative");
+        // Half a transaction applied: its commit closes the group, however late.
+        assert_eq!(group.flush_in_us(99_000, true), None);
+        assert!(!group.flush_due(99_000, true));
+        // A sync running: no deadline until it returns.
+        assert_eq!(group.committed(), SyncDecision::Start);
+        group.applied(2, 1, 99_000);
+        assert_eq!(group.flush_in_us(200_000, false), None);
+        group.synced();
+        assert_eq!(group.flush_in_us(99_500, false), Some(500));
     }
 
     #[test]

@@ -71,10 +71,15 @@
 //! confirms that commit's end LSN (and releases every frame those transactions touched) at once.
 //! [`GroupCommit`] decides when a group closes, and that an open group never waits for input
 //! that may not come.
+//!
+//! The host's ingest loop around the session follows the engine's ingest rules too: which input
+//! it takes first ([`Wake`], [`Listen`]), when to hold a transaction whole and when to spill it
+//! ([`Hold`]), and what becomes of the open group and transaction at a stop ([`StopPlan`]).
 
 mod ack;
 mod frames;
 mod group;
+mod ingest;
 mod liveness;
 mod reconcile;
 mod schema_diff;
@@ -92,6 +97,9 @@ use frames::FrameAcks;
 pub use group::{
     outgrows_hold, DurableGroup, GroupCommit, GroupDecision, GroupLimits, SyncDecision, HOLD_BYTES,
     HOLD_MESSAGES,
+};
+pub use ingest::{
+    carried_at_stop, Ending, Hold, HoldError, Listen, StopPlan, TxnCommit, TxnEnd, Wake,
 };
 pub use liveness::Liveness;
 pub use reconcile::relation_changes;
