@@ -6,10 +6,11 @@
 //! (`upstream::GroupCommit`) says, a small one held whole until its commit, a large one in a
 //! savepoint — and acknowledged upstream only once committed, so a
 //! crash at any point loses nothing and applies nothing twice. An open group is made durable
-//! when it is full, when its deadline passes with nothing more to apply, and at a stop (a
-//! backfill starts only with everything durable, by the session's rule). Ctrl-C / SIGTERM stop
-//! at the next message: a transaction in progress is discarded (Postgres sends it again on the
-//! next start).
+//! when it is full, when its deadline passes (checked before each input: queued input does not
+//! push it back), and at a stop (a backfill starts only with everything durable, by the
+//! session's rule). Ctrl-C / SIGTERM stop at the next message, as the engine's
+//! `upstream::StopPlan` says: a transaction in progress is discarded (Postgres sends it again on
+//! the next start), the group's whole transactions are made durable and confirmed.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -18,7 +19,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use highwater_engine::change_stream::{Change, DownstreamMessage};
 use highwater_engine::pgoutput::{Relation, TextRowChange};
-use highwater_engine::upstream::{GroupCommit, GroupDecision, GroupLimits, Input, UpstreamSession};
+use highwater_engine::upstream::{
+    Ending, GroupCommit, GroupDecision, GroupLimits, Hold, Input, Listen, TxnCommit, TxnEnd,
+    UpstreamSession, Wake,
+};
 use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
@@ -26,11 +30,12 @@ use tokio::sync::watch;
 use crate::data_lock::DataDirLock;
 use crate::pause_point::{self, Point};
 use crate::upstream::{
-    backfill_item, backfill_retry_in, feed, reconcile_relation, retry_backfills, Backfills,
-    Catalog, EffectHost,
+    backfill_item, backfill_retry_in, feed, micros_ceil, reconcile_relation, retry_backfills,
+    stored_at_stop, Backfills, Catalog, EffectHost,
 };
 
-use crate::replica::{outgrows_hold, Applied, Replica, ReplicaWriter, TxnItem};
+use crate::replica::{Applied, Replica, ReplicaWriter, TxnItem};
+use crate::replication::backfill::BackfillItem;
 use crate::replication::bootstrap::{BootstrapError, Upstream};
 use crate::replication::initial_sync::{SyncError, SyncOptions, DEFAULT_SYNC_WORKERS};
 use crate::replication::setup::DEFAULT_APP_ID;
@@ -144,14 +149,7 @@ pub fn replicate(
         &args.app_id,
         &mut stop,
     );
-    if writer.in_transaction() {
-        // Not committed, so not acknowledged: Postgres sends it again next time.
-        let _ = writer.apply(&DownstreamMessage::Rollback(Default::default()));
-    }
-    if result.is_err() {
-        // Nothing of an open group was acknowledged: Postgres sends it again next time.
-        let _ = writer.discard_group();
-    }
+    // The stream confirms the last acknowledgement (the stop's included) as it ends.
     handle.block_on(stream.shutdown());
     if let Some(state) = writer.replica().state() {
         tracing::info!(position = %state.lsn, watermark = %state.watermark, "replicator stopped");
@@ -204,12 +202,9 @@ struct Replicator<'a> {
     committed: u64,
     /// The open group of applied, not yet durable commits.
     group: GroupCommit<Watermark>,
-    /// Bytes of replication data since the last commit applied.
-    txn_bytes: usize,
     /// The transaction being applied, held whole until its commit while it is small (then
-    /// applied with no savepoint of its own); `None` between transactions and once one
-    /// outgrew the hold and streams into SQLite.
-    held: Option<Vec<Held>>,
+    /// applied with no savepoint of its own), measured in bytes of replication data.
+    hold: Hold<Held>,
     epoch: Instant,
 }
 
@@ -253,51 +248,74 @@ impl Replicator<'_> {
         }))
     }
 
-    /// At a stop: what is applied between transactions is whole, so it is made durable (and
-    /// acknowledged); a transaction half applied is rolled back by the caller, and one held
-    /// never reached SQLite.
-    fn stop(&mut self) -> anyhow::Result<()> {
-        self.held = None;
-        if !self.writer.in_transaction() {
-            self.flush()?;
+    /// The loop ended (`result`): the engine's stop plan. A transaction in progress is
+    /// dropped (held, it never reached SQLite; streaming, it is rolled back): not committed,
+    /// so not acknowledged, and Postgres sends it again next time. At a stop the group's whole
+    /// transactions are made durable and confirmed; after a failure nothing more is written.
+    fn end(&mut self, result: anyhow::Result<()>) -> anyhow::Result<()> {
+        let ending = if result.is_ok() {
+            Ending::Stopped
+        } else {
+            Ending::Failed
+        };
+        // Nothing waits in a queue here: every store is carried out as it is handed on.
+        if self.hold.stop() == TxnEnd::RollBack || self.writer.in_transaction() {
+            let _ = self
+                .writer
+                .apply(&DownstreamMessage::Rollback(Default::default()));
         }
-        Ok(())
+        let mut result = result;
+        // `Some`: committed (and durable: the replica's commits sync themselves), with the
+        // group's last commit if one was open.
+        let committed = if ending.plan().commit_group {
+            match self.make_durable() {
+                Ok(durable) => Some(durable),
+                Err(error) => {
+                    result = result.and(Err(error));
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        match committed {
+            Some(Some(watermark)) => {
+                if let Err(error) = stored_at_stop(self, watermark) {
+                    result = result.and(Err(error));
+                }
+            }
+            Some(None) => {}
+            None => {
+                // Nothing of the group was acknowledged: Postgres sends it again next time.
+                self.group.discarded();
+                let _ = self.writer.discard_group();
+            }
+        }
+        result
     }
 
     /// A transaction is being applied: held, or streaming into SQLite.
     fn in_transaction(&self) -> bool {
-        self.held.is_some() || self.writer.in_transaction()
+        self.hold.in_transaction() || self.writer.in_transaction()
     }
 
-    /// Adds `item` to the held transaction, spilling it once it outgrows the hold (the bytes
-    /// are the replication data since the last commit).
-    fn hold(&mut self, item: Held) -> anyhow::Result<()> {
-        if let Some(held) = self.held.as_mut() {
-            held.push(item);
-            if outgrows_hold(held.len(), self.txn_bytes) {
-                self.spill()?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The held transaction goes into SQLite as it came (its `begin` opening a savepoint
-    /// inside a group), and the rest streams after it.
-    fn spill(&mut self) -> anyhow::Result<()> {
-        for item in self.held.take().unwrap_or_default() {
-            match item {
+    /// Applies items of the transaction that streams into SQLite (a spill, with its `begin`
+    /// opening a savepoint inside a group, or one item after it); the last one's result.
+    fn stream(&mut self, items: Vec<Held>) -> anyhow::Result<Applied> {
+        let mut applied = Applied::Pending;
+        for item in items {
+            applied = match item {
                 Held::Message(message) => self.writer.apply(&message)?,
                 Held::Text(change) => self.writer.apply_text(&change)?,
             };
         }
-        Ok(())
+        Ok(applied)
     }
 
     /// What a commit applied means for the group: the commits it made durable, if any.
-    fn committed(&mut self, applied: Applied) -> anyhow::Result<Vec<Watermark>> {
+    fn committed(&mut self, applied: Applied, bytes: usize) -> anyhow::Result<Vec<Watermark>> {
         Ok(match applied {
             Applied::Grouped { watermark, .. } => {
-                let bytes = std::mem::take(&mut self.txn_bytes);
                 let now = self.now_us();
                 if self.group.applied(watermark, bytes, now) == GroupDecision::Flush {
                     self.make_durable()?.into_iter().collect()
@@ -320,30 +338,20 @@ impl Replicator<'_> {
             None => Ok(()),
         }
     }
-
-    /// When an open group with no transaction half applied must be flushed if nothing more
-    /// arrives; flushes it now if that has passed. `None`: wait for input without a deadline.
-    fn flush_deadline(&mut self) -> anyhow::Result<Option<Duration>> {
-        let now = self.now_us();
-        let in_transaction = self.in_transaction();
-        if self.group.flush_due(now, in_transaction) {
-            self.flush()?;
-        }
-        Ok(match self.group.deadline_us() {
-            Some(deadline) if !self.in_transaction() => {
-                Some(Duration::from_micros(deadline.saturating_sub(now)))
-            }
-            _ => None,
-        })
-    }
 }
 
-/// What woke a wait for the replication stream other than input.
+/// What a wait for input woke to.
+// Lives for one loop step; boxing the backfill's item would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 enum Woke {
+    Stop,
     /// The open group's deadline passed.
     Flush,
     /// A failed backfill's retry delay passed.
     RetryBackfills,
+    Backfill(Option<Result<BackfillItem, SyncError>>),
+    /// Events of the replication stream (how many).
+    Upstream(usize),
 }
 
 // The replicator's whole state, passed down from `replicate`.
@@ -373,103 +381,122 @@ fn stream_changes(
         publications,
         committed: 0,
         group: GroupCommit::new(GroupLimits::default()),
-        txn_bytes: 0,
-        held: None,
+        hold: Hold::new(),
         epoch: Instant::now(),
     };
     replicator.writer.set_group_commit(true);
     // The replica takes row values as Postgres wrote them: no JSON row per change.
     replicator.session.keep_row_text();
-    let mut last_report = Instant::now();
-    let mut batch = Vec::with_capacity(BATCH_EVENTS);
-    let mut queued = VecDeque::new();
-    loop {
-        if *stop.borrow() {
-            return replicator.stop();
-        }
-        // The session says what it takes: a running backfill is the only source until its
-        // commit.
-        if replicator.session.backfill_running() {
-            // About to wait for input: an open group waits no longer than its deadline.
-            let flush_in = replicator.flush_deadline()?;
-            let backfills = &mut *replicator.backfills;
-            let item = handle.block_on(async {
-                tokio::select! {
-                    _ = stop.changed() => None,
-                    item = backfills.next() => Some(Some(item)),
-                    _ = tokio::time::sleep(flush_in.unwrap_or_default()),
-                        if flush_in.is_some() => Some(None),
+    let result = replicator.run(stop);
+    replicator.end(result)
+}
+
+impl Replicator<'_> {
+    /// Feeds the replication stream and the backfills to the session until `stop`, taking
+    /// input in the engine's order (`upstream::Wake`).
+    fn run(&mut self, stop: &mut watch::Receiver<bool>) -> anyhow::Result<()> {
+        let handle = self.handle;
+        let mut last_report = Instant::now();
+        let mut batch = Vec::with_capacity(BATCH_EVENTS);
+        let mut queued = VecDeque::new();
+        loop {
+            // What is ready now, without a wait.
+            let now = self.now_us();
+            let flush_in = self.group.flush_in_us(now, self.in_transaction());
+            let backfilling = self.session.backfill_running();
+            let retry_in = if backfilling {
+                None
+            } else {
+                backfill_retry_in(Some(&*self.backfills))
+            };
+            let listen = Listen {
+                paused: false,
+                backfill_running: backfilling,
+                accepts_upstream: self.session.accepts_upstream(),
+                sync_running: false,
+                flush_in_us: flush_in,
+                retry_in_us: retry_in.map(micros_ceil),
+            };
+            let stream = &mut *self.stream;
+            let ready = listen.first(|wake| match wake {
+                Wake::Stop => *stop.borrow(),
+                Wake::Flush => flush_in == Some(0),
+                Wake::RetryBackfills => retry_in.is_some_and(|retry| retry.is_zero()),
+                Wake::Upstream => {
+                    if queued.is_empty() {
+                        // Whatever is queued is taken in one wake-up.
+                        stream.try_recv_many(&mut batch, BATCH_EVENTS);
+                        queued.extend(batch.drain(..));
+                    }
+                    !queued.is_empty()
                 }
+                // Every store is carried out as it is handed on, commits sync themselves, and
+                // nothing pauses the stream; a backfill's next item needs a wait.
+                Wake::Synced | Wake::Storage | Wake::Resumed | Wake::Backfill => false,
             });
-            match item {
-                None => return replicator.stop(),
-                Some(None) => replicator.flush()?,
-                Some(Some(item)) => backfill_item(&mut replicator, item)?,
-            }
-            continue;
-        }
-        if queued.is_empty() {
-            // Whatever is queued is taken in one wake-up.
-            replicator.stream.try_recv_many(&mut batch, BATCH_EVENTS);
-            queued.extend(batch.drain(..));
-        }
-        if queued.is_empty() {
-            // About to wait for input: an open group waits no longer than its deadline.
-            let flush_in = replicator.flush_deadline()?;
-            if replicator.session.backfill_running() {
-                // That flush made a backfill's predecessors durable and the session started
-                // it: from now on the backfill is the only source, until its commit.
-                continue;
-            }
-            // A failed backfill is tried again after its delay even if no commit comes.
-            let retry_in = backfill_retry_in(Some(&*replicator.backfills));
-            let stream = &mut *replicator.stream;
-            let taken = handle.block_on(async {
-                tokio::select! {
-                    _ = stop.changed() => None,
-                    taken = stream.recv_many(&mut batch, BATCH_EVENTS) => Some(Ok(taken)),
-                    _ = tokio::time::sleep(flush_in.unwrap_or_default()),
-                        if flush_in.is_some() => Some(Err(Woke::Flush)),
-                    _ = tokio::time::sleep(retry_in.unwrap_or_default()),
-                        if retry_in.is_some() => Some(Err(Woke::RetryBackfills)),
+            let woke = match ready {
+                Some(Wake::Stop) => Woke::Stop,
+                Some(Wake::Flush) => Woke::Flush,
+                Some(Wake::RetryBackfills) => Woke::RetryBackfills,
+                Some(Wake::Upstream) => Woke::Upstream(queued.len()),
+                _ => {
+                    // Nothing ready: wait for the first of what the loop waits for, in the
+                    // engine's order.
+                    let flush_in = Duration::from_micros(flush_in.unwrap_or_default());
+                    let retry_in = retry_in.unwrap_or_default();
+                    let backfills = &mut *self.backfills;
+                    let stream = &mut *self.stream;
+                    handle.block_on(async {
+                        tokio::select! {
+                            biased;
+                            _ = stop.wait_for(|s| *s) => Woke::Stop,
+                            _ = tokio::time::sleep(flush_in), if listen.waits_for(Wake::Flush) => {
+                                Woke::Flush
+                            }
+                            _ = tokio::time::sleep(retry_in),
+                                if listen.waits_for(Wake::RetryBackfills) => Woke::RetryBackfills,
+                            item = backfills.next(), if listen.waits_for(Wake::Backfill) => {
+                                Woke::Backfill(item)
+                            }
+                            taken = stream.recv_many(&mut batch, BATCH_EVENTS),
+                                if listen.waits_for(Wake::Upstream) => Woke::Upstream(taken),
+                        }
+                    })
                 }
-            });
-            match taken {
-                None => return replicator.stop(),
-                Some(Err(Woke::Flush)) => {
-                    replicator.flush()?;
-                    continue;
+            };
+            match woke {
+                Woke::Stop => return Ok(()),
+                Woke::Flush => self.flush()?,
+                Woke::RetryBackfills => retry_backfills(self)?,
+                Woke::Backfill(item) => backfill_item(self, item)?,
+                Woke::Upstream(0) => bail!("the replication stream ended"),
+                Woke::Upstream(_) => {
+                    queued.extend(batch.drain(..));
+                    let Some(event) = queued.pop_front() else {
+                        continue;
+                    };
+                    match event? {
+                        WalEvent::Started { start, .. } => {
+                            tracing::debug!(%start, "replication session started");
+                            feed(self, Input::Started)?;
+                        }
+                        WalEvent::CopyData(bytes) => {
+                            self.hold.count(bytes.len());
+                            feed(self, Input::WalData(&bytes))?
+                        }
+                    }
                 }
-                Some(Err(Woke::RetryBackfills)) => {
-                    retry_backfills(&mut replicator)?;
-                    continue;
+            }
+            if last_report.elapsed() >= PROGRESS_EVERY {
+                if let Some(state) = self.writer.replica().state() {
+                    tracing::info!(
+                        transactions = self.committed,
+                        position = %state.lsn,
+                        "replicating"
+                    );
                 }
-                Some(Ok(0)) => bail!("the replication stream ended"),
-                Some(Ok(_)) => queued.extend(batch.drain(..)),
+                last_report = Instant::now();
             }
-        }
-        let Some(event) = queued.pop_front() else {
-            continue;
-        };
-        match event? {
-            WalEvent::Started { start, .. } => {
-                tracing::debug!(%start, "replication session started");
-                feed(&mut replicator, Input::Started)?;
-            }
-            WalEvent::CopyData(bytes) => {
-                replicator.txn_bytes = replicator.txn_bytes.saturating_add(bytes.len());
-                feed(&mut replicator, Input::WalData(&bytes))?
-            }
-        }
-        if last_report.elapsed() >= PROGRESS_EVERY {
-            if let Some(state) = replicator.writer.replica().state() {
-                tracing::info!(
-                    transactions = replicator.committed,
-                    position = %state.lsn,
-                    "replicating"
-                );
-            }
-            last_report = Instant::now();
         }
     }
 }
@@ -482,52 +509,49 @@ impl EffectHost for Replicator<'_> {
     }
 
     fn apply(&mut self, message: DownstreamMessage) -> anyhow::Result<Vec<Watermark>> {
-        let message = match message {
-            DownstreamMessage::Begin(begin) if !self.in_transaction() => {
+        match message {
+            DownstreamMessage::Begin(begin) => {
                 self.backfills.note(&begin);
+                // A group never holds its first transaction back past its delay for one yet to
+                // come.
+                let now = self.now_us();
+                let durable = if self.group.flush_in_us(now, self.in_transaction()) == Some(0) {
+                    self.make_durable()?.into_iter().collect()
+                } else {
+                    Vec::new()
+                };
                 // Held until its commit, or until it outgrows the hold.
-                self.held = Some(vec![Held::Message(Box::new(DownstreamMessage::Begin(
-                    begin,
-                )))]);
-                return Ok(Vec::new());
+                let begin = Held::Message(Box::new(DownstreamMessage::Begin(begin)));
+                self.hold.begin(begin, 0)?;
+                Ok(durable)
             }
-            commit @ DownstreamMessage::Commit(_) => match self.held.take() {
-                Some(mut held) => {
-                    held.push(Held::Message(Box::new(commit)));
-                    let applied = self.writer.apply_whole(&held)?;
-                    return self.committed(applied);
-                }
-                None => commit,
-            },
+            commit @ DownstreamMessage::Commit(_) => {
+                let (commit, bytes) = self.hold.commit(Held::Message(Box::new(commit)), 0);
+                let applied = match commit {
+                    TxnCommit::Whole(held) => self.writer.apply_whole(&held)?,
+                    TxnCommit::Streamed(commit) => self.stream(vec![commit])?,
+                };
+                self.committed(applied, bytes)
+            }
             DownstreamMessage::Rollback(rollback) => {
                 // A held transaction never reached SQLite.
-                if self.held.take().is_some() {
-                    return Ok(Vec::new());
+                if self.hold.rollback() == TxnEnd::RollBack {
+                    self.writer.apply(&DownstreamMessage::Rollback(rollback))?;
                 }
-                DownstreamMessage::Rollback(rollback)
+                Ok(Vec::new())
             }
-            // The writer refuses a `begin` inside a transaction.
-            begin @ DownstreamMessage::Begin(_) => {
-                self.spill()?;
-                begin
+            other => {
+                let items = self.hold.item(Held::Message(Box::new(other)), 0);
+                self.stream(items)?;
+                Ok(Vec::new())
             }
-            other if self.held.is_some() => {
-                self.hold(Held::Message(Box::new(other)))?;
-                return Ok(Vec::new());
-            }
-            other => other,
-        };
-        let applied = self.writer.apply(&message)?;
-        self.committed(applied)
+        }
     }
 
     fn apply_text(&mut self, change: TextRowChange) -> anyhow::Result<Vec<Watermark>> {
         // A row change is never a commit: nothing becomes durable here.
-        if self.held.is_some() {
-            self.hold(Held::Text(change))?;
-        } else {
-            self.writer.apply_text(&change)?;
-        }
+        let items = self.hold.item(Held::Text(change), 0);
+        self.stream(items)?;
         Ok(Vec::new())
     }
 
@@ -535,9 +559,8 @@ impl EffectHost for Replicator<'_> {
         // The replica as of every message, as schema changes are computed against it: a held
         // transaction (one whose DDL came earlier, say) goes into SQLite now. Everything else
         // is applied as it comes.
-        if self.held.is_some() {
-            self.spill()?;
-        }
+        let items = self.hold.settle();
+        self.stream(items)?;
         Ok(Vec::new())
     }
 

@@ -17,7 +17,9 @@ use std::collections::{HashMap, VecDeque};
 
 use highwater_engine::change_stream::{Begin, Change, DownstreamMessage};
 use highwater_engine::pgoutput::{Relation, ReplicaIdentity, TextRowChange};
-use highwater_engine::upstream::{Effect, Input, SessionConfig, SessionError, UpstreamSession};
+use highwater_engine::upstream::{
+    carried_at_stop, Effect, Input, SessionConfig, SessionError, UpstreamSession,
+};
 use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio_postgres::Client;
@@ -171,6 +173,26 @@ pub fn carry<H: EffectHost>(host: &mut H, effects: Vec<Effect>) -> Result<(), H:
         }
     }
     Ok(())
+}
+
+/// Reports `watermark` stored to the host's session after its loop ended, and of what follows
+/// carries out only the confirmations (the engine's `upstream::carried_at_stop`): nothing new
+/// starts at a stop.
+pub fn stored_at_stop<H: EffectHost>(host: &mut H, watermark: Watermark) -> Result<(), H::Error> {
+    let effects = host.session().handle(Input::Stored { watermark })?;
+    for effect in effects.into_iter().filter(carried_at_stop) {
+        match effect {
+            Effect::Ack(lsn) => host.confirm(lsn),
+            Effect::AckFrames(ids) => host.ack_frames(ids),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// `duration` in whole microseconds, rounded up (a wait never ends before its deadline).
+pub fn micros_ceil(duration: std::time::Duration) -> u64 {
+    u64::try_from(duration.as_nanos().div_ceil(1000)).unwrap_or(u64::MAX)
 }
 
 /// A session over storage whose newest durable commit is `stored`, started from `start`.
