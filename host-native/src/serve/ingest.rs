@@ -54,7 +54,8 @@ use highwater_engine::change_stream::{Change, DownstreamMessage, Rollback};
 use highwater_engine::pgoutput::Relation;
 use highwater_engine::streamer::{ConnId, LogOp, StoredChange};
 use highwater_engine::upstream::{
-    DurableGroup, GroupCommit, GroupDecision, GroupLimits, Input, SyncDecision, UpstreamSession,
+    DurableGroup, Ending, GroupCommit, GroupDecision, GroupLimits, Hold, HoldError, Input, Listen,
+    SyncDecision, TxnCommit, TxnEnd, UpstreamSession, Wake,
 };
 use highwater_engine::watermark::{Lsn, Watermark};
 use rusqlite::Connection;
@@ -68,12 +69,12 @@ use crate::change_log::{self, CatchupLimits, CatchupReader};
 use crate::pause_point::{self, Point};
 use crate::replica::feed::CommittedChanges;
 use crate::replica::wal_sync::WalSync;
-use crate::replica::{outgrows_hold, Applied, Replica, ReplicaWriter};
+use crate::replica::{Applied, Replica, ReplicaWriter};
 use crate::replication::backfill::BackfillItem;
 use crate::replication::initial_sync::SyncError;
 use crate::upstream::{
-    backfill_item, backfill_retry_in, feed, reconcile_relation, retry_backfills, Backfills,
-    Catalog, EffectError, EffectHost,
+    backfill_item, backfill_retry_in, feed, micros_ceil, reconcile_relation, retry_backfills,
+    stored_at_stop, Backfills, Catalog, EffectError, EffectHost,
 };
 
 pub(crate) struct Ingest {
@@ -117,11 +118,9 @@ pub(crate) struct Ingest {
     /// started once that transaction's commit made the group durable.
     deferred_catchups: Vec<(ConnId, Watermark, Watermark)>,
     /// The transaction being stored, held whole until its commit while it is small (then
-    /// applied with no savepoint of its own and its log rows written a few to a statement);
-    /// `None` between transactions and once one outgrew the hold and streams into SQLite.
-    held: Option<Vec<StoredChange>>,
-    /// Bytes (stored change text) of the transaction being stored.
-    txn_bytes: usize,
+    /// applied with no savepoint of its own and its log rows written a few to a statement),
+    /// measured in bytes of stored change text.
+    hold: Hold<StoredChange>,
     /// The commit watermark of the upstream transaction handed on last (its `begin`).
     handed_on: Option<Watermark>,
     /// Sync clients' mutations confirmed by transactions handed on and not stored yet: the
@@ -172,6 +171,15 @@ enum Next {
     Synced(std::io::Result<()>),
     /// A failed backfill's retry delay passed.
     RetryBackfills,
+}
+
+impl From<HoldError> for ServeError {
+    fn from(error: HoldError) -> Self {
+        ServeError::Invariant {
+            expected: "a store the hold takes".to_owned(),
+            found: error.to_string(),
+        }
+    }
 }
 
 impl From<EffectError> for ServeError {
@@ -235,8 +243,7 @@ impl Ingest {
             wal_sync,
             stored: Vec::new(),
             deferred_catchups: Vec::new(),
-            held: None,
-            txn_bytes: 0,
+            hold: Hold::new(),
             handed_on: None,
             confirms: Vec::new(),
             fences: Vec::new(),
@@ -418,7 +425,7 @@ impl Ingest {
 
     /// A transaction is being stored: held, or streaming into SQLite.
     fn in_transaction(&self) -> bool {
-        self.held.is_some() || self.writer.in_transaction()
+        self.hold.in_transaction() || self.writer.in_transaction()
     }
 
     /// Stores one message of a transaction that streams into SQLite.
@@ -434,10 +441,10 @@ impl Ingest {
         Ok(())
     }
 
-    /// The held transaction outgrew the hold: what it holds goes into SQLite (its `begin`
-    /// opening a savepoint inside a group), and the rest streams after it.
-    fn spill(&mut self) -> Result<(), ServeError> {
-        for row in self.held.take().unwrap_or_default() {
+    /// Stores rows of a transaction that streams into SQLite: a spill (its `begin` opening a
+    /// savepoint inside a group), or one row after it.
+    fn stream(&mut self, rows: Vec<StoredChange>) -> Result<(), ServeError> {
+        for row in rows {
             self.store(&row)?;
         }
         Ok(())
@@ -445,16 +452,8 @@ impl Ingest {
 
     /// Stores the held transaction, now that its commit is here: the replica and its log rows
     /// in the open SQLite transaction, with no savepoint.
-    fn store_whole(
-        &mut self,
-        held: Vec<StoredChange>,
-        commit: &StoredChange,
-    ) -> Result<Applied, ServeError> {
-        let messages = held
-            .iter()
-            .chain(std::iter::once(commit))
-            .map(typed)
-            .collect::<Result<Vec<_>, _>>()?;
+    fn store_whole(&mut self, held: Vec<StoredChange>) -> Result<Applied, ServeError> {
+        let messages = held.iter().map(typed).collect::<Result<Vec<_>, _>>()?;
         let applied = self.writer.apply_whole(messages.iter().copied())?;
         for message in &messages {
             if let DownstreamMessage::Data(change) = message {
@@ -465,7 +464,6 @@ impl Ingest {
         }
         let rows = held
             .iter()
-            .chain(std::iter::once(commit))
             .map(|row| change_log::LogRow {
                 watermark: row.watermark(),
                 pos: row.pos(),
@@ -489,95 +487,105 @@ impl Ingest {
         let mut taken: VecDeque<SourceEvent> = VecDeque::new();
         let mut take = Vec::with_capacity(EVENTS_PER_TAKE);
         let result = loop {
+            // The storage queue and a returned sync are taken first, without a wait.
             if let Err(e) = self.settle_and_report() {
                 break Err(e);
             }
-            // About to wait for input: an open group waits no longer than its deadline.
             let now = self.now_us();
-            let in_transaction = self.in_transaction();
-            if self.group.flush_due(now, in_transaction) {
-                if let Err(e) = self.commit_group() {
-                    break Err(e);
-                }
-                continue;
-            }
-            let flush_in = match self.group.deadline_us() {
-                Some(deadline) if !in_transaction => Some(std::time::Duration::from_micros(
-                    deadline.saturating_sub(now),
-                )),
-                _ => None,
-            };
+            let flush_in = self.group.flush_in_us(now, self.in_transaction());
             let is_paused = *paused.borrow_and_update();
             // The session says what it takes: a running backfill is the only source until its
             // commit.
             let backfilling = self.session.backfill_running();
-            let upstream = self.session.accepts_upstream();
-            // Events already queued are taken without a trip through the runtime: the storage
-            // queue was just drained, no flush is due and nothing is paused, so this is what
-            // the biased select below would pick. Only an empty queue costs a wait.
-            if !is_paused && upstream && !backfilling && !*shutdown.borrow() {
-                if taken.is_empty()
-                    && events
-                        .recv_many(&mut take, EVENTS_PER_TAKE)
-                        .now_or_never()
-                        .is_some()
-                {
-                    taken.extend(take.drain(..));
-                }
-                if let Some(event) = taken.pop_front() {
-                    if let Err(e) = self.on_source(event) {
-                        break Err(e);
-                    }
-                    continue;
-                }
-            }
-            // Nothing queued that this loop could take now: the burst is over, and what the
-            // streamer held back for it goes out as one batch per subscriber.
-            self.hub.call(|s, _| s.on_upstream_drained());
             // A failed backfill is tried again after its delay even if no commit comes.
             let retry_in = if backfilling {
                 None
             } else {
                 backfill_retry_in(self.backfills.as_ref())
             };
-            let handle = self.handle.clone();
-            let (ops, backfills) = (&mut self.ops, &mut self.backfills);
-            let wal_sync = &mut self.wal_sync;
-            let syncing = wal_sync.as_ref().is_some_and(WalSync::running);
-            let next = handle.block_on(async {
-                tokio::select! {
-                    biased;
-                    _ = shutdown.wait_for(|s| *s) => Next::Stop,
-                    synced = async {
-                        match wal_sync {
-                            Some(sync) => sync.done().await,
-                            None => std::future::pending().await,
-                        }
-                    }, if syncing => Next::Synced(synced),
-                    op = ops.recv() => op.map_or(Next::Stop, Next::Op),
-                    _ = tokio::time::sleep(flush_in.unwrap_or_default()), if flush_in.is_some() => {
-                        Next::Flush
+            let listen = Listen {
+                paused: is_paused,
+                backfill_running: backfilling,
+                accepts_upstream: self.session.accepts_upstream(),
+                sync_running: self.wal_sync.as_ref().is_some_and(WalSync::running),
+                flush_in_us: flush_in,
+                retry_in_us: retry_in.map(micros_ceil),
+            };
+            // What is ready now, in the engine's order: events already queued are taken
+            // without a trip through the runtime (only an empty queue costs a wait).
+            let ready = listen.first(|wake| match wake {
+                Wake::Stop => *shutdown.borrow(),
+                Wake::Flush => flush_in == Some(0),
+                Wake::RetryBackfills => retry_in.is_some_and(|retry| retry.is_zero()),
+                Wake::Upstream => {
+                    if taken.is_empty()
+                        && events
+                            .recv_many(&mut take, EVENTS_PER_TAKE)
+                            .now_or_never()
+                            .is_some()
+                    {
+                        taken.extend(take.drain(..));
                     }
-                    _ = tokio::time::sleep(retry_in.unwrap_or_default()), if retry_in.is_some() => {
-                        Next::RetryBackfills
-                    }
-                    _ = paused.changed(), if is_paused => Next::Resumed,
-                    item = async {
-                        match backfills {
-                            Some(b) => b.next().await,
-                            None => std::future::pending().await,
-                        }
-                    }, if !is_paused && backfilling => Next::Backfill(item),
-                    // Events taken earlier come before the channel's.
-                    () = std::future::ready(()), if !is_paused && upstream && !taken.is_empty() => {
-                        Next::Taken
-                    }
-                    // A source that fails says so; one that just ends was stopped.
-                    event = events.recv(), if !is_paused && upstream && taken.is_empty() => {
-                        event.map_or(Next::Stop, Next::Source)
-                    }
+                    !taken.is_empty()
                 }
+                // Taken just above; a resume and a backfill's next item need a wait.
+                Wake::Synced | Wake::Storage | Wake::Resumed | Wake::Backfill => false,
             });
+            let next = match ready {
+                Some(Wake::Stop) => Next::Stop,
+                Some(Wake::Flush) => Next::Flush,
+                Some(Wake::RetryBackfills) => Next::RetryBackfills,
+                Some(Wake::Upstream) => Next::Taken,
+                _ => {
+                    // Nothing queued that this loop could take now: the burst is over, and
+                    // what the streamer held back for it goes out as one batch per subscriber.
+                    self.hub.call(|s, _| s.on_upstream_drained());
+                    let flush_in = std::time::Duration::from_micros(flush_in.unwrap_or_default());
+                    let retry_in = retry_in.unwrap_or_default();
+                    let handle = self.handle.clone();
+                    let (ops, backfills) = (&mut self.ops, &mut self.backfills);
+                    let wal_sync = &mut self.wal_sync;
+                    // The branches in the engine's order (`Wake::ORDER`), each taken only while
+                    // the loop waits for it.
+                    handle.block_on(async {
+                        tokio::select! {
+                            biased;
+                            _ = shutdown.wait_for(|s| *s) => Next::Stop,
+                            synced = async {
+                                match wal_sync {
+                                    Some(sync) => sync.done().await,
+                                    None => std::future::pending().await,
+                                }
+                            }, if listen.waits_for(Wake::Synced) => Next::Synced(synced),
+                            op = ops.recv() => op.map_or(Next::Stop, Next::Op),
+                            _ = tokio::time::sleep(flush_in), if listen.waits_for(Wake::Flush) => {
+                                Next::Flush
+                            }
+                            _ = tokio::time::sleep(retry_in),
+                                if listen.waits_for(Wake::RetryBackfills) => Next::RetryBackfills,
+                            _ = paused.changed(), if listen.waits_for(Wake::Resumed) => {
+                                Next::Resumed
+                            }
+                            item = async {
+                                match backfills {
+                                    Some(b) => b.next().await,
+                                    None => std::future::pending().await,
+                                }
+                            }, if listen.waits_for(Wake::Backfill) => Next::Backfill(item),
+                            // Events taken earlier come before the channel's.
+                            () = std::future::ready(()),
+                                if listen.waits_for(Wake::Upstream) && !taken.is_empty() => {
+                                Next::Taken
+                            }
+                            // A source that fails says so; one that just ends was stopped.
+                            event = events.recv(),
+                                if listen.waits_for(Wake::Upstream) && taken.is_empty() => {
+                                event.map_or(Next::Stop, Next::Source)
+                            }
+                        }
+                    })
+                }
+            };
             let step = match next {
                 Next::Stop => break Ok(()),
                 Next::Resumed => Ok(()),
@@ -596,37 +604,69 @@ impl Ingest {
                 break Err(e);
             }
         };
-        // Whatever was in flight upstream is not stored; the source sends it again next time.
+        let result = self.end(result);
+        if let Err(error) = &result {
+            tracing::error!(%error, "replication stopped");
+        }
+        result
+    }
+
+    /// The loop ended (`result`): the engine's stop plan. Whatever was in flight upstream is
+    /// not stored; the source sends it again next time. At a stop the stores of transactions
+    /// already forwarded still happen and the group's whole transactions are committed (their
+    /// confirmation waits for the next start, where the session finds them stored); after a
+    /// failure nothing more is written. Either way the syncs of what was committed run to
+    /// their end, so that everything committed is durable when the thread ends.
+    fn end(&mut self, result: Result<(), ServeError>) -> Result<(), ServeError> {
+        let mut result = result;
+        let mut ending = if result.is_ok() {
+            Ending::Stopped
+        } else {
+            Ending::Failed
+        };
         self.hub.call(|s, _| s.upstream_ended());
-        // Stores of transactions already forwarded still happen; their confirmation waits for
-        // the next start, where the session skips what is stored and confirms it.
-        while let Ok(op) = self.ops.try_recv() {
-            if matches!(op, StorageOp::Store(_)) {
-                let _ = self.execute(op);
+        if ending.plan().store_handed_on {
+            while let Ok(op) = self.ops.try_recv() {
+                if !matches!(op, StorageOp::Store(_)) {
+                    continue;
+                }
+                if let Err(error) = self.execute(op) {
+                    // The store's state is not to be trusted from here: nothing more is
+                    // written.
+                    result = Err(error);
+                    ending = Ending::Failed;
+                    break;
+                }
             }
         }
-        self.held = None;
-        if self.writer.in_transaction() {
+        if self.hold.stop() == TxnEnd::RollBack || self.writer.in_transaction() {
             let _ = self
                 .writer
                 .apply(&DownstreamMessage::Rollback(Rollback::default()));
         }
-        // The group's transactions are whole: stored after a stop (confirmed at the next
-        // start, as above), sent again after a failure. Either way the syncs of what was
-        // committed run to their end, so that a stop leaves it durable.
-        let stored = match &result {
-            Ok(()) => self.commit_group().is_ok(),
-            Err(_) => false,
+        let committed = if ending.plan().commit_group {
+            match self.commit_group() {
+                Ok(()) => true,
+                Err(error) => {
+                    result = result.and(Err(error));
+                    false
+                }
+            }
+        } else {
+            false
         };
-        if !stored {
+        if !committed {
             self.group.discarded();
             self.grouped.clear();
             self.deferred_catchups.clear();
             let _ = self.writer.discard_group();
         }
         self.finish_syncs();
-        if let Err(error) = &result {
-            tracing::error!(%error, "replication stopped");
+        // What is durable now is confirmed, if the source still takes confirmations.
+        for watermark in std::mem::take(&mut self.stored) {
+            if let Err(error) = stored_at_stop(self, watermark) {
+                result = result.and(Err(error));
+            }
         }
         result
     }
@@ -696,35 +736,31 @@ impl Ingest {
                         found: format!("the `begin` of {} inside one", row.watermark()),
                     });
                 }
-                // A group never holds its first transaction back longer than its delay.
-                if self.group.flush_due(self.now_us(), false) {
+                // A group never holds its first transaction back past its delay for one yet to
+                // come.
+                if self.group.flush_in_us(self.now_us(), false) == Some(0) {
                     self.commit_group()?;
                 }
-                self.txn_bytes = row.change_json().len();
                 // Held until its commit or until it outgrows the hold. Replica and log commit
                 // together, so the replica is never ahead of the log; the writer refuses a
                 // transaction not after its position.
-                self.held = Some(vec![row]);
+                let bytes = row.change_json().len();
+                self.hold.begin(row, bytes)?;
             }
             StorageOp::Store(LogOp::Append(row)) => {
-                self.txn_bytes = self.txn_bytes.saturating_add(row.change_json().len());
-                let txn_bytes = self.txn_bytes;
-                match self.held.as_mut() {
-                    Some(held) => {
-                        held.push(row);
-                        if outgrows_hold(held.len(), txn_bytes) {
-                            self.spill()?;
-                        }
-                    }
-                    None => self.store(&row)?,
-                }
+                let bytes = row.change_json().len();
+                let rows = self.hold.item(row, bytes);
+                self.stream(rows)?;
             }
             StorageOp::Store(LogOp::Commit(row)) => {
-                let confirms = self.take_confirms(row.watermark());
+                let watermark = row.watermark().clone();
+                let confirms = self.take_confirms(&watermark);
                 self.writer.confirm_with_next_commit(confirms);
-                let applied = match self.held.take() {
-                    Some(held) => self.store_whole(held, &row)?,
-                    None => {
+                let bytes = row.change_json().len();
+                let (commit, bytes) = self.hold.commit(row, bytes);
+                let applied = match commit {
+                    TxnCommit::Whole(held) => self.store_whole(held)?,
+                    TxnCommit::Streamed(row) => {
                         let message = typed(&row)?;
                         self.append(&row)?;
                         self.writer.apply(message)?
@@ -734,7 +770,7 @@ impl Ingest {
                     Applied::Grouped { .. } => {}
                     other => {
                         return Err(ServeError::Invariant {
-                            expected: format!("the commit of {} to be applied", row.watermark()),
+                            expected: format!("the commit of {watermark} to be applied"),
                             found: format!("{other:?}"),
                         })
                     }
@@ -742,10 +778,7 @@ impl Ingest {
                 if let Some(changes) = self.writer.take_committed() {
                     self.grouped.push(changes);
                 }
-                let bytes = self.txn_bytes.saturating_add(row.change_json().len());
-                let decision = self
-                    .group
-                    .applied(row.watermark().clone(), bytes, self.now_us());
+                let decision = self.group.applied(watermark, bytes, self.now_us());
                 // A catch-up read waiting for this commit closes the group here too.
                 if decision == GroupDecision::Flush || !self.deferred_catchups.is_empty() {
                     self.commit_group()?;
@@ -753,7 +786,7 @@ impl Ingest {
             }
             StorageOp::Store(LogOp::Abort) => {
                 // A held transaction never reached SQLite.
-                if self.held.take().is_none() {
+                if self.hold.rollback() == TxnEnd::RollBack {
                     self.writer
                         .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
                 }
@@ -868,9 +901,8 @@ impl EffectHost for Ingest {
         let stored = std::mem::take(&mut self.stored);
         // The replica as of every message handed on, as schema changes are computed against
         // it: a transaction held whole (one whose DDL came earlier, say) goes into SQLite now.
-        if self.held.is_some() {
-            self.spill()?;
-        }
+        let rows = self.hold.settle();
+        self.stream(rows)?;
         Ok(stored)
     }
 
