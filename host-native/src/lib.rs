@@ -7,6 +7,7 @@
 pub mod change_log;
 pub mod commands;
 pub mod data_lock;
+pub(crate) mod ingest;
 pub mod pause_point;
 pub mod private_pg;
 pub mod replica;

@@ -1,48 +1,40 @@
-//! The ingest thread: feeds upstream events to the engine's upstream session and carries out
-//! what it says — messages into the streamer, confirmations back to the source, schema
-//! changes computed against the replica, backfills when one may start — and carries out the
-//! storage queue in order: each upstream transaction applied to the replica and appended to the
-//! change log in one SQLite transaction, then reported durable to the streamer and the session
-//! (which releases the upstream confirmation); catch-up reads start once every store before
-//! them is committed.
+//! `serve`'s side of the ingest loop (`crate::ingest`, which holds the loop, its input order,
+//! deadlines, hold and stop): the group store of `serve` and relays, [`ReplicaAndLog`], and
+//! their source, [`SourceEvents`] (the channel of the source task, a Postgres stream or a
+//! relay's primary).
 //!
-//! Group commit (the engine's `upstream::GroupCommit` holds the rule; on unless `serve
-//! --no-group-commit`, which stores one transaction per SQLite commit): while more upstream
-//! transactions are queued, the next ones are applied into the same SQLite transaction: a
-//! small one held whole until its commit and applied then with no savepoint (it is never
-//! rolled back alone), a large one in a savepoint of its own. The group is committed when the
-//! engine says it is full, when its deadline passes with nothing more to apply (the thread
-//! never waits for input past it), and before anything that must see the store committed: a
-//! catch-up read (one asked for in the middle of a transaction waits for that transaction's
-//! commit, which then closes the group), a purge, a stop.
+//! What the session hands on goes to the streamer, which forwards it to live subscribers at
+//! once and asks for its storing through the storage queue; the loop carries that queue out in
+//! order: each upstream transaction applied to the replica and appended to the change log in
+//! one SQLite transaction, several to a group (group commit: on unless `serve
+//! --no-group-commit`, which stores one transaction per SQLite commit). Besides stores the queue
+//! asks for catch-up reads, which start once every store before them is committed (one asked
+//! for in the middle of a transaction waits for that transaction's commit, which then closes the
+//! group), and purges of the change log, which wait for the open group's commit.
 //!
 //! The commit does not wait for the disk: the WAL is synced, and checkpointed, on another
 //! thread (`replica::wal_sync`), one sync at a time, and a group is durable once a sync that
-//! started after its commit returned (the engine's rule again; while a sync runs the open
-//! group has no deadline and grows, since its own sync could not start sooner). Only then
-//! are its commits reported stored (the streamer, and the session, which releases the
-//! upstream confirmation of the last one; a backfill starts only with everything stored) and
-//! their scope-feed entries routed. Meanwhile the thread goes on decoding, forwarding and
-//! applying: a disk that stalls for tens of milliseconds holds back the acknowledgement to
-//! Postgres, not the subscribers, who see every upstream transaction as its own
-//! `begin … commit` as it arrives.
+//! started after its commit returned (the engine's rule; while a sync runs the open group has
+//! no deadline and grows, since its own sync could not start sooner). Only then are its commits
+//! reported stored (the streamer, and the session, which releases the upstream confirmation of
+//! the last one; a backfill starts only with everything stored) and their scope-feed entries
+//! routed. Meanwhile the loop goes on decoding, forwarding and applying: a disk that stalls for
+//! tens of milliseconds holds back the acknowledgement to Postgres, not the subscribers, who see
+//! every upstream transaction as its own `begin … commit` as it arrives.
 //!
-//! Backfills (`replica::backfill`) are a second source of transactions. When the session says
-//! one may start (between upstream transactions, everything before stored) the thread starts
-//! the backfill the replica waits for and takes its messages instead of upstream's until its
-//! commit: forwarded, stored and (being `skipAck`) never confirmed upstream.
-//!
-//! A relay's follower takes the same path: its primary's frames are upstream events as
-//! pgoutput's are, so its transactions are grouped the same way. A `RestartUpstream` the
-//! streamer asks for (a v8 subscriber needs backfills the running stream does not cover) is
-//! only logged: Postgres takes no backfill requests, the replica runs its own backfills.
+//! Backfills (`replication::backfill`) are a second source of transactions: forwarded, stored
+//! and (being `skipAck`) never confirmed upstream. A relay's follower takes the same path: its
+//! primary's frames are upstream events as pgoutput's are, so its transactions are grouped the
+//! same way. A `RestartUpstream` the streamer asks for (a v8 subscriber needs backfills the
+//! running stream does not cover) is only logged: Postgres takes no backfill requests, the
+//! replica runs its own backfills.
 //!
 //! Group commit was first merged and then reverted, because the client end-to-end suite
-//! (`npm run test:client-serve`) failed more often with it, and its port onto this one ingest
-//! loop waited for the same reason. The cause was in the browser client: a timer that fired a
-//! few milliseconds early (Node counts a timer from its event loop's cached clock) left a
-//! reconnect unarmed for good, and bursts made that likelier by keeping the client's loop
-//! busier. The engine's `scope_sync::client` now arms such a deadline again (its handling of
+//! (`npm run test:client-serve`) failed more often with it, and its port onto this ingest loop
+//! waited for the same reason. The cause was in the browser client: a timer that fired a few
+//! milliseconds early (Node counts a timer from its event loop's cached clock) left a reconnect
+//! unarmed for good, and bursts made that likelier by keeping the client's loop busier. The
+//! engine's `scope_sync::client` now arms such a deadline again (its handling of
 //! `ClientInput::Tick`), and the suite passes with group commit on.
 
 use std::collections::VecDeque;
@@ -50,13 +42,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use futures::FutureExt as _;
-use highwater_engine::change_stream::{Change, DownstreamMessage, Rollback};
-use highwater_engine::pgoutput::Relation;
+use highwater_engine::change_stream::{DownstreamMessage, Rollback};
 use highwater_engine::streamer::{ConnId, LogOp, StoredChange};
-use highwater_engine::upstream::{
-    DurableGroup, Ending, GroupCommit, GroupDecision, GroupLimits, Hold, HoldError, Input, Listen,
-    SyncDecision, TxnCommit, TxnEnd, UpstreamSession, Wake,
-};
+use highwater_engine::upstream::{DurableGroup, GroupLimits, UpstreamSession};
 use highwater_engine::watermark::{Lsn, Watermark};
 use rusqlite::Connection;
 use tokio::runtime::Handle;
@@ -66,44 +54,118 @@ use super::hub::{Hub, StorageOp};
 use super::source::{Confirm, SourceEvent};
 use super::ServeError;
 use crate::change_log::{self, CatchupLimits, CatchupReader};
-use crate::pause_point::{self, Point};
+use crate::ingest::{
+    GroupStore, Ingest, Invariant, Setup, Source, StoreWake, Storing, UpstreamEvent,
+};
 use crate::replica::feed::CommittedChanges;
 use crate::replica::wal_sync::WalSync;
 use crate::replica::{Applied, Replica, ReplicaWriter};
-use crate::replication::backfill::BackfillItem;
-use crate::replication::initial_sync::SyncError;
-use crate::upstream::{
-    backfill_item, backfill_retry_in, feed, micros_ceil, reconcile_relation, retry_backfills,
-    stored_at_stop, Backfills, Catalog, EffectError, EffectHost,
-};
+use crate::replication::PgConfig;
+use crate::upstream::{Backfills, Catalog, EffectError};
 
-pub(crate) struct Ingest {
+/// `serve`'s ingest loop.
+pub(crate) type ServeIngest = Ingest<ReplicaAndLog, SourceEvents>;
+
+/// What `serve` builds its ingest loop from.
+pub(crate) struct IngestParts {
+    pub hub: Arc<Hub>,
+    pub writer: ReplicaWriter,
+    pub db_path: PathBuf,
+    pub publications: Vec<String>,
+    pub handle: Handle,
+    pub session: UpstreamSession,
+    /// The source's events, and where the session's confirmations go.
+    pub events: mpsc::Receiver<SourceEvent>,
+    pub confirm: Confirm,
+    /// Backfills read from Postgres, and its catalog; `None` when the source streams its own
+    /// (a relay).
+    pub backfill_from: Option<PgConfig>,
+    pub sync: Option<SyncFeed>,
+    pub group: GroupLimits,
+    pub ops: mpsc::UnboundedReceiver<StorageOp>,
+}
+
+/// The ingest loop over the replica and change log, fed by the source's events.
+pub(crate) fn ingest(parts: IngestParts) -> ServeIngest {
+    let IngestParts {
+        hub,
+        mut writer,
+        db_path,
+        publications,
+        handle,
+        session,
+        events,
+        confirm,
+        backfill_from,
+        sync,
+        group,
+        ops,
+    } = parts;
+    writer.set_group_commit(true);
+    let wal_sync = match WalSync::take_over(writer.replica().connection()) {
+        Ok(sync) => Some(sync),
+        Err(error) => {
+            tracing::warn!(%error, "the replica's commits sync on the ingest thread");
+            None
+        }
+    };
+    let setup = Setup {
+        session,
+        group,
+        publications,
+        handle: handle.clone(),
+        backfills: backfill_from.clone().map(Backfills::new),
+        catalog: backfill_from.map(Catalog::new),
+    };
+    let store = ReplicaAndLog {
+        hub,
+        writer,
+        db_path,
+        handle,
+        pending_purge: None,
+        catchup_limits: CatchupLimits::default(),
+        sync,
+        ops,
+        grouped: Vec::new(),
+        unsynced_feed: VecDeque::new(),
+        wal_sync,
+        deferred_catchups: Vec::new(),
+        handed_on: None,
+        confirms: Vec::new(),
+        fences: Vec::new(),
+    };
+    let source = SourceEvents {
+        events,
+        confirm,
+        sessions: 0,
+    };
+    Ingest::new(setup, store, source)
+}
+
+/// Runs `serve`'s ingest loop until `shutdown`, the source failing, or a storage error.
+/// Blocking.
+pub(crate) fn run(ingest: ServeIngest, shutdown: watch::Receiver<bool>) -> Result<(), ServeError> {
+    let result = ingest.run(shutdown);
+    if let Err(error) = &result {
+        tracing::error!(%error, "replication stopped");
+    }
+    result
+}
+
+/// `serve`'s group store: the replica and the change log in one SQLite transaction, stored from
+/// the streamer's storage queue, the WAL synced apart.
+pub(crate) struct ReplicaAndLog {
     hub: Arc<Hub>,
     writer: ReplicaWriter,
     db_path: PathBuf,
-    publications: Vec<String>,
     handle: Handle,
-    /// Every rule of the upstream stream.
-    session: UpstreamSession,
-    /// Where the session's confirmations go.
-    confirm: Confirm,
-    /// The source's sessions so far (numbers the relay's connections).
-    source_sessions: u64,
-    /// A purge that came in mid-transaction, run at the next commit.
+    /// A purge that came in while a group was open, run at its commit.
     pending_purge: Option<Watermark>,
     catchup_limits: CatchupLimits,
-    /// Backfills read from Postgres; `None` when the source streams its own (a relay).
-    backfills: Option<Backfills>,
-    /// Upstream's catalog, for Relation messages that show what the replica lacks; `None`
-    /// for a relay.
-    catalog: Option<Catalog>,
     /// Scope sync: where committed feed entries go; `None` when `/sync` is off.
     sync: Option<SyncFeed>,
-    /// The storage queue the streamer fills, carried out here in order.
+    /// The storage queue the streamer fills, carried out in order.
     ops: mpsc::UnboundedReceiver<StorageOp>,
-    /// The open group of applied, not yet durable commits, and the committed ones waiting for
-    /// their sync.
-    group: GroupCommit<Watermark>,
     /// The open group's scope-feed entries.
     grouped: Vec<CommittedChanges>,
     /// Committed groups' scope-feed entries (by the group's last commit, with its upstream
@@ -112,15 +174,9 @@ pub(crate) struct Ingest {
     /// Syncs the replica's WAL apart from its commits; `None` when the replica's commits sync
     /// themselves (a database not in WAL mode), each then durable at its commit.
     wal_sync: Option<WalSync>,
-    /// Commits made durable and not yet reported stored to the session.
-    stored: Vec<Watermark>,
     /// Catch-up reads asked for while a transaction was half applied inside an open group:
-    /// started once that transaction's commit made the group durable.
+    /// started once that transaction's commit closed the group.
     deferred_catchups: Vec<(ConnId, Watermark, Watermark)>,
-    /// The transaction being stored, held whole until its commit while it is small (then
-    /// applied with no savepoint of its own and its log rows written a few to a statement),
-    /// measured in bytes of stored change text.
-    hold: Hold<StoredChange>,
     /// The commit watermark of the upstream transaction handed on last (its `begin`).
     handed_on: Option<Watermark>,
     /// Sync clients' mutations confirmed by transactions handed on and not stored yet: the
@@ -128,7 +184,6 @@ pub(crate) struct Ingest {
     confirms: Vec<(Watermark, String, u64)>,
     /// Fences passed whose waiters are released once everything before them is committed.
     fences: Vec<String>,
-    epoch: std::time::Instant,
 }
 
 /// Scope sync's side of the ingest thread: route each commit's feed entries after the commit,
@@ -152,32 +207,11 @@ impl SyncFeed {
     }
 }
 
-/// Source events taken from the channel at a time at most.
-const EVENTS_PER_TAKE: usize = 256;
-
-// Lives for one loop step; boxing the common message variant would only add an allocation.
-#[allow(clippy::large_enum_variant)]
-enum Next {
-    Stop,
-    Op(StorageOp),
-    Source(SourceEvent),
-    /// The next of the events already taken from the source's channel.
-    Taken,
-    Backfill(Option<Result<BackfillItem, SyncError>>),
-    Resumed,
-    /// The open group's deadline passed with nothing more to apply.
-    Flush,
-    /// The running WAL sync returned.
-    Synced(std::io::Result<()>),
-    /// A failed backfill's retry delay passed.
-    RetryBackfills,
-}
-
-impl From<HoldError> for ServeError {
-    fn from(error: HoldError) -> Self {
+impl From<Invariant> for ServeError {
+    fn from(error: Invariant) -> Self {
         ServeError::Invariant {
-            expected: "a store the hold takes".to_owned(),
-            found: error.to_string(),
+            expected: error.expected,
+            found: error.found,
         }
     }
 }
@@ -195,116 +229,7 @@ impl From<EffectError> for ServeError {
     }
 }
 
-impl Ingest {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        hub: Arc<Hub>,
-        mut writer: ReplicaWriter,
-        db_path: PathBuf,
-        publications: Vec<String>,
-        handle: Handle,
-        session: UpstreamSession,
-        confirm: Confirm,
-        backfills: Option<(Backfills, crate::replication::PgConfig)>,
-        sync: Option<SyncFeed>,
-        group: GroupLimits,
-        ops: mpsc::UnboundedReceiver<StorageOp>,
-    ) -> Ingest {
-        let catalog = backfills
-            .as_ref()
-            .map(|(_, upstream)| Catalog::new(upstream.clone()));
-        let backfills = backfills.map(|(backfills, _)| backfills);
-        writer.set_group_commit(true);
-        let wal_sync = match WalSync::take_over(writer.replica().connection()) {
-            Ok(sync) => Some(sync),
-            Err(error) => {
-                tracing::warn!(%error, "the replica's commits sync on the ingest thread");
-                None
-            }
-        };
-        Ingest {
-            hub,
-            writer,
-            db_path,
-            publications,
-            handle,
-            session,
-            confirm,
-            source_sessions: 0,
-            pending_purge: None,
-            catchup_limits: CatchupLimits::default(),
-            backfills,
-            catalog,
-            sync,
-            ops,
-            group: GroupCommit::new(group),
-            grouped: Vec::new(),
-            unsynced_feed: VecDeque::new(),
-            wal_sync,
-            stored: Vec::new(),
-            deferred_catchups: Vec::new(),
-            hold: Hold::new(),
-            handed_on: None,
-            confirms: Vec::new(),
-            fences: Vec::new(),
-            epoch: std::time::Instant::now(),
-        }
-    }
-
-    fn now_us(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
-    }
-
-    /// Commits the open group (between transactions only) and starts its sync, or the sync
-    /// waits for the one running; starts what waited for the commit (catch-up reads and a
-    /// purge see every store before them). Nothing is reported stored here: that waits for
-    /// the group's sync ([`Ingest::synced`]).
-    fn commit_group(&mut self) -> Result<(), ServeError> {
-        if self.in_transaction() {
-            return Err(ServeError::Invariant {
-                expected: "a group committed between transactions".to_owned(),
-                found: "one with a transaction half applied".to_owned(),
-            });
-        }
-        if let Some(last) = self.group.last().cloned() {
-            let transactions = self.group.transactions();
-            // The change log's position, once per group (the replica's likewise, by the
-            // writer).
-            let started = std::time::Instant::now();
-            change_log::commit(self.conn(), &last)?;
-            pause_point::reach(Point::BeforeGroupCommit, transactions);
-            self.writer.commit_group()?;
-            pause_point::reach(Point::AfterGroupCommit, transactions);
-            self.hub
-                .recorded()
-                .group_committed(transactions, started.elapsed().as_secs_f64());
-            // Pruning is a transaction of its own: here, with none open (a sync returns with
-            // the next group's open).
-            self.prune_exits()?;
-            self.unsynced_feed.push_back((
-                last,
-                self.writer.last_commit_ms(),
-                std::mem::take(&mut self.grouped),
-            ));
-            if self.group.committed() == SyncDecision::Start {
-                self.start_sync()?;
-            }
-        }
-        for (conn, from, through) in std::mem::take(&mut self.deferred_catchups) {
-            self.spawn_catchup(conn, from, through);
-        }
-        if let Some(below) = self.pending_purge.take() {
-            self.purge(&below)?;
-        }
-        // Everything before the fences is committed: readers of the replica see it.
-        if let Some(sync) = self.sync.as_ref() {
-            for nonce in self.fences.drain(..) {
-                sync.hub.fence_passed(&nonce);
-            }
-        }
-        Ok(())
-    }
-
+impl ReplicaAndLog {
     /// The sync clients' mutations the transaction committed at `watermark` confirmed; those
     /// of transactions before it (rolled back, never committed) are dropped.
     fn take_confirms(&mut self, watermark: &Watermark) -> Vec<(String, u64)> {
@@ -316,84 +241,6 @@ impl Ingest {
             at > watermark
         });
         taken
-    }
-
-    /// Starts the sync the group commit asked for: on its own thread, or (a replica whose
-    /// commits sync themselves) done already.
-    fn start_sync(&mut self) -> Result<(), ServeError> {
-        let handle = self.handle.clone();
-        match self.wal_sync.as_mut() {
-            Some(sync) => {
-                // The transactions the sync covers, for the crash tests' pause point.
-                let transactions = self.group.syncing().map_or(0, |d| d.transactions);
-                sync.start(&handle, transactions);
-                Ok(())
-            }
-            None => self.synced(Ok(())),
-        }
-    }
-
-    /// The running sync returned: the groups it covers are durable. Tells the streamer,
-    /// routes their scope-feed entries, and keeps the last commit to report stored to the
-    /// session.
-    fn synced(&mut self, result: std::io::Result<()>) -> Result<(), ServeError> {
-        result.map_err(ServeError::WalSync)?;
-        let (durable, next) = self.group.synced();
-        pause_point::reach(
-            Point::AfterGroupSync,
-            durable.as_ref().map_or(0, |d| d.transactions),
-        );
-        if let Some(durable) = durable {
-            let watermark = self.durable(durable)?;
-            self.stored.push(watermark);
-        }
-        if next == SyncDecision::Start {
-            self.start_sync()?;
-        }
-        Ok(())
-    }
-
-    fn durable(&mut self, durable: DurableGroup<Watermark>) -> Result<Watermark, ServeError> {
-        self.hub.note_durable(durable.transactions);
-        // Only now, durable, may the seqs reach scope subscribers.
-        let recorded = self.hub.recorded().clone();
-        while self
-            .unsynced_feed
-            .front()
-            .is_some_and(|(last, _, _)| *last <= durable.last)
-        {
-            let Some((_, commit_ms, entries)) = self.unsynced_feed.pop_front() else {
-                break;
-            };
-            if let Some(commit_ms) = commit_ms {
-                recorded.durable(commit_ms);
-            }
-            if let Some(sync) = self.sync.as_ref() {
-                for changes in entries {
-                    let commit_ms = changes.commit_ms;
-                    sync.hub.committed(changes);
-                    if let Some(commit_ms) = commit_ms {
-                        recorded.routed(commit_ms);
-                    }
-                }
-            }
-        }
-        if let Some(sync) = self.sync.as_ref() {
-            sync.hub.routed_through(&durable.last);
-        }
-        let watermark = durable.last;
-        self.hub.set_last_watermark(watermark.clone());
-        // A held backfill commit goes to the subscribers now, and the upstream resumes.
-        self.hub.try_call(|s| s.on_stored(watermark.clone()))?;
-        Ok(watermark)
-    }
-
-    /// Takes the sync's result if it returned since the last look.
-    fn poll_sync(&mut self) -> Result<(), ServeError> {
-        match self.wal_sync.as_mut().and_then(WalSync::poll) {
-            Some(result) => self.synced(result),
-            None => Ok(()),
-        }
     }
 
     /// Prunes exits older than the retention window, when due.
@@ -423,11 +270,6 @@ impl Ingest {
         self.writer.replica().connection()
     }
 
-    /// A transaction is being stored: held, or streaming into SQLite.
-    fn in_transaction(&self) -> bool {
-        self.hold.in_transaction() || self.writer.in_transaction()
-    }
-
     /// Stores one message of a transaction that streams into SQLite.
     fn store(&mut self, row: &StoredChange) -> Result<(), ServeError> {
         let message = typed(row)?;
@@ -441,391 +283,20 @@ impl Ingest {
         Ok(())
     }
 
-    /// Stores rows of a transaction that streams into SQLite: a spill (its `begin` opening a
-    /// savepoint inside a group), or one row after it.
-    fn stream(&mut self, rows: Vec<StoredChange>) -> Result<(), ServeError> {
-        for row in rows {
-            self.store(&row)?;
-        }
-        Ok(())
-    }
-
-    /// Stores the held transaction, now that its commit is here: the replica and its log rows
-    /// in the open SQLite transaction, with no savepoint.
-    fn store_whole(&mut self, held: Vec<StoredChange>) -> Result<Applied, ServeError> {
-        let messages = held.iter().map(typed).collect::<Result<Vec<_>, _>>()?;
-        let applied = self.writer.apply_whole(messages.iter().copied())?;
-        for message in &messages {
-            if let DownstreamMessage::Data(change) = message {
-                if !change.is_row_change() {
-                    change_log::apply_cookie_ops(self.conn(), change)?;
-                }
-            }
-        }
-        let rows = held
-            .iter()
-            .map(|row| change_log::LogRow {
-                watermark: row.watermark(),
-                pos: row.pos(),
-                tag: row.tag(),
-                change: row.change_json(),
-            })
-            .collect::<Vec<_>>();
-        change_log::append_rows(self.conn(), &rows)?;
-        Ok(applied)
-    }
-
-    /// Runs until `shutdown`, the source failing, or a storage error. Blocking.
-    pub fn run(
-        mut self,
-        mut events: mpsc::Receiver<SourceEvent>,
-        mut shutdown: watch::Receiver<bool>,
-    ) -> Result<(), ServeError> {
-        let mut paused = self.hub.upstream_paused();
-        // Source events taken from the channel together and not yet handled: leaving it
-        // together, they wake a source waiting for room once, not once per event.
-        let mut taken: VecDeque<SourceEvent> = VecDeque::new();
-        let mut take = Vec::with_capacity(EVENTS_PER_TAKE);
-        let result = loop {
-            // The storage queue and a returned sync are taken first, without a wait.
-            if let Err(e) = self.settle_and_report() {
-                break Err(e);
-            }
-            let now = self.now_us();
-            let flush_in = self.group.flush_in_us(now, self.in_transaction());
-            let is_paused = *paused.borrow_and_update();
-            // The session says what it takes: a running backfill is the only source until its
-            // commit.
-            let backfilling = self.session.backfill_running();
-            // A failed backfill is tried again after its delay even if no commit comes.
-            let retry_in = if backfilling {
-                None
-            } else {
-                backfill_retry_in(self.backfills.as_ref())
-            };
-            let listen = Listen {
-                paused: is_paused,
-                backfill_running: backfilling,
-                accepts_upstream: self.session.accepts_upstream(),
-                sync_running: self.wal_sync.as_ref().is_some_and(WalSync::running),
-                flush_in_us: flush_in,
-                retry_in_us: retry_in.map(micros_ceil),
-            };
-            // What is ready now, in the engine's order: events already queued are taken
-            // without a trip through the runtime (only an empty queue costs a wait).
-            let ready = listen.first(|wake| match wake {
-                Wake::Stop => *shutdown.borrow(),
-                Wake::Flush => flush_in == Some(0),
-                Wake::RetryBackfills => retry_in.is_some_and(|retry| retry.is_zero()),
-                Wake::Upstream => {
-                    if taken.is_empty()
-                        && events
-                            .recv_many(&mut take, EVENTS_PER_TAKE)
-                            .now_or_never()
-                            .is_some()
-                    {
-                        taken.extend(take.drain(..));
-                    }
-                    !taken.is_empty()
-                }
-                // Taken just above; a resume and a backfill's next item need a wait.
-                Wake::Synced | Wake::Storage | Wake::Resumed | Wake::Backfill => false,
-            });
-            let next = match ready {
-                Some(Wake::Stop) => Next::Stop,
-                Some(Wake::Flush) => Next::Flush,
-                Some(Wake::RetryBackfills) => Next::RetryBackfills,
-                Some(Wake::Upstream) => Next::Taken,
-                _ => {
-                    // Nothing queued that this loop could take now: the burst is over, and
-                    // what the streamer held back for it goes out as one batch per subscriber.
-                    self.hub.call(|s, _| s.on_upstream_drained());
-                    let flush_in = std::time::Duration::from_micros(flush_in.unwrap_or_default());
-                    let retry_in = retry_in.unwrap_or_default();
-                    let handle = self.handle.clone();
-                    let (ops, backfills) = (&mut self.ops, &mut self.backfills);
-                    let wal_sync = &mut self.wal_sync;
-                    // The branches in the engine's order (`Wake::ORDER`), each taken only while
-                    // the loop waits for it.
-                    handle.block_on(async {
-                        tokio::select! {
-                            biased;
-                            _ = shutdown.wait_for(|s| *s) => Next::Stop,
-                            synced = async {
-                                match wal_sync {
-                                    Some(sync) => sync.done().await,
-                                    None => std::future::pending().await,
-                                }
-                            }, if listen.waits_for(Wake::Synced) => Next::Synced(synced),
-                            op = ops.recv() => op.map_or(Next::Stop, Next::Op),
-                            _ = tokio::time::sleep(flush_in), if listen.waits_for(Wake::Flush) => {
-                                Next::Flush
-                            }
-                            _ = tokio::time::sleep(retry_in),
-                                if listen.waits_for(Wake::RetryBackfills) => Next::RetryBackfills,
-                            _ = paused.changed(), if listen.waits_for(Wake::Resumed) => {
-                                Next::Resumed
-                            }
-                            item = async {
-                                match backfills {
-                                    Some(b) => b.next().await,
-                                    None => std::future::pending().await,
-                                }
-                            }, if listen.waits_for(Wake::Backfill) => Next::Backfill(item),
-                            // Events taken earlier come before the channel's.
-                            () = std::future::ready(()),
-                                if listen.waits_for(Wake::Upstream) && !taken.is_empty() => {
-                                Next::Taken
-                            }
-                            // A source that fails says so; one that just ends was stopped.
-                            event = events.recv(),
-                                if listen.waits_for(Wake::Upstream) && taken.is_empty() => {
-                                event.map_or(Next::Stop, Next::Source)
-                            }
-                        }
-                    })
-                }
-            };
-            let step = match next {
-                Next::Stop => break Ok(()),
-                Next::Resumed => Ok(()),
-                Next::Synced(result) => self.synced(result),
-                Next::Flush => self.commit_group(),
-                Next::RetryBackfills => retry_backfills(&mut self),
-                Next::Op(op) => self.execute(op),
-                Next::Source(event) => self.on_source(event),
-                Next::Taken => match taken.pop_front() {
-                    Some(event) => self.on_source(event),
-                    None => Ok(()),
-                },
-                Next::Backfill(item) => self.on_backfill(item),
-            };
-            if let Err(e) = step {
-                break Err(e);
-            }
-        };
-        let result = self.end(result);
-        if let Err(error) = &result {
-            tracing::error!(%error, "replication stopped");
-        }
-        result
-    }
-
-    /// The loop ended (`result`): the engine's stop plan. Whatever was in flight upstream is
-    /// not stored; the source sends it again next time. At a stop the stores of transactions
-    /// already forwarded still happen and the group's whole transactions are committed (their
-    /// confirmation waits for the next start, where the session finds them stored); after a
-    /// failure nothing more is written. Either way the syncs of what was committed run to
-    /// their end, so that everything committed is durable when the thread ends.
-    fn end(&mut self, result: Result<(), ServeError>) -> Result<(), ServeError> {
-        let mut result = result;
-        let mut ending = if result.is_ok() {
-            Ending::Stopped
-        } else {
-            Ending::Failed
-        };
-        self.hub.call(|s, _| s.upstream_ended());
-        if ending.plan().store_handed_on {
-            while let Ok(op) = self.ops.try_recv() {
-                if !matches!(op, StorageOp::Store(_)) {
-                    continue;
-                }
-                if let Err(error) = self.execute(op) {
-                    // The store's state is not to be trusted from here: nothing more is
-                    // written.
-                    result = Err(error);
-                    ending = Ending::Failed;
-                    break;
-                }
-            }
-        }
-        if self.hold.stop() == TxnEnd::RollBack || self.writer.in_transaction() {
-            let _ = self
-                .writer
-                .apply(&DownstreamMessage::Rollback(Rollback::default()));
-        }
-        let committed = if ending.plan().commit_group {
-            match self.commit_group() {
-                Ok(()) => true,
-                Err(error) => {
-                    result = result.and(Err(error));
-                    false
-                }
-            }
-        } else {
-            false
-        };
-        if !committed {
-            self.group.discarded();
-            self.grouped.clear();
-            self.deferred_catchups.clear();
-            let _ = self.writer.discard_group();
-        }
-        self.finish_syncs();
-        // What is durable now is confirmed, if the source still takes confirmations.
-        for watermark in std::mem::take(&mut self.stored) {
-            if let Err(error) = stored_at_stop(self, watermark) {
-                result = result.and(Err(error));
-            }
-        }
-        result
-    }
-
-    /// Waits for the running sync and those it leads to, at a stop: what was committed is
-    /// durable when the thread ends (reported stored at the next start, where the session
-    /// finds it stored and confirms it).
-    fn finish_syncs(&mut self) {
-        while self.wal_sync.as_ref().is_some_and(WalSync::running) {
-            let handle = self.handle.clone();
-            let Some(sync) = self.wal_sync.as_mut() else {
-                break;
-            };
-            let result = handle.block_on(sync.done());
-            if let Err(error) = self.synced(result) {
-                tracing::error!(%error, "the replica's last commits may not be durable");
-                break;
-            }
-        }
-    }
-
-    /// Carries out every queued storage op.
-    fn drain(&mut self) -> Result<(), ServeError> {
-        while let Ok(op) = self.ops.try_recv() {
-            self.execute(op)?;
-        }
-        Ok(())
-    }
-
-    /// Carries out the queued storage ops, takes a returned sync and reports what is durable.
-    fn settle_and_report(&mut self) -> Result<(), ServeError> {
-        self.drain()?;
-        self.poll_sync()?;
-        for watermark in std::mem::take(&mut self.stored) {
-            feed(self, Input::Stored { watermark })?;
-        }
-        Ok(())
-    }
-
-    fn on_source(&mut self, event: SourceEvent) -> Result<(), ServeError> {
-        match event {
-            SourceEvent::Started => {
-                self.source_sessions += 1;
-                feed(self, Input::Started)
-            }
-            SourceEvent::Wal(bytes) => feed(self, Input::WalData(&bytes)),
-            SourceEvent::Frame { id, messages } => feed(self, Input::RelayFrame { id, messages }),
-            SourceEvent::Failed(reason) => Err(ServeError::Source(reason)),
-        }
-    }
-
-    fn on_backfill(
-        &mut self,
-        item: Option<Result<BackfillItem, SyncError>>,
-    ) -> Result<(), ServeError> {
-        backfill_item(self, item)
-    }
-
-    /// Carries out one storage op.
-    fn execute(&mut self, op: StorageOp) -> Result<(), ServeError> {
-        match op {
-            StorageOp::Store(LogOp::Begin(row)) => {
-                typed(&row)?;
-                if self.in_transaction() {
-                    return Err(ServeError::Invariant {
-                        expected: "a `begin` between transactions".to_owned(),
-                        found: format!("the `begin` of {} inside one", row.watermark()),
-                    });
-                }
-                // A group never holds its first transaction back past its delay for one yet to
-                // come.
-                if self.group.flush_in_us(self.now_us(), false) == Some(0) {
-                    self.commit_group()?;
-                }
-                // Held until its commit or until it outgrows the hold. Replica and log commit
-                // together, so the replica is never ahead of the log; the writer refuses a
-                // transaction not after its position.
-                let bytes = row.change_json().len();
-                self.hold.begin(row, bytes)?;
-            }
-            StorageOp::Store(LogOp::Append(row)) => {
-                let bytes = row.change_json().len();
-                let rows = self.hold.item(row, bytes);
-                self.stream(rows)?;
-            }
-            StorageOp::Store(LogOp::Commit(row)) => {
-                let watermark = row.watermark().clone();
-                let confirms = self.take_confirms(&watermark);
-                self.writer.confirm_with_next_commit(confirms);
-                let bytes = row.change_json().len();
-                let (commit, bytes) = self.hold.commit(row, bytes);
-                let applied = match commit {
-                    TxnCommit::Whole(held) => self.store_whole(held)?,
-                    TxnCommit::Streamed(row) => {
-                        let message = typed(&row)?;
-                        self.append(&row)?;
-                        self.writer.apply(message)?
-                    }
-                };
-                match applied {
-                    Applied::Grouped { .. } => {}
-                    other => {
-                        return Err(ServeError::Invariant {
-                            expected: format!("the commit of {watermark} to be applied"),
-                            found: format!("{other:?}"),
-                        })
-                    }
-                }
+    /// A commit applied into the open group: its scope-feed entries wait for the group.
+    fn grouped(&mut self, applied: Applied, row: &StoredChange) -> Result<Watermark, ServeError> {
+        match applied {
+            Applied::Grouped { watermark, .. } => {
                 if let Some(changes) = self.writer.take_committed() {
                     self.grouped.push(changes);
                 }
-                let decision = self.group.applied(watermark, bytes, self.now_us());
-                // A catch-up read waiting for this commit closes the group here too.
-                if decision == GroupDecision::Flush || !self.deferred_catchups.is_empty() {
-                    self.commit_group()?;
-                }
+                Ok(watermark)
             }
-            StorageOp::Store(LogOp::Abort) => {
-                // A held transaction never reached SQLite.
-                if self.hold.rollback() == TxnEnd::RollBack {
-                    self.writer
-                        .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
-                }
-                if !self.deferred_catchups.is_empty() {
-                    self.commit_group()?;
-                }
-            }
-            StorageOp::FetchCatchup {
-                conn,
-                from,
-                through,
-            } => {
-                // The read runs on its own connection: it must find every store before it.
-                if !self.group.is_open() {
-                    self.spawn_catchup(conn, from, through);
-                } else if self.in_transaction() {
-                    self.deferred_catchups.push((conn, from, through));
-                } else {
-                    self.commit_group()?;
-                    self.spawn_catchup(conn, from, through);
-                }
-            }
-            StorageOp::Purge { below } => {
-                if self.in_transaction() || self.group.is_open() {
-                    self.pending_purge = Some(match self.pending_purge.take() {
-                        Some(pending) if pending > below => pending,
-                        _ => below,
-                    });
-                } else {
-                    self.purge(&below)?;
-                }
-            }
-            StorageOp::RestartUpstream { reason } => {
-                // Postgres takes no backfill requests: the replica runs its own backfills, so a
-                // restart could not re-request anything.
-                tracing::warn!(%reason, "a subscriber needs backfills the Postgres source cannot re-request");
-            }
+            other => Err(ServeError::Invariant {
+                expected: format!("the commit of {} to be applied", row.watermark()),
+                found: format!("{other:?}"),
+            }),
         }
-        Ok(())
     }
 
     fn append(&self, row: &StoredChange) -> Result<(), ServeError> {
@@ -872,71 +343,31 @@ impl Ingest {
     }
 }
 
-impl EffectHost for Ingest {
+impl GroupStore for ReplicaAndLog {
+    /// A row the streamer asked to store: its message and its change-log text.
+    type Item = StoredChange;
+    type Op = StorageOp;
     type Error = ServeError;
 
-    fn session(&mut self) -> &mut UpstreamSession {
-        &mut self.session
+    fn replica(&self) -> &Replica {
+        self.writer.replica()
     }
 
     /// Hands a message the session let through to the streamer, which forwards it and asks
     /// for its storing (carried out from the storage queue).
-    fn apply(&mut self, message: DownstreamMessage) -> Result<Vec<Watermark>, ServeError> {
+    fn hand_on(
+        &mut self,
+        _storing: &mut Storing<Self>,
+        message: DownstreamMessage,
+    ) -> Result<(), ServeError> {
         if let DownstreamMessage::Begin(begin) = &message {
-            if let Some(backfills) = self.backfills.as_mut() {
-                backfills.note(begin);
-            }
             // Sent again from its beginning after a restart: what it confirmed comes again.
             let watermark = &begin.commit_watermark;
             self.confirms.retain(|(at, _, _)| at != watermark);
             self.handed_on = Some(watermark.clone());
         }
         self.hub.try_call(|s| s.on_upstream(message))?;
-        Ok(Vec::new())
-    }
-
-    fn settle(&mut self) -> Result<Vec<Watermark>, ServeError> {
-        self.drain()?;
-        self.poll_sync()?;
-        let stored = std::mem::take(&mut self.stored);
-        // The replica as of every message handed on, as schema changes are computed against
-        // it: a transaction held whole (one whose DDL came earlier, say) goes into SQLite now.
-        let rows = self.hold.settle();
-        self.stream(rows)?;
-        Ok(stored)
-    }
-
-    fn confirm(&mut self, lsn: Lsn) {
-        self.confirm.ack(lsn);
-    }
-
-    fn ack_frames(&mut self, ids: Vec<u64>) {
-        if let Confirm::Primary(feedback) = &self.confirm {
-            feedback.ack(self.source_sessions, ids);
-        }
-    }
-
-    fn reconnect(&mut self, reason: String, restore: bool, acks: Vec<u64>) {
-        if let Confirm::Primary(feedback) = &self.confirm {
-            feedback.reconnect(self.source_sessions, acks, reason, restore);
-        }
-    }
-
-    fn replica(&self) -> &Replica {
-        self.writer.replica()
-    }
-
-    fn publications(&self) -> &[String] {
-        &self.publications
-    }
-
-    fn reconcile(&mut self, relation: &Relation) -> Result<Vec<Change>, ServeError> {
-        Ok(reconcile_relation(
-            &self.handle,
-            self.catalog.as_mut(),
-            self.writer.replica(),
-            relation,
-        )?)
+        Ok(())
     }
 
     fn idle(&mut self) {
@@ -953,25 +384,329 @@ impl EffectHost for Ingest {
 
     /// Every transaction before the fence was handed on: once they are stored and their group
     /// committed, the waiter reads them in the replica.
-    fn fence(&mut self, nonce: String) -> Result<(), ServeError> {
+    fn fence(&mut self, storing: &mut Storing<Self>, nonce: String) -> Result<(), ServeError> {
         if self.sync.is_none() {
             return Ok(());
         }
-        self.drain()?;
+        while let Some(op) = self.try_next_op() {
+            self.execute(storing, op)?;
+        }
         self.fences.push(nonce);
-        if !self.in_transaction() {
-            self.commit_group()?;
+        if !storing.in_transaction(self) {
+            storing.commit_group(self)?;
         }
         Ok(())
     }
 
-    fn backfills(&mut self) -> Option<(&mut Backfills, &Replica)> {
-        let replica = self.writer.replica();
-        self.backfills.as_mut().map(|b| (b, replica))
+    fn try_next_op(&mut self) -> Option<StorageOp> {
+        self.ops.try_recv().ok()
     }
 
-    fn handle(&self) -> &Handle {
-        &self.handle
+    fn execute(&mut self, storing: &mut Storing<Self>, op: StorageOp) -> Result<(), ServeError> {
+        match op {
+            StorageOp::Store(LogOp::Begin(row)) => {
+                typed(&row)?;
+                if storing.in_transaction(self) {
+                    return Err(ServeError::Invariant {
+                        expected: "a `begin` between transactions".to_owned(),
+                        found: format!("the `begin` of {} inside one", row.watermark()),
+                    });
+                }
+                // Held until its commit or until it outgrows the hold. Replica and log commit
+                // together, so the replica is never ahead of the log; the writer refuses a
+                // transaction not after its position.
+                let bytes = row.change_json().len();
+                storing.begin(self, row, bytes)?;
+            }
+            StorageOp::Store(LogOp::Append(row)) => {
+                let bytes = row.change_json().len();
+                storing.item(self, row, bytes)?;
+            }
+            StorageOp::Store(LogOp::Commit(row)) => {
+                let confirms = self.take_confirms(row.watermark());
+                self.writer.confirm_with_next_commit(confirms);
+                let bytes = row.change_json().len();
+                storing.commit(self, row, bytes)?;
+            }
+            StorageOp::Store(LogOp::Abort) => storing.rollback(self)?,
+            StorageOp::FetchCatchup {
+                conn,
+                from,
+                through,
+            } => {
+                // The read runs on its own connection: it must find every store before it.
+                if !storing.group_open() {
+                    self.spawn_catchup(conn, from, through);
+                } else if storing.in_transaction(self) {
+                    self.deferred_catchups.push((conn, from, through));
+                } else {
+                    storing.commit_group(self)?;
+                    self.spawn_catchup(conn, from, through);
+                }
+            }
+            StorageOp::Purge { below } => {
+                if storing.in_transaction(self) || storing.group_open() {
+                    self.pending_purge = Some(match self.pending_purge.take() {
+                        Some(pending) if pending > below => pending,
+                        _ => below,
+                    });
+                } else {
+                    self.purge(&below)?;
+                }
+            }
+            StorageOp::RestartUpstream { reason } => {
+                // Postgres takes no backfill requests: the replica runs its own backfills, so a
+                // restart could not re-request anything.
+                tracing::warn!(%reason, "a subscriber needs backfills the Postgres source cannot re-request");
+            }
+        }
+        Ok(())
+    }
+
+    fn stores(op: &StorageOp) -> bool {
+        matches!(op, StorageOp::Store(_))
+    }
+
+    async fn wait(&mut self, sync: bool) -> StoreWake<StorageOp, ServeError> {
+        let (wal_sync, ops) = (&mut self.wal_sync, &mut self.ops);
+        tokio::select! {
+            biased;
+            synced = async {
+                match wal_sync {
+                    Some(wal_sync) => wal_sync.done().await,
+                    None => std::future::pending().await,
+                }
+            }, if sync => StoreWake::Synced(synced.map_err(ServeError::WalSync)),
+            op = ops.recv() => op.map_or(StoreWake::Ended, StoreWake::Op),
+        }
+    }
+
+    fn pause(&self) -> Option<watch::Receiver<bool>> {
+        Some(self.hub.upstream_paused())
+    }
+
+    /// What the streamer held back for a burst goes out as one batch per subscriber.
+    fn drained(&mut self) {
+        self.hub.call(|s, _| s.on_upstream_drained());
+    }
+
+    fn ended(&mut self) {
+        self.hub.call(|s, _| s.upstream_ended());
+    }
+
+    fn write(&mut self, row: StoredChange) -> Result<(), ServeError> {
+        self.store(&row)
+    }
+
+    /// Stores a held transaction, now that its commit is here: the replica and its log rows
+    /// in the open SQLite transaction, with no savepoint, the rows a few to a statement.
+    fn write_whole(&mut self, held: Vec<StoredChange>) -> Result<Watermark, ServeError> {
+        let messages = held.iter().map(typed).collect::<Result<Vec<_>, _>>()?;
+        let applied = self.writer.apply_whole(messages.iter().copied())?;
+        for message in &messages {
+            if let DownstreamMessage::Data(change) = message {
+                if !change.is_row_change() {
+                    change_log::apply_cookie_ops(self.conn(), change)?;
+                }
+            }
+        }
+        let rows = held
+            .iter()
+            .map(|row| change_log::LogRow {
+                watermark: row.watermark(),
+                pos: row.pos(),
+                tag: row.tag(),
+                change: row.change_json(),
+            })
+            .collect::<Vec<_>>();
+        change_log::append_rows(self.conn(), &rows)?;
+        let commit = held.last().ok_or_else(|| ServeError::Invariant {
+            expected: "a whole transaction to store".to_owned(),
+            found: "none".to_owned(),
+        })?;
+        self.grouped(applied, commit)
+    }
+
+    fn write_commit(&mut self, row: StoredChange) -> Result<Watermark, ServeError> {
+        let message = typed(&row)?;
+        self.append(&row)?;
+        let applied = self.writer.apply(message)?;
+        self.grouped(applied, &row)
+    }
+
+    fn roll_back(&mut self) -> Result<(), ServeError> {
+        self.writer
+            .apply(&DownstreamMessage::Rollback(Rollback::default()))?;
+        Ok(())
+    }
+
+    fn in_transaction(&self) -> bool {
+        self.writer.in_transaction()
+    }
+
+    fn closes_group_now(&self) -> bool {
+        !self.deferred_catchups.is_empty()
+    }
+
+    /// Commits the replica and the change log together, with the log's position written once
+    /// per group (the replica's likewise, by the writer).
+    fn commit_group(&mut self, last: &Watermark, transactions: usize) -> Result<(), ServeError> {
+        let started = std::time::Instant::now();
+        change_log::commit(self.conn(), last)?;
+        self.writer.commit_group()?;
+        self.hub
+            .recorded()
+            .group_committed(transactions, started.elapsed().as_secs_f64());
+        // Pruning is a transaction of its own: here, with none open (a sync returns with the
+        // next group's open).
+        self.prune_exits()?;
+        self.unsynced_feed.push_back((
+            last.clone(),
+            self.writer.last_commit_ms(),
+            std::mem::take(&mut self.grouped),
+        ));
+        Ok(())
+    }
+
+    /// Catch-up reads and a purge see every store before them; fences pass.
+    fn group_committed(&mut self) -> Result<(), ServeError> {
+        for (conn, from, through) in std::mem::take(&mut self.deferred_catchups) {
+            self.spawn_catchup(conn, from, through);
+        }
+        if let Some(below) = self.pending_purge.take() {
+            self.purge(&below)?;
+        }
+        // Everything before the fences is committed: readers of the replica see it.
+        if let Some(sync) = self.sync.as_ref() {
+            for nonce in self.fences.drain(..) {
+                sync.hub.fence_passed(&nonce);
+            }
+        }
+        Ok(())
+    }
+
+    fn discard_group(&mut self) {
+        self.grouped.clear();
+        self.deferred_catchups.clear();
+        let _ = self.writer.discard_group();
+    }
+
+    fn syncs_apart(&self) -> bool {
+        self.wal_sync.is_some()
+    }
+
+    fn start_sync(&mut self, transactions: usize) {
+        if let Some(sync) = self.wal_sync.as_mut() {
+            sync.start(&self.handle, transactions);
+        }
+    }
+
+    fn sync_running(&self) -> bool {
+        self.wal_sync.as_ref().is_some_and(WalSync::running)
+    }
+
+    fn poll_sync(&mut self) -> Option<Result<(), ServeError>> {
+        self.wal_sync
+            .as_mut()
+            .and_then(WalSync::poll)
+            .map(|result| result.map_err(ServeError::WalSync))
+    }
+
+    async fn sync_done(&mut self) -> Result<(), ServeError> {
+        match self.wal_sync.as_mut() {
+            Some(sync) => sync.done().await.map_err(ServeError::WalSync),
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Tells the streamer, and routes the groups' scope-feed entries: only now, durable, may
+    /// their seqs reach scope subscribers.
+    fn durable(&mut self, durable: &DurableGroup<Watermark>) -> Result<(), ServeError> {
+        self.hub.note_durable(durable.transactions);
+        let recorded = self.hub.recorded().clone();
+        while self
+            .unsynced_feed
+            .front()
+            .is_some_and(|(last, _, _)| *last <= durable.last)
+        {
+            let Some((_, commit_ms, entries)) = self.unsynced_feed.pop_front() else {
+                break;
+            };
+            if let Some(commit_ms) = commit_ms {
+                recorded.durable(commit_ms);
+            }
+            if let Some(sync) = self.sync.as_ref() {
+                for changes in entries {
+                    let commit_ms = changes.commit_ms;
+                    sync.hub.committed(changes);
+                    if let Some(commit_ms) = commit_ms {
+                        recorded.routed(commit_ms);
+                    }
+                }
+            }
+        }
+        if let Some(sync) = self.sync.as_ref() {
+            sync.hub.routed_through(&durable.last);
+        }
+        let watermark = durable.last.clone();
+        self.hub.set_last_watermark(watermark.clone());
+        // A held backfill commit goes to the subscribers now, and the upstream resumes.
+        self.hub.try_call(|s| s.on_stored(watermark))?;
+        Ok(())
+    }
+}
+
+/// `serve`'s source: the events of the source task, and where its confirmations go.
+pub(crate) struct SourceEvents {
+    events: mpsc::Receiver<SourceEvent>,
+    confirm: Confirm,
+    /// The source's sessions so far (numbers the relay's connections).
+    sessions: u64,
+}
+
+impl Source for SourceEvents {
+    type Event = SourceEvent;
+    type Error = ServeError;
+
+    fn try_take(&mut self, into: &mut Vec<SourceEvent>, max: usize) {
+        let _ = self.events.recv_many(into, max).now_or_never();
+    }
+
+    async fn take(&mut self, into: &mut Vec<SourceEvent>, max: usize) -> usize {
+        self.events.recv_many(into, max).await
+    }
+
+    fn input(&mut self, event: SourceEvent) -> Result<UpstreamEvent, ServeError> {
+        match event {
+            SourceEvent::Started => {
+                self.sessions += 1;
+                Ok(UpstreamEvent::Started)
+            }
+            SourceEvent::Wal(bytes) => Ok(UpstreamEvent::Wal(bytes)),
+            SourceEvent::Frame { id, messages } => Ok(UpstreamEvent::Frame { id, messages }),
+            SourceEvent::Failed(reason) => Err(ServeError::Source(reason)),
+        }
+    }
+
+    /// A source that fails says so; one that just ends was stopped.
+    fn ended(&self) -> Result<(), ServeError> {
+        Ok(())
+    }
+
+    fn confirm(&mut self, lsn: Lsn) {
+        self.confirm.ack(lsn);
+    }
+
+    fn ack_frames(&mut self, ids: Vec<u64>) {
+        if let Confirm::Primary(feedback) = &self.confirm {
+            feedback.ack(self.sessions, ids);
+        }
+    }
+
+    fn reconnect(&mut self, reason: String, restore: bool, acks: Vec<u64>) {
+        if let Confirm::Primary(feedback) = &self.confirm {
+            feedback.reconnect(self.sessions, acks, reason, restore);
+        }
     }
 }
 

@@ -712,34 +712,31 @@ async fn run_server(
             Some(sync_hub)
         }
     };
-    let ingest = ingest::Ingest::new(
-        hub.clone(),
+    let ingest = ingest::ingest(ingest::IngestParts {
+        hub: hub.clone(),
         writer,
-        db_path.clone(),
+        db_path: db_path.clone(),
         publications,
-        handle.clone(),
+        handle: handle.clone(),
         session,
-        source.confirm.clone(),
-        settings
-            .backfill_from
-            .clone()
-            .map(|from| (crate::upstream::Backfills::new(from.clone()), from)),
-        sync_hub
+        events: source.events,
+        confirm: source.confirm.clone(),
+        backfill_from: settings.backfill_from.clone(),
+        sync: sync_hub
             .clone()
             .map(|hub| ingest::SyncFeed::new(hub, settings.sync_retention)),
-        if settings.group_commit {
+        group: if settings.group_commit {
             GroupLimits::default()
         } else {
             GroupLimits::off()
         },
         ops,
-    );
+    });
     let ingest_task = {
         let shutdown_tx = shutdown_tx.clone();
         let shutdown = shutdown.clone();
-        let events = source.events;
         tokio::task::spawn_blocking(move || {
-            let result = ingest.run(events, shutdown);
+            let result = ingest::run(ingest, shutdown);
             shutdown_tx.send_replace(true);
             result
         })
