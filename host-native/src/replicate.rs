@@ -1,45 +1,39 @@
 //! `highwater replicate`: keeps `<data>/replica.db` equal to the upstream publications.
 //!
 //! An empty (or never completed) replica is synced from a fresh slot's exported snapshot; a
-//! synced one resumes from its stored position. Upstream transactions are applied in SQLite
-//! transactions — several queued ones in one, as the engine's group-commit rule
-//! (`upstream::GroupCommit`) says, a small one held whole until its commit, a large one in a
-//! savepoint — and acknowledged upstream only once committed, so a
-//! crash at any point loses nothing and applies nothing twice. An open group is made durable
-//! when it is full, when its deadline passes (checked before each input: queued input does not
-//! push it back), and at a stop (a backfill starts only with everything durable, by the
-//! session's rule). Ctrl-C / SIGTERM stop at the next message, as the engine's
-//! `upstream::StopPlan` says: a transaction in progress is discarded (Postgres sends it again on
-//! the next start), the group's whole transactions are made durable and confirmed.
+//! synced one resumes from its stored position. From there the ingest loop (`crate::ingest`)
+//! streams changes into the replica alone ([`ReplicaOnly`]), reading the replication stream
+//! itself ([`ReplicationStream`]): upstream transactions are applied in SQLite transactions —
+//! several queued ones in one (group commit), a small one held whole until its commit, a large
+//! one in a savepoint — with commits that sync themselves (`synchronous = FULL`), and
+//! acknowledged upstream only once committed, so a crash at any point loses nothing and applies
+//! nothing twice. Row values are bound from the pgoutput text, with no JSON row in between (the
+//! session keeps row text). Ctrl-C / SIGTERM stop at the next message, as the engine's stop plan
+//! says: a transaction in progress is discarded (Postgres sends it again on the next start), the
+//! group's whole transactions are made durable and confirmed.
 
-use std::collections::VecDeque;
+use std::convert::Infallible;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use highwater_engine::change_stream::{Change, DownstreamMessage};
-use highwater_engine::pgoutput::{Relation, TextRowChange};
-use highwater_engine::upstream::{
-    Ending, GroupCommit, GroupDecision, GroupLimits, Hold, Input, Listen, TxnCommit, TxnEnd,
-    UpstreamSession, Wake,
-};
+use highwater_engine::change_stream::DownstreamMessage;
+use highwater_engine::pgoutput::TextRowChange;
+use highwater_engine::upstream::{DurableGroup, GroupLimits};
 use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
 use crate::data_lock::DataDirLock;
-use crate::pause_point::{self, Point};
-use crate::upstream::{
-    backfill_item, backfill_retry_in, feed, micros_ceil, reconcile_relation, retry_backfills,
-    stored_at_stop, Backfills, Catalog, EffectHost,
+use crate::ingest::{
+    GroupStore, Ingest, Invariant, Setup, Source, StoreWake, Storing, UpstreamEvent,
 };
-
 use crate::replica::{Applied, Replica, ReplicaWriter, TxnItem};
-use crate::replication::backfill::BackfillItem;
 use crate::replication::bootstrap::{BootstrapError, Upstream};
 use crate::replication::initial_sync::{SyncError, SyncOptions, DEFAULT_SYNC_WORKERS};
 use crate::replication::setup::DEFAULT_APP_ID;
-use crate::replication::{WalEvent, WalStream};
+use crate::replication::{ReplicationError, WalEvent, WalStream};
+use crate::upstream::{Backfills, Catalog};
 
 /// Command-line arguments of `highwater replicate`.
 #[derive(Debug, Clone, clap::Args)]
@@ -94,7 +88,7 @@ pub fn run(args: ReplicateArgs) -> anyhow::Result<()> {
 pub fn replicate(
     handle: &Handle,
     args: &ReplicateArgs,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     // Held until this returns: a second process on the same directory is refused at start.
     let _data_lock = DataDirLock::acquire(&args.data)?;
@@ -117,10 +111,10 @@ pub fn replicate(
     };
 
     let mut writer = ReplicaWriter::new(replica);
-    let mut catalog = Catalog::new(upstream.params.upstream());
+    let catalog = Catalog::new(upstream.params.upstream());
     // Backfills pending since before a crash or a stop (recorded with the schema change that
     // asked) start when the session first says one may.
-    let mut backfills = Backfills::new(upstream.params.upstream());
+    let backfills = Backfills::new(upstream.params.upstream());
     let state = writer
         .replica()
         .state()
@@ -139,16 +133,24 @@ pub fn replicate(
         watermark = %state.watermark,
         "streaming changes"
     );
-    let result = stream_changes(
-        handle,
-        &mut catalog,
-        &mut backfills,
-        &mut writer,
-        &mut stream,
-        &publications,
-        &args.app_id,
-        &mut stop,
-    );
+    let mut session = crate::upstream::session(&args.app_id, state.watermark, state.lsn);
+    // The replica takes row values as Postgres wrote them: no JSON row per change.
+    session.keep_row_text();
+    writer.set_group_commit(true);
+    let setup = Setup {
+        session,
+        group: GroupLimits::default(),
+        publications,
+        handle: handle.clone(),
+        backfills: Some(backfills),
+        catalog: Some(catalog),
+    };
+    let store = ReplicaOnly {
+        writer: &mut writer,
+        committed: 0,
+        last_report: Instant::now(),
+    };
+    let result = Ingest::new(setup, store, ReplicationStream(&mut stream)).run(stop);
     // The stream confirms the last acknowledgement (the stop's included) as it ends.
     handle.block_on(stream.shutdown());
     if let Some(state) = writer.replica().state() {
@@ -189,26 +191,16 @@ fn start(
 /// How often progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
-/// What the replicator's loop carries effects out with: the upstream session's effect loop
-/// without a hub, storing into the replica directly.
-struct Replicator<'a> {
-    session: UpstreamSession,
-    handle: &'a Handle,
-    catalog: &'a mut Catalog,
-    backfills: &'a mut Backfills,
+/// `replicate`'s group store: the replica alone. Each message is stored as the session hands
+/// it on, and the replica's commits sync themselves: a group is durable once committed.
+struct ReplicaOnly<'a> {
     writer: &'a mut ReplicaWriter,
-    stream: &'a mut WalStream,
-    publications: &'a [String],
+    /// Upstream transactions made durable, for the progress line.
     committed: u64,
-    /// The open group of applied, not yet durable commits.
-    group: GroupCommit<Watermark>,
-    /// The transaction being applied, held whole until its commit while it is small (then
-    /// applied with no savepoint of its own), measured in bytes of replication data.
-    hold: Hold<Held>,
-    epoch: Instant,
+    last_report: Instant,
 }
 
-/// A message of a held transaction (row changes are text rows; the boxed messages are
+/// A message of a transaction being stored (row changes are text rows; the boxed messages are
 /// mostly its `begin` and `commit`).
 enum Held {
     Message(Box<DownstreamMessage>),
@@ -224,348 +216,173 @@ impl<'a> From<&'a Held> for TxnItem<'a> {
     }
 }
 
-/// Events taken from the replication socket's queue in one wake-up.
-const BATCH_EVENTS: usize = 256;
+/// The position of a commit the writer applied into the open group.
+fn grouped(applied: Applied) -> Result<Watermark, Invariant> {
+    match applied {
+        Applied::Grouped { watermark, .. } => Ok(watermark),
+        other => Err(Invariant {
+            expected: "a commit applied into the open group".to_owned(),
+            found: format!("{other:?}"),
+        }),
+    }
+}
 
-impl Replicator<'_> {
-    fn now_us(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+impl GroupStore for ReplicaOnly<'_> {
+    type Item = Held;
+    /// Nothing is queued: every message is stored as it is handed on.
+    type Op = Infallible;
+    type Error = anyhow::Error;
+
+    /// A transaction is measured in bytes of replication data.
+    const SIZE_FROM_SOURCE: bool = true;
+
+    fn replica(&self) -> &Replica {
+        self.writer.replica()
     }
 
-    /// Commits the open group durably (between transactions only); returns its last commit,
-    /// for the session.
-    fn make_durable(&mut self) -> anyhow::Result<Option<Watermark>> {
-        if !self.group.is_open() {
-            return Ok(None);
+    fn hand_on(
+        &mut self,
+        storing: &mut Storing<Self>,
+        message: DownstreamMessage,
+    ) -> anyhow::Result<()> {
+        match message {
+            begin @ DownstreamMessage::Begin(_) => {
+                storing.begin(self, Held::Message(Box::new(begin)), 0)
+            }
+            commit @ DownstreamMessage::Commit(_) => {
+                storing.commit(self, Held::Message(Box::new(commit)), 0)
+            }
+            DownstreamMessage::Rollback(_) => storing.rollback(self),
+            other => storing.item(self, Held::Message(Box::new(other)), 0),
         }
-        let transactions = self.group.transactions();
-        pause_point::reach(Point::BeforeGroupCommit, transactions);
-        self.writer.commit_group()?;
-        pause_point::reach(Point::AfterGroupCommit, transactions);
-        Ok(self.group.durable().map(|durable| {
-            self.committed += u64::try_from(durable.transactions).unwrap_or(u64::MAX);
-            durable.last
-        }))
     }
 
-    /// The loop ended (`result`): the engine's stop plan. A transaction in progress is
-    /// dropped (held, it never reached SQLite; streaming, it is rolled back): not committed,
-    /// so not acknowledged, and Postgres sends it again next time. At a stop the group's whole
-    /// transactions are made durable and confirmed; after a failure nothing more is written.
-    fn end(&mut self, result: anyhow::Result<()>) -> anyhow::Result<()> {
-        let ending = if result.is_ok() {
-            Ending::Stopped
-        } else {
-            Ending::Failed
+    fn hand_on_text(
+        &mut self,
+        storing: &mut Storing<Self>,
+        change: TextRowChange,
+    ) -> anyhow::Result<()> {
+        storing.item(self, Held::Text(change), 0)
+    }
+
+    fn try_next_op(&mut self) -> Option<Infallible> {
+        None
+    }
+
+    fn execute(&mut self, _storing: &mut Storing<Self>, op: Infallible) -> anyhow::Result<()> {
+        match op {}
+    }
+
+    fn stores(op: &Infallible) -> bool {
+        match *op {}
+    }
+
+    async fn wait(&mut self, _sync: bool) -> StoreWake<Infallible, anyhow::Error> {
+        std::future::pending().await
+    }
+
+    fn write(&mut self, item: Held) -> anyhow::Result<()> {
+        match item {
+            Held::Message(message) => self.writer.apply(&message)?,
+            Held::Text(change) => self.writer.apply_text(&change)?,
         };
-        // Nothing waits in a queue here: every store is carried out as it is handed on.
-        if self.hold.stop() == TxnEnd::RollBack || self.writer.in_transaction() {
-            let _ = self
-                .writer
-                .apply(&DownstreamMessage::Rollback(Default::default()));
-        }
-        let mut result = result;
-        // `Some`: committed (and durable: the replica's commits sync themselves), with the
-        // group's last commit if one was open.
-        let committed = if ending.plan().commit_group {
-            match self.make_durable() {
-                Ok(durable) => Some(durable),
-                Err(error) => {
-                    result = result.and(Err(error));
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        match committed {
-            Some(Some(watermark)) => {
-                if let Err(error) = stored_at_stop(self, watermark) {
-                    result = result.and(Err(error));
-                }
-            }
-            Some(None) => {}
-            None => {
-                // Nothing of the group was acknowledged: Postgres sends it again next time.
-                self.group.discarded();
-                let _ = self.writer.discard_group();
-            }
-        }
-        result
+        Ok(())
     }
 
-    /// A transaction is being applied: held, or streaming into SQLite.
+    fn write_whole(&mut self, items: Vec<Held>) -> anyhow::Result<Watermark> {
+        Ok(grouped(self.writer.apply_whole(&items)?)?)
+    }
+
+    fn write_commit(&mut self, commit: Held) -> anyhow::Result<Watermark> {
+        let applied = match commit {
+            Held::Message(message) => self.writer.apply(&message)?,
+            Held::Text(change) => self.writer.apply_text(&change)?,
+        };
+        Ok(grouped(applied)?)
+    }
+
+    fn roll_back(&mut self) -> anyhow::Result<()> {
+        self.writer
+            .apply(&DownstreamMessage::Rollback(Default::default()))?;
+        Ok(())
+    }
+
     fn in_transaction(&self) -> bool {
-        self.hold.in_transaction() || self.writer.in_transaction()
+        self.writer.in_transaction()
     }
 
-    /// Applies items of the transaction that streams into SQLite (a spill, with its `begin`
-    /// opening a savepoint inside a group, or one item after it); the last one's result.
-    fn stream(&mut self, items: Vec<Held>) -> anyhow::Result<Applied> {
-        let mut applied = Applied::Pending;
-        for item in items {
-            applied = match item {
-                Held::Message(message) => self.writer.apply(&message)?,
-                Held::Text(change) => self.writer.apply_text(&change)?,
-            };
+    fn commit_group(&mut self, _last: &Watermark, _transactions: usize) -> anyhow::Result<()> {
+        self.writer.commit_group()?;
+        Ok(())
+    }
+
+    fn discard_group(&mut self) {
+        let _ = self.writer.discard_group();
+    }
+
+    fn syncs_apart(&self) -> bool {
+        false
+    }
+
+    fn start_sync(&mut self, _transactions: usize) {}
+
+    fn sync_running(&self) -> bool {
+        false
+    }
+
+    fn poll_sync(&mut self) -> Option<anyhow::Result<()>> {
+        None
+    }
+
+    async fn sync_done(&mut self) -> anyhow::Result<()> {
+        std::future::pending().await
+    }
+
+    fn durable(&mut self, group: &DurableGroup<Watermark>) -> anyhow::Result<()> {
+        self.committed += u64::try_from(group.transactions).unwrap_or(u64::MAX);
+        if self.last_report.elapsed() >= PROGRESS_EVERY {
+            tracing::info!(
+                transactions = self.committed,
+                position = %group.last,
+                "replicating"
+            );
+            self.last_report = Instant::now();
         }
-        Ok(applied)
+        Ok(())
+    }
+}
+
+/// `replicate`'s source: the replication stream itself, no task between.
+struct ReplicationStream<'a>(&'a mut WalStream);
+
+impl Source for ReplicationStream<'_> {
+    type Event = Result<WalEvent, ReplicationError>;
+    type Error = anyhow::Error;
+
+    fn try_take(&mut self, into: &mut Vec<Self::Event>, max: usize) {
+        self.0.try_recv_many(into, max);
     }
 
-    /// What a commit applied means for the group: the commits it made durable, if any.
-    fn committed(&mut self, applied: Applied, bytes: usize) -> anyhow::Result<Vec<Watermark>> {
-        Ok(match applied {
-            Applied::Grouped { watermark, .. } => {
-                let now = self.now_us();
-                if self.group.applied(watermark, bytes, now) == GroupDecision::Flush {
-                    self.make_durable()?.into_iter().collect()
-                } else {
-                    Vec::new()
-                }
+    async fn take(&mut self, into: &mut Vec<Self::Event>, max: usize) -> usize {
+        self.0.recv_many(into, max).await
+    }
+
+    fn input(&mut self, event: Self::Event) -> anyhow::Result<UpstreamEvent> {
+        Ok(match event? {
+            WalEvent::Started { start, .. } => {
+                tracing::debug!(%start, "replication session started");
+                UpstreamEvent::Started
             }
-            Applied::Committed { watermark, .. } => {
-                self.committed += 1;
-                vec![watermark]
-            }
-            Applied::Pending | Applied::RolledBack => Vec::new(),
+            WalEvent::CopyData(bytes) => UpstreamEvent::Wal(bytes),
         })
     }
 
-    /// Makes the open group durable and reports it to the session (acknowledging it).
-    fn flush(&mut self) -> anyhow::Result<()> {
-        match self.make_durable()? {
-            Some(watermark) => feed(self, Input::Stored { watermark }),
-            None => Ok(()),
-        }
-    }
-}
-
-/// What a wait for input woke to.
-// Lives for one loop step; boxing the backfill's item would only add an allocation.
-#[allow(clippy::large_enum_variant)]
-enum Woke {
-    Stop,
-    /// The open group's deadline passed.
-    Flush,
-    /// A failed backfill's retry delay passed.
-    RetryBackfills,
-    Backfill(Option<Result<BackfillItem, SyncError>>),
-    /// Events of the replication stream (how many).
-    Upstream(usize),
-}
-
-// The replicator's whole state, passed down from `replicate`.
-#[allow(clippy::too_many_arguments)]
-fn stream_changes(
-    handle: &Handle,
-    catalog: &mut Catalog,
-    backfills: &mut Backfills,
-    writer: &mut ReplicaWriter,
-    stream: &mut WalStream,
-    publications: &[String],
-    app_id: &str,
-    stop: &mut watch::Receiver<bool>,
-) -> anyhow::Result<()> {
-    let state = writer
-        .replica()
-        .state()
-        .context("the replica has no replication state")?
-        .clone();
-    let mut replicator = Replicator {
-        session: crate::upstream::session(app_id, state.watermark, state.lsn),
-        handle,
-        catalog,
-        backfills,
-        writer,
-        stream,
-        publications,
-        committed: 0,
-        group: GroupCommit::new(GroupLimits::default()),
-        hold: Hold::new(),
-        epoch: Instant::now(),
-    };
-    replicator.writer.set_group_commit(true);
-    // The replica takes row values as Postgres wrote them: no JSON row per change.
-    replicator.session.keep_row_text();
-    let result = replicator.run(stop);
-    replicator.end(result)
-}
-
-impl Replicator<'_> {
-    /// Feeds the replication stream and the backfills to the session until `stop`, taking
-    /// input in the engine's order (`upstream::Wake`).
-    fn run(&mut self, stop: &mut watch::Receiver<bool>) -> anyhow::Result<()> {
-        let handle = self.handle;
-        let mut last_report = Instant::now();
-        let mut batch = Vec::with_capacity(BATCH_EVENTS);
-        let mut queued = VecDeque::new();
-        loop {
-            // What is ready now, without a wait.
-            let now = self.now_us();
-            let flush_in = self.group.flush_in_us(now, self.in_transaction());
-            let backfilling = self.session.backfill_running();
-            let retry_in = if backfilling {
-                None
-            } else {
-                backfill_retry_in(Some(&*self.backfills))
-            };
-            let listen = Listen {
-                paused: false,
-                backfill_running: backfilling,
-                accepts_upstream: self.session.accepts_upstream(),
-                sync_running: false,
-                flush_in_us: flush_in,
-                retry_in_us: retry_in.map(micros_ceil),
-            };
-            let stream = &mut *self.stream;
-            let ready = listen.first(|wake| match wake {
-                Wake::Stop => *stop.borrow(),
-                Wake::Flush => flush_in == Some(0),
-                Wake::RetryBackfills => retry_in.is_some_and(|retry| retry.is_zero()),
-                Wake::Upstream => {
-                    if queued.is_empty() {
-                        // Whatever is queued is taken in one wake-up.
-                        stream.try_recv_many(&mut batch, BATCH_EVENTS);
-                        queued.extend(batch.drain(..));
-                    }
-                    !queued.is_empty()
-                }
-                // Every store is carried out as it is handed on, commits sync themselves, and
-                // nothing pauses the stream; a backfill's next item needs a wait.
-                Wake::Synced | Wake::Storage | Wake::Resumed | Wake::Backfill => false,
-            });
-            let woke = match ready {
-                Some(Wake::Stop) => Woke::Stop,
-                Some(Wake::Flush) => Woke::Flush,
-                Some(Wake::RetryBackfills) => Woke::RetryBackfills,
-                Some(Wake::Upstream) => Woke::Upstream(queued.len()),
-                _ => {
-                    // Nothing ready: wait for the first of what the loop waits for, in the
-                    // engine's order.
-                    let flush_in = Duration::from_micros(flush_in.unwrap_or_default());
-                    let retry_in = retry_in.unwrap_or_default();
-                    let backfills = &mut *self.backfills;
-                    let stream = &mut *self.stream;
-                    handle.block_on(async {
-                        tokio::select! {
-                            biased;
-                            _ = stop.wait_for(|s| *s) => Woke::Stop,
-                            _ = tokio::time::sleep(flush_in), if listen.waits_for(Wake::Flush) => {
-                                Woke::Flush
-                            }
-                            _ = tokio::time::sleep(retry_in),
-                                if listen.waits_for(Wake::RetryBackfills) => Woke::RetryBackfills,
-                            item = backfills.next(), if listen.waits_for(Wake::Backfill) => {
-                                Woke::Backfill(item)
-                            }
-                            taken = stream.recv_many(&mut batch, BATCH_EVENTS),
-                                if listen.waits_for(Wake::Upstream) => Woke::Upstream(taken),
-                        }
-                    })
-                }
-            };
-            match woke {
-                Woke::Stop => return Ok(()),
-                Woke::Flush => self.flush()?,
-                Woke::RetryBackfills => retry_backfills(self)?,
-                Woke::Backfill(item) => backfill_item(self, item)?,
-                Woke::Upstream(0) => bail!("the replication stream ended"),
-                Woke::Upstream(_) => {
-                    queued.extend(batch.drain(..));
-                    let Some(event) = queued.pop_front() else {
-                        continue;
-                    };
-                    match event? {
-                        WalEvent::Started { start, .. } => {
-                            tracing::debug!(%start, "replication session started");
-                            feed(self, Input::Started)?;
-                        }
-                        WalEvent::CopyData(bytes) => {
-                            self.hold.count(bytes.len());
-                            feed(self, Input::WalData(&bytes))?
-                        }
-                    }
-                }
-            }
-            if last_report.elapsed() >= PROGRESS_EVERY {
-                if let Some(state) = self.writer.replica().state() {
-                    tracing::info!(
-                        transactions = self.committed,
-                        position = %state.lsn,
-                        "replicating"
-                    );
-                }
-                last_report = Instant::now();
-            }
-        }
-    }
-}
-
-impl EffectHost for Replicator<'_> {
-    type Error = anyhow::Error;
-
-    fn session(&mut self) -> &mut UpstreamSession {
-        &mut self.session
-    }
-
-    fn apply(&mut self, message: DownstreamMessage) -> anyhow::Result<Vec<Watermark>> {
-        match message {
-            DownstreamMessage::Begin(begin) => {
-                self.backfills.note(&begin);
-                // A group never holds its first transaction back past its delay for one yet to
-                // come.
-                let now = self.now_us();
-                let durable = if self.group.flush_in_us(now, self.in_transaction()) == Some(0) {
-                    self.make_durable()?.into_iter().collect()
-                } else {
-                    Vec::new()
-                };
-                // Held until its commit, or until it outgrows the hold.
-                let begin = Held::Message(Box::new(DownstreamMessage::Begin(begin)));
-                self.hold.begin(begin, 0)?;
-                Ok(durable)
-            }
-            commit @ DownstreamMessage::Commit(_) => {
-                let (commit, bytes) = self.hold.commit(Held::Message(Box::new(commit)), 0);
-                let applied = match commit {
-                    TxnCommit::Whole(held) => self.writer.apply_whole(&held)?,
-                    TxnCommit::Streamed(commit) => self.stream(vec![commit])?,
-                };
-                self.committed(applied, bytes)
-            }
-            DownstreamMessage::Rollback(rollback) => {
-                // A held transaction never reached SQLite.
-                if self.hold.rollback() == TxnEnd::RollBack {
-                    self.writer.apply(&DownstreamMessage::Rollback(rollback))?;
-                }
-                Ok(Vec::new())
-            }
-            other => {
-                let items = self.hold.item(Held::Message(Box::new(other)), 0);
-                self.stream(items)?;
-                Ok(Vec::new())
-            }
-        }
-    }
-
-    fn apply_text(&mut self, change: TextRowChange) -> anyhow::Result<Vec<Watermark>> {
-        // A row change is never a commit: nothing becomes durable here.
-        let items = self.hold.item(Held::Text(change), 0);
-        self.stream(items)?;
-        Ok(Vec::new())
-    }
-
-    fn settle(&mut self) -> anyhow::Result<Vec<Watermark>> {
-        // The replica as of every message, as schema changes are computed against it: a held
-        // transaction (one whose DDL came earlier, say) goes into SQLite now. Everything else
-        // is applied as it comes.
-        let items = self.hold.settle();
-        self.stream(items)?;
-        Ok(Vec::new())
+    fn ended(&self) -> anyhow::Result<()> {
+        bail!("the replication stream ended")
     }
 
     fn confirm(&mut self, lsn: Lsn) {
-        self.stream.ack(lsn);
+        self.0.ack(lsn);
     }
 
     fn ack_frames(&mut self, _ids: Vec<u64>) {
@@ -574,32 +391,5 @@ impl EffectHost for Replicator<'_> {
 
     fn reconnect(&mut self, reason: String, _restore: bool, _acks: Vec<u64>) {
         tracing::warn!(%reason, "a Postgres source has no primary to reconnect to");
-    }
-
-    fn replica(&self) -> &Replica {
-        self.writer.replica()
-    }
-
-    fn publications(&self) -> &[String] {
-        self.publications
-    }
-
-    fn reconcile(&mut self, relation: &Relation) -> anyhow::Result<Vec<Change>> {
-        Ok(reconcile_relation(
-            self.handle,
-            Some(&mut *self.catalog),
-            self.writer.replica(),
-            relation,
-        )?)
-    }
-
-    fn idle(&mut self) {}
-
-    fn backfills(&mut self) -> Option<(&mut Backfills, &Replica)> {
-        Some((&mut *self.backfills, self.writer.replica()))
-    }
-
-    fn handle(&self) -> &Handle {
-        self.handle
     }
 }

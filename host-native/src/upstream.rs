@@ -6,12 +6,11 @@
 //! skip, what to confirm or when: the session does; this only carries out what it asked for,
 //! in its order, and reports completions back.
 //!
-//! `replicate` and `serve` differ only in how each waits for input: `replicate` on the
-//! replication stream or the running backfill, `serve` also on its storage queue and the
-//! streamer's pause; backfills stream through the session in both. Before a schema change is
-//! computed against the replica, [`EffectHost::settle`] has every store asked for carried out,
-//! a transaction held whole until its commit included, so a second DDL in one transaction sees
-//! what the first one did.
+//! Both commands run one ingest loop (`crate::ingest`), which is the [`EffectHost`]; they
+//! differ only in where it stores and where its input comes from. Backfills stream through the
+//! session in both. Before a schema change is computed against the replica,
+//! [`EffectHost::settle`] has every store asked for carried out, a transaction held whole until
+//! its commit included, so a second DDL in one transaction sees what the first one did.
 
 use std::collections::{HashMap, VecDeque};
 
