@@ -23,8 +23,9 @@ use highwater_engine::streamer::{ConnId, Effect, Streamer};
 use highwater_engine::watermark::Watermark;
 use serde_json::json;
 
-use super::hub::Hub;
-use super::{connection, snapshot, sync};
+use super::change_stream::connection;
+use super::change_stream::Hub;
+use super::{scope_sync, snapshot};
 
 /// Where a consistent copy of the replica is served (the reservations' `backupURL`).
 pub const SNAPSHOT_PATH: &str = "/replica/snapshot";
@@ -37,7 +38,7 @@ pub(crate) struct AppState {
     /// Open WebSocket connections, bounded.
     pub connection_slots: ConnectionSlots,
     /// Scope sync, when `--sync-rules` turned it on.
-    pub sync: Option<Arc<sync::SyncHub>>,
+    pub sync: Option<Arc<scope_sync::SyncHub>>,
     pub peer_auth: super::security::PeerAuth,
     pub insecure_no_auth: bool,
     /// The upstream slot's retained WAL, when watched (not on a relay).
@@ -330,8 +331,8 @@ async fn scope_sync(
         Err(refusal) => return *refusal,
     };
     upgrade
-        .max_message_size(sync::MAX_CLIENT_FRAME_BYTES)
-        .max_frame_size(sync::MAX_CLIENT_FRAME_BYTES)
+        .max_message_size(scope_sync::MAX_CLIENT_FRAME_BYTES)
+        .max_frame_size(scope_sync::MAX_CLIENT_FRAME_BYTES)
         .read_buffer_size(connection::READ_BUFFER_BYTES)
         .on_upgrade(move |socket| async move {
             let _slot = slot;

@@ -50,7 +50,7 @@ use rusqlite::Connection;
 use tokio::runtime::Handle;
 use tokio::sync::{mpsc, watch};
 
-use super::hub::{Hub, StorageOp};
+use super::change_stream::{Hub, StorageOp};
 use super::source::{Confirm, SourceEvent};
 use super::ServeError;
 use crate::change_log::{self, CatchupLimits, CatchupReader};
@@ -189,7 +189,7 @@ pub(crate) struct ReplicaAndLog {
 /// Scope sync's side of the ingest thread: route each commit's feed entries after the commit,
 /// and prune exits older than the retention window now and then.
 pub(crate) struct SyncFeed {
-    hub: Arc<super::sync::SyncHub>,
+    hub: Arc<super::scope_sync::SyncHub>,
     retention: std::time::Duration,
     last_prune: Option<std::time::Instant>,
 }
@@ -198,7 +198,7 @@ pub(crate) struct SyncFeed {
 const PRUNE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl SyncFeed {
-    pub fn new(hub: Arc<super::sync::SyncHub>, retention: std::time::Duration) -> SyncFeed {
+    pub fn new(hub: Arc<super::scope_sync::SyncHub>, retention: std::time::Duration) -> SyncFeed {
         SyncFeed {
             hub,
             retention,

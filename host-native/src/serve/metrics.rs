@@ -27,10 +27,10 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use super::hub::Hub;
+use super::change_stream::Hub;
+use super::scope_sync::SyncHub;
 use super::security::PeerRefusals;
 use super::snapshot::Snapshots;
-use super::sync::SyncHub;
 use super::wal_watch::WalHealth;
 
 /// The content type of the exposition format `prometheus-client` writes (OpenMetrics text,

@@ -22,23 +22,21 @@
 //! change log in one SQLite transaction, and only once that commit is durable does the source
 //! hear the confirmation.
 
+mod change_stream;
 pub mod config_file;
-mod connection;
 mod endpoints;
 mod fault;
-mod hub;
 mod ingest;
 mod metrics;
 mod relay;
+mod scope_sync;
 mod security;
 mod snapshot;
 pub(crate) mod snapshot_download;
 mod source;
 mod startup;
-mod sync;
 pub(crate) mod tls;
 mod wal_watch;
-pub mod writes;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -62,7 +60,7 @@ use crate::replication::initial_sync::SyncError;
 use crate::replication::setup::DEFAULT_APP_ID;
 use crate::replication::ReplicationError;
 use crate::sync_auth::{AuthConfigError, SyncAuth, SyncSecretArgs};
-use hub::{Hub, Positions};
+use change_stream::{Hub, Positions};
 
 pub use endpoints::SNAPSHOT_PATH;
 pub use relay::RelayError;
@@ -346,7 +344,7 @@ pub enum ServeError {
     #[error("scope sync cannot start")]
     SyncConfig(#[from] AuthConfigError),
     #[error(transparent)]
-    WriteSetup(#[from] writes::InstallError),
+    WriteSetup(#[from] scope_sync::writes::InstallError),
 }
 
 /// The scope-sync rules and secret, when `--sync-rules` is given.
@@ -688,7 +686,7 @@ async fn run_server(
             config.slow_consumer_timeout_ms = settings.sync_slow_consumer_ms;
             config.checkpoint_interval_ms = settings.sync_checkpoint_ms;
             let writes = settings.writes_to.clone().map(|upstream| {
-                Arc::new(writes::Writes::new(
+                Arc::new(scope_sync::writes::Writes::new(
                     upstream,
                     auth.clone(),
                     db_path.clone(),
@@ -698,7 +696,7 @@ async fn run_server(
             // Mutations are applied when the rules allow writes; `await-mutations` (writes the
             // app's backend applies) is answered either way.
             config.takes_writes = writes.is_some() && auth.rules().allows_writes();
-            let sync_hub = sync::SyncHub::new(
+            let sync_hub = scope_sync::SyncHub::new(
                 config,
                 auth.clone(),
                 db_path.clone(),
@@ -878,7 +876,7 @@ fn owner_address(public_url: &str) -> String {
 /// replica is the backup: `/replica/snapshot` serves it at its current position).
 async fn tick(
     hub: Arc<Hub>,
-    sync_hub: Option<Arc<sync::SyncHub>>,
+    sync_hub: Option<Arc<scope_sync::SyncHub>>,
     replica_path: PathBuf,
     backup_interval: Duration,
     mut shutdown: watch::Receiver<bool>,

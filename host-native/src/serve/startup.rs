@@ -74,11 +74,14 @@ pub(crate) fn prepare(
     match writes {
         WriteSetup::None => {}
         WriteSetup::Required => {
-            handle.block_on(super::writes::install(&upstream.params.upstream()))?;
+            handle.block_on(super::scope_sync::writes::install(
+                &upstream.params.upstream(),
+            ))?;
         }
         WriteSetup::Tried => {
-            if let Err(error) = handle.block_on(super::writes::install(&upstream.params.upstream()))
-            {
+            if let Err(error) = handle.block_on(super::scope_sync::writes::install(
+                &upstream.params.upstream(),
+            )) {
                 tracing::warn!(
                     %error,
                     "highwater.confirm is not installed upstream: writes an app's backend applies cannot be confirmed (the rules allow no writes through serve, so it goes on)"

@@ -1312,7 +1312,7 @@ async fn an_oversized_frame_closes_that_connection_only_with_1009() {
     let first = other.frame().await.id().expect("id");
     other.ack(first).await;
     // Just over the limit: the frame is refused, not buffered and parsed.
-    let text = "x".repeat(super::connection::MAX_CLIENT_FRAME_BYTES + 1);
+    let text = "x".repeat(super::change_stream::connection::MAX_CLIENT_FRAME_BYTES + 1);
     let _ = big.socket.send(Message::text(text)).await;
     let (code, reason) = big.closed().await.expect("a close frame");
     assert_eq!(code, CloseCode::Size, "{reason}");

@@ -21,6 +21,8 @@
 //! first one leaves (`BENCHMARKS.md`, section "Scope sync: commit to browser client, replay,
 //! idle connections").
 
+pub(crate) mod writes;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,14 +40,14 @@ use highwater_engine::scope_sync::{rejection, Conditions, MutationResult, Server
 use highwater_engine::watermark::Watermark;
 use tokio::sync::{mpsc, watch};
 
-use super::connection::too_big;
+use super::change_stream::connection::too_big;
 use super::fault::Fault;
-use super::writes::Writes;
 use crate::replica::feed::{CommittedChanges, FeedKind, FeedRow, ScopePage, ScopeQuery};
 use crate::replica::Replica;
 use crate::sync_auth::SyncAuth;
+use writes::Writes;
 
-pub(crate) use super::connection::{MAX_CLIENT_FRAME_BYTES, TOO_BIG_CLOSE_CODE};
+pub(crate) use super::change_stream::connection::{MAX_CLIENT_FRAME_BYTES, TOO_BIG_CLOSE_CODE};
 /// How long a close frame may take to get through before the socket is dropped.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Read-only replica connections kept for replay reads.

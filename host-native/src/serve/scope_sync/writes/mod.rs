@@ -6,7 +6,7 @@
 //! How one write flows:
 //!
 //! 1. The client sends `mutate {clientId, token, mutations}`; the scope server checks the
-//!    frame and hands the batch to [`SyncHub`](super::sync::SyncHub), which spawns
+//!    frame and hands the batch to [`SyncHub`](super::SyncHub), which spawns
 //!    [`Writes::apply`]: the batch runs on one pooled upstream connection, in order.
 //! 2. Per mutation, before Postgres is asked anything: the token's claims (no token, no
 //!    claims; a token that fails verification answers the whole batch `retry`/`auth`, so
@@ -98,7 +98,7 @@ use crate::replication::{PgConfig, PgErrorText};
 use crate::sync_auth::{unix_now_ms, SyncAuth};
 use pool::{Conn, Pool};
 
-pub use install::{install, InstallError, ALREADY_APPLIED, WRITES_SQL};
+pub use install::{install, InstallError, ALREADY_APPLIED};
 
 /// How long an `ifVersion` write waits for the replica to catch up with upstream.
 pub const FENCE_TIMEOUT: Duration = Duration::from_secs(5);

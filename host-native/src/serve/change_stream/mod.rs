@@ -8,6 +8,8 @@
 //! before it. The lock is never held across an await: all of it is plain, non-blocking code
 //! (channel sends), and SQLite work happens on the ingest thread that drains the queue.
 
+pub(crate) mod connection;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

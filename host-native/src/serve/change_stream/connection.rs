@@ -19,7 +19,7 @@ use highwater_engine::liveness;
 use highwater_engine::streamer::{ConnId, Effect, Outgoing};
 use tokio::sync::{mpsc, watch};
 
-use super::hub::{ConnCommand, Hub};
+use super::{ConnCommand, Hub};
 
 /// How long to wait for the peer's answer to our close frame.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
