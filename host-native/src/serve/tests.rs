@@ -1381,11 +1381,27 @@ async fn connections_past_the_limit_are_refused_with_503_until_one_ends() {
     h.stop().await;
 }
 
+/// Waits until `/health` reports `lsn`'s watermark as the last durable one.
+async fn until_durable(addr: SocketAddr, lsn: u64) {
+    let deadline = tokio::time::Instant::now() + PROMPT;
+    loop {
+        let (_, _, health) = http_get(addr, "/health").await;
+        let health: serde_json::Value = serde_json::from_slice(&health).expect("json");
+        if health["lastWatermark"] == w(lsn).as_str() {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{health}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_concurrent_snapshot_requests_build_one_snapshot() {
     let h = Harness::start("snapshot-shared", Duration::from_secs(30)).await;
     h.transaction(0x200, &[1, 2, 3], true).await;
-    wait_until(|| stored_last_watermark(&h.db()) == w(0x200).as_str()).await;
+    // A snapshot is taken at the last durable watermark, which the server reaches once the
+    // commit's WAL sync is done: a little after the replica holds it.
+    until_durable(h.addr, 0x200).await;
     let addr = h.addr;
     let requests: Vec<_> = (0..50)
         .map(|_| tokio::spawn(async move { http_get(addr, "/replica/snapshot").await }))
@@ -1407,20 +1423,9 @@ async fn fifty_concurrent_snapshot_requests_build_one_snapshot() {
     // At most the one snapshot file is kept on disk.
     let files = h.dir.0.join("snapshots").read_dir().expect("dir").count();
     assert!(files <= 1, "{files} snapshot files kept");
-    // A later commit makes the next request build a new one, replacing the old file. A
-    // snapshot is taken at the last durable watermark, which the server reaches once the
-    // commit's WAL sync is done: a little after the replica holds it, so wait for that.
+    // A later commit makes the next request build a new one, replacing the old file.
     h.transaction(0x300, &[4], false).await;
-    let deadline = tokio::time::Instant::now() + PROMPT;
-    loop {
-        let (_, _, health) = http_get(h.addr, "/health").await;
-        let health: serde_json::Value = serde_json::from_slice(&health).expect("json");
-        if health["lastWatermark"] == w(0x300).as_str() {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{health}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_durable(h.addr, 0x300).await;
     let (status, headers, _) = http_get(h.addr, "/replica/snapshot").await;
     assert!(status.contains("200"), "{status}");
     assert_eq!(
