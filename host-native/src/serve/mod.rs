@@ -221,8 +221,6 @@ pub const SHUTDOWN_CLOSE_CODE: u16 = 1012;
 pub const DEFAULT_WAL_WARN_BYTES: u64 = 1 << 30;
 /// The default of `--wal-check-ms`.
 pub const DEFAULT_WAL_CHECK_MS: u64 = 30_000;
-/// A signal counts as the second (exit at once) only this long after the first.
-const SECOND_SIGNAL_AFTER: Duration = Duration::from_secs(1);
 /// The default of `--shutdown-timeout-secs`.
 pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: u64 = 30;
 pub const DEFAULT_SYNC_CHECKPOINT_MS: u64 = 30_000;
@@ -353,45 +351,6 @@ fn load_sync(args: &ServeArgs) -> Result<Option<Arc<SyncAuth>>, ServeError> {
         None => Ok(None),
         Some(rules) => Ok(Some(Arc::new(SyncAuth::load(rules, &args.sync_secret)?))),
     }
-}
-
-/// Runs `highwater serve` until Ctrl-C or SIGTERM.
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    crate::runtime::init_tracing("info");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let bound = Duration::from_secs(args.shutdown_timeout_secs);
-    runtime.block_on(async move {
-        let (stop_tx, stop) = watch::channel(false);
-        tokio::spawn(async move {
-            crate::runtime::wait_for_signal().await;
-            tracing::info!(
-                timeout_secs = bound.as_secs(),
-                "stopping: finishing the current group, closing sockets (a second signal exits at once)"
-            );
-            let _ = stop_tx.send(true);
-            // Ended with the runtime once the server has stopped. A signal within a second
-            // of the first is the same stop delivered twice (a terminal's Ctrl-C reaches the
-            // whole process group, and `npx` or a launcher forwards it as well), not a second.
-            let second = async {
-                tokio::time::sleep(SECOND_SIGNAL_AFTER).await;
-                crate::runtime::wait_for_signal().await;
-            };
-            tokio::select! {
-                () = second => {
-                    tracing::warn!("a second signal: exiting now");
-                    std::process::exit(130);
-                }
-                () = tokio::time::sleep(bound) => {
-                    tracing::error!(timeout_secs = bound.as_secs(), "did not stop in time: exiting now");
-                    std::process::exit(1);
-                }
-            }
-        });
-        serve(args, stop).await
-    })?;
-    Ok(())
 }
 
 /// Serves until `stop` turns true or replication fails: prepares the replica (initial sync
