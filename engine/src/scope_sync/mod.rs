@@ -7,6 +7,8 @@
 //! - [`cursor`] and [`scope`]: cursors and their order, scopes and their digests.
 //! - [`rules`]: the rules file (who may read and write which rows), row filters and their
 //!   subqueries.
+//! - [`feed`]: the scope feed's rules, which the replica keeping the feed applies: exits, a
+//!   commit's entries, the exits a replay page carries.
 //! - [`server`]: the scope server, a state machine that answers subscriptions (replay, then
 //!   live), routes committed changes, moves rows as access changes and admits writes;
 //!   [`replay`] plans its pages.
@@ -20,6 +22,7 @@ pub(crate) mod coercion;
 
 pub mod client;
 pub mod cursor;
+pub mod feed;
 pub mod realtime_bridge;
 pub mod replay;
 pub mod rules;
