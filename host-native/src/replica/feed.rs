@@ -1,34 +1,45 @@
 //! The scope feed: what the replica keeps so scope-sync subscribers can catch up and be routed
 //! live (catch-up after a cursor, then live delivery, as velocious' sync server does).
 //!
-//! For the tables a rules file opens to scope sync, the writer records, per upstream
+//! The feed's rules are the engine's (`highwater_engine::scope_sync::feed`, which the
+//! simulation's storage calls too); this module does the replica's reading and writing around
+//! them. For the tables a rules file opens to scope sync, the writer records, per upstream
 //! transaction:
 //! - the rows it wrote, with their `_hw_seq` and the transaction's commit time in
 //!   `_hw_updated_at` (the entries' `updatedAt`);
-//! - an **exit** for every row that left some scope: deleted, its key changed, or updated so a
-//!   scope column changed. An exit keeps the old (and new) scope-column values, so a removal can
-//!   be routed to the scopes the row was in; it shares the seq of the write that caused it, and
-//!   is journalled in `_hw_exits` for catch-up. Rows removed by a truncate are routed live; in
-//!   catch-up the table's truncate marker answers an older cursor with a reset.
+//! - an **exit** for every row that left some scope: [`Capture`] reads a changed row's key and
+//!   scope-column values before the change and after it, and [`exits`] says which exits that
+//!   records (deleted, its key changed, or updated so a scope column changed), at the seq of the
+//!   write that caused it, and which are journalled in `_hw_exits` for catch-up. Rows removed
+//!   by a truncate are routed live; in catch-up the table's truncate marker answers an older
+//!   cursor with a reset.
 //!
 //! Seqs stay exactly those the writer assigns without a rules file: exits never take one, so a
 //! relay with other rules (or none) assigns the same seqs as its primary.
 //!
 //! [`read_scope_page`] answers one replay page in one read transaction: rows of a scope after a
 //! cursor up to a high-water, by index range scans (`(column, _hw_seq)` for every filter
-//! column, an expression index on `_hw_exits` for old values). [`prune_exits`] drops exits older
-//! than the retention window and raises the retention floor.
+//! column, an expression index on `_hw_exits` for old values), merged by [`page_entries`]. The
+//! exits a page carries are those [`exit_leaves`](highwater_engine::scope_sync::feed::exit_leaves)
+//! says left the scope; the read renders that rule in SQL, so the exits' index narrows it, its
+//! LIMIT counts only exits the page carries, and each subquery's set is read once (the tests
+//! hold the SQL to the engine's rule). [`prune_exits`] drops exits older than the retention
+//! window and raises the retention floor.
 //!
-//! A transaction's entries are built in memory at its commit ([`CommittedChanges`]) and held
-//! there until they are routed, once the commit is durable: a very large transaction on a
-//! followed table needs that memory. The feed does not follow a followed table's rename or
-//! drop: nothing is recorded for it, and the table's subscribers keep their rows until they
-//! subscribe again.
+//! A transaction's entries ([`commit_entries`]) are built in memory at its commit
+//! ([`CommittedChanges`]) and held there until they are routed, once the commit is durable: a
+//! very large transaction on a followed table needs that memory. The feed does not follow a
+//! followed table's rename or drop: nothing is recorded for it, and the table's subscribers
+//! keep their rows until they subscribe again.
 
 use std::collections::{BTreeMap, HashMap};
 
 use highwater_engine::change_stream::{Change, JsonFormat};
+use highwater_engine::scope_sync::feed::{
+    commit_entries, exits, page_entries, Exit, RowChange, ScopedRow,
+};
 use highwater_engine::scope_sync::rules::row_filter::{RowFilter, SetQuery};
+use highwater_engine::scope_sync::server::{FeedChange, FeedEntry};
 use highwater_engine::scope_sync::{
     js_string_form, operand_bool, operand_number, operand_text, Conditions, Test,
 };
@@ -95,6 +106,21 @@ pub enum FeedKind {
     },
 }
 
+impl From<FeedEntry> for FeedRow {
+    fn from(entry: FeedEntry) -> Self {
+        FeedRow {
+            table: entry.table,
+            resource_id: entry.resource_id,
+            seq: entry.seq,
+            updated_at: entry.updated_at,
+            kind: match entry.change {
+                FeedChange::Upsert { data } => FeedKind::Upsert { data },
+                FeedChange::Exit { old, new } => FeedKind::Exit { old, new },
+            },
+        }
+    }
+}
+
 impl FeedRow {
     /// The scope-column values that route this entry: the row's, or for an exit the old ones.
     pub fn routing_values(&self) -> &Map<String, Value> {
@@ -121,25 +147,8 @@ pub(super) struct Capture {
     tables: FeedTables,
     /// Per table written in the open transaction: the first seq it took.
     touched: BTreeMap<String, i64>,
-    exits: Vec<PendingExit>,
-}
-
-#[derive(Debug)]
-struct PendingExit {
-    table: String,
-    resource_id: String,
-    seq: i64,
-    old: Map<String, Value>,
-    new: Option<Map<String, Value>>,
-    /// Journalled for catch-up (not for truncates: their marker resets older cursors).
-    journal: bool,
-}
-
-/// A row's key and scope values, read before a change.
-#[derive(Debug)]
-pub(super) struct Before {
-    resource_id: String,
-    scope: Map<String, Value>,
+    /// The open transaction's exits, as the engine's rules record them.
+    exits: Vec<Exit>,
 }
 
 /// What a change needs remembered from before it is applied.
@@ -149,14 +158,14 @@ pub(super) enum Pre {
     Touch(String),
     Update {
         table: String,
-        before: Option<Before>,
+        before: Option<ScopedRow>,
         new_key: Vec<(String, SqlValue)>,
     },
     Delete {
         table: String,
-        before: Option<Before>,
+        before: Option<ScopedRow>,
     },
-    Truncate(Vec<(String, Vec<Before>)>),
+    Truncate(Vec<(String, Vec<ScopedRow>)>),
 }
 
 impl Capture {
@@ -261,7 +270,8 @@ impl Capture {
     }
 
     /// Records what `change` did, given what was read before it and the seqs it took
-    /// (`seq_before..seq_after`).
+    /// (`seq_before..seq_after`): the tables it wrote, and the exits the engine's rules
+    /// ([`exits`]) find in what the replica held before and holds now.
     pub fn after(
         &mut self,
         conn: &Connection,
@@ -282,66 +292,35 @@ impl Capture {
                 new_key,
             } => {
                 self.touch(table.clone(), seq_before);
+                // A row the replica did not hold leaves no scope: nothing to read back.
                 let (Some(before), Some(replica_table)) = (before, tables.get(&table)) else {
                     return Ok(());
                 };
                 let scope = self.scope_columns(&table).unwrap_or_default().to_vec();
                 let now = read_before(conn, replica_table, &scope, &new_key)?;
                 let now_seq = read_seq(conn, replica_table, &new_key)?;
-                match (now, now_seq) {
-                    (Some(now), Some(seq)) if now.resource_id == before.resource_id => {
-                        if now.scope != before.scope {
-                            self.exits.push(PendingExit {
-                                table,
-                                resource_id: before.resource_id,
-                                seq,
-                                old: before.scope,
-                                new: Some(now.scope),
-                                journal: true,
-                            });
-                        }
-                    }
-                    _ => {
-                        // The key changed: the old key's tombstone took the last seq.
-                        self.exits.push(PendingExit {
-                            table,
-                            resource_id: before.resource_id,
-                            seq: seq_after - 1,
-                            old: before.scope,
-                            new: None,
-                            journal: true,
-                        });
-                    }
-                }
+                let change = RowChange::Updated {
+                    before: Some(before),
+                    after: now.zip(now_seq),
+                    seqs: seq_before..seq_after,
+                };
+                self.exits.extend(exits(&table, change));
             }
             Pre::Delete { table, before } => {
-                if let Some(before) = before {
-                    self.exits.push(PendingExit {
-                        table,
-                        resource_id: before.resource_id,
-                        seq: seq_after - 1,
-                        old: before.scope,
-                        new: None,
-                        journal: true,
-                    });
-                }
+                let change = RowChange::Deleted {
+                    before,
+                    seqs: seq_before..seq_after,
+                };
+                self.exits.extend(exits(&table, change));
             }
             Pre::Truncate(all) => {
                 // Each truncated table takes one seq, in order (`apply_truncate`); unfollowed
                 // tables in the same message take theirs too, so the marker seq is read back.
                 for (table, rows) in all {
-                    let seq = truncate_seq(conn, &table)?.unwrap_or(seq_after - 1);
-                    self.touch(table.clone(), seq);
-                    for before in rows {
-                        self.exits.push(PendingExit {
-                            table: table.clone(),
-                            resource_id: before.resource_id,
-                            seq,
-                            old: before.scope,
-                            new: None,
-                            journal: false,
-                        });
-                    }
+                    let marker = truncate_seq(conn, &table)?.unwrap_or(seq_after - 1);
+                    self.touch(table.clone(), marker);
+                    self.exits
+                        .extend(exits(&table, RowChange::Truncated { rows, marker }));
                 }
             }
         }
@@ -359,7 +338,7 @@ impl Capture {
     }
 
     /// Inside the transaction, just before its COMMIT: stamps the commit time on the rows it
-    /// wrote, journals its exits, and returns its feed entries.
+    /// wrote, journals its exits, and returns its feed entries ([`commit_entries`]).
     pub fn commit(
         &mut self,
         conn: &Connection,
@@ -381,46 +360,36 @@ impl Capture {
             while let Some(r) = result.next()? {
                 let data = row_data(table, r)?;
                 let seq: i64 = r.get(table.columns.len())?;
-                rows.push(FeedRow {
+                rows.push(FeedEntry {
                     table: table.name.clone(),
                     resource_id: resource_id(table, &data),
                     seq,
                     updated_at: updated_at.to_owned(),
-                    kind: FeedKind::Upsert { data },
+                    change: FeedChange::Upsert { data },
                 });
             }
         }
+        let exits = std::mem::take(&mut self.exits);
         let mut journal = conn.prepare_cached(
             r#"INSERT INTO "_hw_exits"
                  ("table_name","resource_id","seq","old_values","new_values","updated_at")
                VALUES (?1, ?2, ?3, ?4, ?5, ?6)"#,
         )?;
-        for exit in std::mem::take(&mut self.exits) {
-            if exit.journal {
-                journal.execute(params![
-                    exit.table,
-                    exit.resource_id,
-                    exit.seq,
-                    Value::Object(exit.old.clone()).to_string(),
-                    exit.new.clone().map(|n| Value::Object(n).to_string()),
-                    updated_at,
-                ])?;
-            }
-            rows.push(FeedRow {
-                table: exit.table,
-                resource_id: exit.resource_id,
-                seq: exit.seq,
-                updated_at: updated_at.to_owned(),
-                kind: FeedKind::Exit {
-                    old: exit.old,
-                    new: exit.new,
-                },
-            });
+        for exit in exits.iter().filter(|exit| exit.journal) {
+            journal.execute(params![
+                exit.table,
+                exit.resource_id,
+                exit.seq,
+                serde_json::to_string(&exit.old)?,
+                exit.new.as_ref().map(serde_json::to_string).transpose()?,
+                updated_at,
+            ])?;
         }
-        // Stable: an exit sorts after the row write of the same seq.
-        rows.sort_by_key(|row| row.seq);
         Ok(CommittedChanges {
-            rows,
+            rows: commit_entries(rows, exits, updated_at)
+                .into_iter()
+                .map(FeedRow::from)
+                .collect(),
             commit_ms: None,
             confirms: Vec::new(),
         })
@@ -672,7 +641,7 @@ fn read_before(
     table: &ReplicaTable,
     scope: &[String],
     key: &[(String, SqlValue)],
-) -> Result<Option<Before>, ReplicaError> {
+) -> Result<Option<ScopedRow>, ReplicaError> {
     let cols = feed_columns(table, scope);
     let sql = format!(
         "SELECT {} FROM {} WHERE {} LIMIT 1",
@@ -708,7 +677,7 @@ fn read_all(
     conn: &Connection,
     table: &ReplicaTable,
     scope: &[String],
-) -> Result<Vec<Before>, ReplicaError> {
+) -> Result<Vec<ScopedRow>, ReplicaError> {
     let cols = feed_columns(table, scope);
     let sql = format!(
         "SELECT {} FROM {}",
@@ -750,7 +719,7 @@ fn before_of(
     scope: &[String],
     cols: &[&ReplicaColumn],
     r: &rusqlite::Row<'_>,
-) -> Result<Before, ReplicaError> {
+) -> Result<ScopedRow, ReplicaError> {
     let mut values = Map::new();
     for (i, col) in cols.iter().enumerate() {
         values.insert(
@@ -760,9 +729,9 @@ fn before_of(
     }
     let resource_id = resource_id(table, &values);
     values.retain(|name, _| scope.contains(name));
-    Ok(Before {
+    Ok(ScopedRow {
         resource_id,
-        scope: values,
+        values,
     })
 }
 
@@ -888,26 +857,30 @@ fn read_in_transaction(
         let n = table.columns.len();
         while let Some(r) = result.next()? {
             let data = row_data(table, r)?;
-            rows.push(FeedRow {
+            rows.push(FeedEntry {
                 table: table.name.clone(),
                 resource_id: resource_id(table, &data),
                 seq: r.get(n)?,
                 updated_at: r
                     .get::<_, Option<String>>(n + 1)?
                     .unwrap_or_else(|| UNKNOWN_COMMIT_TIME.to_owned()),
-                kind: FeedKind::Upsert { data },
+                change: FeedChange::Upsert { data },
             });
         }
     }
+    let mut exits = Vec::new();
     if query.after.is_some() {
+        // The exits that left the scope ([`exit_leaves`]), selected by the rule rendered in
+        // SQL: old values that pass the scope (through the exits' expression indexes) and new
+        // values, if any, that do not. A test on a NULL new value is unknown, not false: the
+        // row did not stay in, and the exit is the scope's (coalesce, or NOT would leave the
+        // unknown unknown). Selected here, its LIMIT counts only exits the page carries.
         let old = bound.render(|col| json_path_expr("old_values", &col.name));
         let new = bound.render(|col| json_path_expr("new_values", &col.name));
         let (old, still_in) = if old.is_empty() {
             // A scope of the whole table: only rows gone under their key left it.
             (String::new(), r#" AND "new_values" IS NULL"#.to_owned())
         } else {
-            // A test on a NULL new value is unknown, not false: the row did not stay in, and
-            // the exit is the scope's (coalesce, or NOT would leave the unknown unknown).
             (
                 format!(" AND {}", old.join(" AND ")),
                 format!(
@@ -926,25 +899,25 @@ fn read_in_transaction(
         params.push(SqlValue::Text(table.name.clone()));
         let mut stmt = conn.prepare_cached(&sql)?;
         let mut result = stmt.query(params_from_iter(params))?;
-        let mut exits = Vec::new();
         while let Some(r) = result.next()? {
             let old: String = r.get(2)?;
             let new: Option<String> = r.get(3)?;
-            exits.push(FeedRow {
+            exits.push(FeedEntry {
                 table: table.name.clone(),
                 resource_id: r.get(0)?,
                 seq: r.get(1)?,
                 updated_at: r.get(4)?,
-                kind: FeedKind::Exit {
+                change: FeedChange::Exit {
                     old: object(&old)?,
                     new: new.as_deref().map(object).transpose()?,
                 },
             });
         }
-        rows.extend(exits);
-        rows.sort_by_key(|row| row.seq);
-        rows.truncate(query.limit as usize);
     }
+    let rows: Vec<FeedRow> = page_entries(rows, exits, query.limit)
+        .into_iter()
+        .map(FeedRow::from)
+        .collect();
     let total = if query.count_total {
         let sql = format!(
             r#"SELECT count(*) FROM {} WHERE "_hw_seq" > ?1 AND "_hw_seq" <= ?2 AND ?3 >= 0{where_conds}"#,
@@ -1441,9 +1414,12 @@ pub fn iso_from_ms(ms: i64) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::schema::INTERNAL_TABLES_SQL;
     use super::*;
     use highwater_engine::change_stream::ColumnSpec;
-    use highwater_engine::scope_sync::rules::row_filter::RuleFilter;
+    use highwater_engine::scope_sync::feed::exit_leaves;
+    use highwater_engine::scope_sync::rules::row_filter::{RuleFilter, Sets};
+    use highwater_engine::scope_sync::server::routing_form;
     use serde_json::{json, Number};
 
     fn replica_table(name: &str, columns: &[(&str, &str)]) -> ReplicaTable {
@@ -1625,6 +1601,153 @@ mod tests {
             .unwrap_err()
             .to_string();
             assert!(error.contains(reason), "{text}: {error}");
+        }
+    }
+
+    /// A subquery's set as the replica's rows hold it now, matched in memory.
+    struct ReplicaSets<'a> {
+        conn: &'a Connection,
+        tables: &'a HashMap<String, ReplicaTable>,
+    }
+
+    impl Sets for ReplicaSets<'_> {
+        fn contains(&self, set: &SetQuery, value: &Value) -> Option<bool> {
+            let table = self.tables.get(&set.table)?;
+            let sql = format!(
+                "SELECT {} FROM {}",
+                select_list(table),
+                quote_ident(&table.name)
+            );
+            let mut stmt = self.conn.prepare(&sql).ok()?;
+            let mut rows = stmt.query([]).ok()?;
+            let mut found = false;
+            while let Some(r) = rows.next().ok()? {
+                let data = row_data(table, r).ok()?;
+                if set.filter.eval_with(&data, self) == Some(true) {
+                    found |= data
+                        .get(&set.column)
+                        .is_some_and(|v| !v.is_null() && routing_form(v) == routing_form(value));
+                }
+            }
+            Some(found)
+        }
+    }
+
+    #[test]
+    fn a_pages_exits_are_those_the_engines_rule_says_left_the_scope() {
+        let (conn, tables) = membership_replica();
+        conn.execute_batch(INTERNAL_TABLES_SQL).unwrap();
+        let feed: FeedTables = [(
+            "todos".to_owned(),
+            vec![
+                "project_id".to_owned(),
+                "owner".to_owned(),
+                "done".to_owned(),
+            ],
+        )]
+        .into_iter()
+        .collect();
+        prepare(&conn, &tables, &feed).unwrap();
+        // Exits at seqs 1..=400, their old and new values from a few each (a missing column
+        // and null among them), a quarter of them gone under their key.
+        fn values(pick: &mut dyn FnMut(usize) -> usize) -> Map<String, Value> {
+            let projects = [json!(1), json!(2), json!(3), Value::Null];
+            let owners = [json!("ada"), json!("bob"), Value::Null];
+            let dones = [json!(false), json!(true), Value::Null];
+            let mut values = Map::new();
+            values.insert("project_id".into(), projects[pick(4)].clone());
+            values.insert("owner".into(), owners[pick(3)].clone());
+            if pick(5) > 0 {
+                values.insert("done".into(), dones[pick(3)].clone());
+            }
+            values
+        }
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut pick = move |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            usize::try_from(state % n as u64).unwrap()
+        };
+        let mut journalled = Vec::new();
+        for seq in 1..=400_i64 {
+            let old = values(&mut pick);
+            let new = (pick(4) > 0).then(|| values(&mut pick));
+            conn.execute(
+                r#"INSERT INTO "_hw_exits" VALUES ('todos', ?1, ?2, ?3, ?4, 'x')"#,
+                params![
+                    seq.to_string(),
+                    seq,
+                    Value::Object(old.clone()).to_string(),
+                    new.clone().map(|n| Value::Object(n).to_string()),
+                ],
+            )
+            .unwrap();
+            journalled.push((seq, old, new));
+        }
+        let sets = ReplicaSets {
+            conn: &conn,
+            tables: &tables,
+        };
+        let scopes = [
+            (json!({}), None),
+            (json!({"owner": "ada"}), None),
+            (json!({"project_id": [1, 2], "done": false}), None),
+            (json!({"done": {"isNull": true}}), None),
+            (json!({}), Some("done = false OR owner = 'bob'")),
+            (json!({}), Some("NOT (project_id = 2)")),
+            (
+                json!({"done": false}),
+                Some("project_id IN (SELECT project_id FROM members WHERE user_id = auth.sub)"),
+            ),
+        ];
+        for (conditions, filter) in scopes {
+            let conditions = Conditions::parse(&row(conditions)).unwrap();
+            let filter = filter.map(|text| bound(text, json!({"sub": "ada"})));
+            let scope = |values: &Map<String, Value>| {
+                if !conditions.matches(values) {
+                    return Some(false);
+                }
+                filter
+                    .as_ref()
+                    .map_or(Some(true), |f| f.eval_with(values, &sets))
+            };
+            let (mut stayed, mut never) = (0, 0);
+            let mut left = Vec::new();
+            for (seq, old, new) in &journalled {
+                if exit_leaves(old, new.as_ref(), scope) {
+                    left.push(*seq);
+                } else if scope(old) == Some(true) {
+                    stayed += 1;
+                } else {
+                    never += 1;
+                }
+            }
+            let page = read_scope_page(
+                &conn,
+                &tables,
+                &ScopeQuery {
+                    table: "todos",
+                    conditions: &conditions,
+                    row_filter: filter.as_ref(),
+                    after: Some(0),
+                    up_to: Some(400),
+                    limit: 1000,
+                    count_total: false,
+                    access: &[],
+                },
+            )
+            .unwrap();
+            let ScopePage::Rows { rows, .. } = page else {
+                panic!("rows expected, got {page:?}");
+            };
+            let read: Vec<i64> = rows.iter().map(|row| row.seq).collect();
+            assert_eq!(read, left, "{conditions:?} {filter:?}");
+            assert!(
+                !left.is_empty() && stayed + never > 0,
+                "{conditions:?} {filter:?}: {} left, {stayed} stayed in, {never} never in",
+                left.len()
+            );
         }
     }
 
