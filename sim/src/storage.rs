@@ -3,12 +3,15 @@
 //! applied to the replica and appended to the log in ONE store transaction that commits
 //! atomically. A crash drops the open store transaction; what committed survives.
 //!
-//! The replica follows the scope feed's rules (the host's `replica/feed.rs`): every row write
-//! takes the next seq; a delete takes one for its tombstone; a row that leaves a scope (deleted,
-//! or its scope column changed) gets an exit at the seq of the write that moved it; a commit's
-//! feed entries are the rows its touched tables now hold at or above the first seq it took,
-//! plus its exits, ascending by seq. A replay page is the rows (and, after a cursor, the exits)
-//! of a scope in `(after, up_to]`, by seq.
+//! The replica keeps the scope feed by the engine's rules (`scope_sync::feed`), which the host's
+//! `replica/feed.rs` calls too: every row write takes the next seq, and a delete one for its
+//! tombstone; what a change did to a followed table's rows, as read before and after it, goes
+//! to `feed::exits`, which says which exits it records (at the seq of the write that caused
+//! them, journalled or, for a truncate, only routed live); a commit's feed entries are the rows
+//! its touched tables now hold at or above the first seq it took, and its exits, in the order
+//! `feed::commit_entries` puts them. A replay page is the scope's rows in `(after, up_to]` and,
+//! after a cursor, the journalled exits there that `feed::exit_leaves` says left the scope,
+//! merged by `feed::page_entries`.
 //!
 //! Row filters are evaluated in memory over the durable replica ([`TableSets`]): a page's rows
 //! and exits pass the subscriber's filter as the replica holds its subqueries' tables when the
@@ -19,6 +22,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use highwater_engine::backfill::{BackfillMerge, BackfilledValue, RowMerge};
 use highwater_engine::change_stream::{Change, DownstreamMessage, Row};
+use highwater_engine::scope_sync::feed::{self, RowChange, ScopedRow};
 use highwater_engine::scope_sync::rules::row_filter::{RowFilter, SetQuery};
 use highwater_engine::scope_sync::server::{FeedChange, FeedEntry, PageResult};
 use highwater_engine::scope_sync::{js_string_form, Conditions};
@@ -46,6 +50,7 @@ pub struct ReplicaRow {
     pub updated_at: String,
 }
 
+/// A journalled exit.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Exit {
     pub resource_id: String,
@@ -94,9 +99,8 @@ struct Open {
     next_seq: i64,
     /// Per touched table: the first seq the transaction took in it.
     touched: BTreeMap<String, i64>,
-    exits: Vec<(String, Exit)>,
-    /// Exits routed live but not journalled (a truncate's).
-    live_exits: Vec<(String, Exit)>,
+    /// The exits its changes recorded ([`feed::exits`]).
+    exits: Vec<feed::Exit>,
     updated_at: String,
     confirms: Vec<(String, u64)>,
 }
@@ -214,7 +218,6 @@ impl Storage {
                     next_seq: self.durable.next_seq,
                     touched: BTreeMap::new(),
                     exits: Vec::new(),
-                    live_exits: Vec::new(),
                     updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
                     confirms: Vec::new(),
                 });
@@ -350,40 +353,37 @@ impl Storage {
         };
         let lo = read.after.unwrap_or(0);
         let in_range = |seq: i64| seq > lo && seq <= up_to;
-        let mut rows: Vec<FeedEntry> = t
+        let rows: Vec<FeedEntry> = t
             .rows
             .iter()
             .filter(|(_, r)| in_range(r.seq) && passes(&r.data))
             .map(|(id, r)| upsert(table, id, r))
             .collect();
-        rows.sort_by_key(|r| r.seq);
         let total = read.count_total.then_some(rows.len() as u64);
-        rows.truncate(read.limit as usize);
-        if read.after.is_some() {
-            let whole = read.conditions.is_empty() && read.row_filter.is_none();
-            for exit in &t.exits {
-                let still_in = exit.new.as_ref().is_some_and(passes);
-                let left = if whole {
-                    exit.new.is_none()
-                } else {
-                    passes(&exit.old) && !still_in
-                };
-                if in_range(exit.seq) && left {
-                    rows.push(FeedEntry {
-                        table: table.to_owned(),
-                        resource_id: exit.resource_id.clone(),
-                        seq: exit.seq,
-                        updated_at: exit.updated_at.clone(),
-                        change: FeedChange::Exit {
-                            old: exit.old.clone(),
-                            new: exit.new.clone(),
-                        },
-                    });
-                }
-            }
-            rows.sort_by_key(|r| r.seq);
-            rows.truncate(read.limit as usize);
-        }
+        let exits: Vec<FeedEntry> = match read.after {
+            Some(_) => t
+                .exits
+                .iter()
+                .filter(|exit| {
+                    in_range(exit.seq)
+                        && feed::exit_leaves(&exit.old, exit.new.as_ref(), |values| {
+                            Some(passes(values))
+                        })
+                })
+                .map(|exit| FeedEntry {
+                    table: table.to_owned(),
+                    resource_id: exit.resource_id.clone(),
+                    seq: exit.seq,
+                    updated_at: exit.updated_at.clone(),
+                    change: FeedChange::Exit {
+                        old: exit.old.clone(),
+                        new: exit.new.clone(),
+                    },
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        let rows = feed::page_entries(rows, exits, read.limit);
         let access_changed = match read.after {
             Some(after) => self.access_changed(read.access, after, up_to),
             None => false,
@@ -512,12 +512,15 @@ fn id_text(value: Option<&Value>) -> Option<String> {
     }
 }
 
-/// A row's values in the feed's columns: what its exits keep.
-fn scope_of(data: &Map<String, Value>, columns: &[String]) -> Map<String, Value> {
-    columns
-        .iter()
-        .map(|c| (c.clone(), data.get(c).cloned().unwrap_or(Value::Null)))
-        .collect()
+/// A row's key and values in the feed's columns: what its exits keep.
+fn scoped(id: &str, data: &Map<String, Value>, columns: &[String]) -> ScopedRow {
+    ScopedRow {
+        resource_id: id.to_owned(),
+        values: columns
+            .iter()
+            .map(|c| (c.clone(), data.get(c).cloned().unwrap_or(Value::Null)))
+            .collect(),
+    }
 }
 
 impl Open {
@@ -599,6 +602,7 @@ impl Open {
             }
             Change::Update(update) => {
                 let name = update.relation.name.clone();
+                let first = self.next_seq;
                 let seq = self.take_seq(&name);
                 let t = self.table(&name)?;
                 Self::checked(t, &name, &update.new)?;
@@ -609,52 +613,40 @@ impl Open {
                     .as_ref()
                     .and_then(|k| id_text(k.get(&t.key)))
                     .filter(|old| *old != id);
-                let feed = t.feed.clone();
-                let scoped = !feed.is_empty();
-                // A key change: the row moves to its new key; the old key's tombstone takes
-                // the next seq, and the old key leaves every scope it was in.
+                let columns = t.feed.clone();
+                // A key change: the row moves to its new key, and the old key's tombstone takes
+                // the next seq.
                 let moved = old_id.as_ref().and_then(|old| t.rows.remove(old));
+                // What the update named, as the host reads it: the row at its old key when it
+                // carries one.
+                let before = match &old_id {
+                    Some(old) => moved.as_ref().map(|r| scoped(old, &r.data, &columns)),
+                    None => t.rows.get(&id).map(|r| scoped(&id, &r.data, &columns)),
+                };
                 let source = moved.as_ref().or_else(|| t.rows.get(&id));
-                let before = source.map(|r| scope_of(&r.data, &feed));
                 let mut data = source.map(|r| r.data.clone()).unwrap_or_default();
                 for (k, v) in &update.new {
                     data.insert(k.clone(), v.clone());
                 }
-                let now = scope_of(&data, &feed);
+                let now = scoped(&id, &data, &columns);
                 t.rows.insert(
-                    id.clone(),
+                    id,
                     ReplicaRow {
                         data,
                         seq,
                         updated_at: UNKNOWN_COMMIT_TIME.to_owned(),
                     },
                 );
-                if let (Some(old), Some(before)) = (old_id, moved.map(|r| scope_of(&r.data, &feed)))
-                {
-                    let tombstone = self.take_seq(&name);
-                    if scoped {
-                        self.exits.push((
-                            name,
-                            Exit {
-                                resource_id: old,
-                                seq: tombstone,
-                                old: before,
-                                new: None,
-                                updated_at: String::new(),
-                            },
-                        ));
-                    }
-                } else if let Some(before) = before.filter(|b| scoped && *b != now) {
-                    self.exits.push((
-                        name,
-                        Exit {
-                            resource_id: id,
-                            seq,
-                            old: before,
-                            new: Some(now),
-                            updated_at: String::new(),
-                        },
-                    ));
+                if moved.is_some() {
+                    self.take_seq(&name);
+                }
+                if !columns.is_empty() {
+                    let change = RowChange::Updated {
+                        before,
+                        after: Some((now, seq)),
+                        seqs: first..self.next_seq,
+                    };
+                    self.exits.extend(feed::exits(&name, change));
                 }
             }
             Change::Delete(delete) => {
@@ -665,45 +657,33 @@ impl Open {
                 let Some(gone) = t.rows.remove(&id) else {
                     return Ok(());
                 };
-                let feed = t.feed.clone();
+                let columns = t.feed.clone();
                 let seq = self.take_seq(&name);
-                if !feed.is_empty() {
-                    self.exits.push((
-                        name,
-                        Exit {
-                            resource_id: id,
-                            seq,
-                            old: scope_of(&gone.data, &feed),
-                            new: None,
-                            updated_at: String::new(),
-                        },
-                    ));
+                if !columns.is_empty() {
+                    let change = RowChange::Deleted {
+                        before: Some(scoped(&id, &gone.data, &columns)),
+                        seqs: seq..seq + 1,
+                    };
+                    self.exits.extend(feed::exits(&name, change));
                 }
             }
             Change::Truncate(truncate) => {
                 for relation in &truncate.relations {
                     let name = relation.name.clone();
-                    let seq = self.take_seq(&name);
+                    let marker = self.take_seq(&name);
                     let t = self.table(&name)?;
                     let gone = std::mem::take(&mut t.rows);
-                    t.truncated = Some(seq);
-                    let feed = t.feed.clone();
-                    if feed.is_empty() {
+                    t.truncated = Some(marker);
+                    let columns = t.feed.clone();
+                    if columns.is_empty() {
                         continue;
                     }
-                    // Routed live; not journalled (the marker resets older cursors).
-                    for (id, row) in gone {
-                        self.live_exits.push((
-                            name.clone(),
-                            Exit {
-                                resource_id: id,
-                                seq,
-                                old: scope_of(&row.data, &feed),
-                                new: None,
-                                updated_at: String::new(),
-                            },
-                        ));
-                    }
+                    let rows = gone
+                        .iter()
+                        .map(|(id, row)| scoped(id, &row.data, &columns))
+                        .collect();
+                    self.exits
+                        .extend(feed::exits(&name, RowChange::Truncated { rows, marker }));
                 }
             }
             Change::Backfill(backfill) => {
@@ -796,63 +776,34 @@ impl Open {
     }
 
     /// Stamps the commit time on the rows written, journals the exits, and returns the feed
-    /// entries of the transaction.
+    /// entries of the transaction ([`feed::commit_entries`]).
     fn finish(&mut self) -> Vec<FeedEntry> {
-        let mut out = Vec::new();
+        let mut rows = Vec::new();
         for (name, first) in &self.touched {
             let Some(t) = self.tables.get_mut(name) else {
                 continue;
             };
-            let scoped = !t.feed.is_empty();
+            let followed = !t.feed.is_empty();
             for (id, row) in t.rows.iter_mut().filter(|(_, r)| r.seq >= *first) {
                 row.updated_at = self.updated_at.clone();
-                if scoped {
-                    out.push(FeedEntry {
-                        table: name.clone(),
-                        resource_id: id.clone(),
-                        seq: row.seq,
-                        updated_at: self.updated_at.clone(),
-                        change: FeedChange::Upsert {
-                            data: row.data.clone(),
-                        },
-                    });
+                if followed {
+                    rows.push(upsert(name, id, row));
                 }
             }
         }
-        // Stable: an exit sorts after the row write of the same seq.
-        out.sort_by_key(|e| e.seq);
-        let mut exits = Vec::new();
-        for (name, mut exit) in std::mem::take(&mut self.exits) {
-            exit.updated_at = self.updated_at.clone();
-            exits.push(FeedEntry {
-                table: name.clone(),
-                resource_id: exit.resource_id.clone(),
-                seq: exit.seq,
-                updated_at: self.updated_at.clone(),
-                change: FeedChange::Exit {
+        let exits = std::mem::take(&mut self.exits);
+        for exit in exits.iter().filter(|exit| exit.journal) {
+            if let Some(t) = self.tables.get_mut(&exit.table) {
+                t.exits.push(Exit {
+                    resource_id: exit.resource_id.clone(),
+                    seq: exit.seq,
                     old: exit.old.clone(),
                     new: exit.new.clone(),
-                },
-            });
-            if let Some(t) = self.tables.get_mut(&name) {
-                t.exits.push(exit);
+                    updated_at: self.updated_at.clone(),
+                });
             }
         }
-        for (name, exit) in std::mem::take(&mut self.live_exits) {
-            exits.push(FeedEntry {
-                table: name,
-                resource_id: exit.resource_id,
-                seq: exit.seq,
-                updated_at: self.updated_at.clone(),
-                change: FeedChange::Exit {
-                    old: exit.old,
-                    new: exit.new,
-                },
-            });
-        }
-        out.extend(exits);
-        out.sort_by_key(|e| e.seq);
-        out
+        feed::commit_entries(rows, exits, &self.updated_at)
     }
 }
 
