@@ -48,4 +48,3 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     })?;
     Ok(())
 }
-
