@@ -46,7 +46,7 @@ use super::common::{
 use super::recvlogical::{self, last_commit, summarize, OutputSummary, RecvLogical};
 use super::workload::{self, PhaseCommit, PUBLICATION};
 use highwater_host::private_pg::{newest_bin_dir, PgOptions, PrivatePg};
-use highwater_host::replicate::{replicate, ReplicateArgs};
+use highwater_host::replicate::{replicate, ReplicateArgs, ReplicateError};
 use highwater_host::replication::setup::ReplicationNames;
 use highwater_host::replication::ConnectParams;
 
@@ -694,7 +694,7 @@ async fn check_consumers(
 /// Highwater's replicator running in this process on a blocking thread.
 struct Replicator {
     stop: watch::Sender<bool>,
-    task: JoinHandle<anyhow::Result<()>>,
+    task: JoinHandle<Result<(), ReplicateError>>,
     db_path: PathBuf,
     db: Option<rusqlite::Connection>,
 }
@@ -749,7 +749,7 @@ impl Replicator {
         }
         match (&mut self.task).await {
             Ok(Ok(())) => Err(anyhow!("the replicator stopped unexpectedly")),
-            Ok(Err(error)) => Err(error.context("the replicator failed")),
+            Ok(Err(error)) => Err(anyhow::Error::new(error).context("the replicator failed")),
             Err(error) => Err(anyhow!("the replicator thread panicked: {error}")),
         }
     }
@@ -775,7 +775,10 @@ impl Replicator {
     async fn stop(self) -> anyhow::Result<()> {
         let _ = self.stop.send(true);
         drop(self.db);
-        self.task.await.context("the replicator thread panicked")?
+        Ok(self
+            .task
+            .await
+            .context("the replicator thread panicked")??)
     }
 }
 

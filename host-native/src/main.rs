@@ -75,7 +75,7 @@ fn main() -> std::process::ExitCode {
     }
     let result = match cli.command {
         Command::CheckStream(args) => highwater_host::commands::check_stream::run(args),
-        Command::Replicate(args) => highwater_host::replicate::run(args),
+        Command::Replicate(args) => highwater_host::commands::replicate::run(args),
         Command::Serve(args) => highwater_host::commands::serve::run(*args),
         Command::Demo(args) => highwater_host::commands::demo::run(args),
         Command::Doctor(args) => highwater_host::commands::doctor::run(args),

@@ -1,4 +1,4 @@
-//! `highwater replicate`: keeps `<data>/replica.db` equal to the upstream publications.
+//! The replicator behind `highwater replicate` (`crate::commands::replicate`): keeps `<data>/replica.db` equal to the upstream publications.
 //!
 //! An empty (or never completed) replica is synced from a fresh slot's exported snapshot; a
 //! synced one resumes from its stored position. From there the ingest loop (`crate::ingest`)
@@ -16,24 +16,23 @@ use std::convert::Infallible;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
 use highwater_engine::change_stream::DownstreamMessage;
 use highwater_engine::pgoutput::TextRowChange;
-use highwater_engine::upstream::{DurableGroup, GroupLimits};
+use highwater_engine::upstream::{DurableGroup, GroupLimits, SessionError};
 use highwater_engine::watermark::{Lsn, Watermark};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
-use crate::data_lock::DataDirLock;
+use crate::data_lock::{DataDirLock, DataLockError};
 use crate::ingest::{
     GroupStore, Ingest, Invariant, Setup, Source, StoreWake, Storing, UpstreamEvent,
 };
-use crate::replica::{Applied, Replica, ReplicaWriter, TxnItem};
+use crate::replica::{Applied, Replica, ReplicaError, ReplicaWriter, TxnItem};
 use crate::replication::bootstrap::{BootstrapError, Upstream};
 use crate::replication::initial_sync::{SyncError, SyncOptions, DEFAULT_SYNC_WORKERS};
 use crate::replication::setup::DEFAULT_APP_ID;
 use crate::replication::{ReplicationError, WalEvent, WalStream};
-use crate::upstream::{Backfills, Catalog};
+use crate::upstream::{Backfills, Catalog, EffectError};
 
 /// Command-line arguments of `highwater replicate`.
 #[derive(Debug, Clone, clap::Args)]
@@ -62,25 +61,39 @@ pub struct ReplicateArgs {
     pub sync_workers: usize,
 }
 
-/// Runs the command until Ctrl-C or SIGTERM.
-pub fn run(args: ReplicateArgs) -> anyhow::Result<()> {
-    crate::runtime::init_tracing("info");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let (stop_tx, stop) = watch::channel(false);
-    runtime.spawn(async move {
-        crate::runtime::wait_for_signal().await;
-        tracing::info!("stopping: finishing the current message");
-        let _ = stop_tx.send(true);
-    });
-    let handle = runtime.handle().clone();
-    runtime.block_on(async move {
-        tokio::task::spawn_blocking(move || replicate(&handle, &args, stop))
-            .await
-            .context("the replicator thread panicked")?
-    })
+/// Why `replicate` stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicateError {
+    #[error(transparent)]
+    DataLock(#[from] DataLockError),
+    #[error(transparent)]
+    Bootstrap(Box<BootstrapError>),
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
+    #[error("the replication stream failed: {0}")]
+    Replication(#[from] ReplicationError),
+    #[error("the replication stream ended")]
+    StreamEnded,
+    #[error("the change source cannot continue: {0}")]
+    Session(#[from] SessionError),
+    #[error(transparent)]
+    Effect(#[from] EffectError),
+    #[error("the replica has no replication state after its initial sync")]
+    NoState,
+    #[error("expected {expected}, found {found}")]
+    Invariant { expected: String, found: String },
+}
+
+impl From<BootstrapError> for ReplicateError {
+    fn from(error: BootstrapError) -> Self {
+        ReplicateError::Bootstrap(Box::new(error))
+    }
+}
+
+impl From<Invariant> for ReplicateError {
+    fn from(Invariant { expected, found }: Invariant) -> Self {
+        ReplicateError::Invariant { expected, found }
+    }
 }
 
 /// Replicates until `stop` turns true. Blocking: run it on a blocking thread of `handle`'s
@@ -89,7 +102,7 @@ pub fn replicate(
     handle: &Handle,
     args: &ReplicateArgs,
     stop: watch::Receiver<bool>,
-) -> anyhow::Result<()> {
+) -> Result<(), ReplicateError> {
     // Held until this returns: a second process on the same directory is refused at start.
     let _data_lock = DataDirLock::acquire(&args.data)?;
     // Postgres going away half-way through startup (a restart, a cut connection) starts it
@@ -97,14 +110,11 @@ pub fn replicate(
     let started = crate::startup_retry::retrying(
         &stop,
         || start(handle, args, &stop),
-        |error: &anyhow::Error| {
-            let replication = error
-                .downcast_ref::<BootstrapError>()
-                .and_then(crate::startup_retry::bootstrap_replication_error)
-                .or_else(|| error.downcast_ref::<crate::replication::ReplicationError>());
-            crate::startup_retry::connection_lost(error.as_ref(), replication)
+        |error: &BootstrapError| {
+            let replication = crate::startup_retry::bootstrap_replication_error(error);
+            crate::startup_retry::connection_lost(error, replication)
         },
-        |error: &anyhow::Error| crate::startup_retry::connection_refused(error.as_ref()),
+        |error: &BootstrapError| crate::startup_retry::connection_refused(error),
     )?;
     let Some(Some((upstream, replica))) = started else {
         return Ok(());
@@ -118,7 +128,7 @@ pub fn replicate(
     let state = writer
         .replica()
         .state()
-        .context("the replica has no replication state after its initial sync")?
+        .ok_or(ReplicateError::NoState)?
         .clone();
     let config = upstream.stream_config(&state);
     let publications = upstream.publications.clone();
@@ -165,7 +175,7 @@ fn start(
     handle: &Handle,
     args: &ReplicateArgs,
     stop: &watch::Receiver<bool>,
-) -> anyhow::Result<Option<(Upstream, Replica)>> {
+) -> Result<Option<(Upstream, Replica)>, BootstrapError> {
     let upstream = Upstream::prepare(handle, &args.upstream, &args.app_id, &args.publications)?;
     let mut replica = Replica::open_in_dir(&args.data)?;
     upstream.check_slot(handle, &replica, &args.data, args.auto_reset)?;
@@ -231,7 +241,7 @@ impl GroupStore for ReplicaOnly<'_> {
     type Item = Held;
     /// Nothing is queued: every message is stored as it is handed on.
     type Op = Infallible;
-    type Error = anyhow::Error;
+    type Error = ReplicateError;
 
     /// A transaction is measured in bytes of replication data.
     const SIZE_FROM_SOURCE: bool = true;
@@ -244,7 +254,7 @@ impl GroupStore for ReplicaOnly<'_> {
         &mut self,
         storing: &mut Storing<Self>,
         message: DownstreamMessage,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), ReplicateError> {
         match message {
             begin @ DownstreamMessage::Begin(_) => {
                 storing.begin(self, Held::Message(Box::new(begin)), 0)
@@ -261,7 +271,7 @@ impl GroupStore for ReplicaOnly<'_> {
         &mut self,
         storing: &mut Storing<Self>,
         change: TextRowChange,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), ReplicateError> {
         storing.item(self, Held::Text(change), 0)
     }
 
@@ -269,7 +279,11 @@ impl GroupStore for ReplicaOnly<'_> {
         None
     }
 
-    fn execute(&mut self, _storing: &mut Storing<Self>, op: Infallible) -> anyhow::Result<()> {
+    fn execute(
+        &mut self,
+        _storing: &mut Storing<Self>,
+        op: Infallible,
+    ) -> Result<(), ReplicateError> {
         match op {}
     }
 
@@ -277,11 +291,11 @@ impl GroupStore for ReplicaOnly<'_> {
         match *op {}
     }
 
-    async fn wait(&mut self, _sync: bool) -> StoreWake<Infallible, anyhow::Error> {
+    async fn wait(&mut self, _sync: bool) -> StoreWake<Infallible, ReplicateError> {
         std::future::pending().await
     }
 
-    fn write(&mut self, item: Held) -> anyhow::Result<()> {
+    fn write(&mut self, item: Held) -> Result<(), ReplicateError> {
         match item {
             Held::Message(message) => self.writer.apply(&message)?,
             Held::Text(change) => self.writer.apply_text(&change)?,
@@ -289,11 +303,11 @@ impl GroupStore for ReplicaOnly<'_> {
         Ok(())
     }
 
-    fn write_whole(&mut self, items: Vec<Held>) -> anyhow::Result<Watermark> {
+    fn write_whole(&mut self, items: Vec<Held>) -> Result<Watermark, ReplicateError> {
         Ok(grouped(self.writer.apply_whole(&items)?)?)
     }
 
-    fn write_commit(&mut self, commit: Held) -> anyhow::Result<Watermark> {
+    fn write_commit(&mut self, commit: Held) -> Result<Watermark, ReplicateError> {
         let applied = match commit {
             Held::Message(message) => self.writer.apply(&message)?,
             Held::Text(change) => self.writer.apply_text(&change)?,
@@ -301,7 +315,7 @@ impl GroupStore for ReplicaOnly<'_> {
         Ok(grouped(applied)?)
     }
 
-    fn roll_back(&mut self) -> anyhow::Result<()> {
+    fn roll_back(&mut self) -> Result<(), ReplicateError> {
         self.writer
             .apply(&DownstreamMessage::Rollback(Default::default()))?;
         Ok(())
@@ -311,7 +325,11 @@ impl GroupStore for ReplicaOnly<'_> {
         self.writer.in_transaction()
     }
 
-    fn commit_group(&mut self, _last: &Watermark, _transactions: usize) -> anyhow::Result<()> {
+    fn commit_group(
+        &mut self,
+        _last: &Watermark,
+        _transactions: usize,
+    ) -> Result<(), ReplicateError> {
         self.writer.commit_group()?;
         Ok(())
     }
@@ -330,15 +348,15 @@ impl GroupStore for ReplicaOnly<'_> {
         false
     }
 
-    fn poll_sync(&mut self) -> Option<anyhow::Result<()>> {
+    fn poll_sync(&mut self) -> Option<Result<(), ReplicateError>> {
         None
     }
 
-    async fn sync_done(&mut self) -> anyhow::Result<()> {
+    async fn sync_done(&mut self) -> Result<(), ReplicateError> {
         std::future::pending().await
     }
 
-    fn durable(&mut self, group: &DurableGroup<Watermark>) -> anyhow::Result<()> {
+    fn durable(&mut self, group: &DurableGroup<Watermark>) -> Result<(), ReplicateError> {
         self.committed += u64::try_from(group.transactions).unwrap_or(u64::MAX);
         if self.last_report.elapsed() >= PROGRESS_EVERY {
             tracing::info!(
@@ -357,7 +375,7 @@ struct ReplicationStream<'a>(&'a mut WalStream);
 
 impl Source for ReplicationStream<'_> {
     type Event = Result<WalEvent, ReplicationError>;
-    type Error = anyhow::Error;
+    type Error = ReplicateError;
 
     fn try_take(&mut self, into: &mut Vec<Self::Event>, max: usize) {
         self.0.try_recv_many(into, max);
@@ -367,7 +385,7 @@ impl Source for ReplicationStream<'_> {
         self.0.recv_many(into, max).await
     }
 
-    fn input(&mut self, event: Self::Event) -> anyhow::Result<UpstreamEvent> {
+    fn input(&mut self, event: Self::Event) -> Result<UpstreamEvent, ReplicateError> {
         Ok(match event? {
             WalEvent::Started { start, .. } => {
                 tracing::debug!(%start, "replication session started");
@@ -377,8 +395,8 @@ impl Source for ReplicationStream<'_> {
         })
     }
 
-    fn ended(&self) -> anyhow::Result<()> {
-        bail!("the replication stream ended")
+    fn ended(&self) -> Result<(), ReplicateError> {
+        Err(ReplicateError::StreamEnded)
     }
 
     fn confirm(&mut self, lsn: Lsn) {

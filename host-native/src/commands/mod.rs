@@ -9,14 +9,13 @@
 //! - [`watch`]: `highwater watch`, print a live change stream as JSON lines
 //! - [`zero_replica`]: `highwater zero-replica`, a Zero-format replica file from a snapshot
 //!
+//! - [`replicate`]: `highwater replicate`, the replica alone (the replicator is `crate::replicate`)
 //! - [`serve`]: `highwater serve`, the server (its parts are `crate::serve`)
-//!
-//! `highwater replicate` is `crate::replicate::run`: the replica-only store of the ingest loop
-//! and its command are one module.
 
 pub mod check_stream;
 pub mod demo;
 pub mod doctor;
+pub mod replicate;
 pub mod serve;
 pub mod token;
 pub mod typegen;

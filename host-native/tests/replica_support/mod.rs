@@ -12,7 +12,7 @@ use highwater_engine::change_stream::{JsonFormat, Row};
 use highwater_engine::watermark::Lsn;
 use highwater_host::private_pg::PrivatePg;
 use highwater_host::replica::Replica;
-use highwater_host::replicate::{replicate, ReplicateArgs};
+use highwater_host::replicate::{replicate, ReplicateArgs, ReplicateError};
 use highwater_host::replication::initial_sync::{initial_sync, SyncSource};
 use serde_json::Value;
 use tokio::sync::watch;
@@ -38,7 +38,7 @@ pub fn args(url: &str, data: &Path, publications: &[&str]) -> ReplicateArgs {
 /// The replicator running in this process on a blocking thread.
 pub struct InProcess {
     stop: watch::Sender<bool>,
-    task: JoinHandle<anyhow::Result<()>>,
+    task: JoinHandle<Result<(), ReplicateError>>,
 }
 
 impl InProcess {
@@ -70,7 +70,7 @@ impl InProcess {
     /// Stops it and returns how it ended.
     pub async fn stop(self) -> anyhow::Result<()> {
         let _ = self.stop.send(true);
-        self.task.await.expect("replicator thread")
+        Ok(self.task.await.expect("replicator thread")?)
     }
 
     pub fn is_finished(&self) -> bool {
