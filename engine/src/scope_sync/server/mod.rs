@@ -61,6 +61,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use serde_json::{json, Map, Value};
 
 use crate::scope_sync::cursor::SyncCursor;
+use crate::scope_sync::feed;
 use crate::scope_sync::replay::{
     reset_envelope, FetchedPage, PageRequest, ReplayEffect, ReplayInput, ReplayKind, ReplayPlanner,
     RESET_KEY,
@@ -2048,8 +2049,9 @@ fn entry_for(
             upsert_entry(epoch, sub, entry, data)
         }
         FeedChange::Exit { old, new } => {
-            let still_in = new.as_ref().is_some_and(|new| sub.belongs(new, sets));
-            if !sub.belongs(old, sets) || still_in {
+            let leaves =
+                feed::exit_leaves(old, new.as_ref(), |values| Some(sub.belongs(values, sets)));
+            if !leaves {
                 return None;
             }
             wire_entry(epoch, sub, entry, "delete", Value::Null, old)
