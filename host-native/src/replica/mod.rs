@@ -138,15 +138,20 @@ impl Replica {
     }
 
     /// Removes the replica in `data_dir` (`replica.db` and its WAL and shared-memory files), so
-    /// that a new initial sync starts from nothing. Open it nowhere while this runs.
+    /// that a new initial sync starts from nothing. The database goes first: a WAL left beside
+    /// a new file would be replayed into it. Open it nowhere while this runs.
     pub fn remove_in_dir(data_dir: &Path) -> Result<(), ReplicaError> {
         for name in ["replica.db", "replica.db-wal", "replica.db-shm"] {
             let path = data_dir.join(name);
-            if path.exists() {
-                std::fs::remove_file(&path).map_err(|source| ReplicaError::Remove {
-                    path: path.display().to_string(),
-                    source,
-                })?;
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    return Err(ReplicaError::Remove {
+                        path: path.display().to_string(),
+                        source,
+                    })
+                }
             }
         }
         Ok(())

@@ -194,7 +194,7 @@ pub(super) async fn serve(
         }
         tracing::warn!("the primary rejected the replica: wiping it and restoring a new snapshot");
         let data = args.data.clone();
-        tokio::task::spawn_blocking(move || restore::remove_replica(&data))
+        tokio::task::spawn_blocking(move || Replica::remove_in_dir(&data))
             .await
             .map_err(|e| ServeError::Task(e.to_string()))??;
     }
@@ -295,7 +295,7 @@ fn open(data: &Path) -> Result<Option<(ReplicaWriter, ChangeLogStatus, Vec<Strin
     let _ = std::fs::remove_file(data.join(restore::RESTORE_FILE));
     if !data.join(REPLICA_FILE).exists() {
         // A WAL without its database belongs to no database: it must not meet a new one.
-        restore::remove_replica(data)?;
+        Replica::remove_in_dir(data)?;
         return Ok(None);
     }
     let replica = Replica::open_in_dir(data)?;

@@ -9,7 +9,7 @@
 //! seeded log starts with an empty one, and a fresh relay's first `start-subscription` says
 //! `backfills: []`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use highwater_engine::change_stream::{
@@ -252,31 +252,10 @@ fn seed(
 /// Replaces the replica with the restored copy. The old database goes first, then its WAL (a
 /// WAL left beside the new file would be replayed into it), then the rename. Blocking.
 fn install(data: &Path, restored: &Path) -> Result<(), RelayError> {
-    remove_replica(data)?;
+    Replica::remove_in_dir(data)?;
     std::fs::rename(restored, data.join(REPLICA_FILE))?;
     std::fs::File::open(data)?.sync_all()?;
     Ok(())
-}
-
-/// Removes the replica and what SQLite keeps beside it, the database first.
-pub(super) fn remove_replica(data: &Path) -> Result<(), RelayError> {
-    for name in replica_files() {
-        let path = data.join(name);
-        match std::fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(())
-}
-
-fn replica_files() -> [PathBuf; 3] {
-    [
-        PathBuf::from(REPLICA_FILE),
-        PathBuf::from(format!("{REPLICA_FILE}-wal")),
-        PathBuf::from(format!("{REPLICA_FILE}-shm")),
-    ]
 }
 
 impl From<DownloadError> for RelayError {
