@@ -18,8 +18,8 @@ use gloo_net::websocket::futures::WebSocket;
 use gloo_net::websocket::{Message, State, WebSocketError};
 use gloo_timers::callback::Timeout;
 use highwater_engine::scope_sync::client::{
-    ClientConfig, ClientEffect, ClientInput, SocketId, StoredRow as EngineRow, StoredScope,
-    SyncClient,
+    ChangedRow, ClientConfig, ClientEffect, ClientInput, SocketId, StoredRow as EngineRow,
+    StoredScope, SyncClient,
 };
 use highwater_engine::scope_sync::cursor::SyncCursor as EngineCursor;
 use highwater_engine::scope_sync::SubscribeParams;
@@ -75,42 +75,36 @@ struct PersistWrite {
     cursor: Option<SyncCursor>,
 }
 
-/// A row the client's `changed` event hands over: its `resourceId` and its columns.
-#[derive(Tsify, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-#[allow(dead_code)]
-struct ChangedRowData {
-    id: String,
-    #[tsify(type = "Record<string, JsonValue>")]
-    data: Map<String, Value>,
-}
-
 /// The net change of one applied server transaction, as the core hands it over: each row
 /// crosses into JS once, here; `HighwaterClient` keeps them (so `rows()` and the store writes
-/// take the same objects) and builds its public `change` event from them.
+/// take the same objects) and builds its public `change` event from them. Rows come as arrays
+/// of their columns with their `resourceId`s in a parallel array (one object per row for
+/// `JSON.parse` to build, and `inserted` is the public event's array as it is).
 #[derive(Tsify, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[allow(dead_code)]
 struct CoreRowChange {
-    inserted: Vec<ChangedRowData>,
-    updated: Vec<ChangedRowData>,
+    /// The `resourceId`s of the rows in `inserted`, in the same order.
+    inserted_ids: Vec<String>,
+    #[tsify(type = "Record<string, JsonValue>[]")]
+    inserted: Vec<Map<String, Value>>,
+    /// The `resourceId`s of the rows in `updated`, in the same order.
+    updated_ids: Vec<String>,
+    #[tsify(type = "Record<string, JsonValue>[]")]
+    updated: Vec<Map<String, Value>>,
     /// `resourceId`s of the rows removed.
     removed: Vec<String>,
 }
 
-/// A row of a [`CoreWrite`]: its data is the row the client already holds under `id`, unless
-/// `data` is given (the row is shown with a pending mutation laid over it; the store keeps the
-/// server's).
+/// A row of a [`CoreWrite`] shown with a pending mutation laid over it: the store keeps the
+/// server's row, `data`, not the row the client shows; `at` is its place in `upserts`.
 #[derive(Tsify, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[allow(dead_code)]
-struct CoreUpsert {
-    id: String,
-    #[tsify(type = "number | bigint | null")]
-    server_sequence: Option<i64>,
-    #[tsify(optional, type = "Record<string, JsonValue>")]
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    data: Option<Map<String, Value>>,
+struct CoreShadowedRow {
+    at: u32,
+    #[tsify(type = "Record<string, JsonValue>")]
+    data: Map<String, Value>,
 }
 
 /// A write to a table (`HighwaterClient.mutate`), as the outbox keeps it.
@@ -165,13 +159,19 @@ struct OutboxWrite {
 }
 
 /// A [`PersistWrite`] as the core hands it over: `HighwaterClient` fills each upsert's data
-/// from the rows it holds (changed just before, by the same apply).
+/// from the rows it holds (changed just before, by the same apply), but for the rows in
+/// `shadowed`.
 #[derive(Tsify, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[allow(dead_code)]
 struct CoreWrite {
     forget_cursor: bool,
-    upserts: Vec<CoreUpsert>,
+    /// The `resourceId`s of the rows to store.
+    upserts: Vec<String>,
+    /// Each upsert's `serverSequence`, in the order of `upserts`.
+    #[tsify(type = "(number | bigint | null)[]")]
+    server_sequences: Vec<Option<i64>>,
+    shadowed: Vec<CoreShadowedRow>,
     deletes: Vec<String>,
     #[tsify(type = "SyncCursor | null")]
     cursor: Option<SyncCursor>,
@@ -744,9 +744,11 @@ impl Serialize for Emitted<'_> {
                 event.serialize_field(
                     "change",
                     &ChangeOut {
-                        inserted: &change.inserted,
-                        updated: &change.updated,
-                        removed: change.removed.iter().map(|row| row.id.as_str()).collect(),
+                        inserted_ids: Ids(&change.inserted),
+                        inserted: Datas(&change.inserted),
+                        updated_ids: Ids(&change.updated),
+                        updated: Datas(&change.updated),
+                        removed: Ids(&change.removed),
                     },
                 )?;
                 event.end()
@@ -759,13 +761,16 @@ impl Serialize for Emitted<'_> {
                     "write",
                     &WriteOut {
                         forget_cursor: write.forget_cursor,
-                        upserts: write
+                        upserts: StoredIds(&write.upserts),
+                        server_sequences: Sequences(&write.upserts),
+                        shadowed: write
                             .upserts
                             .iter()
-                            .map(|row| UpsertOut {
-                                id: &row.id,
-                                server_sequence: row.server_sequence,
-                                data: write.shadowed.contains(&row.id).then_some(&row.data),
+                            .enumerate()
+                            .filter(|(_, row)| write.shadowed.contains(&row.id))
+                            .map(|(at, row)| ShadowedOut {
+                                at: at as u32,
+                                data: &row.data,
                             })
                             .collect(),
                         deletes: &write.deletes,
@@ -780,26 +785,64 @@ impl Serialize for Emitted<'_> {
 }
 
 #[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
 struct ChangeOut<'a> {
-    inserted: &'a [highwater_engine::scope_sync::client::ChangedRow],
-    updated: &'a [highwater_engine::scope_sync::client::ChangedRow],
-    removed: Vec<&'a str>,
+    inserted_ids: Ids<'a>,
+    inserted: Datas<'a>,
+    updated_ids: Ids<'a>,
+    updated: Datas<'a>,
+    removed: Ids<'a>,
+}
+
+/// The `resourceId`s of changed rows, as an array.
+struct Ids<'a>(&'a [ChangedRow]);
+
+impl Serialize for Ids<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.0.iter().map(|row| row.id.as_str()))
+    }
+}
+
+/// The columns of changed rows, as an array.
+struct Datas<'a>(&'a [ChangedRow]);
+
+impl Serialize for Datas<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.0.iter().map(|row| &row.data))
+    }
+}
+
+/// The `resourceId`s of rows to store, as an array.
+struct StoredIds<'a>(&'a [EngineRow]);
+
+impl Serialize for StoredIds<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.0.iter().map(|row| row.id.as_str()))
+    }
+}
+
+/// The `serverSequence`s of rows to store, as an array.
+struct Sequences<'a>(&'a [EngineRow]);
+
+impl Serialize for Sequences<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.0.iter().map(|row| row.server_sequence))
+    }
 }
 
 #[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct UpsertOut<'a> {
-    id: &'a str,
-    server_sequence: Option<i64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    data: Option<&'a highwater_engine::scope_sync::client::RowData>,
+struct ShadowedOut<'a> {
+    at: u32,
+    data: &'a highwater_engine::scope_sync::client::RowData,
 }
 
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
 struct WriteOut<'a> {
     forget_cursor: bool,
-    upserts: Vec<UpsertOut<'a>>,
+    upserts: StoredIds<'a>,
+    server_sequences: Sequences<'a>,
+    shadowed: Vec<ShadowedOut<'a>>,
     deletes: &'a [String],
     cursor: Option<&'a EngineCursor>,
 }
@@ -1020,8 +1063,8 @@ fn error_text(error: &JsValue) -> String {
 mod tests {
     use super::*;
     use highwater_engine::scope_sync::client::{
-        ChangedRow, ConnectionState as EngineState, ConnectionStatus as EngineStatus,
-        PersistWrite as Write, RowChange as Change,
+        ConnectionState as EngineState, ConnectionStatus as EngineStatus, PersistWrite as Write,
+        RowChange as Change,
     };
     use serde_json::json;
 

@@ -293,12 +293,25 @@ export class Subscription<R = Row> extends Emitter<SubscriptionEvents<R>> {
   /** @internal The stored form of a write from the core: its upserts take the rows held, but
    * for rows shown with a pending mutation laid over them, whose server row comes with it. */
   storedWrite(write: CoreWrite): PersistWrite {
+    const ids = write.upserts;
+    const sequences = write.serverSequences;
+    const rows = this.#rows;
+    const place = this.#place;
+    let server: (Row | undefined)[] | undefined;
+    if (write.shadowed.length > 0) {
+      server = [];
+      for (const { at, data } of write.shadowed) server[at] = data as Row;
+    }
     const upserts = [];
-    for (const { id, serverSequence, data: server } of write.upserts) {
-      const place = this.#place.get(id);
-      const data = server ?? (place === undefined ? undefined : this.#rows[place]);
+    for (let i = 0; i < ids.length; i++) {
+      const id = ids[i];
+      let data = server?.[i];
+      if (data === undefined) {
+        const at = place.get(id);
+        data = at === undefined ? undefined : rows[at];
+      }
       // Every upsert is a row the same apply reported just before (a change, or a restore).
-      if (data !== undefined) upserts.push({ id, serverSequence, data });
+      if (data !== undefined) upserts.push({ id, serverSequence: sequences[i], data });
     }
     return { forgetCursor: write.forgetCursor, upserts, deletes: write.deletes, cursor: write.cursor };
   }
@@ -322,23 +335,31 @@ export class Subscription<R = Row> extends Emitter<SubscriptionEvents<R>> {
       ids.pop();
       place.delete(id);
     }
-    // An inserted or updated row takes its id's place, or a new one at the end.
-    const put = ({ id, data }: CoreRowChange["inserted"][number]): Row => {
-      const row = data as Row;
+    // The core's arrays of rows are the public event's: each row is its columns' object.
+    const inserted = change.inserted as Row[];
+    const updated = change.updated as Row[];
+    this.#put(change.insertedIds, inserted);
+    this.#put(change.updatedIds, updated);
+    this.#list = null;
+    return { inserted, updated, removed };
+  }
+
+  /** Each row takes its id's place, or a new one at the end. */
+  #put(keys: string[], values: Row[]): void {
+    const rows = this.#rows;
+    const ids = this.#ids;
+    const place = this.#place;
+    for (let i = 0; i < keys.length; i++) {
+      const id = keys[i];
       const at = place.get(id);
       if (at === undefined) {
         place.set(id, rows.length);
-        rows.push(row);
+        rows.push(values[i]);
         ids.push(id);
       } else {
-        rows[at] = row;
+        rows[at] = values[i];
       }
-      return row;
-    };
-    const inserted = change.inserted.map(put);
-    const updated = change.updated.map(put);
-    this.#list = null;
-    return { inserted, updated, removed };
+    }
   }
 
   /** Stops syncing the scope; the socket stays open for the others. */
