@@ -104,11 +104,15 @@ fn text_parses_exactly(text: &str) -> bool {
                     at += 1;
                 }
                 let token = &text[start..at];
+                // Up to 15 digits is always within ±(2^53 − 1) (16 digits), so most integers
+                // need no parse.
+                let digits = token.len() - usize::from(token.starts_with('-'));
                 if is_integer_text(token)
                     && (token == "-0"
-                        || !token
-                            .parse::<i64>()
-                            .is_ok_and(|i| i.abs() <= MAX_SAFE_INTEGER))
+                        || (digits > 15
+                            && !token
+                                .parse::<i64>()
+                                .is_ok_and(|i| i.abs() <= MAX_SAFE_INTEGER)))
                 {
                     return false;
                 }
@@ -313,6 +317,7 @@ mod tests {
             r#"{"n":9007199254740991,"m":-9007199254740991,"x":1.5e300,"y":-0.0,"z":0}"#,
             r#"["12345678901234567890 in a string","\\",-0.5]"#,
             r#"{"a \" 99999999999999999999":1}"#,
+            r#"[999999999999999,-999999999999999,1000000000000000]"#,
             "",
         ] {
             assert!(text_parses_exactly(text), "{text}");
@@ -322,6 +327,7 @@ mod tests {
             r#"[-9007199254740992]"#,
             r#"{"s":"\\","n":123456789012345678901234567890}"#,
             r#"{"z":-0}"#,
+            r#"[9999999999999999]"#,
         ] {
             assert!(!text_parses_exactly(text), "{text}");
         }
