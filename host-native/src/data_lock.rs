@@ -12,7 +12,7 @@ use std::io::{self, Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
 /// The lock file's name inside the data directory.
-pub const LOCK_FILE: &str = "highwater.lock";
+pub(crate) const LOCK_FILE: &str = "highwater.lock";
 
 /// The data directory is in use while this lives.
 #[derive(Debug)]

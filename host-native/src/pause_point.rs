@@ -15,11 +15,11 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 /// The environment variable naming the point and the marker file.
-pub const PAUSE_AT_ENV: &str = "HIGHWATER_PAUSE_AT";
+pub(crate) const PAUSE_AT_ENV: &str = "HIGHWATER_PAUSE_AT";
 
 /// A point of the group commit the process may be paused at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Point {
+pub(crate) enum Point {
     BeforeGroupCommit,
     AfterGroupCommit,
     BeforeGroupSync,
@@ -50,7 +50,7 @@ fn configured() -> Option<&'static (String, PathBuf)> {
 
 /// Pauses for good if the environment asks for `point` and the group holds `transactions`
 /// of at least two.
-pub fn reach(point: Point, transactions: usize) {
+pub(crate) fn reach(point: Point, transactions: usize) {
     let Some((wanted, marker)) = configured() else {
         return;
     };

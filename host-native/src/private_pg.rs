@@ -135,11 +135,6 @@ impl PrivatePg {
         self.port
     }
 
-    /// Directory of the server's unix socket (`.s.PGSQL.<port>`).
-    pub fn socket_dir(&self) -> &Path {
-        &self.base_dir
-    }
-
     pub fn data_dir(&self) -> PathBuf {
         self.base_dir.join("data")
     }

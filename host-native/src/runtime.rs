@@ -101,11 +101,11 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
-    pub fn new() -> Progress {
+    pub(crate) fn new() -> Progress {
         Progress::every(PROGRESS_INTERVAL)
     }
 
-    pub fn every(every: std::time::Duration) -> Progress {
+    pub(crate) fn every(every: std::time::Duration) -> Progress {
         let started = std::time::Instant::now();
         Progress {
             started,
@@ -116,7 +116,7 @@ impl Progress {
     }
 
     /// Whether a progress line is due now; if so, the next one is due an interval later.
-    pub fn due(&mut self) -> bool {
+    pub(crate) fn due(&mut self) -> bool {
         let now = std::time::Instant::now();
         if now < self.next {
             return false;
@@ -127,12 +127,12 @@ impl Progress {
     }
 
     /// Whether any progress line was logged: a step that logged progress also logs its end.
-    pub fn logged(&self) -> bool {
+    pub(crate) fn logged(&self) -> bool {
         self.logged
     }
 
     /// Seconds since the step started, for log fields.
-    pub fn elapsed_s(&self) -> f64 {
+    pub(crate) fn elapsed_s(&self) -> f64 {
         (self.started.elapsed().as_secs_f64() * 10.0).round() / 10.0
     }
 }

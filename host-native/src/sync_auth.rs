@@ -20,26 +20,27 @@ use highwater_engine::scope_sync::rules::{DenialCode, SyncRules};
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde_json::{Map, Value};
 
-pub use highwater_engine::scope_sync::rules::{Denial, Grant};
-pub use rules_file::{parse_rules, RulesFileError, RulesFormat};
+pub(crate) use highwater_engine::scope_sync::rules::{Denial, Grant};
+pub use rules_file::RulesFileError;
+pub(crate) use rules_file::{parse_rules, RulesFormat};
 
 mod rules_file;
 
 /// The environment variable holding the token secret when no `--sync-secret-file` is given.
 pub const SYNC_SECRET_ENV: &str = "HIGHWATER_SYNC_SECRET";
 /// Shorter HS256 secrets are refused: a guessable secret lets anyone mint tokens.
-pub const MIN_SECRET_BYTES: usize = 32;
+pub(crate) const MIN_SECRET_BYTES: usize = 32;
 /// Clock skew allowed between the token issuer and this server, on `exp` and `nbf`.
-pub const EXP_LEEWAY_MS: u64 = 30_000;
+pub(crate) const EXP_LEEWAY_MS: u64 = 30_000;
 /// Longer tokens are refused before they are decoded.
-pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
+pub(crate) const MAX_TOKEN_BYTES: usize = 8 * 1024;
 
 /// `channel-error` code: no token, and the rules need one.
-pub const AUTH_REQUIRED: &str = "auth-required";
+pub(crate) const AUTH_REQUIRED: &str = "auth-required";
 /// `channel-error` code: bad signature, malformed token, or an algorithm other than HS256.
-pub const AUTH_INVALID: &str = "auth-invalid";
+pub(crate) const AUTH_INVALID: &str = "auth-invalid";
 /// `channel-error` code: the token's `exp` has passed.
-pub const AUTH_EXPIRED: &str = "auth-expired";
+pub(crate) const AUTH_EXPIRED: &str = "auth-expired";
 
 /// A subscription refused: the stable `channel-error` code and a message for the client.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -115,7 +116,7 @@ pub enum SecretSource {
 
 impl SecretSource {
     /// The file when given, else the environment variable [`SYNC_SECRET_ENV`].
-    pub fn file_or_env(file: Option<&Path>) -> Self {
+    pub(crate) fn file_or_env(file: Option<&Path>) -> Self {
         match file {
             Some(path) => Self::File(path.to_owned()),
             None => Self::Env(SYNC_SECRET_ENV.to_owned()),
@@ -227,7 +228,7 @@ pub enum AuthConfigError {
 
 /// Reads a sync rules file, JSON or YAML by its name or its first character (see
 /// [`RulesFormat::of`]).
-pub fn read_rules(path: &Path) -> Result<SyncRules, AuthConfigError> {
+pub(crate) fn read_rules(path: &Path) -> Result<SyncRules, AuthConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| AuthConfigError::ReadRules {
         path: path.to_owned(),
         source,
@@ -296,7 +297,7 @@ impl SyncAuth {
     }
 
     /// The columns a scope may filter on, per table: the server indexes these.
-    pub fn filter_columns(&self) -> BTreeMap<String, Vec<String>> {
+    pub(crate) fn filter_columns(&self) -> BTreeMap<String, Vec<String>> {
         self.rules.filter_columns()
     }
 

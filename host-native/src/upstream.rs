@@ -50,7 +50,7 @@ pub enum EffectError {
 }
 
 /// What a command carries the session's effects out with.
-pub trait EffectHost {
+pub(crate) trait EffectHost {
     type Error: From<SessionError> + From<EffectError>;
 
     fn session(&mut self) -> &mut UpstreamSession;
@@ -89,13 +89,13 @@ pub trait EffectHost {
     fn idle(&mut self);
 
     /// The open transaction applies a sync client's mutation
-    /// ([`Effect::Confirmed`](highwater_engine::upstream::Effect::Confirmed)): stored with
+    /// ([`Effect::Confirmed`]): stored with
     /// its data. A command that serves no sync clients ignores it.
     fn confirmed(&mut self, _client_id: String, _mutation_id: u64) -> Result<(), Self::Error> {
         Ok(())
     }
 
-    /// A fence passed ([`Effect::Fence`](highwater_engine::upstream::Effect::Fence)): release
+    /// A fence passed ([`Effect::Fence`]): release
     /// its waiter once everything before it is readable in the replica. A command that takes
     /// no writes ignores it.
     fn fence(&mut self, _nonce: String) -> Result<(), Self::Error> {
@@ -110,14 +110,14 @@ pub trait EffectHost {
 }
 
 /// Feeds `input` to the host's session and carries out what it says.
-pub fn feed<H: EffectHost>(host: &mut H, input: Input<'_>) -> Result<(), H::Error> {
+pub(crate) fn feed<H: EffectHost>(host: &mut H, input: Input<'_>) -> Result<(), H::Error> {
     let effects = host.session().handle(input)?;
     carry(host, effects)
 }
 
 /// Carries out `effects` in order; what a completion feeds back is carried out before the
 /// rest.
-pub fn carry<H: EffectHost>(host: &mut H, effects: Vec<Effect>) -> Result<(), H::Error> {
+pub(crate) fn carry<H: EffectHost>(host: &mut H, effects: Vec<Effect>) -> Result<(), H::Error> {
     let mut queue: VecDeque<Effect> = effects.into();
     while let Some(effect) = queue.pop_front() {
         let mut inputs: Vec<Input<'static>> = Vec::new();
@@ -177,7 +177,10 @@ pub fn carry<H: EffectHost>(host: &mut H, effects: Vec<Effect>) -> Result<(), H:
 /// Reports `watermark` stored to the host's session after its loop ended, and of what follows
 /// carries out only the confirmations (the engine's `upstream::carried_at_stop`): nothing new
 /// starts at a stop.
-pub fn stored_at_stop<H: EffectHost>(host: &mut H, watermark: Watermark) -> Result<(), H::Error> {
+pub(crate) fn stored_at_stop<H: EffectHost>(
+    host: &mut H,
+    watermark: Watermark,
+) -> Result<(), H::Error> {
     let effects = host.session().handle(Input::Stored { watermark })?;
     for effect in effects.into_iter().filter(carried_at_stop) {
         match effect {
@@ -190,12 +193,12 @@ pub fn stored_at_stop<H: EffectHost>(host: &mut H, watermark: Watermark) -> Resu
 }
 
 /// `duration` in whole microseconds, rounded up (a wait never ends before its deadline).
-pub fn micros_ceil(duration: std::time::Duration) -> u64 {
+pub(crate) fn micros_ceil(duration: std::time::Duration) -> u64 {
     u64::try_from(duration.as_nanos().div_ceil(1000)).unwrap_or(u64::MAX)
 }
 
 /// A session over storage whose newest durable commit is `stored`, started from `start`.
-pub fn session(app_id: &str, stored: Watermark, start: Lsn) -> UpstreamSession {
+pub(crate) fn session(app_id: &str, stored: Watermark, start: Lsn) -> UpstreamSession {
     UpstreamSession::new(
         SessionConfig {
             ddl_prefix: ddl_prefix(app_id),
@@ -205,9 +208,9 @@ pub fn session(app_id: &str, stored: Watermark, start: Lsn) -> UpstreamSession {
     )
 }
 
-/// [`Effect::ResolveDdl`](highwater_engine::upstream::Effect::ResolveDdl): the schema changes a
+/// [`Effect::ResolveDdl`]: the schema changes a
 /// DDL event implies for the replica as it is now.
-pub fn resolve_ddl(
+pub(crate) fn resolve_ddl(
     replica: &Replica,
     publications: &[String],
     content: &[u8],
@@ -223,13 +226,13 @@ pub fn resolve_ddl(
 
 /// An ordinary connection for catalog queries, opened when first needed and reopened after
 /// upstream restarts.
-pub struct Catalog {
+pub(crate) struct Catalog {
     config: PgConfig,
     client: Option<Client>,
 }
 
 impl Catalog {
-    pub fn new(config: PgConfig) -> Catalog {
+    pub(crate) fn new(config: PgConfig) -> Catalog {
         Catalog {
             config,
             client: None,
@@ -252,11 +255,11 @@ impl Catalog {
     }
 }
 
-/// [`Effect::ReconcileRelation`](highwater_engine::upstream::Effect::ReconcileRelation): what
+/// For [`Effect::ReconcileRelation`], what
 /// the Relation message shows and the replica lacks (see `replica::ddl::relation_changes`);
 /// nothing when the replica has every column already (the DDL event came first). Blocking:
 /// call it on a thread of `handle`'s runtime that may block.
-pub fn reconcile_relation(
+pub(crate) fn reconcile_relation(
     handle: &Handle,
     catalog: Option<&mut Catalog>,
     replica: &Replica,
@@ -313,7 +316,7 @@ pub fn reconcile_relation(
 /// The backfills a command reads from upstream itself (`replica::backfill`), as a second
 /// source of transactions for the session: started when it says one may start, their messages
 /// fed to it until their commit.
-pub struct Backfills {
+pub(crate) struct Backfills {
     upstream: PgConfig,
     planner: BackfillPlanner,
     /// The one running, and its table.
@@ -322,7 +325,7 @@ pub struct Backfills {
 }
 
 impl Backfills {
-    pub fn new(upstream: PgConfig) -> Backfills {
+    pub(crate) fn new(upstream: PgConfig) -> Backfills {
         Backfills {
             upstream,
             planner: BackfillPlanner::new(),
@@ -332,12 +335,12 @@ impl Backfills {
     }
 
     /// An upstream transaction began: the next backfill's snapshot must see it.
-    pub fn note(&mut self, begin: &Begin) {
+    pub(crate) fn note(&mut self, begin: &Begin) {
         self.recent_xids.note(begin);
     }
 
     /// The running backfill's next item (pending forever when none runs).
-    pub async fn next(&mut self) -> Option<Result<BackfillItem, SyncError>> {
+    pub(crate) async fn next(&mut self) -> Option<Result<BackfillItem, SyncError>> {
         match &mut self.running {
             Some((stream, _)) => stream.next().await,
             None => std::future::pending().await,
@@ -373,7 +376,7 @@ impl Backfills {
 /// Feeds an item of the running backfill to the host's session: its messages until its commit,
 /// then its end; a failure (or an end before the commit) ends it too, and it is tried again
 /// after the next transaction or its retry delay ([`backfill_retry_in`]).
-pub fn backfill_item<H: EffectHost>(
+pub(crate) fn backfill_item<H: EffectHost>(
     host: &mut H,
     item: Option<Result<BackfillItem, SyncError>>,
 ) -> Result<(), H::Error> {
@@ -428,14 +431,14 @@ pub fn backfill_item<H: EffectHost>(
 /// How long until a failed backfill may be tried again with no upstream commit in between;
 /// `None` when none waits. A host about to wait for input waits at most this long, then calls
 /// [`retry_backfills`].
-pub fn backfill_retry_in(backfills: Option<&Backfills>) -> Option<std::time::Duration> {
+pub(crate) fn backfill_retry_in(backfills: Option<&Backfills>) -> Option<std::time::Duration> {
     let at = backfills?.planner.retry_at()?;
     Some(at.saturating_duration_since(std::time::Instant::now()))
 }
 
 /// Releases the failed backfills whose delay passed and tells the session, which starts one
 /// as soon as nothing is in between ([`Effect::BackfillDue`]).
-pub fn retry_backfills<H: EffectHost>(host: &mut H) -> Result<(), H::Error> {
+pub(crate) fn retry_backfills<H: EffectHost>(host: &mut H) -> Result<(), H::Error> {
     let released = host
         .backfills()
         .is_some_and(|(backfills, _)| backfills.planner.release_due(std::time::Instant::now()));

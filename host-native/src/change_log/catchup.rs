@@ -2,6 +2,7 @@
 //! "Catch-up"): rows with `from <= watermark <= through` in `(watermark, pos)` order, from one
 //! read snapshot, handed out in bounded batches so a long log never sits in memory at once.
 
+#[cfg(test)]
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::time::Duration;
@@ -13,9 +14,9 @@ use rusqlite::{params, Connection, OpenFlags};
 use super::ChangeLogError;
 
 /// Zero's catch-up cursor batch: 2000 rows.
-pub const DEFAULT_CATCHUP_BATCH_ROWS: usize = 2000;
+pub(crate) const DEFAULT_CATCHUP_BATCH_ROWS: usize = 2000;
 /// A batch also ends once its stored changes reach this many bytes.
-pub const DEFAULT_CATCHUP_BATCH_BYTES: usize = 1024 * 1024;
+pub(crate) const DEFAULT_CATCHUP_BATCH_BYTES: usize = 1024 * 1024;
 
 /// One batch of a catch-up read: the rows after `(?1, ?2)` up to the commit `?3`. The lower
 /// bound is the row value alone, so SQLite seeks the primary key to the cursor. With a
@@ -28,7 +29,7 @@ const CATCHUP_BATCH_SQL: &str = r#"SELECT "watermark", "tag", "change", "pos" FR
 
 /// How big one batch of catch-up rows may get.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CatchupLimits {
+pub(crate) struct CatchupLimits {
     pub rows: usize,
     pub bytes: usize,
 }
@@ -43,13 +44,13 @@ impl Default for CatchupLimits {
 }
 
 /// A read connection to the database holding the change log.
-pub struct CatchupReader {
+pub(crate) struct CatchupReader {
     conn: Connection,
 }
 
 impl CatchupReader {
     /// Opens its own connection to `path`; in WAL mode it reads beside the writer.
-    pub fn open(path: &Path) -> Result<CatchupReader, ChangeLogError> {
+    pub(crate) fn open(path: &Path) -> Result<CatchupReader, ChangeLogError> {
         let conn = Connection::open_with_flags(
             path,
             OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -58,14 +59,16 @@ impl CatchupReader {
         Ok(CatchupReader { conn })
     }
 
-    pub fn from_connection(conn: Connection) -> CatchupReader {
+    #[cfg(test)]
+    pub(crate) fn from_connection(conn: Connection) -> CatchupReader {
         CatchupReader { conn }
     }
 
     /// Streams the rows of transactions `from ..= through` to `sink` in batches of at most
     /// `limits`, from one snapshot (later commits and purges do not show). `sink` may stop the
     /// read early with `Break`. Returns the number of rows handed out.
-    pub fn read(
+    #[cfg(test)]
+    pub(crate) fn read(
         &mut self,
         from: &Watermark,
         through: &Watermark,
@@ -114,7 +117,7 @@ impl CatchupReader {
     /// neither checkpoints nor the writer. (Rows the subscriber still needs are not purged in
     /// between: its acked watermark bounds the purge.) `next` is where the read goes on, when
     /// the batch ended at a limit.
-    pub fn read_batch(
+    pub(crate) fn read_batch(
         &mut self,
         from: &Watermark,
         through: &Watermark,
@@ -159,14 +162,14 @@ impl CatchupReader {
 
 /// Where a batched catch-up read goes on: just after this row.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CatchupCursor {
+pub(crate) struct CatchupCursor {
     watermark: String,
     pos: i64,
 }
 
 /// One batch of a catch-up read.
 #[derive(Debug)]
-pub struct CatchupBatch {
+pub(crate) struct CatchupBatch {
     pub rows: Vec<CatchupRow>,
     /// Where the next batch starts; `None` when this one was the last.
     pub next: Option<CatchupCursor>,

@@ -43,16 +43,13 @@ use highwater_engine::watermark::{Watermark, WatermarkError};
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::{Map, Value};
 
-pub use catchup::{
-    CatchupBatch, CatchupCursor, CatchupLimits, CatchupReader, DEFAULT_CATCHUP_BATCH_BYTES,
-    DEFAULT_CATCHUP_BATCH_ROWS,
-};
+pub(crate) use catchup::{CatchupLimits, CatchupReader, DEFAULT_CATCHUP_BATCH_ROWS};
 
 /// Rows deleted per purge statement, so a large purge never holds the write lock for long.
-pub const PURGE_CHUNK_ROWS: usize = 10_000;
+pub(crate) const PURGE_CHUNK_ROWS: usize = 10_000;
 
 /// DDL of the change log's tables.
-pub const SCHEMA_SQL: &str = r#"
+pub(crate) const SCHEMA_SQL: &str = r#"
 CREATE TABLE IF NOT EXISTS "_hw_change_log" (
     "watermark" TEXT NOT NULL,
     "pos" INTEGER NOT NULL,
@@ -88,7 +85,7 @@ CREATE TABLE IF NOT EXISTS "_hw_change_log_backfilling" (
 "#;
 
 /// Names of the change log's tables (dropped from replica snapshots).
-pub const TABLES: [&str; 5] = [
+pub(crate) const TABLES: [&str; 5] = [
     "_hw_change_log",
     "_hw_change_log_state",
     "_hw_change_log_config",
@@ -116,32 +113,32 @@ pub enum ChangeLogError {
 
 /// Which replica the log belongs to.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChangeLogConfig {
+pub(crate) struct ChangeLogConfig {
     pub replica_version: Watermark,
     pub publications: Vec<String>,
 }
 
 /// Where the log stands (`getChangeLogState` plus the newest commit).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChangeLogStatus {
+pub(crate) struct ChangeLogStatus {
     pub replica_version: Watermark,
     /// The newest stored commit (`replicationState.lastWatermark`).
     pub last_watermark: Watermark,
     /// The earliest stored watermark; the replica version for an empty log.
     pub min_watermark: Watermark,
-    pub reset_required: bool,
+    pub(crate) reset_required: bool,
 }
 
 /// What a purge did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PurgeReport {
+pub(crate) struct PurgeReport {
     pub deleted: usize,
     /// The earliest watermark left.
     pub min_watermark: Watermark,
 }
 
 /// Creates the tables if missing.
-pub fn create_tables(conn: &Connection) -> Result<(), ChangeLogError> {
+pub(crate) fn create_tables(conn: &Connection) -> Result<(), ChangeLogError> {
     conn.execute_batch(SCHEMA_SQL)?;
     Ok(())
 }
@@ -151,7 +148,7 @@ pub fn create_tables(conn: &Connection) -> Result<(), ChangeLogError> {
 /// the replica is freshly synced (`replica_watermark == replica_version`); otherwise the log
 /// could not serve the transactions the replica already holds and
 /// [`ChangeLogError::ResetRequired`] asks for a new initial sync. Runs in its own transaction.
-pub fn ensure(
+pub(crate) fn ensure(
     conn: &Connection,
     config: &ChangeLogConfig,
     replica_watermark: &Watermark,
@@ -200,7 +197,7 @@ pub fn ensure(
 /// `config.replica_version`: `lastWatermark = replicaVersion` and the two rows
 /// `(replicaVersion, 0, begin)`, `(replicaVersion, 1, commit)`, so subscribers starting at the
 /// replica version can be caught up.
-pub fn reseed(conn: &Connection, config: &ChangeLogConfig) -> Result<(), ChangeLogError> {
+pub(crate) fn reseed(conn: &Connection, config: &ChangeLogConfig) -> Result<(), ChangeLogError> {
     let version = config.replica_version.as_str();
     let tx = conn.unchecked_transaction()?;
     for table in TABLES {
@@ -234,7 +231,7 @@ pub fn reseed(conn: &Connection, config: &ChangeLogConfig) -> Result<(), ChangeL
 }
 
 /// The log's position, or `None` before [`ensure`] ran.
-pub fn status(conn: &Connection) -> Result<Option<ChangeLogStatus>, ChangeLogError> {
+pub(crate) fn status(conn: &Connection) -> Result<Option<ChangeLogStatus>, ChangeLogError> {
     let row = conn
         .query_row(
             r#"SELECT c."replica_version", c."reset_required", s."last_watermark",
@@ -278,7 +275,7 @@ fn stored_publications(conn: &Connection) -> Result<Vec<String>, ChangeLogError>
 }
 
 /// Writes one row of the open transaction. `change` is the inner object's JSON text.
-pub fn append(
+pub(crate) fn append(
     conn: &Connection,
     watermark: &Watermark,
     pos: u64,
@@ -299,7 +296,7 @@ pub fn append(
 
 /// One row of the log, for [`append_rows`].
 #[derive(Debug, Clone, Copy)]
-pub struct LogRow<'a> {
+pub(crate) struct LogRow<'a> {
     pub watermark: &'a Watermark,
     pub pos: u64,
     pub tag: &'a str,
@@ -312,7 +309,7 @@ const ROWS_PER_INSERT: usize = 8;
 /// Writes rows of the open transaction, up to [`ROWS_PER_INSERT`] to a statement (a small
 /// transaction's `begin`, changes and `commit` in one): what [`append`] does for each, with a
 /// statement's fixed cost paid once per few rows.
-pub fn append_rows(conn: &Connection, rows: &[LogRow<'_>]) -> Result<(), ChangeLogError> {
+pub(crate) fn append_rows(conn: &Connection, rows: &[LogRow<'_>]) -> Result<(), ChangeLogError> {
     static SQL: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
     let sql = SQL.get_or_init(|| {
         (1..=ROWS_PER_INSERT)
@@ -340,7 +337,7 @@ pub fn append_rows(conn: &Connection, rows: &[LogRow<'_>]) -> Result<(), ChangeL
 
 /// Applies a schema change's cookie-jar updates (`change-stream.md`, "Backfills") in the open
 /// transaction.
-pub fn apply_cookie_ops(conn: &Connection, change: &Change) -> Result<(), ChangeLogError> {
+pub(crate) fn apply_cookie_ops(conn: &Connection, change: &Change) -> Result<(), ChangeLogError> {
     for op in cookie_ops(change) {
         apply_cookie_op(conn, &op)?;
     }
@@ -449,7 +446,7 @@ fn metadata_from_json(text: &str) -> Result<TableMetadata, ChangeLogError> {
 }
 
 /// Sets `lastWatermark` to the commit being written (in the open transaction).
-pub fn commit(conn: &Connection, watermark: &Watermark) -> Result<(), ChangeLogError> {
+pub(crate) fn commit(conn: &Connection, watermark: &Watermark) -> Result<(), ChangeLogError> {
     conn.prepare_cached(
         r#"UPDATE "_hw_change_log_state" SET "last_watermark" = ?1 WHERE "lock" = 1"#,
     )?
@@ -458,7 +455,7 @@ pub fn commit(conn: &Connection, watermark: &Watermark) -> Result<(), ChangeLogE
 }
 
 /// Records who writes the log and where subscribers reach it (discovery).
-pub fn set_owner(
+pub(crate) fn set_owner(
     conn: &Connection,
     owner: &str,
     owner_address: &str,
@@ -471,7 +468,8 @@ pub fn set_owner(
 }
 
 /// Marks the log unusable (`resetRequired`): the next start resyncs.
-pub fn mark_reset_required(conn: &Connection) -> Result<(), ChangeLogError> {
+#[cfg(test)]
+pub(crate) fn mark_reset_required(conn: &Connection) -> Result<(), ChangeLogError> {
     conn.execute(
         r#"UPDATE "_hw_change_log_config" SET "reset_required" = 1 WHERE "lock" = 1"#,
         [],
@@ -480,7 +478,7 @@ pub fn mark_reset_required(conn: &Connection) -> Result<(), ChangeLogError> {
 }
 
 /// The pending backfills the cookie jar stands for, to start an upstream stream with.
-pub fn cookie_jar(conn: &Connection) -> Result<Vec<BackfillRequest>, ChangeLogError> {
+pub(crate) fn cookie_jar(conn: &Connection) -> Result<Vec<BackfillRequest>, ChangeLogError> {
     let mut metadata = Vec::new();
     let mut stmt = conn.prepare(
         r#"SELECT "schema","table","metadata" FROM "_hw_change_log_table_metadata" ORDER BY "schema","table""#,
@@ -513,7 +511,7 @@ pub fn cookie_jar(conn: &Connection) -> Result<Vec<BackfillRequest>, ChangeLogEr
 /// Deletes the rows of transactions below `below`, always keeping the newest stored
 /// transaction (`change-stream.md`, "Purging"). Runs in chunks of [`PURGE_CHUNK_ROWS`], each its
 /// own transaction: call it between upstream transactions.
-pub fn purge(conn: &Connection, below: &Watermark) -> Result<PurgeReport, ChangeLogError> {
+pub(crate) fn purge(conn: &Connection, below: &Watermark) -> Result<PurgeReport, ChangeLogError> {
     let mut deleted = 0;
     loop {
         let n = conn

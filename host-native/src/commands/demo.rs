@@ -39,13 +39,13 @@ pub struct DemoArgs {
     pub host: String,
     /// Demo writes per second (0 for none).
     #[arg(long, default_value_t = 1.0)]
-    pub writes_per_second: f64,
+    pub(crate) writes_per_second: f64,
     /// The page's files (`index.html`, `app.js`, `style.css`).
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../web-demo"))]
-    pub web_dir: PathBuf,
+    pub(crate) web_dir: PathBuf,
     /// The built npm package `highwater` (`scripts/build-wasm` writes it).
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../bindings-wasm/dist"))]
-    pub package_dir: PathBuf,
+    pub(crate) package_dir: PathBuf,
 }
 
 /// Scope-sync rules of the demo: a user reads the projects it is a member of, the memberships

@@ -103,7 +103,7 @@ pub fn report(checks: &[Check]) -> String {
 }
 
 /// Every check, in order; a check that cannot run (no connection) ends the list.
-pub async fn diagnose(args: &DoctorArgs) -> Vec<Check> {
+pub(crate) async fn diagnose(args: &DoctorArgs) -> Vec<Check> {
     let mut checks = Vec::new();
     let names = match ReplicationNames::for_app(&args.target.app_id) {
         Ok(names) => names,

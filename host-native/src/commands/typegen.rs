@@ -41,11 +41,11 @@ pub struct Column {
     pub name: String,
     /// The type's name, or an array's element type. A domain goes by its own name: the
     /// replica stores its values as text, whatever its base type.
-    pub type_name: String,
-    pub is_array: bool,
-    pub not_null: bool,
+    pub(crate) type_name: String,
+    pub(crate) is_array: bool,
+    pub(crate) not_null: bool,
     /// The labels of an enum (or of an array's enum element), in order.
-    pub enum_labels: Option<Vec<String>>,
+    pub(crate) enum_labels: Option<Vec<String>>,
 }
 
 /// One table, by the name scopes use (`resourceType`: `todos`, or `schema.table` outside
@@ -81,7 +81,7 @@ pub fn run(args: TypegenArgs) -> anyhow::Result<()> {
 }
 
 /// The tables the rules expose, without the columns they never send.
-pub fn exposed(tables: Vec<Table>, rules: &SyncRules) -> Vec<Table> {
+pub(crate) fn exposed(tables: Vec<Table>, rules: &SyncRules) -> Vec<Table> {
     tables
         .into_iter()
         .filter_map(|mut table| {
@@ -173,7 +173,7 @@ async fn read_tables(args: &TypegenArgs) -> anyhow::Result<Vec<Table>> {
 }
 
 /// The TypeScript type of one value of the column, null aside.
-pub fn ts_type(column: &Column) -> String {
+pub(crate) fn ts_type(column: &Column) -> String {
     let scalar = match &column.enum_labels {
         Some(labels) if !labels.is_empty() => labels
             .iter()

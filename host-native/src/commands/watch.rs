@@ -28,14 +28,14 @@ pub struct WatchArgs {
     pub watermark: Option<String>,
     /// Replay the whole change log, from the replica version.
     #[arg(long, conflicts_with = "watermark")]
-    pub from_start: bool,
+    pub(crate) from_start: bool,
     /// Exit after this many commits.
     #[arg(long)]
     pub commits: Option<u64>,
     /// File holding the server's replication token (default: the environment variable
     /// HIGHWATER_REPLICATION_TOKEN, if set).
     #[arg(long, value_name = "FILE")]
-    pub replication_token_file: Option<std::path::PathBuf>,
+    pub(crate) replication_token_file: Option<std::path::PathBuf>,
 }
 
 type Socket =

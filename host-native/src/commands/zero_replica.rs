@@ -49,10 +49,10 @@ use crate::serve::{load_token, ReplicationToken, TokenError};
 
 /// Zero's replica schema version that this layout is (`schemaVersionMigrationMap` in Zero
 /// 1.9's `replica-schema.js`: v13); a later Zero migrates it forward as it migrates its own.
-pub const ZERO_REPLICA_SCHEMA_VERSION: i64 = 13;
+pub(crate) const ZERO_REPLICA_SCHEMA_VERSION: i64 = 13;
 
 /// Zero's row-version column (`ZERO_VERSION_COLUMN_NAME`).
-pub const ZERO_VERSION_COLUMN: &str = "_0_version";
+pub(crate) const ZERO_VERSION_COLUMN: &str = "_0_version";
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ZeroReplicaArgs {
@@ -69,7 +69,7 @@ pub struct ZeroReplicaArgs {
     /// File holding the replication token sent as `Authorization: Bearer …`. Without it the
     /// token is read from HIGHWATER_REPLICATION_TOKEN; with neither, none is sent.
     #[arg(long, value_name = "FILE")]
-    pub replication_token_file: Option<PathBuf>,
+    pub(crate) replication_token_file: Option<PathBuf>,
     /// PEM file of the CA certificates an `https` Highwater's certificate must chain to (a
     /// private CA). Without it: the system's certificate bundle.
     #[arg(long, value_name = "FILE", conflicts_with = "snapshot")]
@@ -161,7 +161,7 @@ pub fn run(args: ZeroReplicaArgs) -> anyhow::Result<()> {
 
 /// The snapshot URL of a Highwater at `base` (`http(s)://host:port`, `ws(s)://host:port`, or
 /// the snapshot URL itself).
-pub fn snapshot_url(base: &str) -> String {
+pub(crate) fn snapshot_url(base: &str) -> String {
     let base = base.trim_end_matches('/');
     let base = if let Some(rest) = base.strip_prefix("ws://") {
         format!("http://{rest}")
@@ -179,7 +179,8 @@ pub fn snapshot_url(base: &str) -> String {
 
 /// Downloads the snapshot of the Highwater at `base` and exports it to `out` (an `https`
 /// peer's certificate checked against the system's certificate bundle).
-pub async fn export_from(
+#[cfg(test)]
+pub(crate) async fn export_from(
     base: &str,
     out: &Path,
     token: Option<&ReplicationToken>,
@@ -187,8 +188,8 @@ pub async fn export_from(
     export_trusting(base, out, token, None).await
 }
 
-/// [`export_from`], an `https` peer's certificate checked against `ca_file` when given.
-pub async fn export_trusting(
+/// `export_from`, an `https` peer's certificate checked against `ca_file` when given.
+pub(crate) async fn export_trusting(
     base: &str,
     out: &Path,
     token: Option<&ReplicationToken>,
@@ -484,7 +485,7 @@ fn zero_type(table: &ReplicaTable, column: &ReplicaColumn) -> Result<String, Zer
 
 /// `createLiteTableStatement(mapPostgresToLite(spec, replicaVersion))`, character for
 /// character: columns by position, quoted lite types, no key, no defaults, then `_0_version`.
-pub fn create_table_sql(
+pub(crate) fn create_table_sql(
     table: &ReplicaTable,
     replica_version: &Watermark,
 ) -> Result<String, ZeroReplicaError> {

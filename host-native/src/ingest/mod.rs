@@ -318,7 +318,7 @@ where
     U: Source,
     S::Error: From<U::Error>,
 {
-    pub fn new(setup: Setup, store: S, source: U) -> Self {
+    pub(crate) fn new(setup: Setup, store: S, source: U) -> Self {
         Ingest {
             session: setup.session,
             storing: Storing::new(setup.group),
@@ -333,7 +333,7 @@ where
 
     /// Runs until `stop`, the source ending or failing, or a storage error; then ends as the
     /// engine's stop plan says. Blocking: run it on a thread of the runtime that may block.
-    pub fn run(mut self, mut stop: watch::Receiver<bool>) -> Result<(), S::Error> {
+    pub(crate) fn run(mut self, mut stop: watch::Receiver<bool>) -> Result<(), S::Error> {
         let mut pause = self.store.pause();
         // Source events taken together and not yet handled.
         let mut taken: VecDeque<U::Event> = VecDeque::new();

@@ -40,12 +40,12 @@ impl<S: GroupStore> Storing<S> {
     }
 
     /// Whether a transaction is being stored: held, or open in storage.
-    pub fn in_transaction(&self, store: &S) -> bool {
+    pub(crate) fn in_transaction(&self, store: &S) -> bool {
         self.hold.in_transaction() || store.in_transaction()
     }
 
     /// Whether applied transactions wait for their group's commit.
-    pub fn group_open(&self) -> bool {
+    pub(crate) fn group_open(&self) -> bool {
         self.group.is_open()
     }
 
@@ -62,7 +62,12 @@ impl<S: GroupStore> Storing<S> {
 
     /// A transaction's `begin` (of `bytes`): held. A group whose deadline passed is committed
     /// first: it never holds its first transaction back for one yet to come.
-    pub fn begin(&mut self, store: &mut S, begin: S::Item, bytes: usize) -> Result<(), S::Error> {
+    pub(crate) fn begin(
+        &mut self,
+        store: &mut S,
+        begin: S::Item,
+        bytes: usize,
+    ) -> Result<(), S::Error> {
         if self.in_transaction(store) {
             return Err(Invariant {
                 expected: "a `begin` between transactions".to_owned(),
@@ -82,7 +87,12 @@ impl<S: GroupStore> Storing<S> {
 
     /// An item of the transaction: held, or written (with what was held, if it outgrew the
     /// hold).
-    pub fn item(&mut self, store: &mut S, item: S::Item, bytes: usize) -> Result<(), S::Error> {
+    pub(crate) fn item(
+        &mut self,
+        store: &mut S,
+        item: S::Item,
+        bytes: usize,
+    ) -> Result<(), S::Error> {
         for item in self.hold.item(item, bytes) {
             store.write(item)?;
         }
@@ -91,7 +101,12 @@ impl<S: GroupStore> Storing<S> {
 
     /// The transaction's `commit`: written (whole, if it was held) into the open group, which
     /// is committed when full, or when something waits for it.
-    pub fn commit(&mut self, store: &mut S, commit: S::Item, bytes: usize) -> Result<(), S::Error> {
+    pub(crate) fn commit(
+        &mut self,
+        store: &mut S,
+        commit: S::Item,
+        bytes: usize,
+    ) -> Result<(), S::Error> {
         let (commit, bytes) = self.hold.commit(commit, bytes);
         let watermark = match commit {
             TxnCommit::Whole(items) => store.write_whole(items)?,
@@ -107,7 +122,7 @@ impl<S: GroupStore> Storing<S> {
 
     /// The transaction was rolled back: nothing of it is stored (a held one never reached
     /// storage).
-    pub fn rollback(&mut self, store: &mut S) -> Result<(), S::Error> {
+    pub(crate) fn rollback(&mut self, store: &mut S) -> Result<(), S::Error> {
         if self.hold.rollback() == TxnEnd::RollBack {
             store.roll_back()?;
         }
@@ -128,7 +143,7 @@ impl<S: GroupStore> Storing<S> {
     /// Commits the open group (between transactions only), and starts its sync or, for a
     /// store whose commits sync themselves, takes it as durable; then whatever waited for the
     /// store committed goes on (also when no group was open).
-    pub fn commit_group(&mut self, store: &mut S) -> Result<(), S::Error> {
+    pub(crate) fn commit_group(&mut self, store: &mut S) -> Result<(), S::Error> {
         if self.in_transaction(store) {
             return Err(Invariant {
                 expected: "a group committed between transactions".to_owned(),

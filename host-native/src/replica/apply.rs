@@ -15,18 +15,18 @@
 //! [`RowValues`].
 //!
 //! Backfills follow Zero's rules for backfill data, which the engine's
-//! [`BackfillMerge`](highwater_engine::backfill::BackfillMerge) holds: rows are upserted by key,
+//! [`BackfillMerge`] holds: rows are upserted by key,
 //! except rows deleted (or truncated) after the backfill's snapshot; a backfilling column keeps
 //! a value the stream wrote after that snapshot (tracked per row in `_hw_backfill_versions`
 //! while the column is backfilling); rows new to the replica get the snapshot's watermark as
 //! their version. How each write sets a row's version is the engine's
-//! [`RowVersion`](highwater_engine::backfill::RowVersion).
+//! [`RowVersion`].
 //!
 //! What a transaction costs is kept small. A row statement's SQL is built once per table and
 //! column set and prepared through the connection's statement cache, as are the per-transaction
 //! `BEGIN`, `SAVEPOINT`, `RELEASE` and `COMMIT`; values are bound borrowed from the change
 //! ([`to_sql_ref`] for JSON rows, [`scalar_to_sql`] for text rows). A small transaction is held
-//! whole by the caller until its commit (until [`outgrows_hold`]) and applied by
+//! whole by the caller until its commit (until the engine's `upstream::outgrows_hold`) and applied by
 //! [`ReplicaWriter::apply_whole`] with no savepoint of its own; one that outgrows the hold
 //! streams in inside a savepoint. In a group the position row (`_hw_state`) is written once,
 //! by [`ReplicaWriter::commit_group`]. The property test `text_rows_store_what_json_rows_store`
@@ -53,15 +53,10 @@ use super::schema::{
 use super::value::{into_sql, row_key_json, scalar_to_sql, to_sql_ref, SqlScalar};
 use super::{Replica, ReplicaError, ReplicaState};
 
-/// The engine's hold rule: a transaction is held whole until its commit (then applied with
-/// [`ReplicaWriter::apply_whole`]) while it is small; a larger one streams into SQLite inside
-/// a savepoint.
-pub use highwater_engine::upstream::outgrows_hold;
-
 /// One part of a whole transaction for [`ReplicaWriter::apply_whole`]: a message, or a row
 /// change that kept its text.
 #[derive(Debug, Clone, Copy)]
-pub enum TxnItem<'a> {
+pub(crate) enum TxnItem<'a> {
     Message(&'a DownstreamMessage),
     Text(&'a TextRowChange),
 }
@@ -89,7 +84,7 @@ pub enum Applied {
 
 /// A backfill the replica is waiting for: columns whose existing values only upstream knows.
 #[derive(Debug, Clone, PartialEq)]
-pub struct PendingBackfill {
+pub(crate) struct PendingBackfill {
     /// Replica table name.
     pub table: String,
     pub schema: String,
@@ -98,7 +93,7 @@ pub struct PendingBackfill {
     /// Non-key columns to backfill; every column of the table for a whole-table backfill.
     pub columns: Vec<String>,
     /// Whether the table itself is new to the replica (its rows must be inserted).
-    pub whole_table: bool,
+    pub(crate) whole_table: bool,
 }
 
 struct Txn {
@@ -159,18 +154,19 @@ impl ReplicaWriter {
     /// of them durable at once. A rollback discards only the open upstream transaction.
     ///
     /// [`commit_group`]: ReplicaWriter::commit_group
-    pub fn set_group_commit(&mut self, on: bool) {
+    pub(crate) fn set_group_commit(&mut self, on: bool) {
         self.grouping = on;
     }
 
     /// Whether grouped transactions wait for [`ReplicaWriter::commit_group`].
-    pub fn group_open(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn group_open(&self) -> bool {
         self.group_open
     }
 
     /// Commits the SQLite transaction of the open group durably (between upstream
     /// transactions only). Returns whether there was one.
-    pub fn commit_group(&mut self) -> Result<bool, ReplicaError> {
+    pub(crate) fn commit_group(&mut self) -> Result<bool, ReplicaError> {
         if let Some(open) = &self.txn {
             return Err(ReplicaError::NestedTransaction {
                 open: open.watermark.clone(),
@@ -197,7 +193,7 @@ impl ReplicaWriter {
 
     /// Discards the open group and the transaction in progress: nothing of either was
     /// acknowledged, so upstream sends them again.
-    pub fn discard_group(&mut self) -> Result<(), ReplicaError> {
+    pub(crate) fn discard_group(&mut self) -> Result<(), ReplicaError> {
         self.confirms.clear();
         if self.txn.is_some() {
             self.rollback()?;
@@ -223,7 +219,7 @@ impl ReplicaWriter {
     /// Follows `tables` (replica name → filter columns) for scope sync: from now on every
     /// commit records their feed entries (see [`feed`]), taken with
     /// [`ReplicaWriter::take_committed`]. Creates the feed's tables and indexes.
-    pub fn enable_scope_feed(&mut self, tables: FeedTables) -> Result<(), ReplicaError> {
+    pub(crate) fn enable_scope_feed(&mut self, tables: FeedTables) -> Result<(), ReplicaError> {
         feed::prepare(&self.replica.conn, &self.replica.tables, &tables)?;
         self.feed = Some(Capture::new(tables));
         Ok(())
@@ -233,29 +229,25 @@ impl ReplicaWriter {
     /// whole) applies these sync clients' mutations: its commit writes them to
     /// `_hw_client_mutations` in the same SQLite transaction and hands them on in its
     /// [`CommittedChanges::confirms`]. A rollback forgets them.
-    pub fn confirm_with_next_commit(&mut self, confirms: Vec<(String, u64)>) {
+    pub(crate) fn confirm_with_next_commit(&mut self, confirms: Vec<(String, u64)>) {
         self.confirms.extend(confirms);
     }
 
     /// The scope-feed entries of the transaction committed last (empty when the feed is off or
     /// it touched no followed table). Route them to scope subscribers only now, after the
     /// commit: their seqs are durable.
-    pub fn take_committed(&mut self) -> Option<CommittedChanges> {
+    pub(crate) fn take_committed(&mut self) -> Option<CommittedChanges> {
         self.committed.take()
     }
 
     /// The upstream commit time of the last transaction committed (Unix ms), when the change
     /// source gave one.
-    pub fn last_commit_ms(&self) -> Option<i64> {
+    pub(crate) fn last_commit_ms(&self) -> Option<i64> {
         self.last_commit_ms
     }
 
     pub fn replica(&self) -> &Replica {
         &self.replica
-    }
-
-    pub fn into_replica(self) -> Replica {
-        self.replica
     }
 
     pub fn in_transaction(&self) -> bool {
@@ -286,7 +278,7 @@ impl ReplicaWriter {
     /// small transaction costs): a transaction whose commit is here is never rolled back
     /// alone. So an error discards the open group with it; nothing in the group was
     /// acknowledged, so upstream sends all of it again.
-    pub fn apply_whole<'a, I>(&mut self, items: I) -> Result<Applied, ReplicaError>
+    pub(crate) fn apply_whole<'a, I>(&mut self, items: I) -> Result<Applied, ReplicaError>
     where
         I: IntoIterator,
         I::Item: Into<TxnItem<'a>>,
@@ -509,7 +501,7 @@ impl ReplicaWriter {
     }
 
     /// Columns waiting for a backfill, grouped by table.
-    pub fn pending_backfills(&self) -> Vec<PendingBackfill> {
+    pub(crate) fn pending_backfills(&self) -> Vec<PendingBackfill> {
         self.replica.pending_backfills()
     }
 

@@ -31,7 +31,7 @@ fn replica_indexes(replica: &Replica) -> Result<Vec<(String, String)>, ReplicaEr
 /// [`schema_changes`](highwater_engine::upstream::schema_changes) against the replica's tables
 /// and indexes, where every rule of the diff lives (its order, renames told from drops, which
 /// tables and columns are backfilled for `tag`, the command that changed the schema).
-pub fn schema_changes(
+pub(crate) fn schema_changes(
     replica: &Replica,
     published: impl IntoIterator<Item = impl Into<upstream::PublishedTable>>,
     tag: &str,
@@ -63,10 +63,10 @@ pub fn schema_changes(
 
 /// A column type as upstream's catalog describes it (`RELATION_TYPES_SQL` reads it).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RelationType {
+pub(crate) struct RelationType {
     pub data_type: String,
-    pub typtype: String,
-    pub elem_typtype: Option<String>,
+    pub(crate) typtype: String,
+    pub(crate) elem_typtype: Option<String>,
 }
 
 /// Tables and columns that a pgoutput Relation message shows but the replica does not have,
@@ -77,7 +77,7 @@ pub struct RelationType {
 ///
 /// `key` is the table's key when it must come from the catalog (replica identity FULL flags
 /// every column); otherwise the Relation's key flags are used.
-pub fn relation_changes(
+pub(crate) fn relation_changes(
     replica: &Replica,
     relation: &highwater_engine::pgoutput::Relation,
     types: &std::collections::HashMap<u32, RelationType>,

@@ -76,14 +76,14 @@ CREATE TABLE IF NOT EXISTS "_hw_feed_state" (
 "#;
 
 /// The `updatedAt` of rows written before the feed knew their commit time (initial sync).
-pub const UNKNOWN_COMMIT_TIME: &str = "1970-01-01T00:00:00.000Z";
+pub(crate) const UNKNOWN_COMMIT_TIME: &str = "1970-01-01T00:00:00.000Z";
 
 /// Tables open to scope sync, with the columns a scope may filter on.
-pub type FeedTables = HashMap<String, Vec<String>>;
+pub(crate) type FeedTables = HashMap<String, Vec<String>>;
 
 /// One entry of the scope feed: a row as written, or a row leaving scopes.
 #[derive(Debug, Clone, PartialEq)]
-pub struct FeedRow {
+pub(crate) struct FeedRow {
     /// Replica table name.
     pub table: String,
     /// The key as text: the value for a one-column key, else the JSON array of key values.
@@ -95,7 +95,7 @@ pub struct FeedRow {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub enum FeedKind {
+pub(crate) enum FeedKind {
     /// The row as it now is (every column).
     Upsert { data: Map<String, Value> },
     /// The row left every scope matching `old` but not `new` (`new` is `None` when the row is
@@ -121,22 +121,14 @@ impl From<FeedEntry> for FeedRow {
     }
 }
 
-impl FeedRow {
-    /// The scope-column values that route this entry: the row's, or for an exit the old ones.
-    pub fn routing_values(&self) -> &Map<String, Value> {
-        match &self.kind {
-            FeedKind::Upsert { data } => data,
-            FeedKind::Exit { old, .. } => old,
-        }
-    }
-}
+impl FeedRow {}
 
 /// The feed entries of one committed upstream transaction, ascending by seq.
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct CommittedChanges {
+pub(crate) struct CommittedChanges {
     pub rows: Vec<FeedRow>,
     /// The upstream commit time (Unix ms), when known.
-    pub commit_ms: Option<i64>,
+    pub(crate) commit_ms: Option<i64>,
     /// The sync clients' mutations the transaction applied (client id, mutation id).
     pub confirms: Vec<(String, u64)>,
 }
@@ -169,7 +161,7 @@ pub(super) enum Pre {
 }
 
 impl Capture {
-    pub fn new(tables: FeedTables) -> Capture {
+    pub(super) fn new(tables: FeedTables) -> Capture {
         Capture {
             tables,
             ..Capture::default()
@@ -181,7 +173,7 @@ impl Capture {
     }
 
     /// Reads what `change` will overwrite, for the tables the feed follows.
-    pub fn before(
+    pub(super) fn before(
         &self,
         conn: &Connection,
         tables: &HashMap<String, ReplicaTable>,
@@ -272,7 +264,7 @@ impl Capture {
     /// Records what `change` did, given what was read before it and the seqs it took
     /// (`seq_before..seq_after`): the tables it wrote, and the exits the engine's rules
     /// ([`exits`]) find in what the replica held before and holds now.
-    pub fn after(
+    pub(super) fn after(
         &mut self,
         conn: &Connection,
         tables: &HashMap<String, ReplicaTable>,
@@ -332,14 +324,14 @@ impl Capture {
     }
 
     /// Forgets the open transaction (rolled back).
-    pub fn discard(&mut self) {
+    pub(super) fn discard(&mut self) {
         self.touched.clear();
         self.exits.clear();
     }
 
     /// Inside the transaction, just before its COMMIT: stamps the commit time on the rows it
     /// wrote, journals its exits, and returns its feed entries ([`commit_entries`]).
-    pub fn commit(
+    pub(super) fn commit(
         &mut self,
         conn: &Connection,
         tables: &HashMap<String, ReplicaTable>,
@@ -422,7 +414,7 @@ pub(super) fn record_confirms(
 
 /// A sync client's last mutation the replica holds, and the commit watermark of the
 /// transaction that applied it.
-pub fn client_mutation(
+pub(crate) fn client_mutation(
     conn: &Connection,
     client_id: &str,
 ) -> Result<Option<(u64, Watermark)>, ReplicaError> {
@@ -444,14 +436,14 @@ pub fn client_mutation(
 
 /// A replica row and its `_hw_seq` (a sync entry's `serverSequence`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct VersionedRow {
+pub(crate) struct VersionedRow {
     pub data: Map<String, Value>,
     pub seq: i64,
 }
 
 /// The row of `table` whose key `key_row` names (as the change stream's JSON), with its
 /// `_hw_seq`; `None` when the replica has no such row (or `key_row` lacks a key column).
-pub fn row_with_seq(
+pub(crate) fn row_with_seq(
     conn: &Connection,
     table: &ReplicaTable,
     key_row: &Map<String, Value>,
@@ -737,7 +729,7 @@ fn before_of(
 
 /// One replay page of a scope.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ScopeQuery<'a> {
+pub(crate) struct ScopeQuery<'a> {
     pub table: &'a str,
     /// The scope's conditions on filter columns.
     pub conditions: &'a Conditions,
@@ -749,7 +741,7 @@ pub struct ScopeQuery<'a> {
     pub up_to: Option<i64>,
     pub limit: u32,
     /// Count the scope's rows in `(after, up_to]` (the first page's progress total).
-    pub count_total: bool,
+    pub(crate) count_total: bool,
     /// Sets (a row filter's subqueries) to answer for: whether any may have changed in
     /// `(after, up_to]` ([`ScopePage::Rows::access_changed`]).
     pub access: &'a [SetQuery],
@@ -757,7 +749,7 @@ pub struct ScopeQuery<'a> {
 
 /// The answer to a [`ScopeQuery`].
 #[derive(Debug, Clone, PartialEq)]
-pub enum ScopePage {
+pub(crate) enum ScopePage {
     Rows {
         /// The high-water the page used: the last seq assigned when it was read.
         up_to: i64,
@@ -783,7 +775,7 @@ pub enum ScopePage {
 
 /// Reads one replay page in one read transaction (ended before returning, so no read
 /// transaction outlives the call while a socket is slow).
-pub fn read_scope_page(
+pub(crate) fn read_scope_page(
     conn: &Connection,
     tables: &HashMap<String, ReplicaTable>,
     query: &ScopeQuery<'_>,
@@ -1019,7 +1011,7 @@ fn sets_changed(
 /// parameter, as an exit's old values are read) rather than a stored row, so its tests compare
 /// as a read's do and its subqueries read the replica's tables as they are now. A table or
 /// column the replica lacks, or a comparison of a JSON column, is an error.
-pub fn row_passes(
+pub(crate) fn row_passes(
     conn: &Connection,
     tables: &HashMap<String, ReplicaTable>,
     table: &str,
@@ -1337,7 +1329,10 @@ fn stored_operand(column: &ReplicaColumn, operand: &Value) -> Option<SqlValue> {
 
 /// Drops exits journalled before `older_than` (ISO-8601, same format as `updated_at`) and
 /// raises the retention floor to the highest seq dropped. Returns the floor.
-pub fn prune_exits(conn: &Connection, older_than: &str) -> Result<Option<i64>, ReplicaError> {
+pub(crate) fn prune_exits(
+    conn: &Connection,
+    older_than: &str,
+) -> Result<Option<i64>, ReplicaError> {
     // One transaction: the floor is never below an exit already gone.
     conn.execute_batch("BEGIN IMMEDIATE")?;
     let result = prune_in_transaction(conn, older_than);
@@ -1370,7 +1365,7 @@ fn prune_in_transaction(conn: &Connection, older_than: &str) -> Result<(), Repli
 }
 
 /// Seqs at or below the floor may have lost their exits; `None` when nothing was pruned.
-pub fn retention_floor(conn: &Connection) -> Result<Option<i64>, ReplicaError> {
+pub(crate) fn retention_floor(conn: &Connection) -> Result<Option<i64>, ReplicaError> {
     let exists: bool = conn.query_row(
         "SELECT EXISTS (SELECT 1 FROM sqlite_schema WHERE name = '_hw_feed_state')",
         [],

@@ -22,7 +22,7 @@ pub fn marker_path(db: &Path) -> PathBuf {
 
 /// A load in progress, marked durably on disk, its marker locked while this lives.
 #[derive(Debug)]
-pub struct LoadMarker {
+pub(crate) struct LoadMarker {
     path: PathBuf,
     /// The open marker, holding its lock.
     file: File,
@@ -31,7 +31,7 @@ pub struct LoadMarker {
 impl LoadMarker {
     /// Marks the replica at `db` as loading; the marker and its directory entry are on disk
     /// when this returns. Fails if another load holds the marker.
-    pub fn create(db: &Path) -> io::Result<LoadMarker> {
+    pub(crate) fn create(db: &Path) -> io::Result<LoadMarker> {
         let path = marker_path(db);
         let file = File::create(&path)?;
         lock(&file)?;
@@ -41,7 +41,7 @@ impl LoadMarker {
     }
 
     /// The load is complete and durable: removes the marker, durably.
-    pub fn remove(self) -> io::Result<()> {
+    pub(crate) fn remove(self) -> io::Result<()> {
         std::fs::remove_file(&self.path)?;
         sync_dir(&self.path)?;
         drop(self.file);
@@ -63,7 +63,7 @@ fn lock(marker: &File) -> io::Result<()> {
 /// Removes the replica at `db` if its load never finished (its marker is there): the database
 /// and its WAL and shared-memory files first, the marker last, so that an interruption here
 /// leaves the marker to try again. Returns whether there was one.
-pub fn discard_unfinished(db: &Path) -> io::Result<bool> {
+pub(crate) fn discard_unfinished(db: &Path) -> io::Result<bool> {
     let marker = marker_path(db);
     if !marker.try_exists()? {
         return Ok(false);

@@ -17,25 +17,29 @@
 //! backfills to [`ReplicaWriter`].
 
 mod apply;
-pub mod ddl;
+pub(crate) mod ddl;
 pub mod feed;
 pub(crate) mod load;
 pub mod load_marker;
 pub mod schema;
-pub mod value;
-pub mod wal_sync;
+pub(crate) mod value;
+pub(crate) mod wal_sync;
 
 use std::collections::HashMap;
 use std::path::Path;
 
+#[cfg(any(test, feature = "test-support"))]
 use highwater_engine::change_stream::{JsonFormat, Row};
 use highwater_engine::scope_sync::rules::row_filter::RowFilter;
 use highwater_engine::watermark::{Lsn, Watermark, WatermarkError};
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::{Map, Value};
 
-pub use apply::{outgrows_hold, Applied, PendingBackfill, ReplicaWriter, TxnItem};
-use schema::{quote_ident, ReplicaTable};
+pub use apply::ReplicaWriter;
+pub(crate) use apply::{Applied, PendingBackfill, TxnItem};
+#[cfg(any(test, feature = "test-support"))]
+use schema::quote_ident;
+use schema::ReplicaTable;
 
 /// Anything that stops the replica from reading or applying.
 #[derive(Debug, thiserror::Error)]
@@ -140,7 +144,7 @@ impl Replica {
     /// Removes the replica in `data_dir` (`replica.db` and its WAL and shared-memory files), so
     /// that a new initial sync starts from nothing. The database goes first: a WAL left beside
     /// a new file would be replayed into it. Open it nowhere while this runs.
-    pub fn remove_in_dir(data_dir: &Path) -> Result<(), ReplicaError> {
+    pub(crate) fn remove_in_dir(data_dir: &Path) -> Result<(), ReplicaError> {
         for name in ["replica.db", "replica.db-wal", "replica.db-shm"] {
             let path = data_dir.join(name);
             match std::fs::remove_file(&path) {
@@ -196,10 +200,11 @@ impl Replica {
     }
 
     /// Re-reads the schema and replication state (after the writer committed more).
-    pub fn refresh(&mut self) -> Result<(), ReplicaError> {
+    pub(crate) fn refresh(&mut self) -> Result<(), ReplicaError> {
         self.reload()
     }
 
+    #[cfg(any(test, feature = "test-support"))]
     pub fn open_in_memory() -> Result<Replica, ReplicaError> {
         Replica::with_connection(Connection::open_in_memory()?)
     }
@@ -249,6 +254,7 @@ impl Replica {
     }
 
     /// Every row of a table as change-stream JSON (internal columns left out), ordered by key.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn rows(&self, table_name: &str, json: JsonFormat) -> Result<Vec<Row>, ReplicaError> {
         let table = self
             .tables
@@ -290,7 +296,7 @@ impl Replica {
     }
 
     /// One scope-sync replay page, read in one read transaction (see [`feed::read_scope_page`]).
-    pub fn read_scope_page(
+    pub(crate) fn read_scope_page(
         &self,
         query: &feed::ScopeQuery<'_>,
     ) -> Result<feed::ScopePage, ReplicaError> {
@@ -298,7 +304,7 @@ impl Replica {
     }
 
     /// Whether `filter` is true for one row of `table` (see [`feed::row_passes`]).
-    pub fn row_passes(
+    pub(crate) fn row_passes(
         &self,
         table: &str,
         filter: &RowFilter,
@@ -308,7 +314,7 @@ impl Replica {
     }
 
     /// Whether any column waits for a backfill (cheap: no allocation).
-    pub fn has_pending_backfills(&self) -> bool {
+    pub(crate) fn has_pending_backfills(&self) -> bool {
         self.tables
             .values()
             .any(|t| t.columns.iter().any(|c| c.backfill.is_some()))
@@ -316,7 +322,7 @@ impl Replica {
 
     /// Columns waiting for a backfill, grouped by table (recorded with the schema change that
     /// asked for them, so they survive a crash).
-    pub fn pending_backfills(&self) -> Vec<PendingBackfill> {
+    pub(crate) fn pending_backfills(&self) -> Vec<PendingBackfill> {
         let mut out = Vec::new();
         for name in self.table_names() {
             let Some(table) = self.table(&name) else {

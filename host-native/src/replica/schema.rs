@@ -71,7 +71,7 @@ impl ValueKind {
     }
 }
 
-/// SQLite's column affinity for a declared type (https://sqlite.org/datatype3.html §3.1).
+/// SQLite's column affinity for a declared type (<https://sqlite.org/datatype3.html> §3.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Affinity {
     Integer,
@@ -104,20 +104,20 @@ pub struct ReplicaColumn {
     /// Upstream type name (`int4`, `text`, `int4[]`, an enum's name, …).
     pub data_type: String,
     pub type_oid: Option<u32>,
-    pub type_class: Option<PgTypeClass>,
-    pub elem_type_class: Option<PgTypeClass>,
-    pub not_null: bool,
-    pub character_max_length: Option<i64>,
+    pub(crate) type_class: Option<PgTypeClass>,
+    pub(crate) elem_type_class: Option<PgTypeClass>,
+    pub(crate) not_null: bool,
+    pub(crate) character_max_length: Option<i64>,
     pub dflt: Option<String>,
     /// Upstream `attnum`; identifies the column across renames.
-    pub attnum: Option<i64>,
+    pub(crate) attnum: Option<i64>,
     /// Set while the column's existing values are still being backfilled.
     pub backfill: Option<Value>,
     pub kind: ValueKind,
 }
 
 impl ReplicaColumn {
-    pub fn from_spec(name: &str, spec: &ColumnSpec) -> ReplicaColumn {
+    pub(crate) fn from_spec(name: &str, spec: &ColumnSpec) -> ReplicaColumn {
         let type_class = spec.pg_type_class;
         ReplicaColumn {
             name: name.to_owned(),
@@ -140,7 +140,7 @@ impl ReplicaColumn {
     }
 
     /// The change-stream spec of this column (with `typeOID` and `attNum` when known).
-    pub fn to_spec(&self) -> ColumnSpec {
+    pub(crate) fn to_spec(&self) -> ColumnSpec {
         let mut spec = ColumnSpec::new(Number::from(self.pos), self.data_type.clone());
         spec.pg_type_class = self.type_class;
         spec.elem_pg_type_class = Some(self.elem_type_class);
@@ -156,7 +156,7 @@ impl ReplicaColumn {
         spec
     }
 
-    pub fn is_enum(&self) -> bool {
+    pub(crate) fn is_enum(&self) -> bool {
         self.type_class == Some(PgTypeClass::Enum)
     }
 
@@ -214,7 +214,7 @@ pub struct ReplicaTable {
 }
 
 impl ReplicaTable {
-    pub fn from_spec(spec: &TableSpec) -> ReplicaTable {
+    pub(crate) fn from_spec(spec: &TableSpec) -> ReplicaTable {
         let mut columns: Vec<ReplicaColumn> = spec
             .columns
             .iter()
@@ -237,7 +237,7 @@ impl ReplicaTable {
         }
     }
 
-    pub fn to_spec(&self) -> TableSpec {
+    pub(crate) fn to_spec(&self) -> TableSpec {
         let mut extra = serde_json::Map::new();
         if let Some(oid) = self.oid {
             extra.insert("oid".into(), Value::from(oid));
@@ -262,12 +262,12 @@ impl ReplicaTable {
         self.columns.iter().find(|c| c.name == name)
     }
 
-    pub fn column_mut(&mut self, name: &str) -> Option<&mut ReplicaColumn> {
+    pub(crate) fn column_mut(&mut self, name: &str) -> Option<&mut ReplicaColumn> {
         self.columns.iter_mut().find(|c| c.name == name)
     }
 
     /// The columns rows are matched on: the key, or every column of a keyless table.
-    pub fn match_columns(&self) -> Vec<String> {
+    pub(crate) fn match_columns(&self) -> Vec<String> {
         if self.key.is_empty() {
             self.columns.iter().map(|c| c.name.clone()).collect()
         } else {
@@ -275,7 +275,7 @@ impl ReplicaTable {
         }
     }
 
-    pub fn create_table_sql(&self) -> String {
+    pub(crate) fn create_table_sql(&self) -> String {
         let mut sql = format!("CREATE TABLE {} (", quote_ident(&self.name));
         for col in &self.columns {
             sql.push_str(&quote_ident(&col.name));
@@ -290,16 +290,16 @@ impl ReplicaTable {
         sql
     }
 
-    pub fn key_index_name(&self) -> String {
+    pub(crate) fn key_index_name(&self) -> String {
         format!("{}_hw_key", self.name)
     }
 
-    pub fn seq_index_name(&self) -> String {
+    pub(crate) fn seq_index_name(&self) -> String {
         format!("{}_hw_seq", self.name)
     }
 
     /// The unique index that upserts conflict on; none for a keyless table.
-    pub fn create_key_index_sql(&self) -> Option<String> {
+    pub(crate) fn create_key_index_sql(&self) -> Option<String> {
         if self.key.is_empty() {
             return None;
         }
@@ -312,7 +312,7 @@ impl ReplicaTable {
         ))
     }
 
-    pub fn create_seq_index_sql(&self) -> String {
+    pub(crate) fn create_seq_index_sql(&self) -> String {
         format!(
             "CREATE INDEX {} ON {} (\"_hw_seq\")",
             quote_ident(&self.seq_index_name()),
@@ -321,7 +321,7 @@ impl ReplicaTable {
     }
 }
 
-pub fn parse_replica_identity(text: &str) -> Option<ReplicaIdentity> {
+pub(crate) fn parse_replica_identity(text: &str) -> Option<ReplicaIdentity> {
     match text {
         "default" | "d" => Some(ReplicaIdentity::Default),
         "nothing" | "n" => Some(ReplicaIdentity::Nothing),
@@ -331,7 +331,7 @@ pub fn parse_replica_identity(text: &str) -> Option<ReplicaIdentity> {
     }
 }
 
-pub fn parse_type_class(text: &str) -> Option<PgTypeClass> {
+pub(crate) fn parse_type_class(text: &str) -> Option<PgTypeClass> {
     match text {
         "b" => Some(PgTypeClass::Base),
         "c" => Some(PgTypeClass::Composite),
@@ -345,13 +345,13 @@ pub fn parse_type_class(text: &str) -> Option<PgTypeClass> {
 }
 
 /// The replica's name for an upstream index (`index` in `public`, else `schema.index`).
-pub fn replica_index_name(schema: &str, name: &str) -> String {
+pub(crate) fn replica_index_name(schema: &str, name: &str) -> String {
     replica_table_name(schema, name)
 }
 
 /// Secondary indexes are created non-unique: the replica applies row changes one by one in
 /// upstream order, and a deferred upstream constraint may be violated between two of them.
-pub fn create_index_sql(spec: &IndexSpec) -> String {
+pub(crate) fn create_index_sql(spec: &IndexSpec) -> String {
     let cols: Vec<String> = spec
         .columns
         .iter()
@@ -372,7 +372,7 @@ pub fn create_index_sql(spec: &IndexSpec) -> String {
 }
 
 /// DDL of the replica's internal tables.
-pub const INTERNAL_TABLES_SQL: &str = r#"
+pub(crate) const INTERNAL_TABLES_SQL: &str = r#"
 -- Single row: where replication stands, written in the same transaction as the rows.
 CREATE TABLE IF NOT EXISTS "_hw_state" (
     "lock" INTEGER PRIMARY KEY CHECK ("lock" = 1),
@@ -455,7 +455,7 @@ fn class_str(class: Option<PgTypeClass>) -> Option<&'static str> {
 }
 
 /// Adds the columns of internal tables that replicas made by earlier versions lack.
-pub fn upgrade_internal_tables(conn: &Connection) -> Result<(), ReplicaError> {
+pub(crate) fn upgrade_internal_tables(conn: &Connection) -> Result<(), ReplicaError> {
     let has_metadata: bool = conn.query_row(
         r#"SELECT count(*) > 0 FROM pragma_table_info('_hw_tables') WHERE name = 'metadata'"#,
         [],
@@ -467,7 +467,7 @@ pub fn upgrade_internal_tables(conn: &Connection) -> Result<(), ReplicaError> {
     Ok(())
 }
 
-pub fn metadata_json(metadata: &TableMetadata) -> Value {
+pub(crate) fn metadata_json(metadata: &TableMetadata) -> Value {
     let mut object = metadata.extra.clone();
     object.insert("rowKey".into(), Value::Object(metadata.row_key.clone()));
     Value::Object(object)
@@ -487,7 +487,7 @@ fn metadata_from_json(value: Value) -> Option<TableMetadata> {
 }
 
 /// Writes a table's metadata rows (replacing any previous ones).
-pub fn store_table(conn: &Connection, table: &ReplicaTable) -> Result<(), ReplicaError> {
+pub(crate) fn store_table(conn: &Connection, table: &ReplicaTable) -> Result<(), ReplicaError> {
     forget_table(conn, &table.name)?;
     conn.execute(
         r#"INSERT INTO "_hw_tables" ("table_name","schema","name","oid","replica_identity","key_columns","metadata")
@@ -508,7 +508,7 @@ pub fn store_table(conn: &Connection, table: &ReplicaTable) -> Result<(), Replic
     Ok(())
 }
 
-pub fn store_column(
+pub(crate) fn store_column(
     conn: &Connection,
     table_name: &str,
     col: &ReplicaColumn,
@@ -538,7 +538,7 @@ pub fn store_column(
     Ok(())
 }
 
-pub fn forget_table(conn: &Connection, table_name: &str) -> Result<(), ReplicaError> {
+pub(crate) fn forget_table(conn: &Connection, table_name: &str) -> Result<(), ReplicaError> {
     conn.execute(
         r#"DELETE FROM "_hw_tables" WHERE "table_name" = ?1"#,
         [table_name],
@@ -552,19 +552,23 @@ pub fn forget_table(conn: &Connection, table_name: &str) -> Result<(), ReplicaEr
 
 /// An upstream index as recorded in `_hw_indexes`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UpstreamIndex {
+pub(crate) struct UpstreamIndex {
     /// Replica name (`index` in `public`, else `schema.index`).
     pub name: String,
     pub table_name: String,
     pub unique: bool,
     /// A primary key or replica identity index (kept as the table's `_hw_key` index).
-    pub is_key: bool,
+    pub(crate) is_key: bool,
     /// Columns in index order, with their direction.
     pub columns: Vec<(String, IndexDirection)>,
 }
 
 /// Records (or replaces) an upstream index the change source announced.
-pub fn record_index(conn: &Connection, spec: &IndexSpec, is_key: bool) -> Result<(), ReplicaError> {
+pub(crate) fn record_index(
+    conn: &Connection,
+    spec: &IndexSpec,
+    is_key: bool,
+) -> Result<(), ReplicaError> {
     let columns: Vec<(&str, &str)> = spec
         .columns
         .iter()
@@ -584,7 +588,7 @@ pub fn record_index(conn: &Connection, spec: &IndexSpec, is_key: bool) -> Result
     Ok(())
 }
 
-pub fn forget_index(conn: &Connection, index_name: &str) -> Result<(), ReplicaError> {
+pub(crate) fn forget_index(conn: &Connection, index_name: &str) -> Result<(), ReplicaError> {
     conn.execute(
         r#"DELETE FROM "_hw_indexes" WHERE "index_name" = ?1"#,
         [index_name],
@@ -593,7 +597,10 @@ pub fn forget_index(conn: &Connection, index_name: &str) -> Result<(), ReplicaEr
 }
 
 /// Forgets the indexes of a dropped (or replaced) table.
-pub fn forget_table_indexes(conn: &Connection, table_name: &str) -> Result<(), ReplicaError> {
+pub(crate) fn forget_table_indexes(
+    conn: &Connection,
+    table_name: &str,
+) -> Result<(), ReplicaError> {
     conn.execute(
         r#"DELETE FROM "_hw_indexes" WHERE "table_name" = ?1"#,
         [table_name],
@@ -602,7 +609,11 @@ pub fn forget_table_indexes(conn: &Connection, table_name: &str) -> Result<(), R
 }
 
 /// Follows a table rename (index names stay, as upstream and in SQLite).
-pub fn rename_table_indexes(conn: &Connection, old: &str, new: &str) -> Result<(), ReplicaError> {
+pub(crate) fn rename_table_indexes(
+    conn: &Connection,
+    old: &str,
+    new: &str,
+) -> Result<(), ReplicaError> {
     conn.execute(
         r#"UPDATE "_hw_indexes" SET "table_name" = ?1 WHERE "table_name" = ?2"#,
         params![new, old],
@@ -611,7 +622,7 @@ pub fn rename_table_indexes(conn: &Connection, old: &str, new: &str) -> Result<(
 }
 
 /// Follows a column rename in the recorded index columns.
-pub fn rename_index_column(
+pub(crate) fn rename_index_column(
     conn: &Connection,
     table_name: &str,
     old: &str,
@@ -648,7 +659,7 @@ fn direction_str(dir: IndexDirection) -> &'static str {
 }
 
 /// Every recorded upstream index, by name.
-pub fn load_indexes(conn: &Connection) -> Result<Vec<UpstreamIndex>, ReplicaError> {
+pub(crate) fn load_indexes(conn: &Connection) -> Result<Vec<UpstreamIndex>, ReplicaError> {
     let mut stmt = conn.prepare(
         r#"SELECT "index_name","table_name","is_unique","is_key","columns"
            FROM "_hw_indexes" ORDER BY "index_name""#,
@@ -688,7 +699,7 @@ pub fn load_indexes(conn: &Connection) -> Result<Vec<UpstreamIndex>, ReplicaErro
 }
 
 /// Reads every table's metadata.
-pub fn load_tables(conn: &Connection) -> Result<Vec<ReplicaTable>, ReplicaError> {
+pub(crate) fn load_tables(conn: &Connection) -> Result<Vec<ReplicaTable>, ReplicaError> {
     let mut tables = Vec::new();
     let mut stmt = conn.prepare(
         r#"SELECT "table_name","schema","name","oid","replica_identity","key_columns","metadata"

@@ -19,12 +19,12 @@ use serde_json::{Number, Value};
 use super::schema::{ReplicaColumn, ValueKind};
 
 /// The SQLite value stored for a change-stream value of `column`: [`to_sql_ref`], owned.
-pub fn to_sql(column: &ReplicaColumn, value: &Value, json: JsonFormat) -> SqlValue {
+pub(crate) fn to_sql(column: &ReplicaColumn, value: &Value, json: JsonFormat) -> SqlValue {
     to_sql_ref(column, value, json).into()
 }
 
 /// [`to_sql`] taking the value: the same SQLite value, without copying its text.
-pub fn into_sql(column: &ReplicaColumn, value: Value, json: JsonFormat) -> SqlValue {
+pub(crate) fn into_sql(column: &ReplicaColumn, value: Value, json: JsonFormat) -> SqlValue {
     match value {
         // A string is stored as it is, except a parsed JSON string, which is stored as JSON.
         Value::String(text)
@@ -38,7 +38,7 @@ pub fn into_sql(column: &ReplicaColumn, value: Value, json: JsonFormat) -> SqlVa
 
 /// A SQLite value whose text may be borrowed.
 #[derive(Debug, Clone, PartialEq)]
-pub enum SqlScalar<'a> {
+pub(crate) enum SqlScalar<'a> {
     Null,
     Integer(i64),
     Real(f64),
@@ -46,7 +46,7 @@ pub enum SqlScalar<'a> {
 }
 
 impl SqlScalar<'_> {
-    pub fn as_value_ref(&self) -> ValueRef<'_> {
+    pub(crate) fn as_value_ref(&self) -> ValueRef<'_> {
         match self {
             SqlScalar::Null => ValueRef::Null,
             SqlScalar::Integer(i) => ValueRef::Integer(*i),
@@ -90,7 +90,11 @@ impl rusqlite::ToSql for SqlScalar<'_> {
 
 /// The SQLite value stored for a change-stream value of `column`, borrowing the value's text:
 /// for binding straight from a change-stream row.
-pub fn to_sql_ref<'v>(column: &ReplicaColumn, value: &'v Value, json: JsonFormat) -> SqlScalar<'v> {
+pub(crate) fn to_sql_ref<'v>(
+    column: &ReplicaColumn,
+    value: &'v Value,
+    json: JsonFormat,
+) -> SqlScalar<'v> {
     match (column.kind, value) {
         (_, Value::Null) => SqlScalar::Null,
         (ValueKind::Json, Value::String(text)) if json == JsonFormat::Stringified => {
@@ -118,7 +122,7 @@ const F64_EXACT_INTEGERS: i128 = 1 << 53;
 
 /// [`into_sql`] (stringified JSON) of the value `value` stands for, without building it: the
 /// same SQLite value, borrowing its text where it can.
-pub fn scalar_to_sql<'a>(column: &ReplicaColumn, value: ScalarText<'a>) -> SqlScalar<'a> {
+pub(crate) fn scalar_to_sql<'a>(column: &ReplicaColumn, value: ScalarText<'a>) -> SqlScalar<'a> {
     // JSON and text columns store a non-string value as its JSON text.
     let as_text = matches!(column.kind, ValueKind::Json | ValueKind::Text);
     match value {
@@ -168,7 +172,7 @@ fn number_text_to_sql(text: Cow<'_, str>) -> SqlScalar<'_> {
 
 /// The change-stream value of a stored SQLite value of `column`; JSON columns come back parsed
 /// (`JsonFormat::Parsed`) or as their text (`Stringified`).
-pub fn from_sql(column: &ReplicaColumn, value: ValueRef<'_>, json: JsonFormat) -> Value {
+pub(crate) fn from_sql(column: &ReplicaColumn, value: ValueRef<'_>, json: JsonFormat) -> Value {
     match (column.kind, value) {
         (_, ValueRef::Null) => Value::Null,
         (ValueKind::Bool, ValueRef::Integer(i)) => Value::Bool(i != 0),
@@ -210,7 +214,7 @@ pub fn from_sql(column: &ReplicaColumn, value: ValueRef<'_>, json: JsonFormat) -
 
 /// The canonical JSON of a row key: key columns in key order, values as the replica reads them
 /// back, so the same key gives the same text whichever path wrote it.
-pub fn row_key_json(columns: &[(&ReplicaColumn, SqlScalar<'_>)]) -> String {
+pub(crate) fn row_key_json(columns: &[(&ReplicaColumn, SqlScalar<'_>)]) -> String {
     let mut map = serde_json::Map::new();
     for (col, value) in columns {
         map.insert(

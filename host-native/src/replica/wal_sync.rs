@@ -52,7 +52,7 @@ use crate::pause_point::{self, Point};
 
 /// WAL frames past which a sync is followed by a checkpoint: SQLite's own default for its
 /// automatic checkpoints (about 4 MiB of 4 KiB pages).
-pub const CHECKPOINT_FRAMES: i32 = 1000;
+pub(crate) const CHECKPOINT_FRAMES: i32 = 1000;
 
 thread_local! {
     /// Frames in the WAL after the last commit on this thread, from the connection's WAL hook
@@ -67,7 +67,7 @@ fn note_wal_frames(_: &Wal, frames: std::ffi::c_int) -> rusqlite::Result<()> {
 }
 
 /// Syncs one database's WAL file, one sync at a time, and checkpoints it.
-pub struct WalSync {
+pub(crate) struct WalSync {
     wal: PathBuf,
     running: Option<oneshot::Receiver<std::io::Result<()>>>,
     /// The checkpoints' connection; held by the one running.
@@ -78,7 +78,7 @@ pub struct WalSync {
 
 /// Why a connection's commits cannot be synced apart.
 #[derive(Debug, thiserror::Error)]
-pub enum WalSyncError {
+pub(crate) enum WalSyncError {
     #[error("the replica is not in WAL mode (journal mode {0}); its commits sync themselves")]
     NotWal(String),
     #[error("the replica has no file (an in-memory database); its commits sync themselves")]
@@ -92,7 +92,7 @@ impl WalSync {
     /// do not checkpoint, and returns what syncs and checkpoints them. Until
     /// [`WalSync::start`]'s sync returns, nothing committed on `conn` since the last one is
     /// durable.
-    pub fn take_over(conn: &Connection) -> Result<WalSync, WalSyncError> {
+    pub(crate) fn take_over(conn: &Connection) -> Result<WalSync, WalSyncError> {
         let mode: String = conn.query_row("PRAGMA journal_mode", [], |row| row.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(WalSyncError::NotWal(mode));
@@ -118,19 +118,20 @@ impl WalSync {
     }
 
     /// Checkpoints that completed so far.
-    pub fn checkpoints(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn checkpoints(&self) -> u64 {
         self.checkpoints.load(Ordering::Relaxed)
     }
 
     /// Whether a sync is running.
-    pub fn running(&self) -> bool {
+    pub(crate) fn running(&self) -> bool {
         self.running.is_some()
     }
 
     /// Starts a sync of everything committed so far, on a blocking thread (`transactions`:
     /// those it makes durable, for the crash tests' pause point), then a checkpoint if the
     /// last commit on this thread left the WAL past [`CHECKPOINT_FRAMES`].
-    pub fn start(&mut self, handle: &Handle, transactions: usize) {
+    pub(crate) fn start(&mut self, handle: &Handle, transactions: usize) {
         let (done, running) = oneshot::channel();
         let wal = self.wal.clone();
         let checkpoint = WAL_FRAMES.with(Cell::get) >= CHECKPOINT_FRAMES;
@@ -148,7 +149,7 @@ impl WalSync {
     }
 
     /// The running sync's result if it returned; `None` while it runs, or with none running.
-    pub fn poll(&mut self) -> Option<std::io::Result<()>> {
+    pub(crate) fn poll(&mut self) -> Option<std::io::Result<()>> {
         let running = self.running.as_mut()?;
         match running.try_recv() {
             Ok(result) => {
@@ -165,7 +166,7 @@ impl WalSync {
 
     /// Waits for the running sync; never returns with none running (for a `select!` branch
     /// guarded by [`WalSync::running`]).
-    pub async fn done(&mut self) -> std::io::Result<()> {
+    pub(crate) async fn done(&mut self) -> std::io::Result<()> {
         let Some(running) = self.running.as_mut() else {
             return std::future::pending().await;
         };

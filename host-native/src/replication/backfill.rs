@@ -45,7 +45,7 @@ use crate::replica::schema::{quote_ident, ReplicaColumn, ReplicaTable};
 use crate::replica::{PendingBackfill, Replica};
 
 /// Rows per `backfill` message.
-pub const BACKFILL_BATCH_ROWS: usize = 2_000;
+pub(crate) const BACKFILL_BATCH_ROWS: usize = 2_000;
 
 /// Messages produced ahead of the consumer: with [`BACKFILL_BATCH_ROWS`], a few thousand rows.
 const AHEAD: usize = 2;
@@ -59,11 +59,11 @@ const VISIBLE_XIDS: usize = 64;
 /// The consumer's latest upstream transactions (their 32-bit xids): the next backfill's
 /// snapshot must see them, or it would overwrite their rows with older values.
 #[derive(Debug, Default)]
-pub struct RecentXids(VecDeque<u32>);
+pub(crate) struct RecentXids(VecDeque<u32>);
 
 impl RecentXids {
     /// Notes the transaction `begin` opens (pgoutput's `xid`; other sources have none).
-    pub fn note(&mut self, begin: &Begin) {
+    pub(crate) fn note(&mut self, begin: &Begin) {
         let xid = begin
             .extra
             .get("xid")
@@ -77,14 +77,14 @@ impl RecentXids {
         }
     }
 
-    pub fn to_vec(&self) -> Vec<u32> {
+    pub(crate) fn to_vec(&self) -> Vec<u32> {
         self.0.iter().copied().collect()
     }
 }
 
 /// One backfill to run.
 #[derive(Debug, Clone, PartialEq)]
-pub struct BackfillJob {
+pub(crate) struct BackfillJob {
     /// The replica's table, for column types.
     pub table: ReplicaTable,
     pub pending: PendingBackfill,
@@ -96,7 +96,7 @@ pub struct BackfillJob {
     /// position (`docs/protocol/change-stream.md`, "Watermarks").
     pub commit_watermark: Watermark,
     /// Upstream transactions (32-bit xids) the snapshot must see: the consumer's latest.
-    pub visible_xids: Vec<u32>,
+    pub(crate) visible_xids: Vec<u32>,
     pub batch_rows: usize,
     /// The replica's publications: only rows their row filters publish are read.
     pub publications: Vec<String>,
@@ -106,7 +106,7 @@ pub struct BackfillJob {
 // Messages are the common variant; boxing them would add an allocation per message.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
-pub enum BackfillItem {
+pub(crate) enum BackfillItem {
     /// The next message of the synthetic transaction.
     Message(DownstreamMessage),
     /// Pending columns (key included) that upstream lacks at `snapshot`: left pending, since a
@@ -118,14 +118,14 @@ pub enum BackfillItem {
 }
 
 /// A backfill being read from upstream, message by message. Dropping it stops the read.
-pub struct BackfillStream {
+pub(crate) struct BackfillStream {
     items: mpsc::Receiver<Result<BackfillItem, SyncError>>,
     task: JoinHandle<()>,
 }
 
 impl BackfillStream {
     /// Starts reading `job` on a new connection made with `upstream`.
-    pub fn spawn(handle: &Handle, upstream: &PgConfig, job: BackfillJob) -> BackfillStream {
+    pub(crate) fn spawn(handle: &Handle, upstream: &PgConfig, job: BackfillJob) -> BackfillStream {
         let (tx, items) = mpsc::channel(AHEAD);
         let upstream = upstream.clone();
         let task = handle.spawn(async move {
@@ -137,7 +137,7 @@ impl BackfillStream {
     }
 
     /// The next item; `None` once the backfill is over.
-    pub async fn next(&mut self) -> Option<Result<BackfillItem, SyncError>> {
+    pub(crate) async fn next(&mut self) -> Option<Result<BackfillItem, SyncError>> {
         self.items.recv().await
     }
 }
@@ -549,7 +549,7 @@ async fn read_rows(
 
 /// Chooses the next backfill to run and remembers what upstream cannot serve yet.
 #[derive(Debug)]
-pub struct BackfillPlanner {
+pub(crate) struct BackfillPlanner {
     /// `(table, column)` → the snapshot where upstream first lacked the column.
     missing: HashMap<(String, String), Watermark>,
     /// Table → where and when its backfill failed: tried again after the next transaction, or
@@ -587,12 +587,12 @@ impl Default for BackfillPlanner {
 }
 
 impl BackfillPlanner {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// A planner whose retry delays are drawn from `seed`.
-    pub fn with_seed(seed: u64) -> Self {
+    pub(crate) fn with_seed(seed: u64) -> Self {
         BackfillPlanner {
             missing: HashMap::new(),
             failed: HashMap::new(),
@@ -603,7 +603,7 @@ impl BackfillPlanner {
 
     /// The next backfill the replica waits for, as a transaction after `position` (the
     /// consumer's last commit), or `None` when there is nothing to run now.
-    pub fn next_job(
+    pub(crate) fn next_job(
         &mut self,
         replica: &Replica,
         position: &Watermark,
@@ -682,7 +682,7 @@ impl BackfillPlanner {
     }
 
     /// Upstream lacked `columns` of `table` at `snapshot`.
-    pub fn on_missing(&mut self, table: &str, columns: &[String], snapshot: &Watermark) {
+    pub(crate) fn on_missing(&mut self, table: &str, columns: &[String], snapshot: &Watermark) {
         for column in columns {
             self.missing
                 .entry((table.to_owned(), column.clone()))
@@ -692,7 +692,7 @@ impl BackfillPlanner {
 
     /// The backfill of `table` failed at `position`, at `now`: not retried before the next
     /// transaction or its retry delay ([`BackfillPlanner::retry_at`]).
-    pub fn on_failed(&mut self, table: &str, position: &Watermark, now: Instant) {
+    pub(crate) fn on_failed(&mut self, table: &str, position: &Watermark, now: Instant) {
         let delay = self.retries.next_delay_ms(BACKFILL_RETRY_FLOOR_MS);
         self.failed.insert(
             table.to_owned(),
@@ -707,19 +707,19 @@ impl BackfillPlanner {
     }
 
     /// A backfill committed: the next failure waits the shortest delay again.
-    pub fn on_completed(&mut self) {
+    pub(crate) fn on_completed(&mut self) {
         self.retries.reset();
     }
 
     /// When the next failed backfill may be tried again without a transaction in between;
     /// `None` when none waits.
-    pub fn retry_at(&self) -> Option<Instant> {
+    pub(crate) fn retry_at(&self) -> Option<Instant> {
         self.failed.values().map(|failed| failed.retry_at).min()
     }
 
     /// Releases the failed backfills whose delay has passed at `now`, for the next
     /// [`BackfillPlanner::next_job`]; `true` if it released any.
-    pub fn release_due(&mut self, now: Instant) -> bool {
+    pub(crate) fn release_due(&mut self, now: Instant) -> bool {
         let before = self.failed.len();
         self.failed.retain(|_, failed| failed.retry_at > now);
         self.failed.len() < before

@@ -87,11 +87,6 @@ impl Upstream {
         })
     }
 
-    /// The query connection (catalog queries; closed with `self`).
-    pub fn client(&self) -> &Client {
-        &self.client
-    }
-
     /// Why `replica` must be synced again, or `None` when it can resume streaming.
     pub fn resync_reason(
         &self,
@@ -120,7 +115,7 @@ impl Upstream {
 
     /// Refuses to go on when `replica` was synced but its slot is gone, unless `auto_reset`:
     /// resyncing then discards the replica, which an operator must opt into.
-    pub fn check_slot(
+    pub(crate) fn check_slot(
         &self,
         handle: &Handle,
         replica: &Replica,

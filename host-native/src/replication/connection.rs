@@ -46,7 +46,7 @@ pub struct PgConfig {
 }
 
 /// A tokio-postgres connection over the transport Highwater negotiated, to be spawned.
-pub type PgConnection =
+pub(crate) type PgConnection =
     tokio_postgres::Connection<Box<dyn Transport>, tokio_postgres::tls::NoTlsStream>;
 
 impl PgConfig {
@@ -257,19 +257,6 @@ impl FromStr for ConnectParams {
 }
 
 impl ConnectParams {
-    /// From a tokio-postgres config, with its own `sslmode` (`disable`, `prefer`, `require`)
-    /// and no root certificate.
-    pub fn from_config(config: tokio_postgres::Config) -> Result<Self, ReplicationError> {
-        let mode = match config.get_ssl_mode() {
-            tokio_postgres::config::SslMode::Disable => "disable",
-            tokio_postgres::config::SslMode::Require => "require",
-            _ => "prefer",
-        };
-        let tls =
-            PgTls::new(Some(mode), None).map_err(|e| ReplicationError::Config(e.to_string()))?;
-        ConnectParams::with_tls(config, tls)
-    }
-
     fn with_tls(config: tokio_postgres::Config, tls: PgTls) -> Result<Self, ReplicationError> {
         if config.get_user().is_none() {
             return Err(ReplicationError::Config(
@@ -294,7 +281,7 @@ impl ConnectParams {
     }
 
     /// The `sslmode` in force.
-    pub fn ssl_mode(&self) -> SslMode {
+    pub(crate) fn ssl_mode(&self) -> SslMode {
         self.tls.mode()
     }
 
@@ -377,6 +364,7 @@ fn socket_path(dir: &std::path::Path, port: u16) -> PathBuf {
 
 /// What `IDENTIFY_SYSTEM` reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg(any(test, feature = "test-support"))]
 pub struct SystemIdentity {
     pub system_id: String,
     pub timeline: u32,
@@ -395,8 +383,10 @@ pub struct CreatedSlot {
     pub snapshot_name: String,
 }
 
-/// Rows of a simple query, all values in text form.
+/// Rows of a simple query, all values in text form (reachable from outside only through
+/// `simple_query`, a `test-support` method).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 pub struct TextRows {
     pub columns: Vec<String>,
     pub rows: Vec<Vec<Option<String>>>,
@@ -498,13 +488,9 @@ impl ReplicationConnection {
     }
 
     /// Process id of the walsender serving this connection.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn backend_pid(&self) -> i32 {
         self.backend_pid
-    }
-
-    /// Major version of the server (15 for 15.4).
-    pub fn server_major(&self) -> u32 {
-        self.server_major
     }
 
     async fn startup(&mut self, params: &ConnectParams) -> Result<(), ReplicationError> {
@@ -661,6 +647,7 @@ impl ReplicationConnection {
 
     /// Runs one simple-query command and collects its rows as text. A server error is returned
     /// only after ReadyForQuery, so the connection stays usable.
+    #[cfg(any(test, feature = "test-support"))]
     pub async fn simple_query(&mut self, sql: &str) -> Result<TextRows, ReplicationError> {
         self.simple_query_for(sql, None).await
     }
@@ -699,6 +686,7 @@ impl ReplicationConnection {
     }
 
     /// `IDENTIFY_SYSTEM`.
+    #[cfg(any(test, feature = "test-support"))]
     pub async fn identify_system(&mut self) -> Result<SystemIdentity, ReplicationError> {
         let row = self
             .simple_query("IDENTIFY_SYSTEM")
@@ -866,7 +854,7 @@ impl ReplicationStream {
     }
 
     /// Sends one CopyData message (a standby status update) and flushes it.
-    pub async fn send_copy_data(&mut self, payload: &[u8]) -> Result<(), ReplicationError> {
+    pub(crate) async fn send_copy_data(&mut self, payload: &[u8]) -> Result<(), ReplicationError> {
         frontend::CopyData::new(payload)?.write(&mut self.conn.write_buf);
         self.conn.flush().await
     }

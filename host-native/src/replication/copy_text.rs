@@ -1,5 +1,5 @@
 //! Postgres `COPY … TO STDOUT` text format: rows split across arbitrary chunks, tab-separated
-//! fields, `\N` for NULL, backslash escapes (https://www.postgresql.org/docs/current/sql-copy.html).
+//! fields, `\N` for NULL, backslash escapes (<https://www.postgresql.org/docs/current/sql-copy.html>).
 
 /// A malformed COPY text row.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -17,7 +17,7 @@ pub enum CopyTextError {
 }
 
 /// Reassembles rows from COPY data chunks; holds at most one partial row between chunks.
-pub struct CopyRows {
+pub(crate) struct CopyRows {
     columns: usize,
     partial: Vec<u8>,
     rows: u64,
@@ -29,23 +29,23 @@ pub struct CopyRows {
 
 /// One row's fields, borrowed from the parser until the next row.
 #[derive(Clone, Copy)]
-pub struct CopyRow<'a> {
+pub(crate) struct CopyRow<'a> {
     text: &'a str,
     spans: &'a [Option<(usize, usize)>],
 }
 
 impl<'a> CopyRow<'a> {
     /// Field `i`: `None` for NULL (and past the last field).
-    pub fn get(&self, i: usize) -> Option<&'a str> {
+    pub(crate) fn get(&self, i: usize) -> Option<&'a str> {
         let (start, end) = (*self.spans.get(i)?)?;
         self.text.get(start..end)
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.spans.len()
     }
 
-    pub fn to_owned_fields(self) -> Vec<Option<String>> {
+    pub(crate) fn to_owned_fields(self) -> Vec<Option<String>> {
         (0..self.len())
             .map(|i| self.get(i).map(str::to_owned))
             .collect()
@@ -53,7 +53,7 @@ impl<'a> CopyRow<'a> {
 }
 
 impl CopyRows {
-    pub fn new(columns: usize) -> CopyRows {
+    pub(crate) fn new(columns: usize) -> CopyRows {
         CopyRows {
             columns,
             partial: Vec::new(),
@@ -64,7 +64,7 @@ impl CopyRows {
     }
 
     /// Feeds one chunk; `on_row` gets every row completed by it, as owned fields.
-    pub fn push<E: From<CopyTextError>>(
+    pub(crate) fn push<E: From<CopyTextError>>(
         &mut self,
         chunk: &[u8],
         mut on_row: impl FnMut(Vec<Option<String>>) -> Result<(), E>,
@@ -74,7 +74,7 @@ impl CopyRows {
 
     /// Feeds one chunk; `on_row` gets every row completed by it, borrowed: no allocation per
     /// row or field.
-    pub fn push_rows<E: From<CopyTextError>>(
+    pub(crate) fn push_rows<E: From<CopyTextError>>(
         &mut self,
         chunk: &[u8],
         mut on_row: impl FnMut(CopyRow<'_>) -> Result<(), E>,
@@ -103,7 +103,7 @@ impl CopyRows {
     }
 
     /// Checks that the data did not stop inside a row.
-    pub fn finish(&self) -> Result<(), CopyTextError> {
+    pub(crate) fn finish(&self) -> Result<(), CopyTextError> {
         if self.partial.is_empty() {
             Ok(())
         } else {

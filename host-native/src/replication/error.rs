@@ -15,7 +15,7 @@ const AUTH_CLASS: &str = "28";
 /// An `ErrorResponse` from the server, with the fields a person needs to act on it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ServerError {
-    pub severity: String,
+    pub(crate) severity: String,
     pub code: String,
     pub message: String,
     pub detail: Option<String>,
@@ -58,7 +58,7 @@ impl ServerError {
 /// A tokio-postgres error as a person needs to read it: its own text says only "db error" for
 /// what the server answered, so the server's severity, SQLSTATE, message, detail and hint are
 /// added (as [`ServerError`] shows them).
-pub struct PgErrorText<'a>(pub &'a tokio_postgres::Error);
+pub(crate) struct PgErrorText<'a>(pub &'a tokio_postgres::Error);
 
 impl fmt::Display for PgErrorText<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -198,7 +198,7 @@ impl ReplicationError {
     }
 
     /// Whether reconnecting could help; the rest need a person (or a resync) first.
-    pub fn is_transient(&self) -> bool {
+    pub(crate) fn is_transient(&self) -> bool {
         match self {
             ReplicationError::Connect { .. }
             | ReplicationError::Io(_)

@@ -41,13 +41,13 @@ use crate::replica::value::{into_sql, scalar_to_sql, SqlScalar};
 use crate::replica::{Replica, ReplicaError, ReplicaState};
 
 /// Rows per SQLite transaction during the copy.
-pub const DEFAULT_BATCH_ROWS: usize = 100_000;
+pub(crate) const DEFAULT_BATCH_ROWS: usize = 100_000;
 /// COPY readers by default (`--sync-workers`).
 pub const DEFAULT_SYNC_WORKERS: usize = 2;
 /// Tables of at least this many 8 KiB pages (128 MiB) are read by several readers at once.
-pub const SPLIT_MIN_PAGES: u32 = 16_384;
+pub(crate) const SPLIT_MIN_PAGES: u32 = 16_384;
 /// How often the copy's progress is logged.
-pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
@@ -317,7 +317,7 @@ pub(super) async fn open_snapshot(
 }
 
 /// Reads the published schema of `publications` in the current transaction.
-pub fn published_schema(
+pub(crate) fn published_schema(
     handle: &Handle,
     client: &Client,
     publications: &[String],
@@ -379,7 +379,7 @@ pub fn initial_sync(
 /// [`initial_sync`] with `options.workers` COPY readers: `client` and up to `workers - 1` more
 /// connections opened with `readers` (none without it), each in the exported snapshot. It gives
 /// up with [`SyncError::Stopped`] once `stop` returns true (polled between batches).
-pub fn initial_sync_with(
+pub(crate) fn initial_sync_with(
     handle: &Handle,
     client: &Client,
     readers: Option<&PgConfig>,

@@ -34,14 +34,14 @@ mod connection;
 pub(crate) mod copy_text;
 mod error;
 pub mod initial_sync;
-pub mod published_schema;
+pub(crate) mod published_schema;
 pub mod setup;
 mod stream;
-pub mod tls;
+pub(crate) mod tls;
 
-pub use connection::{
-    ConnectParams, CreatedSlot, PgConfig, PgConnection, ReplicationConnection, ReplicationStream,
-    SystemIdentity, TextRows,
-};
-pub use error::{PgErrorText, ReplicationError, ServerError};
-pub use stream::{Acker, StreamConfig, WalEvent, WalStream};
+pub(crate) use connection::PgConfig;
+pub use connection::{ConnectParams, ReplicationConnection};
+pub(crate) use error::PgErrorText;
+pub use error::{ReplicationError, ServerError};
+pub(crate) use stream::Acker;
+pub use stream::{StreamConfig, WalEvent, WalStream};

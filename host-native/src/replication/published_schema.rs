@@ -41,7 +41,7 @@ use crate::replica::schema::{
 ///
 /// Generated columns are left out (Postgres does not publish them); so are expression and
 /// partial indexes, which the replica cannot represent.
-pub const PUBLISHED_SCHEMA_SQL: &str = r#"
+pub(crate) const PUBLISHED_SCHEMA_SQL: &str = r#"
 SELECT coalesce(json_agg(t ORDER BY t.schema, t.name), '[]'::json)::text FROM (
   SELECT c.oid::int8 AS oid, n.nspname::text AS schema, c.relnamespace::int8 AS "schemaOID",
     c.relname::text AS name,
@@ -105,12 +105,12 @@ SELECT coalesce(json_agg(t ORDER BY t.schema, t.name), '[]'::json)::text FROM (
 /// One published table as [`PUBLISHED_SCHEMA_SQL`] describes it.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct PublishedTable {
+pub(crate) struct PublishedTable {
     pub oid: u32,
     pub schema: String,
     /// Absent from DDL events written before it was added.
     #[serde(rename = "schemaOID", default)]
-    pub schema_oid: Option<u32>,
+    pub(crate) schema_oid: Option<u32>,
     pub name: String,
     pub replica_identity: String,
     #[serde(default)]
@@ -120,7 +120,7 @@ pub struct PublishedTable {
     pub indexes: Vec<PublishedIndex>,
     /// Per publication: its column list and row filter (absent before Postgres 15).
     #[serde(default)]
-    pub publication_details: Option<std::collections::BTreeMap<String, PublicationDetail>>,
+    pub(crate) publication_details: Option<std::collections::BTreeMap<String, PublicationDetail>>,
     /// The row filter the table is published with to the replica's publications (set by
     /// [`PublishedTable::restrict_to`]): rows outside it are never replicated.
     #[serde(skip)]
@@ -130,7 +130,7 @@ pub struct PublishedTable {
 /// How one publication publishes a table (Postgres 15+).
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct PublicationDetail {
+pub(crate) struct PublicationDetail {
     /// The published columns (every column when the publication has no column list).
     #[serde(default)]
     pub columns: Option<Vec<String>>,
@@ -142,7 +142,7 @@ pub struct PublicationDetail {
 /// The row filter of a table published by several publications: a row is published if any of
 /// them publishes it, so the filters are ORed, and one publication without a filter publishes
 /// every row (as Postgres combines them for its own subscribers).
-pub fn combine_row_filters<'a>(
+pub(crate) fn combine_row_filters<'a>(
     filters: impl IntoIterator<Item = Option<&'a str>>,
 ) -> Option<String> {
     let mut parts = Vec::new();
@@ -154,58 +154,58 @@ pub fn combine_row_filters<'a>(
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct PublishedColumn {
+pub(crate) struct PublishedColumn {
     pub name: String,
-    pub attnum: i64,
+    pub(crate) attnum: i64,
     #[serde(rename = "typeOID")]
     pub type_oid: u32,
     pub data_type: String,
-    pub type_name: String,
-    pub typtype: String,
-    pub elem_typtype: Option<String>,
-    pub not_null: bool,
+    pub(crate) type_name: String,
+    pub(crate) typtype: String,
+    pub(crate) elem_typtype: Option<String>,
+    pub(crate) not_null: bool,
     pub dflt: Option<String>,
     #[serde(default)]
     pub identity: bool,
-    pub char_max_len: Option<i64>,
+    pub(crate) char_max_len: Option<i64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct PublishedIndex {
+pub(crate) struct PublishedIndex {
     pub name: String,
     pub unique: bool,
-    pub is_primary_key: bool,
-    pub is_replica_identity: bool,
+    pub(crate) is_primary_key: bool,
+    pub(crate) is_replica_identity: bool,
     /// `[column, "ASC" | "DESC"]` pairs.
     pub columns: Option<Vec<(String, String)>>,
 }
 
 /// The content of a `<app>/ddl` message.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct DdlEvent {
+pub(crate) struct DdlEvent {
     /// The command tag (`CREATE TABLE`, `ALTER TABLE`, `ALTER PUBLICATION`, …).
     pub tag: String,
     pub schema: Vec<PublishedTable>,
 }
 
 /// Parses the published schema JSON.
-pub fn parse_published_schema(text: &str) -> Result<Vec<PublishedTable>, serde_json::Error> {
+pub(crate) fn parse_published_schema(text: &str) -> Result<Vec<PublishedTable>, serde_json::Error> {
     serde_json::from_str(text)
 }
 
-pub fn parse_ddl_event(content: &[u8]) -> Result<DdlEvent, serde_json::Error> {
+pub(crate) fn parse_ddl_event(content: &[u8]) -> Result<DdlEvent, serde_json::Error> {
     serde_json::from_slice(content)
 }
 
 /// The logical-message prefix of DDL events of an app.
-pub fn ddl_prefix(app_id: &str) -> String {
+pub(crate) fn ddl_prefix(app_id: &str) -> String {
     format!("{app_id}/ddl")
 }
 
 impl PublishedColumn {
     /// The column's spec as Zero's change source sends it: `pos` is the `attnum`.
-    pub fn to_spec(&self) -> ColumnSpec {
+    pub(crate) fn to_spec(&self) -> ColumnSpec {
         let mut spec = ColumnSpec::new(Number::from(self.attnum), self.data_type.clone());
         spec.pg_type_class = parse_type_class(&self.typtype);
         spec.elem_pg_type_class = Some(self.elem_typtype.as_deref().and_then(parse_type_class));
@@ -220,7 +220,7 @@ impl PublishedColumn {
 }
 
 impl PublishedTable {
-    pub fn replica_name(&self) -> String {
+    pub(crate) fn replica_name(&self) -> String {
         replica_table_name(&self.schema, &self.name)
     }
 
@@ -228,7 +228,7 @@ impl PublishedTable {
     /// columns always: Postgres requires them in a column list of a publication that publishes
     /// updates or deletes), the indexes over those columns, and their combined row filter.
     /// Nothing changes for a schema read before Postgres 15 (no column lists or row filters).
-    pub fn restrict_to(&mut self, publications: &[String]) {
+    pub(crate) fn restrict_to(&mut self, publications: &[String]) {
         let Some(details) = &self.publication_details else {
             return;
         };
@@ -264,7 +264,7 @@ impl PublishedTable {
     /// The table's spec as Zero's change source sends it (its published-table spec: `oid`,
     /// `schemaOID`, `replicaIdentity` as `pg_class.relreplident`, `publications` as a record
     /// of row filters, `replicaIdentityColumns`).
-    pub fn to_spec(&self) -> TableSpec {
+    pub(crate) fn to_spec(&self) -> TableSpec {
         let mut extra = serde_json::Map::new();
         extra.insert("oid".into(), Value::from(self.oid));
         if let Some(schema_oid) = self.schema_oid {
@@ -311,7 +311,7 @@ impl PublishedTable {
     /// The table metadata Zero's change source attaches to `create-table` and `add-column`
     /// and diffs into `update-table-metadata`: `{schemaOID, relationOID, rowKey: {column:
     /// {attNum}}}`. `None` for a schema read before `schemaOID` was published.
-    pub fn metadata(&self) -> Option<TableMetadata> {
+    pub(crate) fn metadata(&self) -> Option<TableMetadata> {
         let schema_oid = self.schema_oid?;
         let row_key = self
             .key
@@ -330,7 +330,7 @@ impl PublishedTable {
     /// The table as the engine's schema diff reads it
     /// ([`upstream::PublishedTable`]): its spec, metadata and indexes as Zero's change source
     /// sends them, and its identity columns.
-    pub fn to_published(&self) -> upstream::PublishedTable {
+    pub(crate) fn to_published(&self) -> upstream::PublishedTable {
         upstream::PublishedTable {
             spec: self.to_spec(),
             metadata: self.metadata(),
@@ -345,7 +345,7 @@ impl PublishedTable {
     }
 
     /// Its indexes (the key's among them), as `create-index` specs.
-    pub fn index_specs(&self) -> Vec<IndexSpec> {
+    pub(crate) fn index_specs(&self) -> Vec<IndexSpec> {
         self.indexes
             .iter()
             .filter_map(|index| {
@@ -381,7 +381,7 @@ impl PublishedTable {
 }
 
 /// Keeps the tables of `publications`, each as they publish it ([`PublishedTable::restrict_to`]).
-pub fn in_publications(
+pub(crate) fn in_publications(
     tables: Vec<PublishedTable>,
     publications: &[String],
 ) -> Vec<PublishedTable> {
@@ -406,7 +406,7 @@ impl From<&PublishedTable> for upstream::PublishedTable {
 }
 
 /// Type names and classes by OID (`$1`: `oid[]`), for columns known only from a Relation message.
-pub const RELATION_TYPES_SQL: &str = "
+pub(crate) const RELATION_TYPES_SQL: &str = "
 SELECT t.oid, CASE WHEN t.typcategory = 'A' AND et.oid IS NOT NULL
                    THEN et.typname::text || '[]' ELSE t.typname::text END,
        t.typtype::text, et.typtype::text
@@ -414,14 +414,14 @@ FROM pg_type t LEFT JOIN pg_type et ON et.oid = t.typelem AND t.typcategory = 'A
 WHERE t.oid = ANY($1::oid[])";
 
 /// The primary key of a table by OID (`$1`), in key order.
-pub const PRIMARY_KEY_SQL: &str = "
+pub(crate) const PRIMARY_KEY_SQL: &str = "
 SELECT a.attname::text FROM pg_index i
 CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)
 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
 WHERE i.indrelid = $1 AND i.indisprimary AND k.ord <= i.indnkeyatts ORDER BY k.ord";
 
 /// SQL that installs the event trigger for `app_id` (needs a superuser). Idempotent.
-pub fn event_trigger_sql(app_id: &str) -> String {
+pub(crate) fn event_trigger_sql(app_id: &str) -> String {
     let schema = quote_ident(app_id);
     let prefix = ddl_prefix(app_id).replace('\'', "''");
     let trigger = quote_ident(&format!("{app_id}_ddl"));

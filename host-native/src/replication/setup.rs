@@ -7,14 +7,16 @@ use std::time::Duration;
 use highwater_engine::watermark::Lsn;
 use tokio_postgres::Client;
 
-use super::connection::{quote_ident, quote_literal};
+use super::connection::quote_ident;
+#[cfg(any(test, feature = "test-support"))]
+use super::connection::quote_literal;
 use super::error::ReplicationError;
 
-pub const DEFAULT_APP_ID: &str = "highwater";
+pub(crate) const DEFAULT_APP_ID: &str = "highwater";
 const MAX_NAME_LEN: usize = 63;
 
 /// Checks a Postgres object name against `^[a-z_][a-z0-9_]*$` and the 63-byte limit.
-pub fn validate_name(kind: &'static str, name: &str) -> Result<(), ReplicationError> {
+pub(crate) fn validate_name(kind: &'static str, name: &str) -> Result<(), ReplicationError> {
     let mut bytes = name.bytes();
     let first_ok = matches!(bytes.next(), Some(b'a'..=b'z' | b'_'));
     let rest_ok = bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'));
@@ -31,7 +33,7 @@ pub fn validate_name(kind: &'static str, name: &str) -> Result<(), ReplicationEr
 /// The tables a publication FOR ALL TABLES holds, as a `WHERE` over `pg_class c` joined to
 /// `pg_namespace n`: ordinary and partitioned tables (not partitions) outside the system
 /// schemas.
-pub const ALL_TABLES_WHERE: &str = "c.relkind IN ('r', 'p') AND NOT c.relispartition \
+pub(crate) const ALL_TABLES_WHERE: &str = "c.relkind IN ('r', 'p') AND NOT c.relispartition \
      AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg\\_%'";
 
 /// The upstream a read-only command inspects as `serve` would see it (`doctor`, `typegen`):
@@ -52,7 +54,7 @@ pub struct UpstreamTarget {
 
 impl UpstreamTarget {
     /// The publications `serve` would replicate: those given, else the app's default one.
-    pub fn wanted_publications(&self, names: &ReplicationNames) -> Vec<String> {
+    pub(crate) fn wanted_publications(&self, names: &ReplicationNames) -> Vec<String> {
         if self.publications.is_empty() {
             vec![names.publication.clone()]
         } else {
@@ -168,11 +170,11 @@ pub async fn ensure_publication(
 /// A slot as `pg_replication_slots` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotState {
-    pub plugin: Option<String>,
+    pub(crate) plugin: Option<String>,
     pub active_pid: Option<i32>,
-    pub restart_lsn: Option<Lsn>,
+    pub(crate) restart_lsn: Option<Lsn>,
     pub confirmed_flush_lsn: Option<Lsn>,
-    pub wal_status: Option<String>,
+    pub(crate) wal_status: Option<String>,
 }
 
 impl SlotState {
@@ -217,6 +219,7 @@ pub async fn slot_state(
 /// Returns the slot, creating it with pgoutput if missing (without a snapshot: use
 /// `ReplicationConnection::create_slot_with_snapshot` when an initial copy is needed).
 /// An invalidated slot is an error naming the reset.
+#[cfg(any(test, feature = "test-support"))]
 pub async fn ensure_slot(client: &Client, slot: &str) -> Result<SlotState, ReplicationError> {
     validate_name("slot", slot)?;
     if let Some(state) = slot_state(client, slot).await? {

@@ -42,7 +42,7 @@ pub struct StreamConfig {
     /// Payloads buffered ahead of the consumer.
     pub capacity: usize,
     /// Upper bound of the reconnect backoff.
-    pub max_backoff: Duration,
+    pub(crate) max_backoff: Duration,
     /// Attempts while the slot is held by another connection before giving up.
     pub slot_in_use_attempts: u32,
 }
@@ -76,12 +76,12 @@ pub enum WalEvent {
 
 /// Reports durably stored positions to the stream; cheap to clone into the storing task.
 #[derive(Debug, Clone)]
-pub struct Acker(watch::Sender<Lsn>);
+pub(crate) struct Acker(watch::Sender<Lsn>);
 
 impl Acker {
     /// Everything up to `lsn` is durably stored (normally a commit's end LSN). Positions only
     /// move forward; an older one is ignored.
-    pub fn ack(&self, lsn: Lsn) {
+    pub(crate) fn ack(&self, lsn: Lsn) {
         self.0.send_if_modified(|acked| {
             let advance = lsn > *acked;
             if advance {
@@ -92,7 +92,8 @@ impl Acker {
     }
 
     /// The highest position acknowledged so far (`Lsn(0)` before the first ack).
-    pub fn acked(&self) -> Lsn {
+    #[cfg(test)]
+    pub(crate) fn acked(&self) -> Lsn {
         *self.0.borrow()
     }
 }
@@ -134,7 +135,7 @@ impl WalStream {
 
     /// Waits for at least one event, then moves up to `limit` queued events into `buffer` in
     /// one wake-up; returns how many (0 once the stream has ended).
-    pub async fn recv_many(
+    pub(crate) async fn recv_many(
         &mut self,
         buffer: &mut Vec<Result<WalEvent, ReplicationError>>,
         limit: usize,
@@ -143,7 +144,7 @@ impl WalStream {
     }
 
     /// Moves up to `limit` events already queued into `buffer` without waiting.
-    pub fn try_recv_many(
+    pub(crate) fn try_recv_many(
         &mut self,
         buffer: &mut Vec<Result<WalEvent, ReplicationError>>,
         limit: usize,
@@ -164,7 +165,7 @@ impl WalStream {
         self.acker.ack(lsn);
     }
 
-    pub fn acker(&self) -> Acker {
+    pub(crate) fn acker(&self) -> Acker {
         self.acker.clone()
     }
 

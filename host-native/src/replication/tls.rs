@@ -68,7 +68,7 @@ impl SslMode {
     }
 
     /// Whether a connection without TLS is refused.
-    pub fn requires_tls(self) -> bool {
+    pub(crate) fn requires_tls(self) -> bool {
         matches!(self, Self::Require | Self::VerifyCa | Self::VerifyFull)
     }
 }
@@ -76,7 +76,7 @@ impl SslMode {
 /// A TLS setting that cannot be used: a bad `sslmode`, an unreadable `sslrootcert`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub struct TlsConfigError(pub String);
+pub(crate) struct TlsConfigError(pub(crate) String);
 
 /// The TLS half of a connection URL.
 #[derive(Clone)]
@@ -92,14 +92,9 @@ impl std::fmt::Debug for PgTls {
 }
 
 impl PgTls {
-    /// From the `sslmode` and `sslrootcert` values of a URL.
-    pub fn new(sslmode: Option<&str>, sslrootcert: Option<&str>) -> Result<Self, TlsConfigError> {
-        PgTls::with_client_cert(sslmode, sslrootcert, None)
-    }
-
     /// From the `sslmode`, `sslrootcert` and the `sslcert`/`sslkey` pair of a URL: with a
     /// client certificate, the TLS handshake presents it to a server that asks for one.
-    pub fn with_client_cert(
+    pub(crate) fn with_client_cert(
         sslmode: Option<&str>,
         sslrootcert: Option<&str>,
         client_cert: Option<(&str, &str)>,
@@ -263,7 +258,7 @@ fn read_client_cert(
 /// Splits `sslmode`, `sslrootcert`, `sslcert` and `sslkey` out of a `postgres://` URL or a
 /// `key=value` string, returning the rest for tokio-postgres. `sslcert` needs `sslkey` and the
 /// other way round; `sslpassword` (encrypted keys) is refused rather than ignored.
-pub fn split_tls_params(url: &str) -> Result<(String, PgTls), TlsConfigError> {
+pub(crate) fn split_tls_params(url: &str) -> Result<(String, PgTls), TlsConfigError> {
     let mut sslmode = None;
     let mut sslrootcert = None;
     let mut sslcert = None;

@@ -32,15 +32,15 @@ pub const SNAPSHOT_PATH: &str = "/replica/snapshot";
 
 #[derive(Clone)]
 pub(crate) struct AppState {
-    pub hub: Arc<Hub>,
+    pub(crate) hub: Arc<Hub>,
     pub snapshots: Arc<snapshot::Snapshots>,
-    pub ping_interval: Duration,
+    pub(crate) ping_interval: Duration,
     /// Open WebSocket connections, bounded.
-    pub connection_slots: ConnectionSlots,
+    pub(crate) connection_slots: ConnectionSlots,
     /// Scope sync, when `--sync-rules` turned it on.
     pub sync: Option<Arc<scope_sync::SyncHub>>,
-    pub peer_auth: super::security::PeerAuth,
-    pub insecure_no_auth: bool,
+    pub(crate) peer_auth: super::security::PeerAuth,
+    pub(crate) insecure_no_auth: bool,
     /// The upstream slot's retained WAL, when watched (not on a relay).
     pub wal: Option<Arc<super::wal_watch::WalHealth>>,
     /// Every metric, for `GET /metrics`.
@@ -131,7 +131,7 @@ pub(crate) struct ConnectionSlots {
 }
 
 impl ConnectionSlots {
-    pub fn new(max: usize) -> ConnectionSlots {
+    pub(crate) fn new(max: usize) -> ConnectionSlots {
         let max = max.min(tokio::sync::Semaphore::MAX_PERMITS);
         ConnectionSlots {
             slots: Arc::new(tokio::sync::Semaphore::new(max)),

@@ -25,7 +25,7 @@ impl Default for Fault {
 impl Fault {
     /// Locks `mutex`; a poisoned one is reported as the server's failure, then this task
     /// panics instead of touching the state behind it.
-    pub fn lock<'a, T>(&self, mutex: &'a Mutex<T>, what: &str) -> MutexGuard<'a, T> {
+    pub(crate) fn lock<'a, T>(&self, mutex: &'a Mutex<T>, what: &str) -> MutexGuard<'a, T> {
         match mutex.lock() {
             Ok(guard) => guard,
             Err(_) => {
@@ -48,12 +48,12 @@ impl Fault {
     }
 
     /// The first failure recorded, once there is one.
-    pub fn failed(&self) -> watch::Receiver<Option<String>> {
+    pub(crate) fn failed(&self) -> watch::Receiver<Option<String>> {
         self.failed.subscribe()
     }
 
     /// The failure recorded so far, if any.
-    pub fn failure(&self) -> Option<String> {
+    pub(crate) fn failure(&self) -> Option<String> {
         self.failed.borrow().clone()
     }
 }

@@ -68,7 +68,7 @@ pub(crate) type ServeIngest = Ingest<ReplicaAndLog, SourceEvents>;
 
 /// What `serve` builds its ingest loop from.
 pub(crate) struct IngestParts {
-    pub hub: Arc<Hub>,
+    pub(crate) hub: Arc<Hub>,
     pub writer: ReplicaWriter,
     pub db_path: PathBuf,
     pub publications: Vec<String>,
@@ -79,7 +79,7 @@ pub(crate) struct IngestParts {
     pub confirm: Confirm,
     /// Backfills read from Postgres, and its catalog; `None` when the source streams its own
     /// (a relay).
-    pub backfill_from: Option<PgConfig>,
+    pub(crate) backfill_from: Option<PgConfig>,
     pub sync: Option<SyncFeed>,
     pub group: GroupLimits,
     pub ops: mpsc::UnboundedReceiver<StorageOp>,
@@ -198,7 +198,10 @@ pub(crate) struct SyncFeed {
 const PRUNE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl SyncFeed {
-    pub fn new(hub: Arc<super::scope_sync::SyncHub>, retention: std::time::Duration) -> SyncFeed {
+    pub(super) fn new(
+        hub: Arc<super::scope_sync::SyncHub>,
+        retention: std::time::Duration,
+    ) -> SyncFeed {
         SyncFeed {
             hub,
             retention,

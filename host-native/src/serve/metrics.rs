@@ -69,20 +69,20 @@ impl Default for Recorded {
 
 impl Recorded {
     /// A group of `transactions` committed in `seconds`.
-    pub fn group_committed(&self, transactions: usize, seconds: f64) {
+    pub(crate) fn group_committed(&self, transactions: usize, seconds: f64) {
         self.group_transactions.observe(transactions as f64);
         self.group_commit_seconds.observe(seconds);
     }
 
     /// The newest commit made durable here was committed upstream at `commit_ms` (Unix ms).
-    pub fn durable(&self, commit_ms: i64) {
+    pub(crate) fn durable(&self, commit_ms: i64) {
         self.lag_ms
             .store((unix_ms() - commit_ms).max(0), Ordering::Relaxed);
         self.lag_known.store(true, Ordering::Relaxed);
     }
 
     /// Changes committed upstream at `commit_ms` were routed to scope-sync subscriptions now.
-    pub fn routed(&self, commit_ms: i64) {
+    pub(crate) fn routed(&self, commit_ms: i64) {
         let seconds = (unix_ms() - commit_ms).max(0) as f64 / 1000.0;
         self.commit_to_route_seconds.observe(seconds);
     }
@@ -96,14 +96,14 @@ fn unix_ms() -> i64 {
 
 /// What the scrape reads.
 pub(crate) struct Sources {
-    pub hub: Arc<Hub>,
+    pub(crate) hub: Arc<Hub>,
     pub sync: Option<Arc<SyncHub>>,
     pub snapshots: Arc<Snapshots>,
     pub wal: Option<Arc<WalHealth>>,
-    pub peer_refusals: Arc<PeerRefusals>,
+    pub(crate) peer_refusals: Arc<PeerRefusals>,
     /// The replica and change log file (`<data>/replica.db`).
     pub db_path: PathBuf,
-    pub started_unix_s: f64,
+    pub(crate) started_unix_s: f64,
 }
 
 impl std::fmt::Debug for Sources {

@@ -16,7 +16,7 @@
 //! The engine holds every rule; this module only carries effects out. The engine's
 //! `UpstreamSession` decides what of the source is already stored, what to confirm and when,
 //! where schema changes go and when a backfill may start; its
-//! [`Streamer`](highwater_engine::streamer::Streamer) decides what each subscriber gets. The
+//! [`Streamer`] decides what each subscriber gets. The
 //! loop is forward, store, ack: a message is forwarded to live subscribers as soon as it is
 //! decoded, the whole upstream transaction is applied to the replica and appended to the
 //! change log in one SQLite transaction, and only once that commit is durable does the source
@@ -64,20 +64,21 @@ use change_stream::{Hub, Positions};
 
 pub use endpoints::SNAPSHOT_PATH;
 pub use relay::RelayError;
+pub(crate) use security::load_token;
 pub use security::{
-    load_token, InsecureListen, ReplicationToken, SecurityArgs, TokenError, REPLICATION_TOKEN_ENV,
+    InsecureListen, ReplicationToken, SecurityArgs, TokenError, REPLICATION_TOKEN_ENV,
     UPSTREAM_TOKEN_ENV,
 };
-pub use snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
+pub use snapshot::WATERMARK_HEADER;
 pub use tls::TlsFileError;
 
 /// Zero's change-streamer port when the sync port is 4848 is 4849; highwater serves both
 /// protocols on one port.
-pub const DEFAULT_PORT: u16 = 4848;
+pub(crate) const DEFAULT_PORT: u16 = 4848;
 /// WebSocket liveness: ping this often, drop a peer silent for a whole period.
-pub const PING_INTERVAL: Duration = Duration::from_secs(30);
+pub(crate) const PING_INTERVAL: Duration = Duration::from_secs(30);
 /// How often the replica's durable position is reported as a backup watermark.
-pub const DEFAULT_BACKUP_INTERVAL_MS: u64 = 10_000;
+pub(crate) const DEFAULT_BACKUP_INTERVAL_MS: u64 = 10_000;
 
 /// Command-line arguments of `highwater serve`.
 #[derive(Debug, Clone, clap::Args)]
@@ -132,15 +133,15 @@ pub struct ServeArgs {
     pub backup_interval_ms: u64,
     /// Unacknowledged bytes a subscriber may hold before the upstream stream is paused.
     #[arg(long, default_value_t = DEFAULT_BACKLOG_HIGH_WATER_BYTES, hide = true)]
-    pub backlog_high_water_bytes: usize,
+    pub(crate) backlog_high_water_bytes: usize,
     /// How long a subscriber may hold up the stream with a full backlog before it is closed
     /// (1013, try again later).
     #[arg(long, default_value_t = DEFAULT_BACKLOG_FULL_TIMEOUT_MS, hide = true)]
-    pub backlog_full_timeout_ms: u64,
+    pub(crate) backlog_full_timeout_ms: u64,
     /// Open WebSocket connections (change-stream and scope sync together) served at once;
     /// one more is refused with 503 before the upgrade.
     #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, value_name = "N", env = "HIGHWATER_MAX_CONNECTIONS")]
-    pub max_connections: usize,
+    pub(crate) max_connections: usize,
     /// When the replication slot is missing or invalidated, discard the replica and change log
     /// and sync again instead of stopping with an error.
     #[arg(long, env = "HIGHWATER_AUTO_RESET")]
@@ -172,7 +173,7 @@ pub struct ServeArgs {
     /// On SIGTERM or Ctrl-C, how long to finish the current group and close the sockets before
     /// exiting anyway (a second signal exits at once).
     #[arg(long, default_value_t = DEFAULT_SHUTDOWN_TIMEOUT_SECS, env = "HIGHWATER_SHUTDOWN_TIMEOUT_SECS")]
-    pub shutdown_timeout_secs: u64,
+    pub(crate) shutdown_timeout_secs: u64,
     /// Print the effective configuration (each option's value and where it came from: the
     /// command line, the environment, the config file or the default; passwords masked) and
     /// exit.
@@ -185,7 +186,7 @@ pub struct ServeArgs {
     /// Warn (log, and `/health` says `degraded`) when the replication slot keeps more WAL than
     /// this upstream, in bytes.
     #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_WAL_WARN_BYTES, env = "HIGHWATER_WAL_WARN_BYTES")]
-    pub wal_warn_bytes: u64,
+    pub(crate) wal_warn_bytes: u64,
     /// Also serve `GET /metrics` (Prometheus text format) on this address, without the
     /// replication token the main port asks for: bind it to an interface only your scraper
     /// reaches (e.g. `127.0.0.1:9464`).
@@ -204,29 +205,29 @@ pub struct ServeArgs {
     /// Routes served in front of the server's own, for a program that embeds `serve` (the demo
     /// mounts its page here). A request they do not match falls through to the server's routes.
     #[arg(skip)]
-    pub extra_routes: Option<axum::Router>,
+    pub(crate) extra_routes: Option<axum::Router>,
 }
 
 /// A scope-sync client may stay this long over its outbound budget.
-pub const DEFAULT_SLOW_CONSUMER_MS: u64 = 10_000;
+pub(crate) const DEFAULT_SLOW_CONSUMER_MS: u64 = 10_000;
 
 /// WebSocket connections served at once by default: each costs a task, buffers and a
 /// backlog up to its bound, so the total stays within a small server's memory.
-pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+pub(crate) const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 /// A quiet live scope-sync subscription hears of the feed's position this often by default.
 /// The close code sockets get when the server stops on a signal: 1012, service restart.
-pub const SHUTDOWN_CLOSE_CODE: u16 = 1012;
+pub(crate) const SHUTDOWN_CLOSE_CODE: u16 = 1012;
 /// The default of `--wal-warn-bytes`: 1 GiB.
-pub const DEFAULT_WAL_WARN_BYTES: u64 = 1 << 30;
+pub(crate) const DEFAULT_WAL_WARN_BYTES: u64 = 1 << 30;
 /// The default of `--wal-check-ms`.
-pub const DEFAULT_WAL_CHECK_MS: u64 = 30_000;
+pub(crate) const DEFAULT_WAL_CHECK_MS: u64 = 30_000;
 /// The default of `--shutdown-timeout-secs`.
-pub const DEFAULT_SHUTDOWN_TIMEOUT_SECS: u64 = 30;
-pub const DEFAULT_SYNC_CHECKPOINT_MS: u64 = 30_000;
+pub(crate) const DEFAULT_SHUTDOWN_TIMEOUT_SECS: u64 = 30;
+pub(crate) const DEFAULT_SYNC_CHECKPOINT_MS: u64 = 30_000;
 
 /// Exits are kept a week by default.
-pub const DEFAULT_SYNC_RETENTION_SECS: u64 = 7 * 24 * 3600;
+pub(crate) const DEFAULT_SYNC_RETENTION_SECS: u64 = 7 * 24 * 3600;
 
 impl ServeArgs {
     /// Defaults for everything but the upstream and the data directory.

@@ -30,7 +30,7 @@ pub const REPLICATION_TOKEN_ENV: &str = "HIGHWATER_REPLICATION_TOKEN";
 /// The environment variable holding the token a relay sends to its upstream.
 pub const UPSTREAM_TOKEN_ENV: &str = "HIGHWATER_UPSTREAM_TOKEN";
 /// Shorter tokens are refused.
-pub const MIN_TOKEN_BYTES: usize = 16;
+pub(super) const MIN_TOKEN_BYTES: usize = 16;
 
 /// The security options of `highwater serve`; flattened into its arguments.
 #[derive(Debug, Clone, clap::Args)]
@@ -40,15 +40,15 @@ pub struct SecurityArgs {
     /// from the environment variable HIGHWATER_REPLICATION_TOKEN; with neither, those
     /// endpoints are open and the server only listens on loopback addresses.
     #[arg(long, value_name = "FILE", env = "HIGHWATER_REPLICATION_TOKEN_FILE")]
-    pub replication_token_file: Option<PathBuf>,
+    pub(crate) replication_token_file: Option<PathBuf>,
     /// Relay: file holding the token sent to the upstream (`--from`). Without it:
     /// HIGHWATER_UPSTREAM_TOKEN, else this node's own replication token.
     #[arg(long, value_name = "FILE", env = "HIGHWATER_UPSTREAM_TOKEN_FILE")]
-    pub upstream_token_file: Option<PathBuf>,
+    pub(crate) upstream_token_file: Option<PathBuf>,
     /// Listen on a non-loopback address without a replication token: anyone who can reach
     /// the port can download the replica and stream every change.
     #[arg(long, env = "HIGHWATER_INSECURE_NO_AUTH")]
-    pub insecure_no_auth: bool,
+    pub(crate) insecure_no_auth: bool,
     /// PEM certificate chain to serve https and wss with (needs --tls-key).
     #[arg(
         long,
@@ -72,11 +72,11 @@ pub struct SecurityArgs {
     /// Relay: the largest snapshot it downloads from its primary, in bytes; a larger one is
     /// refused before it is stored.
     #[arg(long, value_name = "BYTES", default_value_t = super::snapshot_download::DEFAULT_MAX_SNAPSHOT_BYTES, env = "HIGHWATER_MAX_SNAPSHOT_BYTES")]
-    pub max_snapshot_bytes: u64,
+    pub(crate) max_snapshot_bytes: u64,
     /// Relay: how long the whole snapshot download may take, in seconds (no byte for 60 s
     /// ends it sooner).
     #[arg(long, value_name = "SECONDS", default_value_t = super::snapshot_download::DEFAULT_SNAPSHOT_TIMEOUT.as_secs(), env = "HIGHWATER_SNAPSHOT_TIMEOUT")]
-    pub snapshot_timeout: u64,
+    pub(crate) snapshot_timeout: u64,
     /// A replication token given in code (tests, embedding); wins over file and environment.
     #[arg(skip)]
     pub replication_token: Option<ReplicationToken>,
@@ -106,7 +106,7 @@ impl Default for SecurityArgs {
 impl SecurityArgs {
     /// The token this node requires: the one given in code, else the file, else the
     /// environment variable, else none.
-    pub fn required_token(&self) -> Result<Option<ReplicationToken>, TokenError> {
+    pub(crate) fn required_token(&self) -> Result<Option<ReplicationToken>, TokenError> {
         resolve(
             self.replication_token.as_ref(),
             self.replication_token_file.as_deref(),
@@ -159,7 +159,7 @@ impl SecurityArgs {
 
 /// The replication token from `file`, else [`REPLICATION_TOKEN_ENV`], else none: what a
 /// client of the peer endpoints (such as `highwater watch`) sends.
-pub fn load_token(file: Option<&Path>) -> Result<Option<ReplicationToken>, TokenError> {
+pub(crate) fn load_token(file: Option<&Path>) -> Result<Option<ReplicationToken>, TokenError> {
     resolve(None, file, REPLICATION_TOKEN_ENV)
 }
 
@@ -269,7 +269,7 @@ fn presented(headers: &HeaderMap) -> Option<Vec<u8>> {
 pub(crate) struct PeerAuth {
     pub token: Option<ReplicationToken>,
     /// Requests refused, for `/metrics`.
-    pub refusals: Arc<PeerRefusals>,
+    pub(crate) refusals: Arc<PeerRefusals>,
 }
 
 /// Peer requests refused for their token.
@@ -280,11 +280,11 @@ pub(crate) struct PeerRefusals {
 }
 
 impl PeerRefusals {
-    pub fn bad_token(&self) -> u64 {
+    pub(crate) fn bad_token(&self) -> u64 {
         self.bad_token.load(Ordering::Relaxed)
     }
 
-    pub fn missing_token(&self) -> u64 {
+    pub(crate) fn missing_token(&self) -> u64 {
         self.missing_token.load(Ordering::Relaxed)
     }
 }

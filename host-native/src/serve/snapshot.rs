@@ -24,7 +24,7 @@ use crate::replica::{Replica, ReplicaError};
 /// Response header naming the commit watermark the snapshot holds.
 pub const WATERMARK_HEADER: &str = "x-highwater-watermark";
 /// Response header naming the snapshot's replica version.
-pub const REPLICA_VERSION_HEADER: &str = "x-highwater-replica-version";
+pub(crate) const REPLICA_VERSION_HEADER: &str = "x-highwater-replica-version";
 
 /// Bytes read from the snapshot file per body chunk.
 const CHUNK_BYTES: usize = 256 * 1024;
@@ -41,7 +41,7 @@ pub(crate) struct Snapshot {
 impl Snapshot {
     /// Opens the file for one response; it stays readable through the open handle after the
     /// snapshot is replaced and its file removed.
-    pub async fn open(&self) -> std::io::Result<tokio::fs::File> {
+    pub(crate) async fn open(&self) -> std::io::Result<tokio::fs::File> {
         tokio::fs::File::open(&self.path).await
     }
 }
@@ -79,7 +79,7 @@ pub(crate) struct Snapshots {
 }
 
 impl Snapshots {
-    pub fn new(replica_path: PathBuf, dir: PathBuf) -> Snapshots {
+    pub(crate) fn new(replica_path: PathBuf, dir: PathBuf) -> Snapshots {
         Snapshots {
             replica_path,
             dir,
@@ -89,13 +89,13 @@ impl Snapshots {
     }
 
     /// Snapshots built so far (each request is served one of them).
-    pub fn built(&self) -> u64 {
+    pub(crate) fn built(&self) -> u64 {
         self.built.load(Ordering::Relaxed)
     }
 
     /// A snapshot at `current` (the replica's last commit): the kept one when it is at that
     /// watermark, else a new one, built once however many requests ask at the same time.
-    pub async fn get(&self, current: &Watermark) -> Result<Arc<Snapshot>, SnapshotError> {
+    pub(crate) async fn get(&self, current: &Watermark) -> Result<Arc<Snapshot>, SnapshotError> {
         let mut latest = self.latest.lock().await;
         if let Some(snapshot) = latest.as_ref().filter(|s| &s.watermark == current) {
             return Ok(snapshot.clone());

@@ -23,13 +23,13 @@ use crate::serve::security::ReplicationToken;
 use crate::serve::snapshot::{REPLICA_VERSION_HEADER, WATERMARK_HEADER};
 
 /// How long the TCP connection and TLS handshake to a peer may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a download may go without receiving a byte.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The default size cap of a downloaded snapshot: 64 GiB.
-pub const DEFAULT_MAX_SNAPSHOT_BYTES: u64 = 64 << 30;
+pub(crate) const DEFAULT_MAX_SNAPSHOT_BYTES: u64 = 64 << 30;
 /// The default limit on a whole download: 6 hours.
-pub const DEFAULT_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(6 * 3600);
+pub(crate) const DEFAULT_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(6 * 3600);
 
 /// Why a snapshot could not be downloaded.
 #[derive(Debug, thiserror::Error)]
@@ -70,7 +70,7 @@ pub(crate) enum DownloadError {
 
 impl DownloadError {
     /// The message without its "cannot download the snapshot URL: " lead.
-    pub fn reason(&self) -> String {
+    pub(crate) fn reason(&self) -> String {
         let text = self.to_string();
         match self {
             DownloadError::TooLarge { url, .. }
@@ -98,10 +98,10 @@ pub(crate) struct SnapshotHeaders {
 pub(crate) struct PeerClient {
     /// Trust for TLS peers, or why there is none (what an `https`/`wss` URL is refused with).
     tls: Result<Arc<rustls::ClientConfig>, String>,
-    pub max_snapshot_bytes: u64,
-    pub snapshot_timeout: Duration,
+    pub(crate) max_snapshot_bytes: u64,
+    pub(crate) snapshot_timeout: Duration,
     /// How long a download may go without a byte ([`IDLE_TIMEOUT`]).
-    pub idle_timeout: Duration,
+    pub(crate) idle_timeout: Duration,
 }
 
 impl std::fmt::Debug for PeerClient {
@@ -117,7 +117,7 @@ impl std::fmt::Debug for PeerClient {
 
 impl PeerClient {
     /// `tls` is the trust for TLS peers, or why there is none (the error a TLS URL gets).
-    pub fn new(
+    pub(crate) fn new(
         tls: Result<Arc<rustls::ClientConfig>, String>,
         max_snapshot_bytes: u64,
         snapshot_timeout: Duration,
@@ -131,7 +131,7 @@ impl PeerClient {
     }
 
     /// Trusting the system bundle (if there is one), with the default bounds.
-    pub fn system() -> Self {
+    pub(crate) fn system() -> Self {
         PeerClient::new(
             super::tls::client_config(None).map_err(|e| e.to_string()),
             DEFAULT_MAX_SNAPSHOT_BYTES,
@@ -141,7 +141,12 @@ impl PeerClient {
 
     /// The byte stream to `host:port`, through TLS when `tls` (checking the certificate
     /// names `host`), within [`CONNECT_TIMEOUT`].
-    pub async fn connect(&self, host: &str, port: u16, tls: bool) -> Result<PeerStream, String> {
+    pub(crate) async fn connect(
+        &self,
+        host: &str,
+        port: u16,
+        tls: bool,
+    ) -> Result<PeerStream, String> {
         let connecting = async {
             // `[::1]` in a URL is `::1` to the resolver.
             let host = host.trim_start_matches('[').trim_end_matches(']');

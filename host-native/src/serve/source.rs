@@ -50,7 +50,7 @@ pub(crate) enum Confirm {
 }
 
 impl Confirm {
-    pub fn ack(&self, lsn: Lsn) {
+    pub(super) fn ack(&self, lsn: Lsn) {
         match self {
             Confirm::Postgres(acker) => acker.ack(lsn),
             // A primary's transactions carry no LSN to confirm: the session never asks.
@@ -102,14 +102,14 @@ impl PrimaryFeedback {
     }
 
     /// Frames `ids` of `connection` are consumed.
-    pub fn ack(&self, connection: u64, ids: Vec<u64>) {
+    pub(super) fn ack(&self, connection: u64, ids: Vec<u64>) {
         self.on(connection, |state| state.acks.extend(ids));
     }
 
     /// Frames `ids` of `connection` are consumed, and then the connection must end: both
     /// at once, so the socket task never sends the acks (after which the primary closes)
     /// without knowing why it is to end.
-    pub fn reconnect(&self, connection: u64, ids: Vec<u64>, reason: String, restore: bool) {
+    pub(super) fn reconnect(&self, connection: u64, ids: Vec<u64>, reason: String, restore: bool) {
         self.on(connection, |state| {
             state.acks.extend(ids);
             state.reconnect.get_or_insert((reason, restore));
@@ -117,7 +117,7 @@ impl PrimaryFeedback {
     }
 
     /// What `connection` is to do now (and nothing left for an older one).
-    pub fn take(&self, connection: u64) -> Feedback {
+    pub(super) fn take(&self, connection: u64) -> Feedback {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if state.connection != connection {
             return Feedback::default();
@@ -129,7 +129,7 @@ impl PrimaryFeedback {
     }
 
     /// Resolves once there may be something to take.
-    pub async fn changed(&self) {
+    pub(super) async fn changed(&self) {
         self.notify.notified().await;
     }
 }

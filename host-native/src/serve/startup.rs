@@ -20,7 +20,7 @@ pub(crate) struct Prepared {
     pub stream: StreamConfig,
     pub publications: Vec<String>,
     /// Where the replica's pending backfills are read.
-    pub backfill_from: crate::replication::PgConfig,
+    pub(crate) backfill_from: crate::replication::PgConfig,
 }
 
 /// [`prepare`], started again when Postgres went away half-way (`startup_retry`'s rule). `None`

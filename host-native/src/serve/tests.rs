@@ -709,7 +709,7 @@ async fn snapshot_serves_a_consistent_replica_without_the_change_log() {
         Some(w(0x200).as_str())
     );
     assert_eq!(
-        header(&headers, super::REPLICA_VERSION_HEADER),
+        header(&headers, super::snapshot::REPLICA_VERSION_HEADER),
         Some(w(VERSION).as_str())
     );
     assert_eq!(

@@ -24,9 +24,9 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
 /// TLS handshakes in progress at once; more connections are closed unanswered.
-pub const MAX_HANDSHAKES: usize = 256;
+pub(crate) const MAX_HANDSHAKES: usize = 256;
 /// How long a client may take to finish its handshake.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the certificate or key cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -38,7 +38,7 @@ pub struct TlsFileError {
 }
 
 /// The server's TLS settings from a PEM certificate chain and a PEM private key.
-pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, TlsFileError> {
+pub(crate) fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, TlsFileError> {
     let failed = |what, path: &Path, reason: String| TlsFileError {
         what,
         path: path.display().to_string(),
@@ -79,7 +79,7 @@ const SYSTEM_BUNDLES: [&str; 4] = [
 
 /// The client settings for `https`/`wss` peers: trust `ca_file`'s certificates, else the
 /// system bundle.
-pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<ClientConfig>, TlsFileError> {
+pub(crate) fn client_config(ca_file: Option<&Path>) -> Result<Arc<ClientConfig>, TlsFileError> {
     let system = || {
         std::env::var_os("SSL_CERT_FILE")
             .map(std::path::PathBuf::from)
@@ -133,7 +133,7 @@ pub(crate) struct TlsListener {
 }
 
 impl TlsListener {
-    pub fn new(listener: TcpListener, config: Arc<ServerConfig>) -> std::io::Result<Self> {
+    pub(crate) fn new(listener: TcpListener, config: Arc<ServerConfig>) -> std::io::Result<Self> {
         let local = listener.local_addr()?;
         let (tx, incoming) = mpsc::channel(64);
         let acceptor = TlsAcceptor::from(config);

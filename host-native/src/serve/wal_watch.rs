@@ -17,7 +17,7 @@ use crate::replication::PgConfig;
 pub(crate) struct WalWatch {
     pub upstream: PgConfig,
     pub slot: String,
-    pub warn_bytes: u64,
+    pub(crate) warn_bytes: u64,
     pub every: Duration,
 }
 
@@ -30,12 +30,12 @@ pub(crate) struct WalHealth {
 }
 
 impl WalHealth {
-    pub fn degraded(&self) -> Option<String> {
+    pub(crate) fn degraded(&self) -> Option<String> {
         self.degraded.lock().map_or(None, |reason| reason.clone())
     }
 
     /// The slot as of the last check, if one succeeded.
-    pub fn last(&self) -> Option<SlotWal> {
+    pub(crate) fn last(&self) -> Option<SlotWal> {
         self.last.lock().map_or(None, |last| last.clone())
     }
 
@@ -57,9 +57,9 @@ impl WalHealth {
 pub(crate) struct SlotWal {
     /// Bytes of WAL kept for the slot (`None`: its WAL is gone).
     pub retained: Option<i64>,
-    pub wal_status: Option<String>,
+    pub(crate) wal_status: Option<String>,
     /// Bytes left before `max_slot_wal_keep_size` invalidates it (`None`: unlimited).
-    pub safe_wal_size: Option<i64>,
+    pub(crate) safe_wal_size: Option<i64>,
     /// Bytes of WAL written upstream past the slot's confirmed flush position.
     pub behind: Option<i64>,
 }

@@ -26,7 +26,7 @@ const MAX_ALIAS_VALUES: usize = 100_000;
 
 /// How a rules file is written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RulesFormat {
+pub(crate) enum RulesFormat {
     Json,
     Yaml,
 }
@@ -35,7 +35,7 @@ impl RulesFormat {
     /// By the file's extension: `.json` is JSON, `.yaml` and `.yml` are YAML. Under any other
     /// name the text is JSON when its first non-blank character is `{`, else YAML (a comment
     /// first makes it YAML too: JSON has none).
-    pub fn of(path: &Path, text: &str) -> Self {
+    pub(crate) fn of(path: &Path, text: &str) -> Self {
         let extension = path
             .extension()
             .and_then(|extension| extension.to_str())
@@ -77,7 +77,7 @@ pub enum RulesFileError {
 }
 
 /// Parses a rules file's text written as `format`.
-pub fn parse_rules(text: &str, format: RulesFormat) -> Result<SyncRules, RulesFileError> {
+pub(crate) fn parse_rules(text: &str, format: RulesFormat) -> Result<SyncRules, RulesFileError> {
     match format {
         RulesFormat::Json => Ok(SyncRules::from_json(text)?),
         RulesFormat::Yaml => {

@@ -16,9 +16,9 @@ use serde::Deserialize;
 use serde_json::json;
 
 /// The demo users; each reads the todos of the projects it is a member of.
-pub const USERS: [&str; 3] = ["ada", "grace", "linus"];
+pub(super) const USERS: [&str; 3] = ["ada", "grace", "linus"];
 /// How long a demo token is valid.
-pub const TOKEN_TTL_SECONDS: u64 = 3600;
+pub(super) const TOKEN_TTL_SECONDS: u64 = 3600;
 /// Columns the "add a column" button adds, in order; after these, `extra_<n>` text columns.
 const COLUMNS: [(&str, &str); 3] = [
     ("priority", "integer NOT NULL DEFAULT 3"),
@@ -27,21 +27,21 @@ const COLUMNS: [(&str, &str); 3] = [
 ];
 
 /// Signs a demo token for a user (`sub`) valid for `ttl_seconds`.
-pub type TokenSigner = Arc<dyn Fn(&str, u64) -> Result<String, String> + Send + Sync>;
+pub(super) type TokenSigner = Arc<dyn Fn(&str, u64) -> Result<String, String> + Send + Sync>;
 
 /// What the routes need.
-pub struct DemoState {
+pub(super) struct DemoState {
     /// The page: `index.html`, its script and stylesheet, the committed screenshot.
-    pub web_dir: PathBuf,
+    pub(crate) web_dir: PathBuf,
     /// The built npm package (`bindings-wasm/dist`), served under `/pkg/`.
-    pub package_dir: PathBuf,
+    pub(crate) package_dir: PathBuf,
     pub postgres: Arc<tokio_postgres::Client>,
-    pub sign: TokenSigner,
+    pub(crate) sign: TokenSigner,
 }
 
 /// The routes: `/` (the page), `/demo/<file>`, `/pkg/<path>`, `/demo/token`, `/demo/columns`,
 /// `/demo/projects` and `/demo/projects/<id>/members/<user>`.
-pub fn router(state: Arc<DemoState>) -> Router {
+pub(super) fn router(state: Arc<DemoState>) -> Router {
     Router::new()
         .route("/", get(index))
         .route("/demo/token", get(token))

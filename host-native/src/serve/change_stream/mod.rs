@@ -109,7 +109,7 @@ pub(crate) struct Hub {
 
 impl Hub {
     /// A hub around `streamer`; returns the storage queue's receiving end for the ingest thread.
-    pub fn new(
+    pub(crate) fn new(
         streamer: Streamer,
         positions: Positions,
     ) -> (Arc<Hub>, mpsc::UnboundedReceiver<StorageOp>) {
@@ -138,17 +138,17 @@ impl Hub {
     }
 
     /// Where a poisoned lock of this server is reported.
-    pub fn fault(&self) -> &Fault {
+    pub(crate) fn fault(&self) -> &Fault {
         &self.fault
     }
 
     /// Milliseconds since the hub started: the streamer's clock.
-    pub fn now_ms(&self) -> u64 {
+    pub(crate) fn now_ms(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     /// Runs `f` on the streamer and carries out the effects it returns.
-    pub fn call(&self, f: impl FnOnce(&mut Streamer, u64) -> Vec<Effect>) {
+    pub(crate) fn call(&self, f: impl FnOnce(&mut Streamer, u64) -> Vec<Effect>) {
         let now = self.now_ms();
         let mut streamer = self.fault.lock(&self.streamer, "streamer");
         let effects = f(&mut streamer, now);
@@ -163,7 +163,7 @@ impl Hub {
 
     /// Runs an upstream-side call of the streamer and carries out its effects; a message it
     /// rejects changed nothing, and the rejection is returned.
-    pub fn try_call(
+    pub(crate) fn try_call(
         &self,
         f: impl FnOnce(&mut Streamer) -> Result<Vec<Effect>, UpstreamError>,
     ) -> Result<(), UpstreamError> {
@@ -178,12 +178,12 @@ impl Hub {
     }
 
     /// Reads the streamer without producing effects.
-    pub fn inspect<R>(&self, f: impl FnOnce(&Streamer) -> R) -> R {
+    pub(crate) fn inspect<R>(&self, f: impl FnOnce(&Streamer) -> R) -> R {
         f(&self.fault.lock(&self.streamer, "streamer"))
     }
 
     /// Runs `f` on the streamer where the call returns a value and no effects.
-    pub fn with<R>(&self, f: impl FnOnce(&mut Streamer) -> R) -> R {
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut Streamer) -> R) -> R {
         f(&mut self.fault.lock(&self.streamer, "streamer"))
     }
 
@@ -257,23 +257,23 @@ impl Hub {
     // ---- upstream ----
 
     /// Follows whether the streamer wants the upstream stream paused.
-    pub fn upstream_paused(&self) -> watch::Receiver<bool> {
+    pub(crate) fn upstream_paused(&self) -> watch::Receiver<bool> {
         self.upstream_paused.subscribe()
     }
 
     // ---- positions ----
 
-    pub fn positions(&self) -> Positions {
+    pub(crate) fn positions(&self) -> Positions {
         self.fault.lock(&self.positions, "positions").clone()
     }
 
-    pub fn set_last_watermark(&self, watermark: Watermark) {
+    pub(crate) fn set_last_watermark(&self, watermark: Watermark) {
         self.fault.lock(&self.positions, "positions").last_watermark = watermark;
     }
 
     /// One sync made `transactions` upstream transactions durable (group commit; with the WAL
     /// synced apart, one sync may cover several SQLite commits).
-    pub fn note_durable(&self, transactions: usize) {
+    pub(crate) fn note_durable(&self, transactions: usize) {
         self.store_commits.fetch_add(1, Ordering::Relaxed);
         self.stored_transactions.fetch_add(
             u64::try_from(transactions).unwrap_or(u64::MAX),
@@ -282,19 +282,19 @@ impl Hub {
     }
 
     /// What the ingest thread records for `/metrics`.
-    pub fn recorded(&self) -> &Arc<super::metrics::Recorded> {
+    pub(crate) fn recorded(&self) -> &Arc<super::metrics::Recorded> {
         &self.recorded
     }
 
     /// Syncs that made commits durable so far, and the upstream transactions they stored.
-    pub fn store_counts(&self) -> (u64, u64) {
+    pub(crate) fn store_counts(&self) -> (u64, u64) {
         (
             self.store_commits.load(Ordering::Relaxed),
             self.stored_transactions.load(Ordering::Relaxed),
         )
     }
 
-    pub fn set_min_watermark(&self, watermark: Watermark) {
+    pub(crate) fn set_min_watermark(&self, watermark: Watermark) {
         self.fault.lock(&self.positions, "positions").min_watermark = watermark;
     }
 
@@ -309,7 +309,7 @@ impl Hub {
     /// smallest frames and more, so under those rules it never fills. It fills only when
     /// frames the backlog does not count pile up (acks of a client that sends and never
     /// reads): see [`queue`].
-    pub fn connect(&self) -> (ConnId, mpsc::Receiver<ConnCommand>) {
+    pub(crate) fn connect(&self) -> (ConnId, mpsc::Receiver<ConnCommand>) {
         let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
         let (out, commands) = mpsc::channel(self.queue_frames);
         let link = Link {
@@ -322,13 +322,13 @@ impl Hub {
     }
 
     /// Forgets a connection that ended, in the streamer too.
-    pub fn disconnect(&self, conn: ConnId) {
+    pub(crate) fn disconnect(&self, conn: ConnId) {
         self.fault.lock(&self.links, "links").remove(&conn);
         self.call(|s, _| s.on_close(conn));
     }
 
     /// The catch-up gate of `conn`, if it is still open.
-    pub fn catchup_gate(&self, conn: ConnId) -> Option<watch::Receiver<bool>> {
+    pub(crate) fn catchup_gate(&self, conn: ConnId) -> Option<watch::Receiver<bool>> {
         self.fault
             .lock(&self.links, "links")
             .get(&conn)
@@ -336,23 +336,26 @@ impl Hub {
     }
 
     /// The close `conn` is told to make, once it is; `None` if it is no longer open.
-    pub fn closing_signal(&self, conn: ConnId) -> Option<watch::Receiver<Option<(u16, String)>>> {
+    pub(crate) fn closing_signal(
+        &self,
+        conn: ConnId,
+    ) -> Option<watch::Receiver<Option<(u16, String)>>> {
         self.fault
             .lock(&self.links, "links")
             .get(&conn)
             .map(|link| link.closing.subscribe())
     }
 
-    pub fn is_connected(&self, conn: ConnId) -> bool {
+    pub(crate) fn is_connected(&self, conn: ConnId) -> bool {
         self.fault.lock(&self.links, "links").contains_key(&conn)
     }
 
-    pub fn connections(&self) -> usize {
+    pub(crate) fn connections(&self) -> usize {
         self.fault.lock(&self.links, "links").len()
     }
 
     /// Closes every connection (shutdown).
-    pub fn close_all(&self, code: u16, reason: &str) {
+    pub(crate) fn close_all(&self, code: u16, reason: &str) {
         let mut links = self.fault.lock(&self.links, "links");
         let conns: Vec<ConnId> = links.keys().copied().collect();
         for conn in conns {

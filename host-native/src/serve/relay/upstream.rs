@@ -65,7 +65,7 @@ pub(super) struct UpstreamConnection {
 impl UpstreamConnection {
     /// Opens the socket: `ws://` over TCP, `wss://` over TLS checked against the relay's
     /// trust (`--from-ca-file`, else the system bundle).
-    pub async fn connect(upstream: &Upstream) -> Result<UpstreamConnection, RelayError> {
+    pub(super) async fn connect(upstream: &Upstream) -> Result<UpstreamConnection, RelayError> {
         let url = upstream.url.as_str();
         let failed = |reason: String| RelayError::Connect {
             url: url.to_owned(),
@@ -117,7 +117,7 @@ impl UpstreamConnection {
     }
 
     /// Sends a control message as `{"id","msg"}`.
-    pub async fn send(&mut self, message: &UpstreamMessage) -> Result<(), RelayError> {
+    pub(super) async fn send(&mut self, message: &UpstreamMessage) -> Result<(), RelayError> {
         let id = self.outgoing.next_id();
         let text = message_frame(id, &encode_upstream(message));
         self.socket.send(Message::text(text)).await?;
@@ -125,7 +125,7 @@ impl UpstreamConnection {
     }
 
     /// Acks frames `ids` of the primary, in order, with one flush.
-    pub async fn ack(&mut self, ids: &[u64]) -> Result<(), RelayError> {
+    pub(super) async fn ack(&mut self, ids: &[u64]) -> Result<(), RelayError> {
         if ids.is_empty() {
             return Ok(());
         }
@@ -138,7 +138,7 @@ impl UpstreamConnection {
 
     /// The next application frame, ping or close. Acks of our frames are checked here; pings
     /// are answered by the socket while it is read. Cancel-safe.
-    pub async fn recv(&mut self) -> Result<Incoming, RelayError> {
+    pub(super) async fn recv(&mut self) -> Result<Incoming, RelayError> {
         loop {
             let message = match self.socket.next().await {
                 None => return Ok(Incoming::Closed(None)),
@@ -177,7 +177,7 @@ impl UpstreamConnection {
         }
     }
 
-    pub async fn close(mut self) {
+    pub(super) async fn close(mut self) {
         let _ = self.socket.close(None).await;
     }
 }
@@ -189,9 +189,9 @@ pub(super) struct SubscribeTarget {
     pub task_id: String,
     pub replica_version: Watermark,
     /// The relay's replica (its change log lives inside).
-    pub replica_path: PathBuf,
+    pub(crate) replica_path: PathBuf,
     /// The primary pings at least this often; silence for longer means it is gone.
-    pub liveness: Duration,
+    pub(crate) liveness: Duration,
 }
 
 /// Reads the relay's position from its change log, beside the ingest thread's writer: a commit

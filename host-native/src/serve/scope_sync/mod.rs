@@ -59,7 +59,7 @@ const READER_CACHE_KIB: i64 = 256;
 /// its outbound budget (replay waits for `Written`) and closes it as a slow consumer past the
 /// hard limit; this bound on the queue's length holds even for many tiny frames, and
 /// overflowing it is the same slow-consumer close.
-pub const MAX_QUEUED_FRAMES: usize = 4096;
+pub(super) const MAX_QUEUED_FRAMES: usize = 4096;
 
 enum Outbound {
     Text(String),
@@ -117,7 +117,7 @@ fn now_ms() -> u64 {
 }
 
 impl SyncHub {
-    pub fn new(
+    pub(crate) fn new(
         config: ServerConfig,
         auth: Arc<SyncAuth>,
         replica_path: PathBuf,
@@ -142,7 +142,7 @@ impl SyncHub {
     }
 
     /// Feeds inputs to the scope server and carries out the effects, until none are left.
-    pub fn call(self: &Arc<Self>, input: ServerInput) {
+    pub(crate) fn call(self: &Arc<Self>, input: ServerInput) {
         let mut inputs = vec![input];
         while let Some(input) = inputs.pop() {
             let effects = {
@@ -426,7 +426,7 @@ impl SyncHub {
 
     /// Routes the feed entries of one committed transaction, and the sync clients' mutations
     /// it applied (call once the replica commit is durable).
-    pub fn committed(self: &Arc<Self>, changes: CommittedChanges) {
+    pub(crate) fn committed(self: &Arc<Self>, changes: CommittedChanges) {
         if changes.rows.is_empty() && changes.confirms.is_empty() {
             return;
         }
@@ -437,41 +437,41 @@ impl SyncHub {
     }
 
     /// Every transaction up to `watermark` has been routed ([`SyncHub::committed`]).
-    pub fn routed_through(&self, watermark: &Watermark) {
+    pub(crate) fn routed_through(&self, watermark: &Watermark) {
         if let Some(writes) = &self.writes {
             writes.routed_through(watermark);
         }
     }
 
     /// A fence passed ingest with everything before it committed to the replica.
-    pub fn fence_passed(&self, nonce: &str) {
+    pub(crate) fn fence_passed(&self, nonce: &str) {
         if let Some(writes) = &self.writes {
             writes.fence_passed(nonce);
         }
     }
 
-    pub fn set_retention_floor(self: &Arc<Self>, floor: Option<i64>) {
+    pub(crate) fn set_retention_floor(self: &Arc<Self>, floor: Option<i64>) {
         self.call(ServerInput::RetentionFloor(floor));
     }
 
-    pub fn tick(self: &Arc<Self>) {
+    pub(crate) fn tick(self: &Arc<Self>) {
         self.call(ServerInput::Tick);
     }
 
     /// The scope server's counts and state, for `/metrics`.
-    pub fn metrics(&self) -> highwater_engine::scope_sync::server::ServerMetrics {
+    pub(crate) fn metrics(&self) -> highwater_engine::scope_sync::server::ServerMetrics {
         self.fault.lock(&self.server, "scope-sync server").metrics()
     }
 
     /// Open scope-sync sockets.
-    pub fn connections(&self) -> usize {
+    pub(crate) fn connections(&self) -> usize {
         self.fault
             .lock(&self.server, "scope-sync server")
             .connections()
     }
 
     /// Closes every socket (shutdown).
-    pub fn close_all(&self, code: u16, reason: &str) {
+    pub(crate) fn close_all(&self, code: u16, reason: &str) {
         let peers = self.fault.lock(&self.peers, "scope-sync peers");
         for peer in peers.values() {
             peer.close.send_replace(Some((code, reason.to_owned())));
@@ -481,7 +481,7 @@ impl SyncHub {
     /// Waits until every socket has ended (each sends its close frame first, within
     /// `CLOSE_GRACE`), or `limit` passed. The HTTP server's graceful shutdown does not wait for
     /// upgraded sockets: without this, a busy process could exit before the close frames left.
-    pub async fn until_closed(&self, limit: Duration) {
+    pub(crate) async fn until_closed(&self, limit: Duration) {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
             let open = self.fault.lock(&self.peers, "scope-sync peers").len();
@@ -493,7 +493,7 @@ impl SyncHub {
     }
 
     /// Runs one socket until either side ends it.
-    pub async fn run_socket(self: Arc<Self>, socket: WebSocket) {
+    pub(crate) async fn run_socket(self: Arc<Self>, socket: WebSocket) {
         let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let (outbound_tx, mut outbound) = mpsc::channel(MAX_QUEUED_FRAMES);
         let (close_tx, close_rx) = watch::channel(None);

@@ -11,13 +11,13 @@ use crate::replication::{PgConfig, PgErrorText, ReplicationError};
 
 /// The SQLSTATE `highwater.confirm` and `highwater.reject` raise for a mutation id that is not
 /// above the client's last one: the mutation was applied (or rejected) already.
-pub const ALREADY_APPLIED: &str = "HW409";
+pub(crate) const ALREADY_APPLIED: &str = "HW409";
 
 /// Creates schema `highwater`: the last mutation of each client, the rejections (so that a
 /// resent mutation gets the answer it got the first time), and the functions that advance
 /// them. A client's row is locked by the first call in a transaction, so one client's writers
 /// take turns; its last mutation id only grows.
-pub const WRITES_SQL: &str = r#"
+pub(super) const WRITES_SQL: &str = r#"
 CREATE SCHEMA IF NOT EXISTS highwater;
 DO $hw$
 BEGIN
@@ -106,7 +106,7 @@ pub enum InstallError {
 }
 
 /// Installs [`WRITES_SQL`] upstream.
-pub async fn install(upstream: &PgConfig) -> Result<(), InstallError> {
+pub(crate) async fn install(upstream: &PgConfig) -> Result<(), InstallError> {
     let (client, connection) = upstream.connect().await.map_err(InstallError::Connect)?;
     let connection = tokio::spawn(async move {
         if let Err(error) = connection.await {

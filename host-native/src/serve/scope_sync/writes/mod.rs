@@ -98,10 +98,10 @@ use crate::replication::{PgConfig, PgErrorText};
 use crate::sync_auth::{unix_now_ms, SyncAuth};
 use pool::{Conn, Pool};
 
-pub use install::{install, InstallError, ALREADY_APPLIED};
+pub(crate) use install::{install, InstallError, ALREADY_APPLIED};
 
 /// How long an `ifVersion` write waits for the replica to catch up with upstream.
-pub const FENCE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const FENCE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The write applier of a primary that takes writes.
 pub(crate) struct Writes {
@@ -184,7 +184,7 @@ impl From<tokio_postgres::Error> for Failure {
 }
 
 impl Writes {
-    pub fn new(
+    pub(crate) fn new(
         upstream: PgConfig,
         auth: Arc<SyncAuth>,
         replica_path: PathBuf,
@@ -207,7 +207,7 @@ impl Writes {
     }
 
     /// Every transaction up to `watermark` has been routed to the sockets.
-    pub fn routed_through(&self, watermark: &Watermark) {
+    pub(crate) fn routed_through(&self, watermark: &Watermark) {
         let mut routed = self.routed.lock().unwrap_or_else(PoisonError::into_inner);
         if *watermark > *routed {
             *routed = watermark.clone();
@@ -215,7 +215,7 @@ impl Writes {
     }
 
     /// A fence came through ingest with everything before it committed to the replica.
-    pub fn fence_passed(&self, nonce: &str) {
+    pub(crate) fn fence_passed(&self, nonce: &str) {
         let waiting = self
             .fences
             .lock()
@@ -228,7 +228,7 @@ impl Writes {
 
     /// Applies one batch of `client_id`'s mutations, in order: a result per mutation, and
     /// the client's last mutation id the replica holds and has routed.
-    pub async fn apply(
+    pub(crate) async fn apply(
         &self,
         client_id: &str,
         token: Option<&str>,
@@ -323,7 +323,7 @@ impl Writes {
 
     /// The client's last mutation id the replica holds, once the transaction that confirmed
     /// it has been routed to the sockets.
-    pub async fn replicated(&self, client_id: &str) -> Option<u64> {
+    pub(crate) async fn replicated(&self, client_id: &str) -> Option<u64> {
         let client = client_id.to_owned();
         let held = self
             .replica

@@ -53,7 +53,7 @@ pub(super) struct Conn {
 
 impl Conn {
     /// `sql` prepared on this connection (once).
-    pub async fn prepared(&mut self, sql: &str) -> Result<Statement, tokio_postgres::Error> {
+    pub(super) async fn prepared(&mut self, sql: &str) -> Result<Statement, tokio_postgres::Error> {
         if let Some(statement) = self.prepared.get(sql) {
             return Ok(statement.clone());
         }
@@ -66,7 +66,7 @@ impl Conn {
     }
 
     /// Forgets the prepared statements (a schema change may have made one stale).
-    pub fn forget_prepared(&mut self) {
+    pub(super) fn forget_prepared(&mut self) {
         self.prepared.clear();
     }
 }
@@ -78,7 +78,7 @@ pub(super) struct Pooled {
 }
 
 impl Pool {
-    pub fn new(upstream: PgConfig) -> Pool {
+    pub(super) fn new(upstream: PgConfig) -> Pool {
         Pool {
             upstream,
             permits: std::sync::Arc::new(Semaphore::new(MAX_CONNECTIONS)),
@@ -87,7 +87,7 @@ impl Pool {
     }
 
     /// An idle connection, or a new one; waits while [`MAX_CONNECTIONS`] are in use.
-    pub async fn get(&self) -> Result<Pooled, ConnectError> {
+    pub(super) async fn get(&self) -> Result<Pooled, ConnectError> {
         let permit = self
             .permits
             .clone()
@@ -118,7 +118,7 @@ impl Pool {
     }
 
     /// Gives a connection back for the next batch (a closed one is dropped).
-    pub fn put(&self, pooled: Pooled) {
+    pub(super) fn put(&self, pooled: Pooled) {
         if !pooled.conn.client.is_closed() {
             self.idle
                 .lock()
