@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 
 use highwater_engine::change_stream::{Change, ColumnSpec, DownstreamMessage};
 use highwater_engine::pgoutput::Relation;
-use highwater_engine::upstream::{relation_changes, Effect, Input, SessionConfig, UpstreamSession};
+use highwater_engine::upstream::{
+    relation_changes, Effect, Input, MutationConfirms, SessionConfig, UpstreamSession,
+};
 use highwater_engine::watermark::{Lsn, Watermark};
 use serde_json::Number;
 
@@ -53,8 +55,9 @@ pub struct Ingest {
     schema: BTreeMap<String, Vec<String>>,
     /// Schema changes of the open transaction, undone if it does not commit.
     open_ddl: Vec<(String, Option<String>)>,
-    /// Confirm messages of the open transaction.
-    open_confirms: Vec<(String, u64)>,
+    /// Mutations confirmed by transactions handed on and not committed yet, by the engine's
+    /// rule (as the host's serve keeps them).
+    confirms: MutationConfirms,
     pub bug: Option<IngestBug>,
 }
 
@@ -74,7 +77,7 @@ impl Ingest {
             session: UpstreamSession::new(config, stored, confirmed),
             schema,
             open_ddl: Vec::new(),
-            open_confirms: Vec::new(),
+            confirms: MutationConfirms::default(),
             bug,
         }
     }
@@ -137,21 +140,19 @@ impl Ingest {
                 match effect {
                     Effect::Apply(message) => {
                         match &message {
-                            DownstreamMessage::Begin(_) => {
+                            DownstreamMessage::Begin(begin) => {
                                 self.open_ddl.clear();
-                                self.open_confirms.clear();
+                                self.confirms.begin(&begin.commit_watermark);
                             }
                             DownstreamMessage::Commit(c) => {
                                 self.open_ddl.clear();
-                                let confirms = std::mem::take(&mut self.open_confirms);
+                                let confirms = self.confirms.take(&c.watermark);
                                 if !confirms.is_empty() {
                                     out.push(Ingested::Confirms(c.watermark.clone(), confirms));
                                 }
                             }
-                            DownstreamMessage::Rollback(_) => {
-                                self.undo_open_ddl();
-                                self.open_confirms.clear();
-                            }
+                            // Its confirms go with the next commit taken (the engine's rule).
+                            DownstreamMessage::Rollback(_) => self.undo_open_ddl(),
                             _ => {}
                         }
                         let early = match (&message, self.bug) {
@@ -188,7 +189,7 @@ impl Ingest {
                     Effect::Confirmed {
                         client_id,
                         mutation_id,
-                    } => self.open_confirms.push((client_id, mutation_id)),
+                    } => self.confirms.confirmed(client_id, mutation_id),
                     Effect::Fence { .. } => {
                         return Err(
                             "a fence message, which the simulated upstream never sends".into()

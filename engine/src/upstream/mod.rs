@@ -77,6 +77,7 @@
 //! ([`Hold`]), and what becomes of the open group and transaction at a stop ([`StopPlan`]).
 
 mod ack;
+mod confirms;
 mod frames;
 mod group;
 mod ingest;
@@ -94,6 +95,7 @@ use crate::watermark::{Lsn, Watermark};
 use ack::AckQueue;
 use frames::FrameAcks;
 
+pub use confirms::MutationConfirms;
 pub use group::{
     outgrows_hold, DurableGroup, GroupCommit, GroupDecision, GroupLimits, SyncDecision, HOLD_BYTES,
     HOLD_MESSAGES,

@@ -44,7 +44,7 @@ use std::sync::Arc;
 use futures::FutureExt as _;
 use highwater_engine::change_stream::{DownstreamMessage, Rollback};
 use highwater_engine::streamer::{ConnId, LogOp, StoredChange};
-use highwater_engine::upstream::{DurableGroup, GroupLimits, UpstreamSession};
+use highwater_engine::upstream::{DurableGroup, GroupLimits, MutationConfirms, UpstreamSession};
 use highwater_engine::watermark::{Lsn, Watermark};
 use rusqlite::Connection;
 use tokio::runtime::Handle;
@@ -130,8 +130,7 @@ pub(crate) fn ingest(parts: IngestParts) -> ServeIngest {
         unsynced_feed: VecDeque::new(),
         wal_sync,
         deferred_catchups: Vec::new(),
-        handed_on: None,
-        confirms: Vec::new(),
+        confirms: MutationConfirms::default(),
         fences: Vec::new(),
     };
     let source = SourceEvents {
@@ -177,11 +176,9 @@ pub(crate) struct ReplicaAndLog {
     /// Catch-up reads asked for while a transaction was half applied inside an open group:
     /// started once that transaction's commit closed the group.
     deferred_catchups: Vec<(ConnId, Watermark, Watermark)>,
-    /// The commit watermark of the upstream transaction handed on last (its `begin`).
-    handed_on: Option<Watermark>,
-    /// Sync clients' mutations confirmed by transactions handed on and not stored yet: the
-    /// transaction's commit watermark, the client, the mutation.
-    confirms: Vec<(Watermark, String, u64)>,
+    /// Sync clients' mutations confirmed by transactions handed on and not stored yet (the
+    /// engine's rule of which commit confirms them).
+    confirms: MutationConfirms,
     /// Fences passed whose waiters are released once everything before them is committed.
     fences: Vec<String>,
 }
@@ -233,19 +230,6 @@ impl From<EffectError> for ServeError {
 }
 
 impl ReplicaAndLog {
-    /// The sync clients' mutations the transaction committed at `watermark` confirmed; those
-    /// of transactions before it (rolled back, never committed) are dropped.
-    fn take_confirms(&mut self, watermark: &Watermark) -> Vec<(String, u64)> {
-        let mut taken = Vec::new();
-        self.confirms.retain(|(at, client_id, mutation_id)| {
-            if at == watermark {
-                taken.push((client_id.clone(), *mutation_id));
-            }
-            at > watermark
-        });
-        taken
-    }
-
     /// Prunes exits older than the retention window, when due.
     fn prune_exits(&mut self) -> Result<(), ServeError> {
         let Some(sync) = self.sync.as_mut() else {
@@ -364,10 +348,7 @@ impl GroupStore for ReplicaAndLog {
         message: DownstreamMessage,
     ) -> Result<(), ServeError> {
         if let DownstreamMessage::Begin(begin) = &message {
-            // Sent again from its beginning after a restart: what it confirmed comes again.
-            let watermark = &begin.commit_watermark;
-            self.confirms.retain(|(at, _, _)| at != watermark);
-            self.handed_on = Some(watermark.clone());
+            self.confirms.begin(&begin.commit_watermark);
         }
         self.hub.try_call(|s| s.on_upstream(message))?;
         Ok(())
@@ -378,10 +359,7 @@ impl GroupStore for ReplicaAndLog {
     }
 
     fn confirmed(&mut self, client_id: String, mutation_id: u64) -> Result<(), ServeError> {
-        if let Some(watermark) = &self.handed_on {
-            self.confirms
-                .push((watermark.clone(), client_id, mutation_id));
-        }
+        self.confirms.confirmed(client_id, mutation_id);
         Ok(())
     }
 
@@ -426,7 +404,7 @@ impl GroupStore for ReplicaAndLog {
                 storing.item(self, row, bytes)?;
             }
             StorageOp::Store(LogOp::Commit(row)) => {
-                let confirms = self.take_confirms(row.watermark());
+                let confirms = self.confirms.take(row.watermark());
                 self.writer.confirm_with_next_commit(confirms);
                 let bytes = row.change_json().len();
                 storing.commit(self, row, bytes)?;
