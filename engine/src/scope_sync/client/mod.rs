@@ -460,17 +460,13 @@ impl IdHasher {
 
 impl std::hash::Hasher for IdHasher {
     fn write(&mut self, bytes: &[u8]) {
-        let mut words = bytes.chunks_exact(8);
-        for word in &mut words {
-            let mut full = [0u8; 8];
-            full.copy_from_slice(word);
-            self.add(u64::from_le_bytes(full));
-        }
-        let rest = words.remainder();
-        if !rest.is_empty() {
-            let mut last = [0u8; 8];
-            last[..rest.len()].copy_from_slice(rest);
-            self.add(u64::from_le_bytes(last));
+        // Byte by byte into each word: ids are short, and a slice copy is a call in wasm.
+        for word in bytes.chunks(8) {
+            let mut value = 0u64;
+            for (at, &byte) in word.iter().enumerate() {
+                value |= u64::from(byte) << (8 * at);
+            }
+            self.add(value);
         }
     }
 
