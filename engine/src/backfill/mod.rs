@@ -13,9 +13,12 @@
 //!   when a newly aligned subscriber forces a restart.
 //!
 //! [`BackfillMerge`] is the replica's side: what a backfilled row does to the row it meets.
+//! [`BackfillPlanner`] serves a change source that reads backfills from upstream itself: which
+//! one runs next, with which columns, and when a failed one is tried again.
 
 mod cookie;
 mod merge;
+mod planner;
 pub mod progress;
 mod state;
 mod tracker;
@@ -24,6 +27,9 @@ pub use cookie::{
     cookie_jar_requests, cookie_ops, BackfillCookie, CookieOp, MetadataCookie, TableRef,
 };
 pub use merge::{BackfillMerge, BackfilledValue, RowMerge, RowVersion};
+pub use planner::{
+    BackfillPlan, BackfillPlanner, PendingBackfill, BACKFILL_RETRY, BACKFILL_RETRY_FLOOR_MS,
+};
 pub use progress::{
     accept_backfill, covers, resume_point, superset, table_superset, with_resume_point, Marks,
     Verdict,
