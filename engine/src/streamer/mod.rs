@@ -64,6 +64,7 @@ pub use catchup::CatchupRow;
 pub use effect::{Effect, LogOp, Outgoing, StoredChange};
 pub use purge::DEFAULT_PURGE_DELAY_MS;
 pub use registry::{HELD_MAX_BYTES, HELD_MAX_MESSAGES};
+pub use reservation::{check_restored_snapshot, restored_log_start, SnapshotMismatch};
 pub use subscriber::Phase;
 
 use crate::backfill::{BackfillStateTracker, Registration};

@@ -4,6 +4,7 @@
 use indexmap::IndexMap;
 
 use super::ConnId;
+use crate::change_stream::Reserved;
 use crate::watermark::Watermark;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,6 +82,60 @@ impl Reservations {
     }
 }
 
+/// Why a snapshot downloaded for a reservation cannot seed a replica.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotMismatch {
+    pub expected: String,
+    pub found: String,
+}
+
+/// Whether a snapshot downloaded for `reserved` may seed the client's replica
+/// (`docs/protocol/change-stream.md`, "Reservations and snapshots", step 3): it holds the
+/// reserved replica version, a watermark at or after `minWatermark`, and what its headers
+/// claimed (`claimed_watermark`, `claimed_version`, when sent) is what it holds.
+pub fn check_restored_snapshot(
+    reserved: &Reserved,
+    replica_version: &Watermark,
+    watermark: &Watermark,
+    claimed_watermark: Option<&str>,
+    claimed_version: Option<&str>,
+) -> Result<(), SnapshotMismatch> {
+    if *replica_version != reserved.replica_version {
+        return Err(SnapshotMismatch {
+            expected: format!("replica version {}", reserved.replica_version),
+            found: format!("a snapshot of replica version {replica_version}"),
+        });
+    }
+    if *watermark < reserved.min_watermark {
+        return Err(SnapshotMismatch {
+            expected: format!("a snapshot at or after {}", reserved.min_watermark),
+            found: format!("a snapshot at {watermark}"),
+        });
+    }
+    let claimed = [
+        (claimed_watermark, watermark),
+        (claimed_version, replica_version),
+    ];
+    for (header, actual) in claimed {
+        if let Some(header) = header.filter(|h| *h != actual.as_str()) {
+            return Err(SnapshotMismatch {
+                expected: format!("the snapshot's content at {header}, as its headers say"),
+                found: format!("content at {actual}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Where the change log of a replica restored from a snapshot at `watermark` starts: `Some`
+/// when the snapshot is past its replica version, and the log must then hold an empty
+/// transaction at `watermark` and nothing before it. A log seeded at the replica version would
+/// claim to serve the changes between the two, which it does not hold; the snapshot's watermark
+/// is the only point from which it can catch its own subscribers up.
+pub fn restored_log_start(replica_version: &Watermark, watermark: &Watermark) -> Option<Watermark> {
+    (watermark > replica_version).then(|| watermark.clone())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,5 +193,56 @@ mod tests {
         assert_eq!(r.release("t1"), None);
         r.cancel_held_by(ConnId(2));
         assert!(r.is_empty());
+    }
+
+    fn reserved(version: &str, min: &str) -> Reserved {
+        Reserved {
+            backup_url: "http://primary/replica/snapshot".to_owned(),
+            replica_version: w(version),
+            min_watermark: w(min),
+            replica_size: None,
+            extra: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_snapshot_seeds_a_replica_only_at_the_reserved_version_and_not_before_the_backup() {
+        let r = reserved("0a", "0c");
+        assert_eq!(
+            check_restored_snapshot(&r, &w("0a"), &w("0c"), None, None),
+            Ok(())
+        );
+        assert_eq!(
+            check_restored_snapshot(&r, &w("0a"), &w("0d"), Some("0d"), Some("0a")),
+            Ok(())
+        );
+        let other_version = check_restored_snapshot(&r, &w("0b"), &w("0d"), None, None);
+        assert_eq!(
+            other_version.expect_err("another replica version").expected,
+            "replica version 0a"
+        );
+        let too_old = check_restored_snapshot(&r, &w("0a"), &w("0b"), None, None);
+        assert_eq!(
+            too_old.expect_err("before the backup").found,
+            "a snapshot at 0b"
+        );
+    }
+
+    #[test]
+    fn a_snapshot_whose_headers_claim_other_content_is_refused() {
+        let r = reserved("0a", "0c");
+        let watermark = check_restored_snapshot(&r, &w("0a"), &w("0d"), Some("0e"), None);
+        assert_eq!(
+            watermark.expect_err("another watermark").found,
+            "content at 0d"
+        );
+        let version = check_restored_snapshot(&r, &w("0a"), &w("0d"), None, Some("0b"));
+        assert_eq!(version.expect_err("another version").found, "content at 0a");
+    }
+
+    #[test]
+    fn a_restored_log_starts_at_the_snapshot_when_it_is_past_the_replica_version() {
+        assert_eq!(restored_log_start(&w("0a"), &w("0a")), None);
+        assert_eq!(restored_log_start(&w("0a"), &w("0d")), Some(w("0d")));
     }
 }

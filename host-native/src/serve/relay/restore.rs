@@ -15,6 +15,7 @@ use std::time::Duration;
 use highwater_engine::change_stream::{
     DownstreamMessage, Extra, ReserveSnapshot, Reserved, UpstreamMessage,
 };
+use highwater_engine::streamer::{check_restored_snapshot, restored_log_start, SnapshotMismatch};
 use highwater_engine::watermark::Watermark;
 use rusqlite::Connection;
 
@@ -193,30 +194,14 @@ fn seed(
             expected: "a synced replica".to_owned(),
             found: "a database without replication state".to_owned(),
         })?;
-    if state.replica_version != reserved.replica_version {
-        return Err(RelayError::Snapshot {
-            expected: format!("replica version {}", reserved.replica_version),
-            found: format!("a snapshot of replica version {}", state.replica_version),
-        });
-    }
-    if state.watermark < reserved.min_watermark {
-        return Err(RelayError::Snapshot {
-            expected: format!("a snapshot at or after {}", reserved.min_watermark),
-            found: format!("a snapshot at {}", state.watermark),
-        });
-    }
-    let claimed = [
-        (&headers.watermark, &state.watermark),
-        (&headers.replica_version, &state.replica_version),
-    ];
-    for (header, actual) in claimed {
-        if let Some(header) = header.as_deref().filter(|h| *h != actual.as_str()) {
-            return Err(RelayError::Snapshot {
-                expected: format!("the snapshot's content at {header}, as its headers say"),
-                found: format!("content at {actual}"),
-            });
-        }
-    }
+    check_restored_snapshot(
+        reserved,
+        &state.replica_version,
+        &state.watermark,
+        headers.watermark.as_deref(),
+        headers.replica_version.as_deref(),
+    )
+    .map_err(|SnapshotMismatch { expected, found }| RelayError::Snapshot { expected, found })?;
     let conn = Connection::open(path).map_err(change_log::ChangeLogError::from)?;
     let config = ChangeLogConfig {
         replica_version: state.replica_version.clone(),
@@ -224,17 +209,15 @@ fn seed(
     };
     change_log::create_tables(&conn)?;
     change_log::reseed(&conn, &config)?;
-    if state.watermark > state.replica_version {
-        // The seed moves from the replica version to the snapshot's watermark: nothing between
-        // the two is in this log, so it must not claim to serve it.
+    if let Some(start) = restored_log_start(&state.replica_version, &state.watermark) {
         let tx = conn
             .unchecked_transaction()
             .map_err(change_log::ChangeLogError::from)?;
-        change_log::append(&tx, &state.watermark, 0, "begin", r#"{"tag":"begin"}"#)?;
-        change_log::append(&tx, &state.watermark, 1, "commit", r#"{"tag":"commit"}"#)?;
-        change_log::commit(&tx, &state.watermark)?;
+        change_log::append(&tx, &start, 0, "begin", r#"{"tag":"begin"}"#)?;
+        change_log::append(&tx, &start, 1, "commit", r#"{"tag":"commit"}"#)?;
+        change_log::commit(&tx, &start)?;
         tx.commit().map_err(change_log::ChangeLogError::from)?;
-        change_log::purge(&conn, &state.watermark)?;
+        change_log::purge(&conn, &start)?;
     }
     let status = change_log::status(&conn)?.ok_or(change_log::ChangeLogError::NotInitialized)?;
     if status.last_watermark != state.watermark || status.min_watermark != state.watermark {
