@@ -19,8 +19,8 @@ pub use conditions::{
 pub use envelope::{EnvelopeError, SyncEntry, SyncEnvelope, CURSOR_KEY, MOVES_KEY};
 pub use frame::{ClientFrame, FrameError, ServerFrame, SYNC_CHANNEL_TYPE};
 pub use mutation::{
-    parse_confirm_message, rejection, valid_client_id, Echo, InvalidMutation, Mutation,
-    MutationIdError, MutationOp, MutationResult, MutationStatus, CONFIRM_MESSAGE_PREFIX,
+    parse_confirm_message, rejection, valid_client_id, BatchResults, Echo, InvalidMutation,
+    Mutation, MutationIdError, MutationOp, MutationResult, MutationStatus, CONFIRM_MESSAGE_PREFIX,
     MAX_CLIENT_ID_BYTES, MAX_MUTATIONS_PER_FRAME, MAX_ROW_COLUMNS,
 };
 pub use row::RowText;

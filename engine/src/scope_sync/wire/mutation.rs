@@ -33,6 +33,98 @@ pub mod rejection {
     /// Not applied now (the node takes no writes, or Postgres is unreachable): send it again
     /// later. Never final.
     pub const UNAVAILABLE: &str = "unavailable";
+
+    /// The SQLSTATE `highwater.confirm` raises for a mutation id not above the client's last:
+    /// the mutation was handled before (`docs/protocol/scope-sync.md`, "Writes").
+    pub const ALREADY_APPLIED_SQLSTATE: &str = "HW409";
+
+    /// How a mutation is answered when Postgres refused its transaction with SQLSTATE `code`.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum PgRefusal {
+        /// Handled before: it gets the answer it got then.
+        AlreadyApplied,
+        /// Refused for good, with this code.
+        Final(&'static str),
+        /// It may pass later (a timeout, a serialization failure, the server going away):
+        /// `retry`.
+        Transient,
+    }
+
+    /// The answer for a transaction Postgres refused with SQLSTATE `code`: integrity
+    /// constraints (class 23) are `constraint`; data exceptions (class 22), an unknown column
+    /// or table, a datatype mismatch, and an app's trigger raising (`P0001`) are `invalid`; a
+    /// missing privilege is `forbidden`; anything else may pass later.
+    pub fn for_sqlstate(code: &str) -> PgRefusal {
+        match code {
+            ALREADY_APPLIED_SQLSTATE => PgRefusal::AlreadyApplied,
+            _ if code.starts_with("23") => PgRefusal::Final(CONSTRAINT),
+            "42703" | "42804" | "42P01" | "P0001" => PgRefusal::Final(INVALID),
+            _ if code.starts_with("22") => PgRefusal::Final(INVALID),
+            "42501" => PgRefusal::Final(FORBIDDEN),
+            _ => PgRefusal::Transient,
+        }
+    }
+
+    /// A recorded rejection's code as one of the final codes (an app may record codes of its
+    /// own, which are `invalid`).
+    pub fn stable(code: &str) -> &'static str {
+        [FORBIDDEN, INVALID, CONSTRAINT, CONFLICT]
+            .into_iter()
+            .find(|known| *known == code)
+            .unwrap_or(INVALID)
+    }
+}
+
+/// A batch's results, in order (`docs/protocol/scope-sync.md`, "Writes"): once a mutation's
+/// result is `retry`, every later one of the batch is `retry` with the same code and is not
+/// applied, so the client sends them again in order.
+#[derive(Debug, Clone, Default)]
+pub struct BatchResults {
+    results: Vec<MutationResult>,
+    /// The first `retry`: its id and code.
+    stopped: Option<(u64, String)>,
+}
+
+impl BatchResults {
+    pub fn with_capacity(mutations: usize) -> Self {
+        BatchResults {
+            results: Vec::with_capacity(mutations),
+            stopped: None,
+        }
+    }
+
+    /// Every mutation of a batch answered `retry` with `code`, before any was tried (a token
+    /// refused, the replica or upstream out of reach).
+    pub fn retry_all(ids: &[u64], code: &str, message: &str) -> Vec<MutationResult> {
+        ids.iter()
+            .map(|id| MutationResult::retry(*id, code, message))
+            .collect()
+    }
+
+    /// Whether mutation `id` is to be tried; when the batch has stopped, its `retry` is
+    /// recorded instead and it must not be applied.
+    pub fn try_next(&mut self, id: u64) -> bool {
+        let Some((stop_id, code)) = &self.stopped else {
+            return true;
+        };
+        let message =
+            format!("not applied: mutation {stop_id} before it is to be sent again first");
+        self.results.push(MutationResult::retry(id, code, message));
+        false
+    }
+
+    /// The result of a mutation tried; a `retry` stops the batch.
+    pub fn push(&mut self, result: MutationResult) {
+        if result.status == MutationStatus::Retry && self.stopped.is_none() {
+            let code = result.code.as_deref().unwrap_or(rejection::UNAVAILABLE);
+            self.stopped = Some((result.id, code.to_owned()));
+        }
+        self.results.push(result);
+    }
+
+    pub fn finish(self) -> Vec<MutationResult> {
+        self.results
+    }
 }
 
 /// What a mutation does to its row.
@@ -368,5 +460,61 @@ mod tests {
             json!({"id": 4, "status": "rejected", "code": "conflict", "message": "changed since"})
         );
         assert_eq!(MutationResult::from_value(&value), Some(result));
+    }
+
+    #[test]
+    fn postgres_refusals_map_to_final_codes_or_a_retry() {
+        use rejection::{for_sqlstate, PgRefusal};
+        assert_eq!(for_sqlstate("HW409"), PgRefusal::AlreadyApplied);
+        for (code, answer) in [
+            ("23505", rejection::CONSTRAINT),
+            ("23503", rejection::CONSTRAINT),
+            ("22P02", rejection::INVALID),
+            ("42703", rejection::INVALID),
+            ("42P01", rejection::INVALID),
+            ("P0001", rejection::INVALID),
+            ("42501", rejection::FORBIDDEN),
+        ] {
+            assert_eq!(for_sqlstate(code), PgRefusal::Final(answer), "{code}");
+        }
+        for code in ["40001", "40P01", "57014", "55P03", "08006", "XX000"] {
+            assert_eq!(for_sqlstate(code), PgRefusal::Transient, "{code}");
+        }
+        assert_eq!(rejection::stable("conflict"), rejection::CONFLICT);
+        assert_eq!(rejection::stable("my-app-code"), rejection::INVALID);
+    }
+
+    #[test]
+    fn a_retry_stops_the_batch_and_every_later_mutation_is_retried_with_its_code() {
+        let mut batch = BatchResults::with_capacity(4);
+        assert!(batch.try_next(1));
+        batch.push(MutationResult::confirmed(1));
+        assert!(batch.try_next(2));
+        batch.push(MutationResult::rejected(2, rejection::CONFLICT, "gone"));
+        assert!(batch.try_next(3));
+        batch.push(MutationResult::retry(3, rejection::UNAVAILABLE, "timeout"));
+        assert!(!batch.try_next(4));
+        assert!(!batch.try_next(5));
+        let results = batch.finish();
+        let statuses: Vec<_> = results.iter().map(|r| (r.id, r.status)).collect();
+        assert_eq!(
+            statuses,
+            [
+                (1, MutationStatus::Confirmed),
+                (2, MutationStatus::Rejected),
+                (3, MutationStatus::Retry),
+                (4, MutationStatus::Retry),
+                (5, MutationStatus::Retry)
+            ]
+        );
+        assert_eq!(results[4].code.as_deref(), Some(rejection::UNAVAILABLE));
+        assert_eq!(
+            results[4].message.as_deref(),
+            Some("not applied: mutation 3 before it is to be sent again first")
+        );
+        let all = BatchResults::retry_all(&[7, 8], rejection::AUTH, "fresh token");
+        assert!(all
+            .iter()
+            .all(|r| r.status == MutationStatus::Retry && r.code.as_deref() == Some("auth")));
     }
 }

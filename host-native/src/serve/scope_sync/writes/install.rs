@@ -9,10 +9,6 @@
 
 use crate::replication::{PgConfig, PgErrorText, ReplicationError};
 
-/// The SQLSTATE `highwater.confirm` and `highwater.reject` raise for a mutation id that is not
-/// above the client's last one: the mutation was applied (or rejected) already.
-pub(crate) const ALREADY_APPLIED: &str = "HW409";
-
 /// Creates schema `highwater`: the last mutation of each client, the rejections (so that a
 /// resent mutation gets the answer it got the first time), and the functions that advance
 /// them. A client's row is locked by the first call in a transaction, so one client's writers

@@ -80,9 +80,10 @@ use std::time::Duration;
 
 use highwater_engine::change_stream::JsonFormat;
 use highwater_engine::pgoutput::TextColumn;
+use highwater_engine::scope_sync::rejection::{self, PgRefusal};
 use highwater_engine::scope_sync::rules::{Admission, DenialCode, SyncRules, WriteGrant};
 use highwater_engine::scope_sync::{
-    rejection, InvalidMutation, Mutation, MutationOp, MutationResult,
+    BatchResults, InvalidMutation, Mutation, MutationOp, MutationResult,
 };
 use highwater_engine::upstream::FENCE_MESSAGE_PREFIX;
 use highwater_engine::watermark::Watermark;
@@ -98,7 +99,7 @@ use crate::replication::{PgConfig, PgErrorText};
 use crate::sync_auth::{unix_now_ms, SyncAuth};
 use pool::{Conn, Pool};
 
-pub(crate) use install::{install, InstallError, ALREADY_APPLIED};
+pub(crate) use install::{install, InstallError};
 
 /// How long an `ifVersion` write waits for the replica to catch up with upstream.
 pub(crate) const FENCE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -119,14 +120,6 @@ pub(crate) struct Writes {
     fence_prefix: String,
     /// Every transaction up to here has been routed to the scope-sync sockets.
     routed: Mutex<Watermark>,
-}
-
-/// What became of one mutation.
-enum Step {
-    /// Its result; the batch goes on.
-    Answer(MutationResult),
-    /// Its result is `retry`: so is every later one of the batch.
-    Stop(MutationResult),
 }
 
 /// Why a mutation's transaction did not commit.
@@ -162,20 +155,10 @@ impl From<tokio_postgres::Error> for Failure {
                 PgErrorText(&error)
             ));
         };
-        let code = db.code().code();
-        let message = db.message().to_owned();
-        match code {
-            ALREADY_APPLIED => Failure::AlreadyApplied,
-            // Integrity constraints: unique, foreign key, not null, check, exclusion.
-            _ if code.starts_with("23") => Failure::refused(rejection::CONSTRAINT, message),
-            // A value the column's type cannot take, an unknown column or table, a datatype
-            // mismatch.
-            "42703" | "42804" | "42P01" => Failure::refused(rejection::INVALID, message),
-            _ if code.starts_with("22") => Failure::refused(rejection::INVALID, message),
-            "42501" => Failure::refused(rejection::FORBIDDEN, message),
-            // A trigger or rule of the app refused it.
-            "P0001" => Failure::refused(rejection::INVALID, message),
-            _ => Failure::Unavailable(format!(
+        match rejection::for_sqlstate(db.code().code()) {
+            PgRefusal::AlreadyApplied => Failure::AlreadyApplied,
+            PgRefusal::Final(code) => Failure::refused(code, db.message()),
+            PgRefusal::Transient => Failure::Unavailable(format!(
                 "the upstream Postgres did not apply it: {}",
                 PgErrorText(&error)
             )),
@@ -241,11 +224,7 @@ impl Writes {
                 Err(e) => e.id,
             })
             .collect();
-        let retry_all = |code: &str, message: &str| {
-            ids.iter()
-                .map(|id| MutationResult::retry(*id, code, message))
-                .collect::<Vec<_>>()
-        };
+        let retry_all = |code: &str, message: &str| BatchResults::retry_all(&ids, code, message);
         let claims = match token.filter(|t| !t.is_empty()) {
             None => Map::new(),
             Some(token) => match self.auth.verify(token, unix_now_ms()) {
@@ -288,37 +267,22 @@ impl Writes {
                 )
             }
         };
-        let mut results = Vec::with_capacity(mutations.len());
-        let mut stopped: Option<MutationResult> = None;
+        let mut results = BatchResults::with_capacity(mutations.len());
         for mutation in mutations {
             let id = match &mutation {
                 Ok(m) => m.id,
                 Err(e) => e.id,
             };
-            if let Some(stop) = &stopped {
-                results.push(MutationResult::retry(
-                    id,
-                    stop.code.as_deref().unwrap_or(rejection::UNAVAILABLE),
-                    format!(
-                        "not applied: mutation {} before it is to be sent again first",
-                        stop.id
-                    ),
-                ));
+            if !results.try_next(id) {
                 continue;
             }
-            let step = self
+            let result = self
                 .apply_one(&mut pooled.conn, client_id, &claims, &tables, mutation)
                 .await;
-            match step {
-                Step::Answer(result) => results.push(result),
-                Step::Stop(result) => {
-                    stopped = Some(result.clone());
-                    results.push(result);
-                }
-            }
+            results.push(result);
         }
         self.pool.put(pooled);
-        (results, self.replicated(client_id).await)
+        (results.finish(), self.replicated(client_id).await)
     }
 
     /// The client's last mutation id the replica holds, once the transaction that confirmed
@@ -346,7 +310,7 @@ impl Writes {
         claims: &Map<String, Value>,
         tables: &HashMap<String, ReplicaTable>,
         mutation: Result<Mutation, InvalidMutation>,
-    ) -> Step {
+    ) -> MutationResult {
         let mutation = match mutation {
             Ok(mutation) => mutation,
             Err(invalid) => {
@@ -366,7 +330,7 @@ impl Writes {
             .transact(conn, client_id, &mutation, table, &grant)
             .await
         {
-            Ok(()) => Step::Answer(MutationResult::confirmed(id)),
+            Ok(()) => MutationResult::confirmed(id),
             Err(failure) => {
                 if matches!(failure, Failure::Unavailable(_)) {
                     // A failure that may pass may also be a statement a schema change made
@@ -379,19 +343,25 @@ impl Writes {
     }
 
     /// The answer for a mutation that was not applied now.
-    async fn refuse(&self, client: &Client, client_id: &str, id: u64, failure: Failure) -> Step {
+    async fn refuse(
+        &self,
+        client: &Client,
+        client_id: &str,
+        id: u64,
+        failure: Failure,
+    ) -> MutationResult {
         match failure {
             Failure::Unavailable(message) => {
-                Step::Stop(MutationResult::retry(id, rejection::UNAVAILABLE, message))
+                MutationResult::retry(id, rejection::UNAVAILABLE, message)
             }
             Failure::AlreadyApplied => self.earlier(client, client_id, id).await,
             Failure::Refused { code, message, row } => {
                 let Ok(db_id) = i64::try_from(id) else {
-                    return Step::Answer(MutationResult::rejected(
+                    return MutationResult::rejected(
                         id,
                         rejection::INVALID,
                         "expected a mutation id below 2^63",
-                    ));
+                    );
                 };
                 let recorded = client
                     .execute(
@@ -403,24 +373,24 @@ impl Writes {
                     Ok(_) => {
                         let mut result = MutationResult::rejected(id, code, message);
                         result.row = row;
-                        Step::Answer(result)
+                        result
                     }
                     Err(Failure::AlreadyApplied) => self.earlier(client, client_id, id).await,
                     Err(Failure::Unavailable(message)) => {
-                        Step::Stop(MutationResult::retry(id, rejection::UNAVAILABLE, message))
+                        MutationResult::retry(id, rejection::UNAVAILABLE, message)
                     }
-                    Err(Failure::Refused { message, .. }) => Step::Stop(MutationResult::retry(
+                    Err(Failure::Refused { message, .. }) => MutationResult::retry(
                         id,
                         rejection::UNAVAILABLE,
                         format!("could not record the rejection upstream: {message}"),
-                    )),
+                    ),
                 }
             }
         }
     }
 
     /// The answer a mutation handled before got: its recorded rejection, else `confirmed`.
-    async fn earlier(&self, client: &Client, client_id: &str, id: u64) -> Step {
+    async fn earlier(&self, client: &Client, client_id: &str, id: u64) -> MutationResult {
         let db_id = i64::try_from(id).unwrap_or(i64::MAX);
         let found = client
             .query_opt(
@@ -436,21 +406,21 @@ impl Writes {
                     "could not read how the mutation was handled before: {}",
                     PgErrorText(&error)
                 );
-                return Step::Stop(MutationResult::retry(id, rejection::UNAVAILABLE, message));
+                return MutationResult::retry(id, rejection::UNAVAILABLE, message);
             }
         };
         let recorded = row.map(|row| (row.try_get::<_, String>(0), row.try_get::<_, String>(1)));
         match recorded {
-            None => Step::Answer(MutationResult::confirmed(id)),
+            None => MutationResult::confirmed(id),
             Some((Ok(code), Ok(message))) => {
-                let code = stable_code(&code);
-                Step::Answer(MutationResult::rejected(id, code, message))
+                let code = rejection::stable(&code);
+                MutationResult::rejected(id, code, message)
             }
-            Some(_) => Step::Stop(MutationResult::retry(
+            Some(_) => MutationResult::retry(
                 id,
                 rejection::UNAVAILABLE,
                 "could not read the recorded rejection",
-            )),
+            ),
         }
     }
 
@@ -781,19 +751,6 @@ fn row_of(table: &ReplicaTable, row: &tokio_postgres::Row) -> Result<Map<String,
         values.insert(column.name.clone(), value);
     }
     Ok(values)
-}
-
-/// A recorded rejection's code as one of the stable codes (an app may have recorded its own).
-fn stable_code(code: &str) -> &'static str {
-    [
-        rejection::FORBIDDEN,
-        rejection::INVALID,
-        rejection::CONSTRAINT,
-        rejection::CONFLICT,
-    ]
-    .into_iter()
-    .find(|known| *known == code)
-    .unwrap_or(rejection::INVALID)
 }
 
 /// Read-only connections to the replica for the write checks, read on blocking threads: a
