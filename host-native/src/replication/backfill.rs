@@ -20,12 +20,17 @@
 //! last are visible, so it holds everything the replica has; upstream transactions after the
 //! consumer's position come after the backfill and carry whole rows, so every row ends at its
 //! upstream value. Rows are streamed from `COPY` in batches; a backfill never holds a table.
+//!
+//! Which backfill runs next, with which columns, and when a failed one is tried again is the
+//! engine's rule (`highwater_engine::backfill::BackfillPlanner`); [`BackfillPlanner`] here
+//! only hands it the replica's pending backfills, turns its plans into [`BackfillJob`]s and
+//! `Instant`s into its milliseconds.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use highwater_engine::backoff::{Backoff, BackoffPolicy};
+use highwater_engine::backfill as planner;
 use highwater_engine::change_stream::{
     Backfill, BackfillCompleted, Begin, Change, Commit, DownloadStatus, DownstreamMessage,
     JsonFormat, NewRelation, RowKey,
@@ -547,37 +552,16 @@ async fn read_rows(
     }
 }
 
-/// Chooses the next backfill to run and remembers what upstream cannot serve yet.
+/// The engine's backfill planner ([`planner::BackfillPlanner`]: which backfill runs next, with
+/// which columns, when a failed one is tried again) over the replica: its pending backfills
+/// become the planner's input, a plan becomes a [`BackfillJob`] with what only the server has,
+/// and `Instant`s are milliseconds since the planner was made.
 #[derive(Debug)]
 pub(crate) struct BackfillPlanner {
-    /// `(table, column)` → the snapshot where upstream first lacked the column.
-    missing: HashMap<(String, String), Watermark>,
-    /// Table → where and when its backfill failed: tried again after the next transaction, or
-    /// once its retry delay passed (a quiet database has no next transaction).
-    failed: HashMap<String, Failed>,
-    /// Table → the last job handed out for it: the same job at the same position again would
-    /// only repeat a run that changed nothing.
-    handed_out: HashMap<String, (Watermark, Vec<String>, Vec<String>)>,
-    /// Delays between attempts while backfills keep failing; reset by one that commits.
-    retries: Backoff,
+    rule: planner::BackfillPlanner,
+    /// Where the planner's milliseconds count from.
+    epoch: Instant,
 }
-
-/// A backfill that failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Failed {
-    /// The consumer's last commit when it failed.
-    position: Watermark,
-    /// When it may be tried again at that position.
-    retry_at: Instant,
-}
-
-/// Retry delays of failed backfills: at least a second, at most a minute (full jitter above
-/// the floor, so servers that lost the same Postgres do not retry together).
-const BACKFILL_RETRY: BackoffPolicy = BackoffPolicy {
-    initial_ms: 1_000,
-    max_ms: 60_000,
-};
-const BACKFILL_RETRY_FLOOR_MS: u64 = 1_000;
 
 impl Default for BackfillPlanner {
     fn default() -> Self {
@@ -594,10 +578,8 @@ impl BackfillPlanner {
     /// A planner whose retry delays are drawn from `seed`.
     pub(crate) fn with_seed(seed: u64) -> Self {
         BackfillPlanner {
-            missing: HashMap::new(),
-            failed: HashMap::new(),
-            handed_out: HashMap::new(),
-            retries: Backoff::new(BACKFILL_RETRY, seed),
+            rule: planner::BackfillPlanner::new(seed),
+            epoch: Instant::now(),
         }
     }
 
@@ -610,119 +592,74 @@ impl BackfillPlanner {
         visible_xids: &[u32],
         batch_rows: usize,
     ) -> Option<BackfillJob> {
-        if !replica.has_pending_backfills() {
-            self.missing.clear();
-            self.failed.clear();
-            self.handed_out.clear();
-            return None;
-        }
         let pending = replica.pending_backfills();
-        let is_pending = |table: &str, column: &str| {
-            pending
-                .iter()
-                .any(|p| p.table == table && p.key.iter().chain(&p.columns).any(|c| c == column))
-        };
-        self.missing
-            .retain(|(table, column), _| is_pending(table, column));
-        self.failed.retain(|table, failed| {
-            pending.iter().any(|p| p.table == *table) && failed.position >= *position
-        });
-        for p in pending {
-            let Some(table) = replica.table(&p.table) else {
-                continue;
-            };
-            if self.failed.contains_key(&p.table) {
-                continue;
-            }
-            let missing_since =
-                |column: &String| self.missing.get(&(p.table.clone(), column.clone()));
-            // Missing at a snapshot the consumer has not passed yet: a schema change in between
-            // may still rename or drop it.
-            let waiting = |c: &String| missing_since(c).is_some_and(|at| at > position);
-            let settle: Vec<String> = p
-                .key
-                .iter()
-                .chain(&p.columns)
-                .filter(|c| missing_since(c).is_some_and(|at| at <= position))
-                .cloned()
-                .collect();
-            // Without its key no row can be matched: the table waits as a whole.
-            let runnable = !p.key.iter().any(waiting)
-                && (p.columns.iter().any(|c| !waiting(c))
-                    || p.whole_table
-                    || key_backfilling(table, &p));
-            if !runnable {
-                continue;
-            }
-            let mut job_pending = p.clone();
-            job_pending.columns.retain(|c| !waiting(c));
-            let handed = (
-                position.clone(),
-                job_pending.columns.clone(),
-                settle.clone(),
-            );
-            if self.handed_out.get(&p.table) == Some(&handed) {
-                continue;
-            }
-            self.handed_out.insert(p.table.clone(), handed);
-            return Some(BackfillJob {
-                table: table.clone(),
-                pending: job_pending,
-                settle,
-                commit_watermark: next_minor(position),
-                visible_xids: visible_xids.to_vec(),
-                batch_rows,
-                publications: replica
-                    .state()
-                    .map(|state| state.publications.clone())
-                    .unwrap_or_default(),
-            });
-        }
-        None
+        let input: Vec<planner::PendingBackfill> = pending
+            .iter()
+            .filter_map(|p| {
+                let table = replica.table(&p.table)?;
+                Some(planner::PendingBackfill {
+                    table: p.table.clone(),
+                    key: p.key.clone(),
+                    columns: p.columns.clone(),
+                    whole_table: p.whole_table,
+                    key_backfilling: key_backfilling(table, p),
+                })
+            })
+            .collect();
+        let plan = self.rule.next(&input, position)?;
+        let p = pending
+            .into_iter()
+            .find(|p| p.table == plan.pending.table)?;
+        let table = replica.table(&p.table)?.clone();
+        Some(BackfillJob {
+            table,
+            pending: PendingBackfill {
+                columns: plan.pending.columns,
+                ..p
+            },
+            settle: plan.settle,
+            commit_watermark: plan.commit_watermark,
+            visible_xids: visible_xids.to_vec(),
+            batch_rows,
+            publications: replica
+                .state()
+                .map(|state| state.publications.clone())
+                .unwrap_or_default(),
+        })
     }
 
     /// Upstream lacked `columns` of `table` at `snapshot`.
     pub(crate) fn on_missing(&mut self, table: &str, columns: &[String], snapshot: &Watermark) {
-        for column in columns {
-            self.missing
-                .entry((table.to_owned(), column.clone()))
-                .or_insert_with(|| snapshot.clone());
-        }
+        self.rule.on_missing(table, columns, snapshot);
     }
 
     /// The backfill of `table` failed at `position`, at `now`: not retried before the next
     /// transaction or its retry delay ([`BackfillPlanner::retry_at`]).
     pub(crate) fn on_failed(&mut self, table: &str, position: &Watermark, now: Instant) {
-        let delay = self.retries.next_delay_ms(BACKFILL_RETRY_FLOOR_MS);
-        self.failed.insert(
-            table.to_owned(),
-            Failed {
-                position: position.clone(),
-                retry_at: now + Duration::from_millis(delay),
-            },
-        );
-        // The failed run changed nothing, and the same job at the same position is what the
-        // retry runs.
-        self.handed_out.remove(table);
+        // Rounded up: the retry never comes before its delay.
+        let elapsed = now.saturating_duration_since(self.epoch);
+        let now_ms = u64::try_from(elapsed.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX);
+        self.rule.on_failed(table, position, now_ms);
     }
 
     /// A backfill committed: the next failure waits the shortest delay again.
     pub(crate) fn on_completed(&mut self) {
-        self.retries.reset();
+        self.rule.on_completed();
     }
 
     /// When the next failed backfill may be tried again without a transaction in between;
     /// `None` when none waits.
     pub(crate) fn retry_at(&self) -> Option<Instant> {
-        self.failed.values().map(|failed| failed.retry_at).min()
+        let ms = self.rule.retry_at_ms()?;
+        Some(self.epoch + Duration::from_millis(ms))
     }
 
     /// Releases the failed backfills whose delay has passed at `now`, for the next
     /// [`BackfillPlanner::next_job`]; `true` if it released any.
     pub(crate) fn release_due(&mut self, now: Instant) -> bool {
-        let before = self.failed.len();
-        self.failed.retain(|_, failed| failed.retry_at > now);
-        self.failed.len() < before
+        let elapsed = now.saturating_duration_since(self.epoch);
+        let now_ms = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+        self.rule.release_due(now_ms)
     }
 }
 
@@ -733,16 +670,6 @@ fn key_backfilling(table: &ReplicaTable, pending: &PendingBackfill) -> bool {
         .columns
         .iter()
         .any(|c| pending.key.contains(&c.name) && c.backfill.is_some())
-}
-
-/// `position.minor + 1` (`change-stream.md`, "Watermarks").
-fn next_minor(position: &Watermark) -> Watermark {
-    position
-        .state_version()
-        .next_minor()
-        .to_watermark()
-        // Only a minor of 36 base-36 digits could overflow.
-        .unwrap_or_else(|| position.clone())
 }
 
 #[cfg(test)]
@@ -823,6 +750,8 @@ mod tests {
         writer
     }
 
+    /// A plan of the engine's planner becomes a job with the replica's table, its
+    /// publications and the transactions the snapshot must see.
     #[test]
     fn a_job_is_a_skip_ack_transaction_at_the_next_minor_version() {
         let writer = writer_waiting_for_c();
@@ -839,34 +768,23 @@ mod tests {
                 .unwrap()
         );
         assert!(w(0x200) < job.commit_watermark && job.commit_watermark < w(0x201));
+        assert_eq!(job.table.name, "item");
         assert_eq!(job.pending.columns, vec!["c".to_owned()]);
         assert_eq!(job.pending.key, vec!["id".to_owned()]);
+        assert_eq!(
+            (job.pending.schema.as_str(), job.pending.name.as_str()),
+            ("public", "item")
+        );
         assert!(!job.pending.whole_table);
         assert!(job.settle.is_empty());
         assert_eq!(job.visible_xids, vec![7]);
-        // A second backfill at the same position sorts after the first.
-        let next = next_minor(&job.commit_watermark);
-        assert!(job.commit_watermark < next && next < w(0x201));
-    }
-
-    /// A column upstream no longer has waits for the stream to pass the snapshot where it was
-    /// missing (a rename or drop in between would reach the replica); past it, it is settled.
-    #[test]
-    fn a_missing_column_waits_until_the_stream_passes_its_snapshot_then_is_settled() {
-        let writer = writer_waiting_for_c();
-        let mut planner = BackfillPlanner::new();
-        assert!(planner
-            .next_job(writer.replica(), &w(0x200), &[], 10)
-            .is_some());
-        planner.on_missing("item", &["c".to_owned()], &w(0x500));
-        assert_eq!(planner.next_job(writer.replica(), &w(0x200), &[], 10), None);
-        assert_eq!(planner.next_job(writer.replica(), &w(0x4ff), &[], 10), None);
-        // A later snapshot that also misses it does not push the settling back.
-        planner.on_missing("item", &["c".to_owned()], &w(0x600));
-        let job = planner
-            .next_job(writer.replica(), &w(0x500), &[], 10)
-            .unwrap();
-        assert_eq!(job.settle, vec!["c".to_owned()]);
+        assert_eq!(job.batch_rows, 10);
+        assert_eq!(job.publications, vec!["pub".to_owned()]);
+        // Nothing new at the same position: the same job is not handed out again.
+        assert_eq!(
+            planner.next_job(writer.replica(), &w(0x200), &[7], 10),
+            None
+        );
     }
 
     /// Add a column, then rename it: the first backfill finds it missing upstream; the rename
@@ -877,6 +795,7 @@ mod tests {
         let mut writer = writer_waiting_for_c();
         let mut planner = BackfillPlanner::new();
         planner.on_missing("item", &["c".to_owned()], &w(0x500));
+        assert_eq!(planner.next_job(writer.replica(), &w(0x200), &[], 10), None);
         let rename = Change::UpdateColumn(UpdateColumn {
             table: Identifier::new("public", "item"),
             old: ColumnDef {
@@ -899,72 +818,61 @@ mod tests {
         assert!(job.settle.is_empty());
     }
 
-    /// A run that changed nothing (its producer found nothing to do) is not repeated at the
-    /// same position: no loop of snapshots.
+    /// A retyped key awaits a backfill itself: the table runs even while its only other
+    /// pending column waits for a snapshot the consumer has not passed.
     #[test]
-    fn the_same_job_is_not_handed_out_twice_at_one_position() {
-        let writer = writer_waiting_for_c();
+    fn a_retyped_key_runs_while_the_other_columns_wait() {
+        let mut writer = writer_waiting_for_c();
         let mut planner = BackfillPlanner::new();
-        assert!(planner
-            .next_job(writer.replica(), &w(0x200), &[], 10)
-            .is_some());
-        assert_eq!(planner.next_job(writer.replica(), &w(0x200), &[], 10), None);
-        assert!(planner
+        planner.on_missing("item", &["c".to_owned()], &w(0x500));
+        assert_eq!(planner.next_job(writer.replica(), &w(0x300), &[], 10), None);
+        let retype = Change::UpdateColumn(UpdateColumn {
+            table: Identifier::new("public", "item"),
+            old: ColumnDef {
+                name: "id".into(),
+                spec: column(1, "int4"),
+                extra: Default::default(),
+            },
+            new: ColumnDef {
+                name: "id".into(),
+                spec: column(1, "int8"),
+                extra: Default::default(),
+            },
+            extra: Default::default(),
+        });
+        txn(&mut writer, 0x300, vec![retype]);
+        let table = writer.replica().table("item").unwrap();
+        assert!(table.column("id").unwrap().backfill.is_some());
+        let job = planner
             .next_job(writer.replica(), &w(0x300), &[], 10)
-            .is_some());
+            .unwrap();
+        assert!(job.pending.columns.is_empty());
+        assert_eq!(job.pending.key, vec!["id".to_owned()]);
     }
 
+    /// Times are the planner's milliseconds since it was made: a failed backfill is released
+    /// at its retry time and not a millisecond before, never earlier than the shortest delay.
     #[test]
-    fn a_failed_backfill_is_retried_after_the_next_transaction() {
-        let writer = writer_waiting_for_c();
-        let mut planner = BackfillPlanner::new();
-        let now = Instant::now();
-        assert!(planner
-            .next_job(writer.replica(), &w(0x200), &[], 10)
-            .is_some());
-        planner.on_failed("item", &w(0x200), now);
-        assert_eq!(planner.next_job(writer.replica(), &w(0x200), &[], 10), None);
-        assert!(planner
-            .next_job(writer.replica(), &w(0x300), &[], 10)
-            .is_some());
-        assert_eq!(planner.retry_at(), None, "nothing waits once it ran again");
-    }
-
-    /// With no transaction after it (a quiet database), a failed backfill runs again once its
-    /// delay passed, at the same position, and the delays grow while it keeps failing.
-    #[test]
-    fn a_failed_backfill_is_retried_after_its_delay_without_a_transaction() {
+    fn a_failed_backfill_is_released_at_its_retry_instant() {
         let writer = writer_waiting_for_c();
         let mut planner = BackfillPlanner::with_seed(7);
-        let mut now = Instant::now();
-        let mut delays = Vec::new();
-        for _ in 0..8 {
-            assert!(planner
-                .next_job(writer.replica(), &w(0x200), &[], 10)
-                .is_some());
-            planner.on_failed("item", &w(0x200), now);
-            let retry_at = planner.retry_at().unwrap();
-            let delay = retry_at - now;
-            assert!(delay >= Duration::from_secs(1) && delay <= Duration::from_secs(60));
-            delays.push(delay);
-            assert!(!planner.release_due(retry_at - Duration::from_millis(1)));
-            assert_eq!(planner.next_job(writer.replica(), &w(0x200), &[], 10), None);
-            assert!(planner.release_due(retry_at));
-            assert_eq!(planner.retry_at(), None);
-            now = retry_at;
-        }
-        // Full jitter above the floor: the later windows are wider than the first.
-        assert!(
-            delays[4..].iter().any(|d| *d > Duration::from_secs(2)),
-            "{delays:?}"
-        );
-        // One that commits resets the delays.
-        planner.on_completed();
+        let now = Instant::now() + Duration::from_nanos(1_234_567);
         assert!(planner
             .next_job(writer.replica(), &w(0x200), &[], 10)
             .is_some());
+        assert_eq!(planner.retry_at(), None);
         planner.on_failed("item", &w(0x200), now);
-        assert!(planner.retry_at().unwrap() - now <= Duration::from_secs(2));
+        let retry_at = planner.retry_at().unwrap();
+        let delay = retry_at - now;
+        assert!(delay >= Duration::from_secs(1), "{delay:?}");
+        assert!(delay <= Duration::from_secs(2), "{delay:?}");
+        assert_eq!(planner.next_job(writer.replica(), &w(0x200), &[], 10), None);
+        assert!(!planner.release_due(retry_at - Duration::from_millis(1)));
+        assert!(planner.release_due(retry_at));
+        assert_eq!(planner.retry_at(), None);
+        assert!(planner
+            .next_job(writer.replica(), &w(0x200), &[], 10)
+            .is_some());
     }
 
     fn job(writer: &ReplicaWriter, settle: &[&str]) -> BackfillJob {
