@@ -24,6 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
 
+use highwater_engine::backfill::{BackfillPlanner, PendingBackfill};
 use highwater_engine::change_stream::{
     decode_downstream_frame, Backfill, BackfillCompleted, Begin, Change, Commit, DownstreamMessage,
     Extra, NewRelation, RowKey, SubscribeContext, SubscriberMode,
@@ -209,9 +210,9 @@ struct BackfillRec {
 /// The server process: all of it is lost in a crash.
 struct Server {
     backfill: Option<RunningBackfill>,
-    /// Tables whose backfill failed, and the position it failed at: tried again only after a
-    /// later commit (as the host's planner).
-    backfill_failed: BTreeMap<String, Watermark>,
+    /// The engine's backfill planner, as the host's: which pending backfill runs next, and
+    /// failed tables held until a later commit or their retry delay (on the simulated clock).
+    planner: BackfillPlanner,
     gen: u64,
     streamer: Streamer,
     scope: ScopeServer,
@@ -364,11 +365,11 @@ enum Ev {
     BackfillStep {
         gen: u64,
     },
-    /// A failed backfill of `table` may run again without a commit in between (the host's
-    /// retry delay passed).
+    /// The planner's earliest retry time of a failed backfill (the host's wait for
+    /// `backfill_retry_in`): failed backfills whose delay passed may run again without a
+    /// commit in between.
     BackfillRetry {
         gen: u64,
-        table: String,
     },
     /// A client writes.
     ClientMutate(usize),
@@ -861,7 +862,7 @@ impl World {
                 }
             }
             Ev::BackfillStep { gen } => self.backfill_step(gen),
-            Ev::BackfillRetry { gen, table } => self.backfill_retry(gen, &table),
+            Ev::BackfillRetry { gen } => self.backfill_retry(gen),
             Ev::ClientMutate(c) => self.client_mutate(c),
             Ev::ApplyMutations {
                 gen,
@@ -1084,7 +1085,7 @@ impl World {
     /// The session allows a backfill now: start the next one the replica waits for, read from
     /// upstream's committed state at this moment (the snapshot).
     fn start_backfill(&mut self) {
-        let pending = self.storage.pending_backfills();
+        let pending = pending_backfills(&self.storage);
         let Some(server) = self.server.as_mut() else {
             return;
         };
@@ -1092,35 +1093,35 @@ impl World {
             return;
         }
         let position = server.ingest.last_commit();
-        server.backfill_failed.retain(|_, at| *at >= position);
-        let Some((table, columns)) = pending
-            .into_iter()
-            .find(|(t, _)| !server.backfill_failed.contains_key(t))
-        else {
+        let Some(plan) = server.planner.next(&pending, &position) else {
             return;
         };
+        let table = plan.pending.table;
         let Some(t) = self.pg.tables.get(&table) else {
             return self.fail(format!(
                 "the replica waits for a backfill of {table}, which upstream never had"
             ));
         };
         let relation = t.relation().clone();
-        let key = "id".to_owned();
-        let whole = columns.contains(&key);
+        let [key] = plan.pending.key.as_slice() else {
+            return self.fail(format!(
+                "expected one key column of {table}, got {:?}",
+                plan.pending.key
+            ));
+        };
+        let key = key.clone();
+        let whole = plan.pending.whole_table;
         // Upstream's columns in its order: every non-key column for a table new to the
-        // replica, else the pending ones.
+        // replica, else the pending ones. (No column is dropped or renamed upstream, so none
+        // is ever missing and none waits or is settled.)
         let cols: Vec<String> = relation
             .columns
             .iter()
             .map(|c| c.name.clone())
-            .filter(|c| *c != key && (whole || columns.contains(c)))
+            .filter(|c| *c != key && (whole || plan.pending.columns.contains(c)))
             .collect();
         let snapshot = self.pg.wal_end().to_watermark();
-        let watermark = position
-            .state_version()
-            .next_minor()
-            .to_watermark()
-            .unwrap_or_else(|| position.clone());
+        let watermark = plan.commit_watermark;
         let new_relation = NewRelation {
             schema: crate::upstream::SCHEMA.to_owned(),
             name: table.clone(),
@@ -1264,17 +1265,18 @@ impl World {
             return;
         };
         server.backfill = None;
-        if let Some(table) = failed {
-            let at = server.ingest.last_commit();
-            let gen = server.gen;
-            let delay = self.rng.range(1_000, 5_000);
-            self.log(format!(
-                "backfill of {table} failed before its commit; retried after the next commit or in {delay} ms"
-            ));
-            let server = self.server.as_mut().expect("checked");
-            server.backfill_failed.insert(table.clone(), at);
-            self.out.backfill_failures += 1;
-            self.at(delay, Ev::BackfillRetry { gen, table });
+        match failed {
+            Some(table) => {
+                let at = server.ingest.last_commit();
+                server.planner.on_failed(&table, &at, self.now);
+                let retry_at = server.planner.retry_at_ms().unwrap_or(self.now);
+                self.log(format!(
+                    "backfill of {table} failed before its commit; retried after the next commit or at {retry_at} ms"
+                ));
+                self.out.backfill_failures += 1;
+                self.schedule_backfill_retry();
+            }
+            None => server.planner.on_completed(),
         }
         let server = self.server.as_mut().expect("checked");
         let items = server.ingest.backfill_ended();
@@ -1282,17 +1284,33 @@ impl World {
         self.kick_pg();
     }
 
-    /// The retry delay of a failed backfill passed: the planner releases it and tells the
-    /// session, which lets it start once nothing is in between.
-    fn backfill_retry(&mut self, gen: u64, table: &str) {
+    /// Wakes the host at the planner's earliest retry time, if a failed backfill waits (the
+    /// host waits for input at most `backfill_retry_in`).
+    fn schedule_backfill_retry(&mut self) {
+        let Some(server) = self.server.as_ref() else {
+            return;
+        };
+        if let Some(at) = server.planner.retry_at_ms() {
+            let gen = server.gen;
+            self.at(at.saturating_sub(self.now), Ev::BackfillRetry { gen });
+        }
+    }
+
+    /// A retry time of a failed backfill came: the planner releases those whose delay passed
+    /// and, if it released any, the session is told, which lets one start once nothing is in
+    /// between (the host's `retry_backfills`).
+    fn backfill_retry(&mut self, gen: u64) {
         let Some(server) = self.server.as_mut().filter(|s| s.gen == gen) else {
             return;
         };
-        if server.backfill_failed.remove(table).is_none() {
+        let released = server.planner.release_due(self.now);
+        self.schedule_backfill_retry();
+        if !released {
             return;
         }
+        let server = self.server.as_mut().expect("checked");
         let items = server.ingest.retry_backfills();
-        self.log(format!("backfill of {table} may run again"));
+        self.log("failed backfills may run again".to_owned());
         self.ingested(items);
     }
 
@@ -1411,12 +1429,15 @@ impl World {
         let mut scope_config = ServerConfig::new(rv().to_string());
         scope_config.outbound_budget_bytes = 8 * 1024;
         scope_config.takes_writes = true;
+        // The retry delays' jitter only needs to differ between servers; derived, not drawn,
+        // so the world's random stream is not moved by it.
+        let planner_seed = self.opts.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ gen;
         self.server = Some(Server {
             gen,
             streamer,
             scope: ScopeServer::new(scope_config),
             backfill: None,
-            backfill_failed: BTreeMap::new(),
+            planner: BackfillPlanner::new(planner_seed),
             ingest: Ingest::new(
                 schema,
                 durable.last_watermark.clone(),
@@ -1979,6 +2000,28 @@ impl World {
             }
         }
     }
+}
+
+/// The replica's durable pending backfills as the planner takes them, in table order: the key
+/// of a table new to the replica is pending with every column (a whole-table backfill, whose
+/// key awaits it too).
+fn pending_backfills(storage: &Storage) -> Vec<PendingBackfill> {
+    storage
+        .durable()
+        .tables
+        .iter()
+        .filter(|(_, t)| !t.pending.is_empty())
+        .map(|(name, t)| {
+            let whole = t.pending.contains(&t.key);
+            PendingBackfill {
+                table: name.clone(),
+                key: vec![t.key.clone()],
+                columns: t.pending.iter().filter(|c| **c != t.key).cloned().collect(),
+                whole_table: whole,
+                key_backfilling: whole,
+            }
+        })
+        .collect()
 }
 
 fn short(text: &str) -> String {
