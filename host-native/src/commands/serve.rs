@@ -15,6 +15,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     crate::runtime::init_tracing("info");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        // Once per burst of scope-sync sockets: their memory goes back to the system.
+        .on_thread_park(crate::serve::flush_thread_cache_if_asked)
         .build()?;
     let bound = Duration::from_secs(args.shutdown_timeout_secs);
     runtime.block_on(async move {

@@ -38,6 +38,8 @@ mod startup;
 pub(crate) mod tls;
 mod wal_watch;
 
+pub(crate) use scope_sync::flush_thread_cache_if_asked;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
