@@ -268,7 +268,18 @@ fn moved_out(envelope: &SyncEnvelope) -> Result<Vec<MovedOut>, MessageError> {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(out) => out,
     };
-    serde_json::from_value(out.clone()).map_err(|_| bad())
+    // Read in place as `Vec<MovedOut>`'s `Deserialize` reads objects (other keys ignored),
+    // without a serde deserializer over `Value` in the client's module.
+    let read = |item: &Value| {
+        let item = item.as_object()?;
+        Some(MovedOut {
+            column: item.get("column")?.as_str()?.to_owned(),
+            values: item.get("values")?.as_array()?.clone(),
+        })
+    };
+    out.as_array()
+        .and_then(|items| items.iter().map(read).collect())
+        .ok_or_else(bad)
 }
 
 /// Serialized with the whole entry as received ([`RemoteChange::received`]).

@@ -265,10 +265,10 @@ fn read_echo_origin(value: Option<Value>) -> Result<(Option<String>, Option<Echo
         None | Some(Value::Null) => Ok((None, None)),
         Some(Value::String(origin)) => Ok((Some(origin), None)),
         Some(Value::Number(origin)) => Ok((Some(json_number_text(&origin)), None)),
-        Some(other @ Value::Object(_)) => match serde_json::from_value::<Echo>(other.clone()) {
-            Ok(echo) => Ok((None, Some(echo))),
-            Err(_) => Err(EnvelopeError::BadEchoOrigin {
-                found: describe(&other),
+        Some(Value::Object(object)) => match Echo::from_object(&object) {
+            Some(echo) => Ok((None, Some(echo))),
+            None => Err(EnvelopeError::BadEchoOrigin {
+                found: describe(&Value::Object(object)),
             }),
         },
         Some(other) => Err(EnvelopeError::BadEchoOrigin {

@@ -344,9 +344,52 @@ impl MutationResult {
         }
     }
 
-    /// Reads one result of a `mutation-result` frame.
+    /// Reads one result of a `mutation-result` frame: what its `Deserialize` accepts from an
+    /// object (`id` a u64, `status` one of the statuses, `code` and `message` strings or null,
+    /// any `row`; other keys ignored), read in place. A client's module has no serde
+    /// deserializer over `Value` for it (one per type, each several KB of wasm).
     pub fn from_value(value: &Value) -> Option<MutationResult> {
-        serde_json::from_value(value.clone()).ok()
+        let object = value.as_object()?;
+        let status = match object.get("status")?.as_str()? {
+            "confirmed" => MutationStatus::Confirmed,
+            "rejected" => MutationStatus::Rejected,
+            "retry" => MutationStatus::Retry,
+            _ => return None,
+        };
+        Some(MutationResult {
+            id: object.get("id")?.as_u64()?,
+            status,
+            code: optional_text(object.get("code"))?,
+            message: optional_text(object.get("message"))?,
+            row: object.get("row").filter(|row| !row.is_null()).cloned(),
+        })
+    }
+}
+
+/// An optional string field as serde reads `Option<String>`: absent or null is `None`, a
+/// string is itself, anything else fails (the outer `None`).
+fn optional_text(value: Option<&Value>) -> Option<Option<String>> {
+    match value {
+        None | Some(Value::Null) => Some(None),
+        Some(Value::String(text)) => Some(Some(text.clone())),
+        Some(_) => None,
+    }
+}
+
+impl Echo {
+    /// Reads the object form of an envelope's `echoOrigin` as its `Deserialize` does from an
+    /// object (`clientId` a string, `mutationIds` an array of u64; other keys ignored), in
+    /// place.
+    pub fn from_object(object: &Map<String, Value>) -> Option<Echo> {
+        Some(Echo {
+            client_id: object.get("clientId")?.as_str()?.to_owned(),
+            mutation_ids: object
+                .get("mutationIds")?
+                .as_array()?
+                .iter()
+                .map(Value::as_u64)
+                .collect::<Option<_>>()?,
+        })
     }
 }
 
