@@ -30,8 +30,8 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 
 use super::{
-    ChangedRow, ClientEffect, Link, Phase, RowChange, RowData, ScopeKey, ScopeSlot, SocketId,
-    SyncClient,
+    set_of, ChangedRow, ClientEffect, Link, Phase, RowChange, RowData, ScopeKey, ScopeSlot,
+    SocketId, SyncClient,
 };
 use crate::scope_sync::{
     js_string_form, ClientFrame, Conditions, Echo, Mutation, MutationOp, MutationResult,
@@ -50,13 +50,41 @@ pub(super) struct Pending {
     /// nothing: an insert whose key Postgres makes).
     row_id: Option<String>,
     /// Scopes whose envelope echoed it: it is no longer laid over them.
-    echoed: BTreeSet<ScopeKey>,
+    echoed: Scopes,
     /// Uploaded by the app (`upload`), awaiting its change.
     uploaded: bool,
     /// Confirmed while scopes of its table were not live (a re-subscribe after a lost socket
     /// or an expired token): it stays laid over those scopes until each is live again, so a
     /// confirmed write never leaves the rows shown. It is no longer pending otherwise.
-    lingers: Option<BTreeSet<ScopeKey>>,
+    lingers: Option<Scopes>,
+}
+
+/// A few scopes (those of one table, at most every scope of the client), as a list: a set's
+/// code for one more key type would cost the client's module kilobytes for no speed here.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Scopes(Vec<ScopeKey>);
+
+impl Scopes {
+    fn insert(&mut self, key: ScopeKey) {
+        if !self.contains(&key) {
+            self.0.push(key);
+        }
+    }
+
+    fn contains(&self, key: &ScopeKey) -> bool {
+        self.0.contains(key)
+    }
+
+    /// Whether `key` was among them.
+    fn remove(&mut self, key: &ScopeKey) -> bool {
+        let before = self.0.len();
+        self.0.retain(|k| k != key);
+        self.0.len() != before
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// The outbox and its sending state.
@@ -114,7 +142,7 @@ impl Outbox {
             Pending {
                 mutation,
                 row_id,
-                echoed: BTreeSet::new(),
+                echoed: Scopes::default(),
                 uploaded: false,
                 lingers: None,
             },
@@ -312,7 +340,7 @@ impl SyncClient {
         }
         // The batch stays out until each of its mutations is answered (the server answers
         // confirmed ones as their changes reach it, so one batch may take several frames).
-        let answered: BTreeSet<u64> = results.iter().map(|r| r.id).collect();
+        let answered = set_of(results.iter().map(|r| r.id));
         if let Some((_, ids)) = &mut self.outbox.in_flight {
             ids.retain(|id| !answered.contains(id));
             if ids.is_empty() {
@@ -366,7 +394,7 @@ impl SyncClient {
             }
         };
         self.outbox.retry_delay_ms = 0;
-        let refused: BTreeSet<u64> = rejected.iter().map(|r| r.id).collect();
+        let refused = set_of(rejected.iter().map(|r| r.id));
         let mut awaited = Vec::new();
         for id in ids {
             if refused.contains(id) {
@@ -413,7 +441,8 @@ impl SyncClient {
                 .extend(pending.row_id.clone());
             remove.push(result.id);
             // Its change reached every live scope; one being subscribed again has not had it.
-            let waiting: BTreeSet<ScopeKey> = self
+            let mut waiting = Scopes::default();
+            for key in self
                 .scopes
                 .iter()
                 .filter(|(key, slot)| {
@@ -422,7 +451,9 @@ impl SyncClient {
                         && !pending.echoed.contains(key)
                 })
                 .map(|(key, _)| *key)
-                .collect();
+            {
+                waiting.insert(key);
+            }
             if result.status == MutationStatus::Confirmed && !waiting.is_empty() {
                 if let Some(pending) = self.outbox.pending.get_mut(&result.id) {
                     pending.lingers = Some(waiting);
@@ -562,7 +593,7 @@ impl SyncClient {
         let change = if overlaid {
             server
         } else {
-            let mut rows: BTreeSet<String> = relay.iter().cloned().collect();
+            let mut rows = set_of(relay.iter().cloned());
             for row in server
                 .inserted
                 .iter()
