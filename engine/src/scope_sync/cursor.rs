@@ -339,14 +339,44 @@ pub fn compare_cursors(a: Option<&SyncCursor>, b: Option<&SyncCursor>) -> Orderi
         (None, None) => Ordering::Equal,
         (None, Some(_)) => Ordering::Less,
         (Some(_), None) => Ordering::Greater,
-        (Some(a), Some(b)) => match (a.server_sequence, b.server_sequence) {
-            (Some(sa), Some(sb)) => sa.cmp(&sb),
-            _ => TimestampKey::of(&a.updated_at)
-                .cmp(&TimestampKey::of(&b.updated_at))
-                .then_with(|| {
-                    js_string_cmp(a.id.as_deref().unwrap_or(""), b.id.as_deref().unwrap_or(""))
-                }),
-        },
+        (Some(a), Some(b)) => CursorKey::of(a).cmp(&CursorKey::of(b)),
+    }
+}
+
+/// A cursor's fields, borrowed: compared as [`compare_cursors`] compares cursors, so the
+/// highest of many (an envelope's entries) is found without building a cursor for each.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CursorKey<'a> {
+    pub(crate) id: Option<&'a str>,
+    pub(crate) server_sequence: Option<i64>,
+    pub(crate) updated_at: &'a str,
+}
+
+impl<'a> CursorKey<'a> {
+    pub(crate) fn of(cursor: &'a SyncCursor) -> Self {
+        Self {
+            id: cursor.id.as_deref(),
+            server_sequence: cursor.server_sequence,
+            updated_at: &cursor.updated_at,
+        }
+    }
+
+    /// `scope-sync.md`, "Comparing cursors".
+    pub(crate) fn cmp(&self, other: &CursorKey<'_>) -> Ordering {
+        match (self.server_sequence, other.server_sequence) {
+            (Some(a), Some(b)) => a.cmp(&b),
+            _ => TimestampKey::of(self.updated_at)
+                .cmp(&TimestampKey::of(other.updated_at))
+                .then_with(|| js_string_cmp(self.id.unwrap_or(""), other.id.unwrap_or(""))),
+        }
+    }
+
+    pub(crate) fn to_cursor(self) -> SyncCursor {
+        SyncCursor::new(
+            self.id.map(str::to_owned),
+            self.server_sequence,
+            self.updated_at.to_owned(),
+        )
     }
 }
 

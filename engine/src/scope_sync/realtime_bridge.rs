@@ -42,8 +42,8 @@ use crate::scope_sync::cursor::{is_cursor_after, SyncCursor};
 use crate::scope_sync::replay::is_reset;
 use crate::scope_sync::scope::ScopeDigest;
 use crate::scope_sync::{
-    ClientFrame, Echo, EnvelopeError, RowText, ServerFrame, SubscribeParams, SyncEntry,
-    SyncEnvelope, SYNC_CHANNEL_TYPE,
+    ClientFrame, Echo, EnvelopeError, EnvelopeWithRows, RowText, ServerFrame, SubscribeParams,
+    SyncEntry, SyncEnvelope, SYNC_CHANNEL_TYPE,
 };
 
 /// How a bridge behaves; fixed for its lifetime.
@@ -172,12 +172,13 @@ impl BridgeInput {
     }
 }
 
-/// A `channel-message` body: decoded, or its text (rows are then kept as text, see
-/// [`RowText`]).
+/// A `channel-message` body: decoded, its text, or read with the frame ([`KeptBody`](crate::scope_sync::KeptBody)); in the
+/// last two, rows are kept as text (see [`RowText`]).
 #[derive(Debug, Clone)]
 pub enum MessageBody {
     Value(Value),
     Text(Box<RawValue>),
+    Kept(Box<EnvelopeWithRows>),
 }
 
 impl PartialEq for MessageBody {
@@ -185,6 +186,14 @@ impl PartialEq for MessageBody {
         match (self, other) {
             (MessageBody::Value(a), MessageBody::Value(b)) => a == b,
             (MessageBody::Text(a), MessageBody::Text(b)) => a.get() == b.get(),
+            (MessageBody::Kept(a), MessageBody::Kept(b)) => {
+                let texts = |rows: &[Option<Box<RawValue>>]| -> Vec<Option<String>> {
+                    rows.iter()
+                        .map(|row| row.as_ref().map(|row| row.get().to_owned()))
+                        .collect()
+                };
+                a.0 == b.0 && texts(&a.1) == texts(&b.1)
+            }
             _ => false,
         }
     }
@@ -201,6 +210,17 @@ impl std::fmt::Display for MessageBody {
         match self {
             MessageBody::Value(value) => write!(f, "{value}"),
             MessageBody::Text(text) => f.write_str(text.get()),
+            MessageBody::Kept(kept) => {
+                // The body as it came: each row back in its entry.
+                let (envelope, rows) = kept.as_ref();
+                let mut whole = envelope.clone();
+                for (entry, row) in whole.syncs.iter_mut().zip(rows) {
+                    if let Some(row) = row {
+                        entry.data = serde_json::from_str(row.get()).ok();
+                    }
+                }
+                write!(f, "{}", whole.to_json())
+            }
         }
     }
 }
@@ -217,9 +237,6 @@ pub struct ReplayProgress {
 pub struct RemoteChange {
     /// The entry's own type, or the channel's default when the entry has no `resourceType` key.
     pub resource_type: String,
-    pub resource_id: Option<String>,
-    /// `"delete"` removes the resource; anything else upserts it.
-    pub sync_type: String,
     /// The row (`data`, parsed when it came as a JSON string); `None` for null or absent data.
     pub data: Option<RowText>,
     /// The entry as received, with scope attributes and unknown keys, but for a `data` object:
@@ -229,8 +246,14 @@ pub struct RemoteChange {
 }
 
 impl RemoteChange {
+    /// Whether the entry removes the resource (`"delete"`; anything else upserts it).
     pub fn is_delete(&self) -> bool {
-        self.sync_type == "delete"
+        self.entry.is_delete()
+    }
+
+    /// The resource the entry changes (its `resourceId`).
+    pub fn resource_id(&self) -> Option<&str> {
+        self.entry.resource_id.as_deref()
     }
 
     /// The entry's change-feed position, if it has one.
@@ -297,8 +320,8 @@ impl Serialize for RemoteChange {
         }
         Wire {
             resource_type: &self.resource_type,
-            resource_id: &self.resource_id,
-            sync_type: &self.sync_type,
+            resource_id: &self.entry.resource_id,
+            sync_type: &self.entry.sync_type,
             data: &self.data,
             cursor: &self.cursor(),
             entry: self.received(),
@@ -1060,6 +1083,7 @@ impl ScopeBridge {
                 (envelope, rows)
             }
             MessageBody::Text(text) => SyncEnvelope::from_text_keeping_rows(text.get())?,
+            MessageBody::Kept(kept) => *kept,
         };
         if let (Some(local), Some(origin)) = (&self.config.local_origin, &envelope.echo_origin) {
             if local == origin {
@@ -1127,8 +1151,6 @@ impl ScopeBridge {
         };
         Ok(RemoteChange {
             resource_type,
-            resource_id: entry.resource_id.clone(),
-            sync_type: entry.sync_type.clone(),
             data,
             entry,
         })

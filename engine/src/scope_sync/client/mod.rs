@@ -69,7 +69,7 @@
 //! time: only the server's `auth-expired` asks for a fresh one.
 
 use crate::scope_sync::server::routing_form;
-use crate::scope_sync::SyncEntry;
+use crate::scope_sync::{KeptBody, SyncEntry};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
@@ -1211,18 +1211,21 @@ impl SyncClient {
     }
 
     fn frame(&mut self, text: &str, out: &mut Vec<ClientEffect>) {
-        // The common frame, a channel message, keeps its body as text: its rows are handed on
-        // as they came (see `RowText`), not decoded here.
+        // The common frame, a channel message, is read in one pass with its body, whose rows
+        // are kept as text and handed on as they came (see `RowText`). A body of another form
+        // (or with an error) is read again below, the ordinary way.
         if let Ok(message) = serde_json::from_str::<MessageText>(text) {
             if message.kind == "channel-message" {
-                if let (Some(subscription_id), Some(body)) = (message.subscription_id, message.body)
-                {
+                if let (Some(subscription_id), Some(kept)) = (
+                    message.subscription_id,
+                    message.body.and_then(KeptBody::into_envelope),
+                ) {
                     if let Some(&key) = self.routes.get(&subscription_id) {
                         self.feed(
                             key,
                             BridgeInput::ChannelMessage {
                                 subscription_id,
-                                body: MessageBody::Text(body),
+                                body: MessageBody::Kept(Box::new(kept)),
                             },
                             out,
                         );
@@ -1582,7 +1585,7 @@ impl ScopeSlot {
                     let hit = row.data.get(&moved.column).is_some_and(|value| {
                         !value.is_null() && forms.contains(&routing_form(&value))
                     });
-                    if hit && !gone.iter().any(|g| g.resource_id.as_deref() == Some(id)) {
+                    if hit && !gone.iter().any(|g| g.resource_id() == Some(id)) {
                         gone.push(moved_out_change(id));
                     }
                 }
@@ -1613,11 +1616,11 @@ impl ScopeSlot {
         let mut touched: Vec<Touched> = Vec::with_capacity(changes.len());
         let mut removed: IdMap<usize> = IdMap::default();
         for remote in changes {
-            let Some(id) = remote.resource_id else {
+            let delete = remote.is_delete();
+            let Some(id) = remote.entry.resource_id else {
                 continue;
             };
             let sequence = remote.entry.server_sequence;
-            let delete = remote.sync_type == "delete";
             if let Some(held) = self.rows.get_mut(&id) {
                 if let (Some(old), Some(new)) = (held.server_sequence, sequence) {
                     if new < old {
@@ -1733,8 +1736,8 @@ impl ScopeSlot {
     }
 }
 
-/// The fields of a server frame that tell a channel message and its body apart; the body is
-/// kept as text (other keys are ignored, as [`ServerFrame`] ignores them).
+/// The fields of a server frame that tell a channel message and its body apart, the body read
+/// in place (other keys are ignored, as [`ServerFrame`] ignores them).
 #[derive(serde::Deserialize)]
 struct MessageText {
     #[serde(rename = "type")]
@@ -1742,7 +1745,7 @@ struct MessageText {
     #[serde(rename = "subscriptionId", default)]
     subscription_id: Option<String>,
     #[serde(default)]
-    body: Option<Box<serde_json::value::RawValue>>,
+    body: Option<KeptBody>,
 }
 
 /// The set of `items`, inserted one by one. `collect()` builds a `BTreeSet` by sorting its
@@ -1814,8 +1817,6 @@ fn moved_out_change(id: &str) -> RemoteChange {
     };
     RemoteChange {
         resource_type: String::new(),
-        resource_id: Some(id.to_owned()),
-        sync_type: "delete".to_owned(),
         data: None,
         entry,
     }

@@ -1833,3 +1833,66 @@ fn moves_drop_rows_by_value_then_apply_rows_let_in_and_only_the_envelope_cursor_
     );
     assert_eq!(client.rows(1).len(), 3);
 }
+
+/// A channel message is read in one pass with its body; a body of another form (a row as a
+/// JSON string, a numeric id, a sequence as a string) or a broken one is read again the
+/// ordinary way, so the rows, and the error, are the same as if every body were read so.
+#[test]
+fn a_body_of_another_form_or_a_broken_one_is_read_the_ordinary_way() {
+    let held = |syncs: Vec<Value>| {
+        let (mut client, sub) = connected(None);
+        let effects = frame(&mut client, 1, message(&sub, syncs));
+        let errors: Vec<String> = effects
+            .iter()
+            .filter_map(|effect| match effect {
+                ClientEffect::Error { code, message, .. } => Some(format!("{code}: {message}")),
+                _ => None,
+            })
+            .collect();
+        let mut rows: Vec<(String, Option<i64>, Map<String, Value>)> = client.scopes[&1]
+            .rows
+            .iter()
+            .map(|(id, row)| (id.clone(), row.server_sequence, row.data.to_map()))
+            .collect();
+        rows.sort_by(|a, b| a.0.cmp(&b.0));
+        (rows, errors)
+    };
+    let plain = vec![
+        entry(1, 1, "a", Some(row("a", 1))),
+        entry(1, 2, "b", Some(row("b", 2))),
+    ];
+    let (rows, errors) = held(plain.clone());
+    assert_eq!(rows.len(), 2);
+    assert!(errors.is_empty(), "{errors:?}");
+
+    let mut other = plain.clone();
+    other[0]["data"] = json!(row("a", 1).to_string());
+    other[1]["serverSequence"] = json!("2");
+    let (other_rows, errors) = held(other);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(other_rows, rows);
+
+    let mut numeric_id = plain.clone();
+    numeric_id[1]["id"] = json!(2);
+    let (numeric_rows, errors) = held(numeric_id);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(numeric_rows, rows);
+
+    let mut broken = plain.clone();
+    broken.push(json!(3));
+    let (broken_rows, errors) = held(broken);
+    assert!(
+        broken_rows.is_empty(),
+        "nothing of a rejected message applies"
+    );
+    assert_eq!(
+        errors,
+        vec!["invalid-envelope: expected sync entry 2 to be an object, got number 3".to_owned()]
+    );
+    let mut bad_sequence = plain;
+    bad_sequence[0]["serverSequence"] = json!(1.5);
+    let (bad_rows, errors) = held(bad_sequence);
+    assert!(bad_rows.is_empty());
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].contains("serverSequence"), "{errors:?}");
+}

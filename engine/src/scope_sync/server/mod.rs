@@ -1266,7 +1266,7 @@ impl ScopeServer {
                     sub.total = total;
                 }
                 let entries = rows
-                    .iter()
+                    .into_iter()
                     .filter_map(|row| replay_entry_for(&epoch, sub, sets, row))
                     .collect();
                 let page = FetchedPage {
@@ -1982,14 +1982,24 @@ impl ScopeServer {
     }
 }
 
-/// The `channel-message` text of an envelope.
+/// The `channel-message` text of an envelope: [`ServerFrame::ChannelMessage`]'s, with the
+/// envelope written straight into it rather than copied into a [`Value`] first (a replay page
+/// holds a thousand rows).
 fn message_text(id: &str, envelope: &SyncEnvelope) -> String {
-    ServerFrame::ChannelMessage {
-        subscription_id: id.to_owned(),
-        body: envelope.to_value(),
-        event_id: None,
+    #[derive(serde::Serialize)]
+    struct Message<'a> {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        #[serde(rename = "subscriptionId")]
+        subscription_id: &'a str,
+        body: &'a SyncEnvelope,
     }
-    .to_json()
+    serde_json::to_string(&Message {
+        kind: "channel-message",
+        subscription_id: id,
+        body: envelope,
+    })
+    .unwrap_or_default()
 }
 
 /// A feed position as a cursor: id `"<epoch>:<seq>"`.
@@ -2059,35 +2069,59 @@ fn entry_for(
     }
 }
 
-/// The wire entry of a replayed row or exit. The replica's read is the judge of a row filter
-/// with subqueries: it read the sets in the same transaction as the rows, while the server's
-/// sets may trail it (one being read again). Matching such rows again here would drop rows the
-/// read rightly found, and a page with fewer rows than asked for ends the replay. The conditions,
-/// which need no set, are still matched again.
+/// The wire entry of a replayed row or exit, taking the row it reads (a page's rows are
+/// sent once, so the row moves into the entry instead of being copied). The replica's read
+/// is the judge of a row filter with subqueries: it read the sets in the same transaction as
+/// the rows, while the server's sets may trail it (one being read again). Matching such rows
+/// again here would drop rows the read rightly found, and a page with fewer rows than asked
+/// for ends the replay. The conditions, which need no set, are still matched again.
 fn replay_entry_for(
     epoch: &str,
     sub: &Subscription,
     sets: &SetStore,
-    entry: &FeedEntry,
+    entry: FeedEntry,
 ) -> Option<SyncEntry> {
-    if sub.sets.is_empty() {
-        return entry_for(epoch, sub, sets, entry);
-    }
     if entry.table != sub.table {
         return None;
     }
-    match &entry.change {
-        FeedChange::Upsert { data } => {
-            if !sub.conditions.matches(data) {
+    let read_judged = !sub.sets.is_empty();
+    let FeedEntry {
+        resource_id,
+        seq,
+        updated_at,
+        change,
+        ..
+    } = entry;
+    let head = EntryHead {
+        resource_id: &resource_id,
+        seq,
+        updated_at: &updated_at,
+    };
+    match change {
+        FeedChange::Upsert { mut data } => {
+            let held = if read_judged {
+                sub.conditions.matches(&data)
+            } else {
+                sub.belongs(&data, sets)
+            };
+            if !held {
                 return None;
             }
-            upsert_entry(epoch, sub, entry, data)
+            let extra = scope_attributes(sub, &data);
+            data.retain(|key, _| !sub.omit_columns.contains(key));
+            Some(head.entry(epoch, sub, "update", Value::Object(data), extra))
         }
-        FeedChange::Exit { old, .. } => {
-            if !sub.conditions.matches(old) {
+        FeedChange::Exit { old, new } => {
+            let leaves = if read_judged {
+                sub.conditions.matches(&old)
+            } else {
+                feed::exit_leaves(&old, new.as_ref(), |values| Some(sub.belongs(values, sets)))
+            };
+            if !leaves {
                 return None;
             }
-            wire_entry(epoch, sub, entry, "delete", Value::Null, old)
+            let extra = scope_attributes(sub, &old);
+            Some(head.entry(epoch, sub, "delete", Value::Null, extra))
         }
     }
 }
@@ -2104,6 +2138,49 @@ fn upsert_entry(
     wire_entry(epoch, sub, entry, "update", Value::Object(sent), data)
 }
 
+/// What an entry says of its feed row besides the row: its key, position and commit time.
+struct EntryHead<'a> {
+    resource_id: &'a str,
+    seq: i64,
+    updated_at: &'a str,
+}
+
+impl EntryHead<'_> {
+    fn entry(
+        &self,
+        epoch: &str,
+        sub: &Subscription,
+        sync_type: &str,
+        data: Value,
+        extra: Map<String, Value>,
+    ) -> SyncEntry {
+        SyncEntry {
+            id: Some(format!("{epoch}:{}", self.seq)),
+            resource_id: Some(self.resource_id.to_owned()),
+            resource_type: Some(Some(sub.resource_type.clone())),
+            sync_type: sync_type.to_owned(),
+            server_sequence: Some(self.seq),
+            updated_at: Some(self.updated_at.to_owned()),
+            data: Some(data),
+            extra,
+        }
+    }
+}
+
+/// The scope's columns of `values`, sent beside an entry's known keys; one named like a
+/// known key stays in `data` only.
+fn scope_attributes(sub: &Subscription, values: &Map<String, Value>) -> Map<String, Value> {
+    let mut extra = Map::new();
+    for key in sub.conditions.columns() {
+        if let Some(value) = values.get(key) {
+            if !SyncEntry::is_known_key(key) && !extra.contains_key(key) {
+                extra.insert(key.to_owned(), value.clone());
+            }
+        }
+    }
+    extra
+}
+
 fn wire_entry(
     epoch: &str,
     sub: &Subscription,
@@ -2112,35 +2189,18 @@ fn wire_entry(
     data: Value,
     scope_values: &Map<String, Value>,
 ) -> Option<SyncEntry> {
-    let mut object = Map::new();
-    object.insert(
-        "id".to_owned(),
-        Value::String(format!("{epoch}:{}", entry.seq)),
-    );
-    object.insert(
-        "resourceType".to_owned(),
-        Value::String(sub.resource_type.clone()),
-    );
-    object.insert(
-        "resourceId".to_owned(),
-        Value::String(entry.resource_id.clone()),
-    );
-    object.insert("serverSequence".to_owned(), Value::from(entry.seq));
-    object.insert("syncType".to_owned(), Value::String(sync_type.to_owned()));
-    object.insert(
-        "updatedAt".to_owned(),
-        Value::String(entry.updated_at.clone()),
-    );
-    object.insert("data".to_owned(), data);
-    for key in sub.conditions.columns() {
-        if let Some(value) = scope_values.get(key) {
-            // A scope column named like an entry key stays in `data` only.
-            object
-                .entry(key.to_owned())
-                .or_insert_with(|| value.clone());
-        }
-    }
-    SyncEntry::from_object(0, &object).ok()
+    let head = EntryHead {
+        resource_id: &entry.resource_id,
+        seq: entry.seq,
+        updated_at: &entry.updated_at,
+    };
+    Some(head.entry(
+        epoch,
+        sub,
+        sync_type,
+        data,
+        scope_attributes(sub, scope_values),
+    ))
 }
 
 impl Subscription {

@@ -1460,3 +1460,41 @@ fn awaited_mutations_of_an_app_backend_are_confirmed_when_their_confirm_arrives(
     server.handle(ServerInput::Closed { conn: C }, 0);
     assert!(server.replicated.is_empty());
 }
+
+/// A `channel-message` written with its envelope streamed in is the frame's own text, so a
+/// client reads the same keys in the same order as from `ServerFrame::to_json`.
+#[test]
+fn message_text_is_the_channel_message_frame_text() {
+    let entry = |seq: i64| {
+        SyncEntry::try_from(json!({
+            "data": {"id": seq, "owner": "ada", "big": 123456789012345678901234567890_u128},
+            "id": format!("e1:{seq}"),
+            "resourceId": seq.to_string(),
+            "resourceType": "Task",
+            "serverSequence": seq,
+            "syncType": "update",
+            "updatedAt": "2026-07-01T10:00:00.000Z",
+            "owner": "ada",
+        }))
+        .expect("an entry")
+    };
+    let mut envelope = SyncEnvelope::new(None, vec![entry(1), entry(2)]);
+    envelope
+        .extra
+        .insert("progress".to_owned(), json!({"done": 2, "total": 9}));
+    for envelope in [
+        envelope.clone(),
+        SyncEnvelope::checkpoint(&feed_cursor("e1", 7, None)),
+        envelope.with_echo(Some(Echo {
+            client_id: "c".to_owned(),
+            mutation_ids: vec![3],
+        })),
+    ] {
+        let frame = ServerFrame::ChannelMessage {
+            subscription_id: "s\"1".to_owned(),
+            body: envelope.to_value(),
+            event_id: None,
+        };
+        assert_eq!(message_text("s\"1", &envelope), frame.to_json());
+    }
+}

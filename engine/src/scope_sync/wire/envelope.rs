@@ -7,9 +7,9 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::mutation::Echo;
-use crate::scope_sync::coercion::{describe, json_number_text};
+use crate::scope_sync::coercion::{describe, integer_from_text, json_number_text, IntegerText};
 use crate::scope_sync::cursor::{
-    parse_cursor_payload, sequence_from_value, CursorError, SyncCursor,
+    parse_cursor_payload, sequence_from_value, CursorError, CursorKey, SyncCursor,
 };
 
 /// Envelope key of a position the subscription has every change of its scope up to:
@@ -33,8 +33,8 @@ pub const MOVES_KEY: &str = "moves";
 ///
 /// Velocious peers also accept a bare entry as the whole body (the legacy form); `bare` records
 /// that, so encoding writes the body back in the form it arrived in.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "Value", into = "Value")]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "Value")]
 pub struct SyncEnvelope {
     /// The device that caused these changes; a client drops envelopes carrying its own origin.
     /// Replay envelopes carry `None`.
@@ -51,8 +51,8 @@ pub struct SyncEnvelope {
 }
 
 /// One change: a resource created, updated or deleted, at a change-feed position.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "Value", into = "Value")]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "Value")]
 pub struct SyncEntry {
     /// The change-feed row id (a number or string on the wire), not the resource id.
     pub id: Option<String>,
@@ -218,7 +218,7 @@ impl SyncEnvelope {
 
     /// The body's text.
     pub fn to_json(&self) -> String {
-        self.to_value().to_string()
+        serde_json::to_string(self).unwrap_or_default()
     }
 
     /// An empty envelope that tells a subscription it holds every change of its scope up to
@@ -242,19 +242,26 @@ impl SyncEnvelope {
     /// [`CURSOR_KEY`] position, if any is after it (`scope-sync.md`, "Envelopes"): where a
     /// scope watermark moves once this envelope is applied or delivered.
     pub fn advanced_cursor(&self, current: Option<&SyncCursor>) -> Option<SyncCursor> {
-        let mut best: Option<SyncCursor> = None;
+        // Compared borrowed: only the winner becomes a cursor (a replay page has a thousand
+        // entries).
+        let checkpoint = self.checkpoint_cursor();
+        let current = current.map(CursorKey::of);
+        let mut best: Option<CursorKey<'_>> = None;
         let moves = self.extra.contains_key(MOVES_KEY);
         let entries = self
             .syncs
             .iter()
             .filter(|_| !moves)
-            .filter_map(SyncEntry::cursor);
-        for cursor in entries.chain(self.checkpoint_cursor()) {
-            if cursor.is_after(best.as_ref().or(current)) {
-                best = Some(cursor);
+            .filter_map(SyncEntry::cursor_key);
+        for key in entries.chain(checkpoint.as_ref().map(CursorKey::of)) {
+            if best
+                .or(current)
+                .is_none_or(|base| key.cmp(&base) == std::cmp::Ordering::Greater)
+            {
+                best = Some(key);
             }
         }
-        best
+        best.map(CursorKey::to_cursor)
     }
 }
 
@@ -300,6 +307,26 @@ impl SyncEnvelope {
     }
 }
 
+/// A message body read in place, in one pass over a frame's text, each entry's `data` kept as
+/// text: what [`SyncEnvelope::from_text_keeping_rows`] reads, for a frame decoder that meets
+/// the body as one of the frame's keys (`#[serde(default)] body: Option<KeptBody>`). A body
+/// that is not an object fails the frame's read: decode that frame the ordinary way.
+pub struct KeptBody(RawBody);
+
+impl<'de> Deserialize<'de> for KeptBody {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        RawBody::deserialize(deserializer).map(KeptBody)
+    }
+}
+
+impl KeptBody {
+    /// The envelope and its rows' texts; `None` for a body of another form or with an error
+    /// (then decode the frame the ordinary way, which gives the same envelope or the error).
+    pub fn into_envelope(self) -> Option<EnvelopeWithRows> {
+        self.0.into_envelope().ok().flatten()
+    }
+}
+
 /// A body object, each entry's `data` kept as text; `syncs: None` when the key held no array.
 #[derive(Default)]
 struct RawBody {
@@ -309,10 +336,41 @@ struct RawBody {
 }
 
 struct RawEntry {
-    /// The known keys' values but `data` (see [`ENTRY_KEYS`]).
-    known: EntrySlots,
+    /// The known keys but `data`, read straight into their types.
+    fields: EntryFields,
     extra: Map<String, Value>,
     data: Option<Box<RawValue>>,
+    /// A known key held a form the typed read does not take (a numeric `id`, a sequence that
+    /// is not a plain integer, an object where text belongs): the ordinary decoder judges the
+    /// body, with its errors.
+    other_form: bool,
+}
+
+/// An entry's known keys as a server writes them: `None` when absent, `Some(None)` for null.
+#[derive(Default)]
+struct EntryFields {
+    id: Option<Option<String>>,
+    resource_id: Option<Option<String>>,
+    resource_type: Option<Option<String>>,
+    server_sequence: Option<Option<i64>>,
+    sync_type: Option<Option<String>>,
+    updated_at: Option<Option<String>>,
+}
+
+impl EntryFields {
+    /// The entry these fields make, as [`SyncEntry::from_slots`] makes it of the same values.
+    fn into_entry(self, extra: Map<String, Value>) -> SyncEntry {
+        SyncEntry {
+            id: self.id.flatten(),
+            resource_id: self.resource_id.flatten(),
+            resource_type: self.resource_type,
+            sync_type: self.sync_type.flatten().unwrap_or_default(),
+            server_sequence: self.server_sequence.flatten(),
+            updated_at: self.updated_at.flatten(),
+            data: None,
+            extra,
+        }
+    }
 }
 
 impl RawBody {
@@ -323,17 +381,16 @@ impl RawBody {
         };
         let is_row_form =
             |data: &RawValue| matches!(data.get().as_bytes().first(), Some(b'{' | b'"' | b'n'));
-        if raw_entries
-            .iter()
-            .any(|entry| entry.data.as_deref().is_some_and(|data| !is_row_form(data)))
-        {
+        if raw_entries.iter().any(|entry| {
+            entry.other_form || entry.data.as_deref().is_some_and(|data| !is_row_form(data))
+        }) {
             return Ok(None);
         }
         let (echo_origin, echo) = read_echo_origin(self.echo_origin)?;
         let mut syncs = Vec::with_capacity(raw_entries.len());
         let mut rows = Vec::with_capacity(raw_entries.len());
-        for (index, entry) in raw_entries.into_iter().enumerate() {
-            syncs.push(SyncEntry::from_slots(index, entry.known, entry.extra)?);
+        for entry in raw_entries {
+            syncs.push(entry.fields.into_entry(entry.extra));
             rows.push(entry.data);
         }
         Ok(Some((
@@ -435,25 +492,182 @@ impl<'de> Deserialize<'de> for RawEntry {
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawEntry, A::Error> {
                 let mut entry = RawEntry {
-                    known: Default::default(),
+                    fields: EntryFields::default(),
                     extra: Map::new(),
                     data: None,
+                    other_form: false,
                 };
+                let mut fields = EntryFields::default();
+                let mut other_form = false;
+                // Stores a text slot's read; another form marks the entry for the ordinary decoder.
+                fn put<T>(slot: &mut Option<Option<T>>, read: Slot<T>, other_form: &mut bool) {
+                    match read {
+                        Slot::Null => *slot = Some(None),
+                        Slot::Is(value) => *slot = Some(Some(value)),
+                        Slot::Other => *other_form = true,
+                    }
+                }
                 while let Some(key) = map.next_key_seed(EntryKeySeed)? {
+                    // The slots are `ENTRY_KEYS`' places.
+                    let other = &mut other_form;
                     match key {
-                        // `data` is the first of `ENTRY_KEYS`.
                         EntryKey::Known(0) => entry.data = Some(map.next_value()?),
-                        EntryKey::Known(slot) => entry.known[slot] = Some(map.next_value()?),
+                        EntryKey::Known(1) => {
+                            put(&mut fields.id, map.next_value_seed(TextSlot)?, other)
+                        }
+                        EntryKey::Known(2) => put(
+                            &mut fields.resource_id,
+                            map.next_value_seed(TextSlot)?,
+                            other,
+                        ),
+                        EntryKey::Known(3) => put(
+                            &mut fields.resource_type,
+                            map.next_value_seed(TextSlot)?,
+                            other,
+                        ),
+                        EntryKey::Known(4) => put(
+                            &mut fields.server_sequence,
+                            map.next_value_seed(SequenceSlot)?,
+                            other,
+                        ),
+                        EntryKey::Known(5) => {
+                            put(&mut fields.sync_type, map.next_value_seed(TextSlot)?, other)
+                        }
+                        EntryKey::Known(_) => put(
+                            &mut fields.updated_at,
+                            map.next_value_seed(TextSlot)?,
+                            other,
+                        ),
                         EntryKey::Other(key) => {
                             let value = map.next_value()?;
                             entry.extra.insert(key, value);
                         }
                     }
                 }
+                entry.fields = fields;
+                entry.other_form = other_form;
                 Ok(entry)
             }
         }
         deserializer.deserialize_map(Entry)
+    }
+}
+
+/// A known key's value as the typed read takes it.
+enum Slot<T> {
+    Null,
+    Is(T),
+    /// Another form (read and dropped): the ordinary decoder judges the body.
+    Other,
+}
+
+/// A value that should be text or null (`id`, `resourceId`, `resourceType`, `syncType`,
+/// `updatedAt` as a server writes them).
+struct TextSlot;
+
+impl<'de> DeserializeSeed<'de> for TextSlot {
+    type Value = Slot<String>;
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for TextSlot {
+    type Value = Slot<String>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string or null")
+    }
+    fn visit_str<E>(self, text: &str) -> Result<Self::Value, E> {
+        Ok(Slot::Is(text.to_owned()))
+    }
+    fn visit_string<E>(self, text: String) -> Result<Self::Value, E> {
+        Ok(Slot::Is(text))
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Slot::Null)
+    }
+    fn visit_none<E>(self) -> Result<Self::Value, E> {
+        Ok(Slot::Null)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(Slot::Other)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(Slot::Other)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(Slot::Other)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(Slot::Other)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Slot::Other)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        // Also a number: `serde_json` hands one over as a map of its text (`arbitrary_precision`).
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Slot::Other)
+    }
+}
+
+/// `serverSequence`: an integer (a JSON number that fits in 64 bits, or a string `Number()`
+/// reads as one), null or `""`; any other form is [`Slot::Other`].
+struct SequenceSlot;
+
+impl<'de> DeserializeSeed<'de> for SequenceSlot {
+    type Value = Slot<i64>;
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for SequenceSlot {
+    type Value = Slot<i64>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an integer, an integer string or null")
+    }
+    fn visit_str<E>(self, text: &str) -> Result<Self::Value, E> {
+        Ok(match integer_from_text(text) {
+            _ if text.is_empty() => Slot::Null,
+            IntegerText::Integer(sequence) => Slot::Is(sequence),
+            IntegerText::NotInteger | IntegerText::OutOfRange => Slot::Other,
+        })
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Slot::Null)
+    }
+    fn visit_none<E>(self) -> Result<Self::Value, E> {
+        Ok(Slot::Null)
+    }
+    fn visit_i64<E>(self, sequence: i64) -> Result<Self::Value, E> {
+        Ok(Slot::Is(sequence))
+    }
+    fn visit_u64<E>(self, sequence: u64) -> Result<Self::Value, E> {
+        Ok(i64::try_from(sequence).map_or(Slot::Other, Slot::Is))
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(Slot::Other)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(Slot::Other)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Slot::Other)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        // Also a number beyond 64 bits, or not an integer: `serde_json` hands those over as a
+        // map of their text (`arbitrary_precision`).
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Slot::Other)
     }
 }
 
@@ -505,6 +719,64 @@ impl TryFrom<Value> for SyncEnvelope {
 impl From<SyncEnvelope> for Value {
     fn from(envelope: SyncEnvelope) -> Self {
         envelope.to_value()
+    }
+}
+
+/// Written as [`SyncEnvelope::to_value`] writes it, straight to the serializer: an envelope
+/// (a replay page of a thousand rows, a live commit) is not first copied into a [`Value`] tree
+/// on its way to a socket.
+impl Serialize for SyncEnvelope {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        // The forms whose keys `to_value` merges (a bare entry; an `extra` naming one of the
+        // envelope's own keys, which takes that key's place) are rare: written through it.
+        if self.bare || self.extra.contains_key("echoOrigin") || self.extra.contains_key("syncs") {
+            return self.to_value().serialize(serializer);
+        }
+        let mut map = serializer.serialize_map(Some(2 + self.extra.len()))?;
+        match &self.echo {
+            Some(echo) => map.serialize_entry("echoOrigin", echo)?,
+            None => map.serialize_entry("echoOrigin", &self.echo_origin)?,
+        }
+        map.serialize_entry("syncs", &self.syncs)?;
+        for (key, value) in &self.extra {
+            map.serialize_entry(key, value)?;
+        }
+        map.end()
+    }
+}
+
+/// Written as [`SyncEntry::to_value`] writes it (known keys in the feed's alphabetical order,
+/// then the others), without copying the row.
+impl Serialize for SyncEntry {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        // An `extra` key named like a known one takes that key's place in `to_value`.
+        if self
+            .extra
+            .keys()
+            .any(|key| ENTRY_KEYS.contains(&key.as_str()))
+        {
+            return self.to_value().serialize(serializer);
+        }
+        let mut map = serializer.serialize_map(None)?;
+        if let Some(data) = &self.data {
+            map.serialize_entry("data", data)?;
+        }
+        map.serialize_entry("id", &self.id)?;
+        map.serialize_entry("resourceId", &self.resource_id)?;
+        if let Some(resource_type) = &self.resource_type {
+            map.serialize_entry("resourceType", resource_type)?;
+        }
+        map.serialize_entry("serverSequence", &self.server_sequence)?;
+        if !self.sync_type.is_empty() {
+            map.serialize_entry("syncType", &self.sync_type)?;
+        }
+        map.serialize_entry("updatedAt", &self.updated_at)?;
+        for (key, value) in &self.extra {
+            map.serialize_entry(key, value)?;
+        }
+        map.end()
     }
 }
 
@@ -601,15 +873,26 @@ impl SyncEntry {
         })
     }
 
+    /// Whether `key` is one of an entry's own keys (`data`, `id`, `resourceId`,
+    /// `resourceType`, `serverSequence`, `syncType`, `updatedAt`), which never go to `extra`.
+    pub fn is_known_key(key: &str) -> bool {
+        ENTRY_KEYS.contains(&key)
+    }
+
     /// The entry's cursor (`scope-sync.md`, "Cursors"): `None` without an `updatedAt`, so it
     /// moves no cursor.
     pub fn cursor(&self) -> Option<SyncCursor> {
-        let updated_at = self.updated_at.clone().filter(|text| !text.is_empty())?;
-        Some(SyncCursor::new(
-            self.id.clone(),
-            self.server_sequence,
+        self.cursor_key().map(CursorKey::to_cursor)
+    }
+
+    /// [`SyncEntry::cursor`], borrowed.
+    fn cursor_key(&self) -> Option<CursorKey<'_>> {
+        let updated_at = self.updated_at.as_deref().filter(|text| !text.is_empty())?;
+        Some(CursorKey {
+            id: self.id.as_deref(),
+            server_sequence: self.server_sequence,
             updated_at,
-        ))
+        })
     }
 
     /// The entry's type once the channel default is applied (`scope-sync.md`, "Envelopes"):
@@ -913,6 +1196,25 @@ mod tests {
         assert_eq!(envelope.advanced_cursor(Some(&at_seven)), None);
     }
 
+    /// The entries a server writes (a numeric sequence, text elsewhere) are read by the typed
+    /// read, not handed to the ordinary decoder.
+    #[test]
+    fn a_servers_entries_take_the_typed_read() {
+        let body = format!(
+            r#"{{"echoOrigin":null,"syncs":[{{"data":{{"id":1}},"id":"e:5","resourceId":"1","resourceType":"Task","serverSequence":5,"syncType":"update","updatedAt":"{T0}","owner":"ada"}},{{"id":"e:6","resourceId":"2","serverSequence":-9223372036854775808,"syncType":"delete","updatedAt":"{T0}","data":null}}]}}"#
+        );
+        let raw: RawBody = serde_json::from_str(&body).unwrap();
+        let (envelope, rows) = raw.into_envelope().unwrap().expect("the typed read");
+        assert_eq!(envelope.syncs[0].server_sequence, Some(5));
+        assert_eq!(envelope.syncs[1].server_sequence, Some(i64::MIN));
+        assert_eq!(envelope.syncs[0].extra["owner"], json!("ada"));
+        assert_eq!(envelope.syncs[1].resource_type, None);
+        assert_eq!(rows[0].as_deref().map(RawValue::get), Some(r#"{"id":1}"#));
+        assert_eq!(rows[1].as_deref().map(RawValue::get), Some("null"));
+        let (ordinary, _) = SyncEnvelope::from_text_keeping_rows(&body).unwrap();
+        assert_eq!(ordinary, envelope);
+    }
+
     proptest! {
         #[test]
         fn advancing_never_regresses_and_reaches_the_maximum(
@@ -948,11 +1250,28 @@ mod tests {
             extra_first in any::<bool>(),
             echo in prop::sample::select(vec!["null", "\"me\"", "12", "true"]),
             syncs_form in prop::sample::select(vec!["array", "object", "null", "absent", "bad entry"]),
+            sequence_form in prop::sample::select(vec![
+                "number", "string", "\"\"", "\" 0x1F \"", "\"x\"", "1.5", "1e2", "-0",
+                "18446744073709551616", "-9223372036854775809", "true", "{}", "[2]",
+            ]),
+            id in prop::sample::select(vec!["\"x\"", "12", "-1.50", "null", "[1]", "{\"a\":1}", "false"]),
+            text_form in prop::sample::select(vec!["text", "null", "absent", "7", "{}"]),
         ) {
-            let seq = sequence.map_or("null".to_owned(), |s| s.to_string());
+            let seq = match (sequence_form, sequence) {
+                (_, None) => "null".to_owned(),
+                ("number", Some(s)) => s.to_string(),
+                ("string", Some(s)) => format!("\"{s}\""),
+                (form, Some(_)) => form.to_owned(),
+            };
+            // `syncType` and `resourceType` in one of their forms, or absent.
+            let texts = match text_form {
+                "text" => r#","syncType":"update","resourceType":"Task""#.to_owned(),
+                "absent" => String::new(),
+                other => format!(r#","syncType":{other},"resourceType":{other}"#),
+            };
             let data = if data == "absent" { String::new() } else { format!(r#","data":{data}"#) };
             let entry = format!(
-                r#"{{"id":"x","resourceId":"r","serverSequence":{seq},"syncType":"update","updatedAt":"{T0}","projectId":"p"{data}}}"#
+                r#"{{"id":{id},"resourceId":"r","serverSequence":{seq}{texts},"updatedAt":"{T0}","projectId":"p"{data}}}"#
             );
             let syncs = match syncs_form {
                 "array" => format!(r#""syncs":[{entry},{entry}]"#),
@@ -1008,6 +1327,61 @@ mod tests {
             let text = SyncEnvelope::new(None, vec![entry.clone()]).to_json();
             let back = SyncEnvelope::from_json(&text).unwrap();
             prop_assert_eq!(back.syncs, vec![entry]);
+        }
+
+        /// An envelope written straight to text is the text of its [`SyncEnvelope::to_value`],
+        /// key for key and in the same order, whatever its form: echoes, bare bodies, absent
+        /// fields, and `extra` keys named like the known ones.
+        #[test]
+        fn envelopes_serialize_as_their_value(
+            id in prop::option::of("[0-9a-z]{1,5}"),
+            sequence in prop::option::of(any::<i64>()),
+            sync_type in prop::sample::select(vec!["", "update", "delete"]),
+            resource_type in prop::option::of(prop::option::of("[A-Z][a-z]{0,5}")),
+            data in prop::sample::select(vec!["absent", "null", "object", "string"]),
+            entry_extra in prop::sample::select(vec!["", "projectId", "syncType", "data", "id"]),
+            entries in 0usize..3,
+            bare in any::<bool>(),
+            echo in prop::sample::select(vec!["none", "origin", "echo"]),
+            envelope_extra in prop::sample::select(vec!["", "progress", "syncs", "echoOrigin"]),
+        ) {
+            let data = match data {
+                "absent" => None,
+                "null" => Some(Value::Null),
+                "object" => Some(json!({"k": 1, "big": 123456789012345678901234567890_u128, "s": "\u{e9}\""})),
+                _ => Some(json!(r#"{"k":2}"#)),
+            };
+            let mut extra = Map::new();
+            if !entry_extra.is_empty() {
+                extra.insert(entry_extra.to_owned(), json!("p"));
+            }
+            let entry = SyncEntry {
+                id,
+                resource_id: Some("r".to_owned()),
+                resource_type,
+                sync_type: sync_type.to_owned(),
+                server_sequence: sequence,
+                updated_at: Some(T0.to_owned()),
+                data,
+                extra,
+            };
+            let mut envelope = SyncEnvelope::new(
+                (echo == "origin").then(|| "me".to_owned()),
+                vec![entry; entries],
+            )
+            .with_echo((echo == "echo").then(|| Echo {
+                client_id: "c".to_owned(),
+                mutation_ids: vec![1, 2],
+            }));
+            envelope.bare = bare;
+            if !envelope_extra.is_empty() {
+                envelope.extra.insert(envelope_extra.to_owned(), json!({"done": 1}));
+            }
+            prop_assert_eq!(envelope.to_json(), envelope.to_value().to_string());
+            prop_assert_eq!(serde_json::to_value(&envelope).unwrap(), envelope.to_value());
+            for entry in &envelope.syncs {
+                prop_assert_eq!(serde_json::to_string(entry).unwrap(), entry.to_value().to_string());
+            }
         }
     }
 }

@@ -16,7 +16,9 @@ pub use conditions::{
     compare, operand_bool, operand_number, operand_text, ConditionError, Conditions, Test,
     MAX_LIST_VALUES, OPERATORS,
 };
-pub use envelope::{EnvelopeError, SyncEntry, SyncEnvelope, CURSOR_KEY, MOVES_KEY};
+pub use envelope::{
+    EnvelopeError, EnvelopeWithRows, KeptBody, SyncEntry, SyncEnvelope, CURSOR_KEY, MOVES_KEY,
+};
 pub use frame::{ClientFrame, FrameError, ServerFrame, SYNC_CHANNEL_TYPE};
 pub use mutation::{
     parse_confirm_message, rejection, valid_client_id, BatchResults, Echo, InvalidMutation,
