@@ -172,8 +172,9 @@ impl BridgeInput {
     }
 }
 
-/// A `channel-message` body: decoded, its text, or read with the frame ([`KeptBody`](crate::scope_sync::KeptBody)); in the
-/// last two, rows are kept as text (see [`RowText`]).
+/// A `channel-message` body: decoded, its text, or read with the frame
+/// ([`KeptBody`](crate::scope_sync::KeptBody)); in the last two, rows are kept as text (see
+/// [`RowText`]).
 #[derive(Debug, Clone)]
 pub enum MessageBody {
     Value(Value),
@@ -187,12 +188,11 @@ impl PartialEq for MessageBody {
             (MessageBody::Value(a), MessageBody::Value(b)) => a == b,
             (MessageBody::Text(a), MessageBody::Text(b)) => a.get() == b.get(),
             (MessageBody::Kept(a), MessageBody::Kept(b)) => {
-                let texts = |rows: &[Option<Box<RawValue>>]| -> Vec<Option<String>> {
-                    rows.iter()
-                        .map(|row| row.as_ref().map(|row| row.get().to_owned()))
-                        .collect()
-                };
-                a.0 == b.0 && texts(&a.1) == texts(&b.1)
+                a.0 == b.0
+                    && a.1.len() == b.1.len()
+                    && a.1.iter().zip(&b.1).all(|(x, y)| {
+                        x.as_deref().map(RawValue::get) == y.as_deref().map(RawValue::get)
+                    })
             }
             _ => false,
         }

@@ -1541,3 +1541,34 @@ proptest! {
         }
     }
 }
+
+/// A body read with its frame shows, and compares, as the body it came as.
+#[test]
+fn a_kept_body_shows_as_the_body_it_came_as() {
+    let body = json!({"echoOrigin": null, "syncs": [
+        {"data": {"id": 1, "big": 123456789012345678901234567890_u128}, "id": "e:1",
+         "resourceId": "1", "serverSequence": 1, "syncType": "update",
+         "updatedAt": "2026-07-01T10:00:00.000Z", "owner": "ada"},
+        {"data": null, "id": "e:2", "resourceId": "2", "serverSequence": 2,
+         "syncType": "delete", "updatedAt": "2026-07-01T10:00:00.000Z"},
+    ], "progress": {"done": 2, "total": 2}});
+    #[derive(serde::Deserialize)]
+    struct Frame {
+        body: crate::scope_sync::KeptBody,
+    }
+    let read = || {
+        let frame: Frame = serde_json::from_value(json!({ "body": body })).unwrap();
+        MessageBody::Kept(Box::new(
+            frame.body.into_envelope().expect("the typed read"),
+        ))
+    };
+    let kept = read();
+    let shown: Value = serde_json::from_str(&kept.to_string()).unwrap();
+    assert_eq!(shown, body);
+    assert_eq!(kept, read());
+    let MessageBody::Kept(mut other) = read() else {
+        unreachable!()
+    };
+    other.1[0] = serde_json::value::to_raw_value(&json!({"id": 2})).ok();
+    assert_ne!(kept, MessageBody::Kept(other));
+}

@@ -499,7 +499,7 @@ impl<'de> Deserialize<'de> for RawEntry {
                 };
                 let mut fields = EntryFields::default();
                 let mut other_form = false;
-                // Stores a text slot's read; another form marks the entry for the ordinary decoder.
+                // Stores a slot's read; another form marks the entry for the ordinary decoder.
                 fn put<T>(slot: &mut Option<Option<T>>, read: Slot<T>, other_form: &mut bool) {
                     match read {
                         Slot::Null => *slot = Some(None),
@@ -635,8 +635,10 @@ impl<'de> Visitor<'de> for SequenceSlot {
         f.write_str("an integer, an integer string or null")
     }
     fn visit_str<E>(self, text: &str) -> Result<Self::Value, E> {
+        if text.is_empty() {
+            return Ok(Slot::Null);
+        }
         Ok(match integer_from_text(text) {
-            _ if text.is_empty() => Slot::Null,
             IntegerText::Integer(sequence) => Slot::Is(sequence),
             IntegerText::NotInteger | IntegerText::OutOfRange => Slot::Other,
         })
