@@ -512,30 +512,34 @@ impl<'de> Deserialize<'de> for RawEntry {
                     let other = &mut other_form;
                     match key {
                         EntryKey::Known(0) => entry.data = Some(map.next_value()?),
-                        EntryKey::Known(1) => {
-                            put(&mut fields.id, map.next_value_seed(TextSlot)?, other)
-                        }
+                        EntryKey::Known(1) => put(
+                            &mut fields.id,
+                            map.next_value_seed(ScalarSeed)?.text(),
+                            other,
+                        ),
                         EntryKey::Known(2) => put(
                             &mut fields.resource_id,
-                            map.next_value_seed(TextSlot)?,
+                            map.next_value_seed(ScalarSeed)?.text(),
                             other,
                         ),
                         EntryKey::Known(3) => put(
                             &mut fields.resource_type,
-                            map.next_value_seed(TextSlot)?,
+                            map.next_value_seed(ScalarSeed)?.text(),
                             other,
                         ),
                         EntryKey::Known(4) => put(
                             &mut fields.server_sequence,
-                            map.next_value_seed(SequenceSlot)?,
+                            map.next_value_seed(ScalarSeed)?.sequence(),
                             other,
                         ),
-                        EntryKey::Known(5) => {
-                            put(&mut fields.sync_type, map.next_value_seed(TextSlot)?, other)
-                        }
+                        EntryKey::Known(5) => put(
+                            &mut fields.sync_type,
+                            map.next_value_seed(ScalarSeed)?.text(),
+                            other,
+                        ),
                         EntryKey::Known(_) => put(
                             &mut fields.updated_at,
-                            map.next_value_seed(TextSlot)?,
+                            map.next_value_seed(ScalarSeed)?.text(),
                             other,
                         ),
                         EntryKey::Other(key) => {
@@ -561,115 +565,89 @@ enum Slot<T> {
     Other,
 }
 
-/// A value that should be text or null (`id`, `resourceId`, `resourceType`, `syncType`,
-/// `updatedAt` as a server writes them).
-struct TextSlot;
-
-impl<'de> DeserializeSeed<'de> for TextSlot {
-    type Value = Slot<String>;
-    fn deserialize<D: serde::Deserializer<'de>>(
-        self,
-        deserializer: D,
-    ) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_any(self)
-    }
+/// A known key's value, read once for every slot: null, text, an integer within 64 bits, or
+/// another form (read and dropped).
+enum Scalar {
+    Null,
+    Text(String),
+    Integer(i64),
+    Other,
 }
 
-impl<'de> Visitor<'de> for TextSlot {
-    type Value = Slot<String>;
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a string or null")
-    }
-    fn visit_str<E>(self, text: &str) -> Result<Self::Value, E> {
-        Ok(Slot::Is(text.to_owned()))
-    }
-    fn visit_string<E>(self, text: String) -> Result<Self::Value, E> {
-        Ok(Slot::Is(text))
-    }
-    fn visit_unit<E>(self) -> Result<Self::Value, E> {
-        Ok(Slot::Null)
-    }
-    fn visit_none<E>(self) -> Result<Self::Value, E> {
-        Ok(Slot::Null)
-    }
-    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(Slot::Other)
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(Slot::Other)
-    }
-    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(Slot::Other)
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(Slot::Other)
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(Slot::Other)
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        // Also a number: `serde_json` hands one over as a map of its text (`arbitrary_precision`).
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(Slot::Other)
-    }
-}
-
-/// `serverSequence`: an integer (a JSON number that fits in 64 bits, or a string `Number()`
-/// reads as one), null or `""`; any other form is [`Slot::Other`].
-struct SequenceSlot;
-
-impl<'de> DeserializeSeed<'de> for SequenceSlot {
-    type Value = Slot<i64>;
-    fn deserialize<D: serde::Deserializer<'de>>(
-        self,
-        deserializer: D,
-    ) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for SequenceSlot {
-    type Value = Slot<i64>;
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("an integer, an integer string or null")
-    }
-    fn visit_str<E>(self, text: &str) -> Result<Self::Value, E> {
-        if text.is_empty() {
-            return Ok(Slot::Null);
+impl Scalar {
+    /// As text or null (`id`, `resourceId`, `resourceType`, `syncType`, `updatedAt` as a
+    /// server writes them); a number or any other form is [`Slot::Other`].
+    fn text(self) -> Slot<String> {
+        match self {
+            Scalar::Null => Slot::Null,
+            Scalar::Text(text) => Slot::Is(text),
+            Scalar::Integer(_) | Scalar::Other => Slot::Other,
         }
-        Ok(match integer_from_text(text) {
-            IntegerText::Integer(sequence) => Slot::Is(sequence),
-            IntegerText::NotInteger | IntegerText::OutOfRange => Slot::Other,
-        })
     }
-    fn visit_unit<E>(self) -> Result<Self::Value, E> {
-        Ok(Slot::Null)
+
+    /// As `serverSequence`: an integer (a JSON number within 64 bits, or a string `Number()`
+    /// reads as one), null or `""`; any other form is [`Slot::Other`].
+    fn sequence(self) -> Slot<i64> {
+        match self {
+            Scalar::Null => Slot::Null,
+            Scalar::Integer(sequence) => Slot::Is(sequence),
+            Scalar::Text(text) if text.is_empty() => Slot::Null,
+            Scalar::Text(text) => match integer_from_text(&text) {
+                IntegerText::Integer(sequence) => Slot::Is(sequence),
+                IntegerText::NotInteger | IntegerText::OutOfRange => Slot::Other,
+            },
+            Scalar::Other => Slot::Other,
+        }
     }
-    fn visit_none<E>(self) -> Result<Self::Value, E> {
-        Ok(Slot::Null)
+}
+
+struct ScalarSeed;
+
+impl<'de> DeserializeSeed<'de> for ScalarSeed {
+    type Value = Scalar;
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<Scalar, D::Error> {
+        deserializer.deserialize_any(self)
     }
-    fn visit_i64<E>(self, sequence: i64) -> Result<Self::Value, E> {
-        Ok(Slot::Is(sequence))
+}
+
+impl<'de> Visitor<'de> for ScalarSeed {
+    type Value = Scalar;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string, an integer or null")
     }
-    fn visit_u64<E>(self, sequence: u64) -> Result<Self::Value, E> {
-        Ok(i64::try_from(sequence).map_or(Slot::Other, Slot::Is))
+    fn visit_str<E>(self, text: &str) -> Result<Scalar, E> {
+        Ok(Scalar::Text(text.to_owned()))
     }
-    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(Slot::Other)
+    fn visit_string<E>(self, text: String) -> Result<Scalar, E> {
+        Ok(Scalar::Text(text))
     }
-    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(Slot::Other)
+    fn visit_unit<E>(self) -> Result<Scalar, E> {
+        Ok(Scalar::Null)
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+    fn visit_none<E>(self) -> Result<Scalar, E> {
+        Ok(Scalar::Null)
+    }
+    fn visit_i64<E>(self, number: i64) -> Result<Scalar, E> {
+        Ok(Scalar::Integer(number))
+    }
+    fn visit_u64<E>(self, number: u64) -> Result<Scalar, E> {
+        Ok(i64::try_from(number).map_or(Scalar::Other, Scalar::Integer))
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Scalar, E> {
+        Ok(Scalar::Other)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Scalar, E> {
+        Ok(Scalar::Other)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Scalar, A::Error> {
         while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(Slot::Other)
+        Ok(Scalar::Other)
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Scalar, A::Error> {
         // Also a number beyond 64 bits, or not an integer: `serde_json` hands those over as a
         // map of their text (`arbitrary_precision`).
         while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(Slot::Other)
+        Ok(Scalar::Other)
     }
 }
 
