@@ -666,7 +666,7 @@ async fn run_server(
                 settings.ping_interval,
                 hub.fault().clone(),
                 writes,
-            );
+            )?;
             let floor = crate::replica::feed::retention_floor(writer.replica().connection())?;
             sync_hub.set_retention_floor(floor);
             Some(sync_hub)

@@ -7,7 +7,7 @@
 //!   `Written` after each flush, which is the outbound budget the engine paces replay by;
 //! - `Authorize` is answered with [`SyncAuth::authorize`] (the token is checked here, the
 //!   decision is a value);
-//! - `FetchPage` reads one replay page on a blocking thread, in one read transaction that ends
+//! - `FetchPage` reads one replay page on a reader thread, in one read transaction that ends
 //!   before the page is handed back, so no read transaction waits on a slow socket;
 //! - `Close` ends the socket with that code, even when its writer is stuck on a full socket;
 //! - `ApplyMutations` is carried out by [`Writes`] on a task of its own, which answers
@@ -18,10 +18,12 @@
 //! A burst of connections leaves some memory behind once they close: the replay readers it
 //! opened stay pooled (`READER_POOL`, each with a `READER_CACHE_KIB` page cache) and the
 //! allocator keeps its metadata; the runtime's worker threads empty their allocator caches once
-//! a burst has left ([`flush_thread_cache_if_asked`]). Later bursts return to the level the
+//! a burst has left ([`flush_thread_cache_if_asked`]), and the reader threads (a fixed number,
+//! [`read_pool`]) theirs whenever their queue runs empty. Later bursts return to the level the
 //! first one leaves (`BENCHMARKS.md`, section "Scope sync: commit to browser client, replay,
 //! idle connections").
 
+mod read_pool;
 pub(crate) mod writes;
 
 use std::collections::HashMap;
@@ -46,6 +48,7 @@ use super::fault::Fault;
 use crate::replica::feed::{CommittedChanges, FeedKind, FeedRow, ScopePage, ScopeQuery};
 use crate::replica::Replica;
 use crate::sync_auth::SyncAuth;
+use read_pool::ReadPool;
 use writes::Writes;
 
 pub(crate) use super::change_stream::connection::{MAX_CLIENT_FRAME_BYTES, TOO_BIG_CLOSE_CODE};
@@ -79,14 +82,19 @@ pub(crate) fn flush_thread_cache_if_asked() {
     FLUSHED.with(|flushed| {
         if flushed.get() != asked {
             flushed.set(asked);
-            use tikv_jemalloc_ctl::{Access, AsName};
-            // Turning the cache off returns its blocks to the arena; on again, it starts empty.
-            let enabled = b"thread.tcache.enabled\0".name();
-            if enabled.write(false).is_ok() {
-                let _ = enabled.write(true);
-            }
+            flush_thread_cache();
         }
     });
+}
+
+/// Empties this thread's jemalloc cache: turning it off returns its blocks to the arena; on
+/// again, it starts empty.
+fn flush_thread_cache() {
+    use tikv_jemalloc_ctl::{Access, AsName};
+    let enabled = b"thread.tcache.enabled\0".name();
+    if enabled.write(false).is_ok() {
+        let _ = enabled.write(true);
+    }
 }
 
 /// Frames queued for one socket's writer. The engine keeps a socket's unflushed bytes under
@@ -135,8 +143,8 @@ pub(crate) struct SyncHub {
     auth: Arc<SyncAuth>,
     replica_path: PathBuf,
     readers: Mutex<Vec<Replica>>,
-    /// Permits to read a replay page, one per pooled reader.
-    reading: Arc<tokio::sync::Semaphore>,
+    /// The threads replay reads run on, one per pooled reader.
+    reading: ReadPool,
     handle: tokio::runtime::Handle,
     ping_interval: Duration,
     fault: Fault,
@@ -159,20 +167,21 @@ impl SyncHub {
         ping_interval: Duration,
         fault: Fault,
         writes: Option<Arc<Writes>>,
-    ) -> Arc<SyncHub> {
-        Arc::new(SyncHub {
+    ) -> std::io::Result<Arc<SyncHub>> {
+        let reading = ReadPool::start(READER_POOL, "replay-reader", &handle)?;
+        Ok(Arc::new(SyncHub {
             server: Mutex::new(ScopeServer::new(config)),
             peers: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             auth,
             replica_path,
             readers: Mutex::new(Vec::new()),
-            reading: Arc::new(tokio::sync::Semaphore::new(READER_POOL)),
+            reading,
             handle,
             ping_interval,
             fault,
             writes,
-        })
+        }))
     }
 
     /// Feeds inputs to the scope server and carries out the effects, until none are left.
@@ -344,27 +353,17 @@ impl SyncHub {
         }
     }
 
-    /// Reads from the replica on a blocking thread and feeds the answer back. At most
-    /// `READER_POOL` reads run at once, each with a pooled reader: a burst of subscribes
-    /// queues here rather than opening a reader and a thread apiece (a thousand of them held
-    /// 80 MB at their peak).
+    /// Reads from the replica on a reader thread and feeds the answer back. `READER_POOL`
+    /// reads run at once, each with a pooled reader: a burst of subscribes queues here rather
+    /// than opening a reader and a thread apiece (a thousand of them held 80 MB at their peak).
     fn read_async(
         self: &Arc<Self>,
         read: impl FnOnce(&Arc<SyncHub>) -> ServerInput + Send + 'static,
     ) {
         let hub = self.clone();
-        let handle = self.handle.clone();
-        let reading = self.reading.clone();
-        self.handle.spawn(async move {
-            let Ok(_permit) = reading.acquire_owned().await else {
-                return;
-            };
-            let _ = handle
-                .spawn_blocking(move || {
-                    let answer = read(&hub);
-                    hub.call(answer);
-                })
-                .await;
+        self.reading.run(move || {
+            let answer = read(&hub);
+            hub.call(answer);
         });
     }
 
