@@ -173,8 +173,8 @@ impl BridgeInput {
 }
 
 /// A `channel-message` body: decoded, its text, or read with the frame
-/// ([`KeptBody`](crate::scope_sync::KeptBody)); in the last two, rows are kept as text (see
-/// [`RowText`]).
+/// ([`KeptBody`](crate::scope_sync::KeptBody), whose entries come without their other keys); in
+/// the last two, rows are kept as text (see [`RowText`]).
 #[derive(Debug, Clone)]
 pub enum MessageBody {
     Value(Value),
@@ -239,7 +239,8 @@ pub struct RemoteChange {
     pub resource_type: String,
     /// The row (`data`, parsed when it came as a JSON string); `None` for null or absent data.
     pub data: Option<RowText>,
-    /// The entry as received, with scope attributes and unknown keys, but for a `data` object:
+    /// The entry as received, with scope attributes and unknown keys (none when the body was
+    /// read with its frame, [`MessageBody::Kept`]), but for a `data` object:
     /// that is moved to [`RemoteChange::data`] rather than held twice (a replay page is mostly
     /// rows). [`RemoteChange::received`] gives the whole entry back.
     pub entry: SyncEntry,

@@ -1430,7 +1430,7 @@ impl SyncClient {
                     let Some(slot) = self.scopes.get_mut(&key) else {
                         return;
                     };
-                    write.shadowed = slot.shadowed(write.upserts.iter().map(|row| row.id.clone()));
+                    write.shadowed = slot.shadowed(write.upserts.iter().map(|row| row.id.as_str()));
                     pending = Some(write);
                     let more = slot
                         .bridge

@@ -771,8 +771,13 @@ impl ScopeSlot {
 
     /// Ids among `ids` whose shown row is not the server's (the store must be given the
     /// server's).
-    pub(super) fn shadowed(&self, ids: impl Iterator<Item = String>) -> Vec<String> {
-        ids.filter(|id| self.overlay.contains_key(id)).collect()
+    pub(super) fn shadowed<'a>(&self, ids: impl Iterator<Item = &'a str>) -> Vec<String> {
+        if self.overlay.is_empty() {
+            return Vec::new();
+        }
+        ids.filter(|id| self.overlay.contains_key(*id))
+            .map(str::to_owned)
+            .collect()
     }
 }
 
