@@ -12,6 +12,10 @@
 // does. Each run ends with every row in `rows()`. Prints a table; numbers go to BENCHMARKS.md
 // by hand. `HIGHWATER_BENCH_JSON=1` prints the results as JSON instead; `HIGHWATER_PACKAGE` names
 // another build of the package to measure (its `dist/node.js`).
+// Two builds side by side: `HIGHWATER_PACKAGES=a/dist/node.js,b/dist/node.js` alternates them
+// round by round in the same minutes (`HIGHWATER_ROUNDS`, 6), each round a fresh process per
+// build with three replays (the first fresh, the other two warm), no listener; it prints each
+// build's fresh runs and the medians (of an even count, the slower middle run).
 import { fork } from "node:child_process";
 import { existsSync } from "node:fs";
 import { fileURLToPath } from "node:url";
@@ -56,15 +60,30 @@ if (process.argv[2] === "--serve-contract") {
 } else {
   const rows = Number(process.argv[2] ?? 100_000);
   const flags = Number(process.versions.node.split(".")[0]) < 22 ? ["--experimental-websocket", "--no-warnings=ExperimentalWarning"] : [];
-  /** `runs` replays in a new Node process; their times. */
-  const replays = (url, token, listener, runs) =>
+  /** `runs` replays in a new Node process (of the build `pkg`, if given); their times. */
+  const replays = (url, token, listener, runs, pkg) =>
     new Promise((resolve, reject) => {
-      const child = fork(here, ["--replay", url, token ?? "-", String(rows), listener, String(runs)], { execArgv: flags });
+      const env = pkg === undefined ? process.env : { ...process.env, HIGHWATER_PACKAGE: pkg };
+      const child = fork(here, ["--replay", url, token ?? "-", String(rows), listener, String(runs)], { execArgv: flags, env });
       child.once("message", resolve);
       child.once("exit", (code) => code !== 0 && reject(new Error(`a replay process exited with ${code}`)));
     });
   const results = [];
+  const packages = process.env.HIGHWATER_PACKAGES?.split(",").filter(Boolean);
+  const rounds = Number(process.env.HIGHWATER_ROUNDS ?? 6);
   async function measure(what, url, token) {
+    if (packages !== undefined) {
+      const runs = new Map(packages.map((pkg) => [pkg, { fresh: [], warm: [] }]));
+      for (let round = 0; round < rounds; round++) {
+        for (const pkg of packages) {
+          const [fresh, ...warm] = await replays(url, token, "none", 3, pkg);
+          runs.get(pkg).fresh.push(fresh);
+          runs.get(pkg).warm.push(...warm);
+        }
+      }
+      for (const [pkg, { fresh, warm }] of runs) results.push({ what, pkg, listener: "none", fresh, warm });
+      return;
+    }
     for (const listener of ["none", "page"]) {
       const fresh = [];
       for (let process = 0; process < 3; process++) fresh.push((await replays(url, token, listener, 1))[0]);
@@ -108,6 +127,15 @@ if (process.argv[2] === "--serve-contract") {
 
   if (process.env.HIGHWATER_BENCH_JSON) {
     console.log(JSON.stringify({ rows, results }));
+  } else if (packages !== undefined) {
+    const rate = (ms) => Math.round((rows / ms) * 1000);
+    const median = (times) => [...times].sort((a, b) => a - b)[Math.floor(times.length / 2)];
+    console.log(`${rows.toLocaleString("en")} rows, rows/s, builds alternated over ${rounds} rounds (subscribe to ready, no listener)\n`);
+    console.log(`| replay | build | fresh runs | fresh median | warm median |\n|---|---|---|---:|---:|`);
+    for (const { what, pkg, fresh, warm } of results) {
+      const runs = fresh.map((ms) => rate(ms).toLocaleString("en")).join(", ");
+      console.log(`| ${what} | ${pkg} | ${runs} | ${rate(median(fresh)).toLocaleString("en")} | ${rate(median(warm)).toLocaleString("en")} |`);
+    }
   } else {
     const rate = (ms) => Math.round((rows / ms) * 1000).toLocaleString("en");
     console.log(`${rows.toLocaleString("en")} rows, rows/s per run (subscribe to ready, every row in rows())\n`);
