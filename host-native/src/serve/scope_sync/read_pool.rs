@@ -19,7 +19,7 @@ type Job = Box<dyn FnOnce() + Send>;
 
 /// A fixed set of threads taking jobs from one queue, in the order they came.
 pub(super) struct ReadPool {
-    jobs: Mutex<Sender<Job>>,
+    jobs: Sender<Job>,
 }
 
 impl ReadPool {
@@ -42,19 +42,14 @@ impl ReadPool {
                     work(&queue);
                 })?;
         }
-        Ok(ReadPool {
-            jobs: Mutex::new(jobs),
-        })
+        Ok(ReadPool { jobs })
     }
 
     /// Queues `job`; it runs on the first thread free.
     pub(super) fn run(&self, job: impl FnOnce() + Send + 'static) {
-        // The queue's receivers live as long as their threads, which end only after the pool
-        // (this sender) is dropped: a send cannot fail while `self` exists. A poisoned lock
-        // (a panic between lock and send, which cannot happen) would only lose the read.
-        if let Ok(jobs) = self.jobs.lock() {
-            let _ = jobs.send(Box::new(job));
-        }
+        // The queue's receiver lives as long as its threads, which end only after the pool
+        // (this sender) is dropped: a send cannot fail while `self` exists.
+        let _ = self.jobs.send(Box::new(job));
     }
 }
 
