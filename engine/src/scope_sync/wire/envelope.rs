@@ -471,7 +471,7 @@ impl<'de> Visitor<'de> for Syncs {
         let seed = EntrySeed {
             extra: self.entry_extra,
         };
-        while let Some(entry) = seq.next_element_seed(&seed)? {
+        while let Some(entry) = seq.next_element_seed(seed)? {
             entries.push(entry);
         }
         Ok(Some(entries))
@@ -502,91 +502,86 @@ impl<'de> Visitor<'de> for Syncs {
 
 /// Reads a [`RawEntry`]; `extra`: whether it keeps its other keys (else they are read and
 /// dropped).
+#[derive(Clone, Copy)]
 struct EntrySeed {
     extra: bool,
 }
 
-impl<'de> DeserializeSeed<'de> for &EntrySeed {
+impl<'de> DeserializeSeed<'de> for EntrySeed {
     type Value = RawEntry;
     fn deserialize<D: serde::Deserializer<'de>>(
         self,
         deserializer: D,
     ) -> Result<RawEntry, D::Error> {
-        struct Entry {
-            extra: bool,
-        }
-        impl<'de> Visitor<'de> for Entry {
-            type Value = RawEntry;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an entry object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawEntry, A::Error> {
-                let mut entry = RawEntry {
-                    fields: EntryFields::default(),
-                    extra: Map::new(),
-                    data: None,
-                    other_form: false,
-                };
-                let mut fields = EntryFields::default();
-                let mut other_form = false;
-                // Stores a slot's read; another form marks the entry for the ordinary decoder.
-                fn put<T>(slot: &mut Option<Option<T>>, read: Slot<T>, other_form: &mut bool) {
-                    match read {
-                        Slot::Null => *slot = Some(None),
-                        Slot::Is(value) => *slot = Some(Some(value)),
-                        Slot::Other => *other_form = true,
-                    }
-                }
-                while let Some(key) = map.next_key_seed(EntryKeySeed { keep: self.extra })? {
-                    // The slots are `ENTRY_KEYS`' places.
-                    let other = &mut other_form;
-                    match key {
-                        EntryKey::Known(0) => entry.data = Some(map.next_value()?),
-                        EntryKey::Known(1) => put(
-                            &mut fields.id,
-                            map.next_value_seed(ScalarSeed)?.text(),
-                            other,
-                        ),
-                        EntryKey::Known(2) => put(
-                            &mut fields.resource_id,
-                            map.next_value_seed(ScalarSeed)?.text(),
-                            other,
-                        ),
-                        EntryKey::Known(3) => put(
-                            &mut fields.resource_type,
-                            map.next_value_seed(ScalarSeed)?.text(),
-                            other,
-                        ),
-                        EntryKey::Known(4) => put(
-                            &mut fields.server_sequence,
-                            map.next_value_seed(ScalarSeed)?.sequence(),
-                            other,
-                        ),
-                        EntryKey::Known(5) => put(
-                            &mut fields.sync_type,
-                            map.next_value_seed(ScalarSeed)?.text(),
-                            other,
-                        ),
-                        EntryKey::Known(_) => put(
-                            &mut fields.updated_at,
-                            map.next_value_seed(ScalarSeed)?.text(),
-                            other,
-                        ),
-                        EntryKey::Other(key) if self.extra => {
-                            let value = map.next_value()?;
-                            entry.extra.insert(key, value);
-                        }
-                        EntryKey::Other(_) => {
-                            map.next_value::<IgnoredAny>()?;
-                        }
-                    }
-                }
-                entry.fields = fields;
-                entry.other_form = other_form;
-                Ok(entry)
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for EntrySeed {
+    type Value = RawEntry;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an entry object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawEntry, A::Error> {
+        let mut entry = RawEntry {
+            fields: EntryFields::default(),
+            extra: Map::new(),
+            data: None,
+            other_form: false,
+        };
+        // Stores a slot's read; another form marks the entry for the ordinary decoder.
+        fn put<T>(slot: &mut Option<Option<T>>, read: Slot<T>, other_form: &mut bool) {
+            match read {
+                Slot::Null => *slot = Some(None),
+                Slot::Is(value) => *slot = Some(Some(value)),
+                Slot::Other => *other_form = true,
             }
         }
-        deserializer.deserialize_map(Entry { extra: self.extra })
+        while let Some(key) = map.next_key_seed(EntryKeySeed { keep: self.extra })? {
+            // The slots are `ENTRY_KEYS`' places.
+            let (fields, other) = (&mut entry.fields, &mut entry.other_form);
+            match key {
+                EntryKey::Known(0) => entry.data = Some(map.next_value()?),
+                EntryKey::Known(1) => put(
+                    &mut fields.id,
+                    map.next_value_seed(ScalarSeed)?.text(),
+                    other,
+                ),
+                EntryKey::Known(2) => put(
+                    &mut fields.resource_id,
+                    map.next_value_seed(ScalarSeed)?.text(),
+                    other,
+                ),
+                EntryKey::Known(3) => put(
+                    &mut fields.resource_type,
+                    map.next_value_seed(ScalarSeed)?.text(),
+                    other,
+                ),
+                EntryKey::Known(4) => put(
+                    &mut fields.server_sequence,
+                    map.next_value_seed(ScalarSeed)?.sequence(),
+                    other,
+                ),
+                EntryKey::Known(5) => put(
+                    &mut fields.sync_type,
+                    map.next_value_seed(ScalarSeed)?.text(),
+                    other,
+                ),
+                EntryKey::Known(_) => put(
+                    &mut fields.updated_at,
+                    map.next_value_seed(ScalarSeed)?.text(),
+                    other,
+                ),
+                EntryKey::Other(key) if self.extra => {
+                    let value = map.next_value()?;
+                    entry.extra.insert(key, value);
+                }
+                EntryKey::Other(_) => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(entry)
     }
 }
 
